@@ -1,0 +1,14 @@
+"""linattn: linear-time Transformers for PyTorch.
+
+Functional ops follow the layout of ``torch.nn.functional.scaled_dot_product_attention``:
+``q [B, H, T, Dk]``, ``k [B, Hkv, T, Dk]``, ``v [B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+"""
+
+from . import feature_maps
+from .ops.linear import linear_attention
+from .ops.softmax import softmax_attention
+from .state import LinearAttentionState
+
+__version__ = "0.1.0"
+
+__all__ = ["softmax_attention", "linear_attention", "LinearAttentionState", "feature_maps", "__version__"]

@@ -1,0 +1,15 @@
+"""Public home of the kernel-attention feature maps (``linattn.feature_maps.FAVOR`` ...)."""
+
+from .ops.feature_maps import (
+    DPFP,
+    FAVOR,
+    EluPlusOne,
+    Exp,
+    FeatureMap,
+    Identity,
+    ReLU,
+    Taylor,
+    get_feature_map,
+)
+
+__all__ = ["FeatureMap", "EluPlusOne", "ReLU", "Identity", "Exp", "FAVOR", "DPFP", "Taylor", "get_feature_map"]

@@ -1,0 +1,1 @@
+"""Functional attention ops: pure functions on tensors (no parameters inside)."""

@@ -1,0 +1,129 @@
+"""Shared input checks: every public op validates through these, so errors read alike.
+
+Each check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError``
+(wrong shape or value) with a message that names the argument, what was seen and what
+was expected.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class AttentionShapes:
+    """Sizes read off validated ``q [B, H, T, Dk]``, ``k [B, Hkv, T, Dk]``, ``v [B, Hkv, T, Dv]``."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    length: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (1 for MHA, H for MQA)."""
+        return self.heads // self.kv_heads
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def check_tensor(name: str, value: object, *, ndim: int | None = None, layout: str = "") -> torch.Tensor:
+    """Check that ``value`` is a floating-point tensor of rank ``ndim``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{' ' + layout if layout else ''}, got {type(value).__name__}")
+    if value.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float16, bfloat16, float32 or float64), got dtype {value.dtype}"
+        )
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions {layout}, got shape {_shape(value)}")
+    return value
+
+
+def check_same_dtype_device(**tensors: torch.Tensor) -> None:
+    """All tensors share one dtype and one device."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has dtype {first.dtype}; they must match")
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
+
+
+def check_qkv(q: object, k: object, v: object, *, same_length: bool = True) -> AttentionShapes:
+    """Validate the SDPA layout ``q [B, H, T, Dk]``, ``k [B, Hkv, S, Dk]``, ``v [B, Hkv, S, Dv]``.
+
+    ``Hkv`` must divide ``H`` (MQA: ``Hkv = 1``; GQA: in between). With ``same_length``
+    the key length ``S`` must equal the query length ``T``.
+    """
+    q = check_tensor("q", q, ndim=4, layout="[batch, heads, length, key_dim]")
+    k = check_tensor("k", k, ndim=4, layout="[batch, kv_heads, length, key_dim]")
+    v = check_tensor("v", v, ndim=4, layout="[batch, kv_heads, length, value_dim]")
+    check_same_dtype_device(q=q, k=k, v=v)
+    B, H, T, Dk = q.shape
+    if T == 0:
+        raise ValueError(f"q has length 0 (shape {_shape(q)}); at least one position is required")
+    if Dk == 0 or v.shape[-1] == 0:
+        raise ValueError(f"q, k and v need a non-empty feature dimension, got q {_shape(q)}, v {_shape(v)}")
+    if k.shape[0] != B:
+        raise ValueError(f"k has batch size {k.shape[0]} (shape {_shape(k)}) but q has {B}; expected [{B}, Hkv, T, {Dk}]")
+    if v.shape[0] != B:
+        raise ValueError(f"v has batch size {v.shape[0]} (shape {_shape(v)}) but q has {B}; expected [{B}, Hkv, T, Dv]")
+    Hkv = k.shape[1]
+    if v.shape[1] != Hkv:
+        raise ValueError(f"v has {v.shape[1]} heads (shape {_shape(v)}) but k has {Hkv}; they must match")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(
+            f"k has {Hkv} heads (shape {_shape(k)}), which must divide the {H} heads of q "
+            f"(expected Hkv in {{d : {H} % d == 0}})"
+        )
+    if k.shape[-1] != Dk:
+        raise ValueError(f"k has key dimension {k.shape[-1]} (shape {_shape(k)}) but q has {Dk}; expected [{B}, {Hkv}, T, {Dk}]")
+    S = k.shape[2]
+    if v.shape[2] != S:
+        raise ValueError(f"v has length {v.shape[2]} (shape {_shape(v)}) but k has {S}; they must match")
+    if same_length and S != T:
+        raise ValueError(f"k has length {S} (shape {_shape(k)}) but q has {T}; expected [{B}, {Hkv}, {T}, {Dk}]")
+    return AttentionShapes(B, H, Hkv, T, Dk, v.shape[-1])
+
+
+def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
+    """``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+
+
+def check_positive_int(name: str, value: object) -> int:
+    """``value`` is an ``int`` (not bool) greater than zero."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}")
+    return value
+
+
+def check_state_tensor(name: str, value: object, expected: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A carried-state tensor has the expected shape and lives on ``like``'s device."""
+    value = check_tensor(name, value)
+    if tuple(value.shape) != tuple(expected):
+        exp = "[" + ", ".join(str(s) for s in expected) + "]"
+        raise ValueError(f"{name} has shape {_shape(value)}, expected {exp} for these inputs")
+    if value.device != like.device:
+        raise ValueError(f"{name} is on {value.device} but the inputs are on {like.device}")
+    return value
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,224 @@
+"""Feature maps phi for kernel attention: ``softmax(q.k) ~ phi(q).phi(k)``.
+
+Every map is a small object with ``dim_out(d)`` (feature dimension for input dimension
+``d``) and ``__call__(x, is_query=...)`` mapping ``[..., d] -> [..., dim_out(d)]``.
+Exponential maps (``exp``, ``FAVOR``) also give ``log_features``; kernel attention then
+applies max-subtraction stabilisers that cancel exactly in the normalised output.
+
+Maps compute in the dtype they are given; ``linear_attention`` hands them float32
+(float64 for float64 inputs), so half-precision inputs never overflow here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class FeatureMap:
+    """Base class. Subclasses implement ``dim_out`` and ``__call__`` (or ``log_features``)."""
+
+    name: str = "feature_map"
+    #: True when phi(x) = exp(log_features(x)): strictly positive and stabilisable.
+    exponential: bool = False
+
+    def dim_out(self, d: int) -> int:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        if self.exponential:
+            return torch.exp(self.log_features(x, is_query=is_query))
+        raise NotImplementedError
+
+    def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        raise NotImplementedError(f"{self.name} is not an exponential feature map")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class EluPlusOne(FeatureMap):
+    """phi(x) = elu(x) + 1 (Katharopoulos et al. 2020); dim d."""
+
+    name = "elu"
+
+    def dim_out(self, d: int) -> int:
+        return d
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        return F.elu(x) + 1.0
+
+
+class ReLU(FeatureMap):
+    """phi(x) = max(x, 0); dim d."""
+
+    name = "relu"
+
+    def dim_out(self, d: int) -> int:
+        return d
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        return F.relu(x)
+
+
+class Identity(FeatureMap):
+    """phi(x) = x (plain linear attention / fast weights without a kernel); dim d."""
+
+    name = "identity"
+
+    def dim_out(self, d: int) -> int:
+        return d
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        return x
+
+
+class Exp(FeatureMap):
+    """phi(x) = exp(x) elementwise; dim d. Exponential, so stabilised by max-subtraction."""
+
+    name = "exp"
+    exponential = True
+
+    def dim_out(self, d: int) -> int:
+        return d
+
+    def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        return x
+
+
+class DPFP(FeatureMap):
+    """Deterministic parameter-free projection (Schlag et al. 2021), dim ``2 d nu``.
+
+    ``r = [relu(x), relu(-x)]`` (dim 2d), ``phi(x) = concat_{j=1..nu} r * roll(r, j)``.
+    Non-negative and sparse.
+    """
+
+    name = "dpfp"
+
+    def __init__(self, nu: int = 1):
+        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
+            raise ValueError(f"DPFP nu must be a positive int, got {nu!r}")
+        self.nu = nu
+
+    def dim_out(self, d: int) -> int:
+        return 2 * d * self.nu
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
+        return torch.cat([r * torch.roll(r, shifts=j, dims=-1) for j in range(1, self.nu + 1)], dim=-1)
+
+    def __repr__(self) -> str:
+        return f"DPFP(nu={self.nu})"
+
+
+class Taylor(FeatureMap):
+    """Second-order Taylor features, dim ``1 + d + d^2``.
+
+    ``phi(x) = [1, x / d^(1/4), vec(x x^T) / (sqrt(2) sqrt(d))]`` so that
+    ``phi(q).phi(k) = 1 + s + s^2/2`` with ``s = q.k / sqrt(d)``: the Taylor series of
+    ``exp(s)`` to second order (always positive).
+    """
+
+    name = "taylor"
+
+    def dim_out(self, d: int) -> int:
+        return 1 + d + d * d
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        d = x.shape[-1]
+        ones = torch.ones_like(x[..., :1])
+        first = x * d ** -0.25
+        second = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) / (math.sqrt(2.0) * math.sqrt(d))
+        return torch.cat([ones, first, second], dim=-1)
+
+
+class FAVOR(FeatureMap):
+    """Performer's FAVOR+: positive orthogonal random features, dim ``num_features``.
+
+    With ``x' = x d^(-1/4)`` and rows ``w_i`` of the projection ``W [m, d]``,
+    ``phi(x)_i = exp(w_i.x' - |x'|^2 / 2) / sqrt(m)``, so that
+    ``E[phi(q).phi(k)] = exp(q.k / sqrt(d))`` (unbiased softmax-kernel estimate).
+    ``W`` stacks blocks of ``d`` orthogonal directions (QR of Gaussian blocks) whose row
+    norms are drawn from the chi distribution with ``d`` degrees of freedom, so each
+    row is marginally ``N(0, I)``. The draw is a pure function of ``seed`` and ``d``;
+    the caller decides when to redraw (``redraw(seed)``).
+    """
+
+    name = "favor"
+    exponential = True
+
+    def __init__(self, num_features: int = 256, *, seed: int = 0, orthogonal: bool = True):
+        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
+            raise ValueError(f"FAVOR num_features must be a positive int, got {num_features!r}")
+        self.num_features = num_features
+        self.orthogonal = orthogonal
+        self.seed = int(seed)
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def dim_out(self, d: int) -> int:
+        return self.num_features
+
+    def redraw(self, seed: int | None = None) -> None:
+        """Draw a new projection: from ``seed``, or from the current seed + 1."""
+        self.seed = self.seed + 1 if seed is None else int(seed)
+        self._cache.clear()
+
+    def projection(self, d: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
+        """The ``[num_features, d]`` projection for input dimension ``d``."""
+        key = (d, str(device), dtype)
+        if key not in self._cache:
+            self._cache[key] = self._draw(d).to(device=device, dtype=dtype)
+        return self._cache[key]
+
+    def _draw(self, d: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed)
+        m = self.num_features
+        if not self.orthogonal:
+            return torch.randn(m, d, generator=gen, dtype=torch.float64)
+        blocks = []
+        for _ in range(math.ceil(m / d)):
+            gaussian = torch.randn(d, d, generator=gen, dtype=torch.float64)
+            q, _ = torch.linalg.qr(gaussian)
+            blocks.append(q.T)
+        directions = torch.cat(blocks, dim=0)[:m]
+        norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
+        return directions * norms
+
+    def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        d = x.shape[-1]
+        x = x * d ** -0.25
+        proj = self.projection(d, device=x.device, dtype=x.dtype)
+        return x @ proj.T - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)
+
+    def __repr__(self) -> str:
+        return f"FAVOR(num_features={self.num_features}, seed={self.seed}, orthogonal={self.orthogonal})"
+
+
+_BY_NAME = {
+    "elu": EluPlusOne,
+    "relu": ReLU,
+    "identity": Identity,
+    "exp": Exp,
+    "favor": FAVOR,
+    "dpfp": DPFP,
+    "taylor": Taylor,
+}
+
+
+def get_feature_map(spec: str | FeatureMap) -> FeatureMap:
+    """Resolve ``spec``: a ``FeatureMap`` instance, or a name (``"elu"``, ``"relu"``,
+    ``"identity"``, ``"exp"``, ``"taylor"``, ``"favor"``/``"favor:M"``, ``"dpfp"``/``"dpfp:NU"``)."""
+    if isinstance(spec, FeatureMap):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(f"feature_map must be a name or a FeatureMap, got {type(spec).__name__}")
+    name, _, arg = spec.lower().partition(":")
+    if name not in _BY_NAME:
+        raise ValueError(f"feature_map must be one of {', '.join(sorted(_BY_NAME))} (FAVOR and DPFP take ':N'); got {spec!r}")
+    if not arg:
+        return _BY_NAME[name]()
+    if name not in ("favor", "dpfp") or not arg.isdigit():
+        raise ValueError(f"feature_map {spec!r}: only 'favor:M' and 'dpfp:NU' take an integer argument")
+    return _BY_NAME[name](int(arg))

@@ -1,0 +1,251 @@
+"""Kernel ("linear") attention: parallel (reference), chunkwise-parallel and recurrent forms.
+
+Causal kernel attention with feature map phi, per head:
+
+    S_i = S_0 + sum_{j<=i} phi(k_j) v_j^T        z_i = z_0 + sum_{j<=i} phi(k_j)
+    out_i = phi(q_i)^T S_i / (phi(q_i).z_i + eps)          (normalize="attention")
+    out_i = phi~(q_i)^T S_i   with phi~ = phi / sum(phi)   (normalize="sum", on q and k)
+    out_i = phi(q_i)^T S_i                                 (normalize=None)
+
+Non-causal: the sums run over every position (and the carried state).
+Keys/values have ``Hkv`` heads; query head ``h`` reads
+the state of key/value head ``h // (H / Hkv)``, so the state is per key/value head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..state import LinearAttentionState
+from ._validate import (
+    check_choice,
+    check_positive_int,
+    check_qkv,
+    check_state_tensor,
+    compute_dtype,
+)
+from .feature_maps import FeatureMap, get_feature_map
+
+_MODES = ("parallel", "chunk", "recurrent")
+_NORMALIZE = ("attention", "sum", None)
+
+
+# The three forms share one layout: phi_q [N, G, T, F], phi_k [N, T, F], v [N, T, E]
+# (N = B * Hkv, G query heads per key/value head), state S [N, F, E] and z [N, F]
+# (z is None without a denominator). Each returns (num [N, G, T, E], den [N, G, T, 1]
+# or None, S_final, z_final or None).
+
+
+def _parallel(phi_q, phi_k, v, S, z, causal):
+    """Reference: materialised (masked) ``A = phi(Q) phi(K)^T`` [N, G, T, T]."""
+    A = phi_q @ phi_k.unsqueeze(1).transpose(-1, -2)
+    if causal:
+        A = A.tril()
+    num = A @ v.unsqueeze(1)
+    den = A.sum(-1, keepdim=True) if z is not None else None
+    if S is not None:
+        num = num + phi_q @ S.unsqueeze(1)
+        if z is not None:
+            den = den + phi_q @ z[:, None, :, None]
+    S_final = phi_k.transpose(-1, -2) @ v + (S if S is not None else 0)
+    z_final = phi_k.sum(1) + z if z is not None else None
+    return num, den, S_final, z_final
+
+
+def _recurrent(phi_q, phi_k, v, S, z, causal):
+    """Token by token: ``S <- S + phi(k_t) v_t^T``, ``z <- z + phi(k_t)``, read with phi(q_t)."""
+    if S is None:
+        S = phi_k.new_zeros(phi_k.shape[0], phi_k.shape[-1], v.shape[-1])
+    queries, keys, values = phi_q.unbind(2), phi_k.unbind(1), v.unbind(1)
+    nums, dens = [], []
+    for q_t, k_t, v_t in zip(queries, keys, values):
+        S = S + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
+        if z is not None:
+            z = z + k_t
+        if causal:
+            nums.append(q_t @ S)
+            if z is not None:
+                dens.append(q_t @ z.unsqueeze(-1))
+    if not causal:
+        num = phi_q @ S.unsqueeze(1)
+        den = phi_q @ z[:, None, :, None] if z is not None else None
+        return num, den, S, z
+    num = torch.stack(nums, dim=2)
+    den = torch.stack(dens, dim=2) if z is not None else None
+    return num, den, S, z
+
+
+def _chunk(phi_q, phi_k, v, S, z, causal, chunk_size):
+    """Chunkwise parallel: within a chunk of C positions, ``tril(Q_c K_c^T) V_c``; across
+    chunks, the carried state: ``out_c = Q_c S + tril(Q_c K_c^T) V_c``, ``S += K_c^T V_c``.
+
+    The G query heads of a key/value head are stacked as G * C rows of one matmul.
+    """
+    N, G, T, F = phi_q.shape
+    E = v.shape[-1]
+    if S is None:
+        S = phi_k.new_zeros(N, F, E)
+    if not causal:
+        S = S + phi_k.transpose(-1, -2) @ v
+        num = phi_q @ S.unsqueeze(1)
+        if z is None:
+            return num, None, S, None
+        z = z + phi_k.sum(1)
+        return num, phi_q @ z[:, None, :, None], S, z
+    nums, dens = [], []
+    q_chunks = phi_q.split(chunk_size, dim=2)
+    for q_c, k_c, v_c in zip(q_chunks, phi_k.split(chunk_size, dim=1), v.split(chunk_size, dim=1)):
+        C = k_c.shape[1]
+        rows = q_c.reshape(N, G * C, F)
+        A = torch.bmm(rows, k_c.transpose(1, 2))
+        A.view(N, G, C, C).tril_()
+        nums.append(torch.bmm(rows, S).baddbmm_(A, v_c).view(N, G, C, E))
+        if z is not None:
+            dens.append(torch.baddbmm(A.sum(-1, keepdim=True), rows, z.unsqueeze(-1)).view(N, G, C, 1))
+            z = z + k_c.sum(1)
+        S = torch.baddbmm(S, k_c.transpose(1, 2), v_c)
+    num = torch.cat(nums, dim=2)
+    den = torch.cat(dens, dim=2) if z is not None else None
+    return num, den, S, z
+
+
+def _features(fmap: FeatureMap, q, k, normalize, eps, state_shift):
+    """phi(q), phi(k) with stabilisers; returns also the log-scales removed from them.
+
+    Exponential maps are stabilised by max-subtraction where it cancels exactly:
+    per query row under "attention" (and per row for both under "sum", which is then a
+    softmax over features); keys by one detached shift per (batch, head), merged with
+    the carried state's shift, under "attention".
+    """
+    q_shift = k_shift = None
+    if fmap.exponential and normalize == "sum":
+        return torch.softmax(fmap.log_features(q, is_query=True), -1), torch.softmax(
+            fmap.log_features(k, is_query=False), -1
+        ), None, None
+    if fmap.exponential and normalize == "attention":
+        log_q = fmap.log_features(q, is_query=True)
+        log_k = fmap.log_features(k, is_query=False)
+        q_shift = log_q.amax(dim=-1, keepdim=True).detach()
+        k_shift = log_k.detach().amax(dim=(-1, -2))  # [B, Hkv]
+        if state_shift is not None:
+            k_shift = torch.maximum(k_shift, state_shift)
+        return torch.exp(log_q - q_shift), torch.exp(log_k - k_shift[..., None, None]), q_shift, k_shift
+    phi_q = fmap(q, is_query=True)
+    phi_k = fmap(k, is_query=False)
+    if normalize == "sum":
+        phi_q = phi_q / (phi_q.sum(-1, keepdim=True) + eps)
+        phi_k = phi_k / (phi_k.sum(-1, keepdim=True) + eps)
+    return phi_q, phi_k, None, None
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map: str | FeatureMap = "elu",
+    causal: bool = True,
+    normalize: str | None = "attention",
+    mode: str | None = None,
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    """Kernel attention ``out_i = phi(q_i)^T S_i / phi(q_i).z_i`` in linear time.
+
+    Args:
+        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+        feature_map: a name (``"elu"``, ``"relu"``, ``"identity"``, ``"exp"``, ``"favor"``,
+            ``"dpfp"``, ``"taylor"``, ``"favor:M"``, ``"dpfp:NU"``) or a ``FeatureMap``.
+        causal: position i sees keys j <= i (and the carried state); else all keys.
+        normalize: ``"attention"`` (divide by ``phi(q).z + eps``), ``"sum"``
+            (``phi / sum(phi)`` on q and k, no denominator) or ``None``.
+        mode: ``"parallel"`` (quadratic reference), ``"chunk"``, ``"recurrent"``;
+            ``None`` picks ``"recurrent"`` for T == 1 (decoding) and ``"chunk"`` otherwise.
+        chunk_size: chunk length of ``mode="chunk"`` (any T; the tail chunk is padded).
+        initial_state / output_final_state: carry a ``LinearAttentionState`` across calls.
+        eps: added to the denominator of ``normalize="attention"`` (and to the sums of
+            ``"sum"`` for non-exponential maps).
+
+    Returns:
+        ``(out [B, H, T, Dv] in q's dtype, final state or None)``. Sums and states are
+        float32 (float64 for float64 inputs).
+    """
+    shapes = check_qkv(q, k, v)
+    fmap = get_feature_map(feature_map)
+    check_choice("normalize", normalize, _NORMALIZE)
+    check_choice("mode", mode, (None,) + _MODES)
+    check_positive_int("chunk_size", chunk_size)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if mode is None:
+        mode = "recurrent" if shapes.length == 1 else "chunk"
+
+    B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
+    G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
+    F = fmap.dim_out(Dk)
+    dtype = compute_dtype(q.dtype)
+    with_denominator = normalize == "attention"
+    tracks_shift = fmap.exponential and with_denominator
+
+    S = z = state_shift = None
+    if initial_state is not None:
+        if not isinstance(initial_state, LinearAttentionState):
+            raise TypeError(
+                f"initial_state must be a LinearAttentionState, got {type(initial_state).__name__}"
+            )
+        S = check_state_tensor("initial_state.kv", initial_state.kv, (B, Hkv, F, Dv), q).to(dtype)
+        S = S.reshape(B * Hkv, F, Dv)
+        if with_denominator:
+            if initial_state.normalizer is None:
+                raise ValueError("initial_state.normalizer is None but normalize='attention' needs it")
+            z = check_state_tensor("initial_state.normalizer", initial_state.normalizer, (B, Hkv, F), q)
+            z = z.to(dtype).reshape(B * Hkv, F)
+        if tracks_shift:
+            # A state without a shift holds unshifted sums (log-scale 0).
+            if initial_state.key_shift is None:
+                state_shift = S.new_zeros(B, Hkv)
+            else:
+                state_shift = check_state_tensor("initial_state.key_shift", initial_state.key_shift, (B, Hkv), q)
+                state_shift = state_shift.to(dtype)
+    if with_denominator and z is None:
+        z = q.new_zeros(B * Hkv, F, dtype=dtype)
+
+    qf = q.to(dtype).reshape(B, Hkv, G, T, Dk)
+    phi_q, phi_k, q_shift, k_shift = _features(fmap, qf, k.to(dtype), normalize, eps, state_shift)
+    phi_q = phi_q.reshape(B * Hkv, G, T, F)
+    phi_k = phi_k.reshape(B * Hkv, T, F)
+    values = v.to(dtype).reshape(B * Hkv, T, Dv)
+    if state_shift is not None:
+        # Keys stored under the old shift are rescaled to the new (larger) one.
+        rescale = torch.exp(state_shift - k_shift).reshape(B * Hkv, 1)
+        S, z = S * rescale.unsqueeze(-1), z * rescale
+
+    if mode == "parallel":
+        num, den, S, z = _parallel(phi_q, phi_k, values, S, z, causal)
+    elif mode == "recurrent":
+        num, den, S, z = _recurrent(phi_q, phi_k, values, S, z, causal)
+    else:
+        num, den, S, z = _chunk(phi_q, phi_k, values, S, z, causal, chunk_size)
+
+    if with_denominator:
+        if tracks_shift:
+            # eps belongs to the unshifted denominator: scale it like the features.
+            shift = (q_shift + k_shift[:, :, None, None, None]).reshape(B * Hkv, G, T, 1)
+            den = den + eps * torch.exp(-shift)
+        else:
+            den = den + eps
+        num = num / den
+    out = num.reshape(B, H, T, Dv).to(q.dtype)
+
+    state = None
+    if output_final_state:
+        steps = (initial_state.steps if initial_state is not None else 0) + T
+        state = LinearAttentionState(
+            kv=S.reshape(B, Hkv, F, Dv),
+            normalizer=z.reshape(B, Hkv, F) if with_denominator else None,
+            key_shift=k_shift if tracks_shift else None,
+            steps=steps,
+        )
+    return out, state

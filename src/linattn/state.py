@@ -1,0 +1,55 @@
+"""Decode states: one small dataclass per mechanism, sharing one convention.
+
+An op with a recurrent form takes ``initial_state=`` and, with
+``output_final_state=True``, returns the state after its last position. Feeding a
+sequence in pieces and carrying the state gives the output of one call. Every state
+holds tensors plus ``steps`` (positions consumed so far) and offers ``.detach()``
+(Transformer-XL style truncation of gradients) and ``.to(...)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _State:
+    """Shared behaviour: map a function over the tensor fields, keep the rest."""
+
+    def _map(self, fn) -> "_State":
+        changes = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                changes[f.name] = fn(value)
+        return dataclasses.replace(self, **changes)
+
+    def detach(self) -> "_State":
+        """The same state with every tensor cut from the autograd graph."""
+        return self._map(lambda t: t.detach())
+
+    def to(self, *args, **kwargs) -> "_State":
+        """Move/cast every tensor, with the arguments of ``torch.Tensor.to``."""
+        return self._map(lambda t: t.to(*args, **kwargs))
+
+
+@dataclass
+class LinearAttentionState(_State):
+    """State of kernel (linear) attention, per key/value head.
+
+    ``kv``: ``[B, Hkv, F, Dv]`` = ``sum_j phi(k_j) v_j^T`` (``F`` = feature dimension).
+    ``normalizer``: ``[B, Hkv, F]`` = ``sum_j phi(k_j)``; only for ``normalize="attention"``.
+    ``key_shift``: ``[B, Hkv]`` log-scale of the stored keys for exponential feature maps
+    (FAVOR+, exp) under ``normalize="attention"``: the stored sums are
+    ``exp(-key_shift)`` times the true ones; the factor cancels in the output.
+    ``steps``: number of positions consumed.
+    Sums are kept in float32 (float64 for float64 inputs).
+    """
+
+    kv: torch.Tensor
+    normalizer: torch.Tensor | None = None
+    key_shift: torch.Tensor | None = None
+    steps: int = 0
