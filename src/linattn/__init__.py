@@ -4,11 +4,22 @@ Functional ops follow the layout of ``torch.nn.functional.scaled_dot_product_att
 ``q [B, H, T, Dk]``, ``k [B, Hkv, T, Dk]``, ``v [B, Hkv, T, Dv]``, ``H % Hkv == 0``.
 """
 
-from . import feature_maps
+from . import feature_maps, nn
+from .ops.delta import delta_rule
 from .ops.linear import linear_attention
 from .ops.softmax import softmax_attention
-from .state import LinearAttentionState
+from .state import DeltaNetState, DeltaRuleState, LinearAttentionState
 
 __version__ = "0.1.0"
 
-__all__ = ["softmax_attention", "linear_attention", "LinearAttentionState", "feature_maps", "__version__"]
+__all__ = [
+    "softmax_attention",
+    "linear_attention",
+    "delta_rule",
+    "LinearAttentionState",
+    "DeltaRuleState",
+    "DeltaNetState",
+    "feature_maps",
+    "nn",
+    "__version__",
+]

@@ -25,6 +25,8 @@ class _State:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 changes[f.name] = fn(value)
+            elif isinstance(value, _State):
+                changes[f.name] = value._map(fn)
         return dataclasses.replace(self, **changes)
 
     def detach(self) -> "_State":
@@ -52,4 +54,29 @@ class LinearAttentionState(_State):
     kv: torch.Tensor
     normalizer: torch.Tensor | None = None
     key_shift: torch.Tensor | None = None
+    steps: int = 0
+
+
+@dataclass
+class DeltaRuleState(_State):
+    """State of the delta rule (fast weight memory), per key/value head.
+
+    ``memory``: ``[B, Hkv, F, Dv]``, the fast weights ``S`` read as ``S^T phi(q)``.
+    ``steps``: number of positions consumed. Kept in float32 (float64 for float64 inputs).
+    """
+
+    memory: torch.Tensor
+    steps: int = 0
+
+
+@dataclass
+class DeltaNetState(_State):
+    """Decode state of the ``linattn.nn.DeltaNet`` layer.
+
+    ``rule``: the delta-rule memory. ``conv``: ``[B, C, kernel_size - 1]`` last inputs of
+    the short causal convolution over the q/k/v channels (None without one).
+    """
+
+    rule: DeltaRuleState
+    conv: torch.Tensor | None = None
     steps: int = 0

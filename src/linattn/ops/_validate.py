@@ -90,6 +90,8 @@ def check_qkv(q: object, k: object, v: object, *, same_length: bool = True) -> A
     if k.shape[-1] != Dk:
         raise ValueError(f"k has key dimension {k.shape[-1]} (shape {_shape(k)}) but q has {Dk}; expected [{B}, {Hkv}, T, {Dk}]")
     S = k.shape[2]
+    if S == 0:
+        raise ValueError(f"k has length 0 (shape {_shape(k)}); at least one key is required")
     if v.shape[2] != S:
         raise ValueError(f"v has length {v.shape[2]} (shape {_shape(v)}) but k has {S}; they must match")
     if same_length and S != T:

@@ -180,7 +180,9 @@ class FAVOR(FeatureMap):
         blocks = []
         for _ in range(math.ceil(m / d)):
             gaussian = torch.randn(d, d, generator=gen, dtype=torch.float64)
-            q, _ = torch.linalg.qr(gaussian)
+            q, r = torch.linalg.qr(gaussian)
+            # Fix QR's sign convention so the directions are Haar-distributed (unbiased).
+            q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
             blocks.append(q.T)
         directions = torch.cat(blocks, dim=0)[:m]
         norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
@@ -194,6 +196,23 @@ class FAVOR(FeatureMap):
 
     def __repr__(self) -> str:
         return f"FAVOR(num_features={self.num_features}, seed={self.seed}, orthogonal={self.orthogonal})"
+
+
+def normalized_features(
+    fmap: FeatureMap, x: torch.Tensor, *, is_query: bool, normalize: str | None, eps: float = 1e-6
+) -> torch.Tensor:
+    """phi(x) normalised per row: ``"sum"`` -> ``phi / (sum(phi) + eps)`` (a softmax over
+    the log-features for exponential maps, exact without eps), ``"l2"`` ->
+    ``phi / max(|phi|, eps)``, ``None`` -> ``phi``."""
+    if normalize == "sum":
+        if fmap.exponential:
+            return torch.softmax(fmap.log_features(x, is_query=is_query), dim=-1)
+        phi = fmap(x, is_query=is_query)
+        return phi / (phi.sum(-1, keepdim=True) + eps)
+    phi = fmap(x, is_query=is_query)
+    if normalize == "l2":
+        return phi / phi.norm(dim=-1, keepdim=True).clamp_min(eps)
+    return phi
 
 
 _BY_NAME = {
@@ -217,8 +236,8 @@ def get_feature_map(spec: str | FeatureMap) -> FeatureMap:
     name, _, arg = spec.lower().partition(":")
     if name not in _BY_NAME:
         raise ValueError(f"feature_map must be one of {', '.join(sorted(_BY_NAME))} (FAVOR and DPFP take ':N'); got {spec!r}")
-    if not arg:
+    if ":" not in spec:
         return _BY_NAME[name]()
-    if name not in ("favor", "dpfp") or not arg.isdigit():
-        raise ValueError(f"feature_map {spec!r}: only 'favor:M' and 'dpfp:NU' take an integer argument")
+    if name not in ("favor", "dpfp") or not arg.isdigit() or int(arg) < 1:
+        raise ValueError(f"feature_map {spec!r}: only 'favor:M' and 'dpfp:NU' take an argument, a positive integer")
     return _BY_NAME[name](int(arg))

@@ -24,7 +24,7 @@ from ._validate import (
     check_state_tensor,
     compute_dtype,
 )
-from .feature_maps import FeatureMap, get_feature_map
+from .feature_maps import FeatureMap, get_feature_map, normalized_features
 
 _MODES = ("parallel", "chunk", "recurrent")
 _NORMALIZE = ("attention", "sum", None)
@@ -110,18 +110,12 @@ def _chunk(phi_q, phi_k, v, S, z, causal, chunk_size):
 
 
 def _features(fmap: FeatureMap, q, k, normalize, eps, state_shift):
-    """phi(q), phi(k) with stabilisers; returns also the log-scales removed from them.
+    """phi(q), phi(k) and the log-scales removed from them by stabilisers.
 
-    Exponential maps are stabilised by max-subtraction where it cancels exactly:
-    per query row under "attention" (and per row for both under "sum", which is then a
-    softmax over features); keys by one detached shift per (batch, head), merged with
-    the carried state's shift, under "attention".
+    Under "attention", exponential maps are stabilised by max-subtraction that cancels
+    exactly in the ratio: per query row, and for keys one detached shift per (batch,
+    head), merged with the carried state's shift. Other normalisations are per row.
     """
-    q_shift = k_shift = None
-    if fmap.exponential and normalize == "sum":
-        return torch.softmax(fmap.log_features(q, is_query=True), -1), torch.softmax(
-            fmap.log_features(k, is_query=False), -1
-        ), None, None
     if fmap.exponential and normalize == "attention":
         log_q = fmap.log_features(q, is_query=True)
         log_k = fmap.log_features(k, is_query=False)
@@ -130,11 +124,10 @@ def _features(fmap: FeatureMap, q, k, normalize, eps, state_shift):
         if state_shift is not None:
             k_shift = torch.maximum(k_shift, state_shift)
         return torch.exp(log_q - q_shift), torch.exp(log_k - k_shift[..., None, None]), q_shift, k_shift
-    phi_q = fmap(q, is_query=True)
-    phi_k = fmap(k, is_query=False)
-    if normalize == "sum":
-        phi_q = phi_q / (phi_q.sum(-1, keepdim=True) + eps)
-        phi_k = phi_k / (phi_k.sum(-1, keepdim=True) + eps)
+    if normalize == "attention":
+        normalize = None  # the denominator is applied after the sums
+    phi_q = normalized_features(fmap, q, is_query=True, normalize=normalize, eps=eps)
+    phi_k = normalized_features(fmap, k, is_query=False, normalize=normalize, eps=eps)
     return phi_q, phi_k, None, None
 
 

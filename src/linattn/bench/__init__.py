@@ -1,0 +1,1 @@
+"""Speed and memory benchmarks (``linattn bench ...``) and the harness they share."""

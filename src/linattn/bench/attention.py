@@ -1,0 +1,362 @@
+"""``linattn bench attention``: causal attention time and peak memory against length T.
+
+Every mechanism runs in one process on the same random ``q, k, v [B, H, T, D]``
+(default B=1, H=8, D=64, float32, causal) and is compared with torch SDPA (``sdpa``,
+the baseline): forward time (no grad), forward+backward time, and the peak extra memory
+of each, as measured by ``linattn.bench.harness``. The ``reference`` case (materialised
+T x T scores, forward only) is there to show what the tiled softmax saves in memory.
+
+To add a mechanism, add a factory ``config -> Case`` to ``CASES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
+from ..ops.delta import delta_rule
+from ..ops.linear import linear_attention
+from ..ops.softmax import softmax_attention
+from . import report
+from .harness import Case, Inputs, run_cases
+
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_LENGTHS = (512, 1024, 2048, 4096)
+BASELINE = "sdpa"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SCORE_BYTES = 4  # softmax_attention materialises float32 scores for every input dtype here
+
+
+@dataclass(frozen=True)
+class AttentionBenchConfig:
+    """Shapes and measurement settings of one ``bench attention`` run."""
+
+    lengths: tuple[int, ...] = DEFAULT_LENGTHS
+    cases: tuple[str, ...] = ()  # empty: every case in CASES
+    batch: int = 1
+    heads: int = 8
+    dim: int = 64
+    dtype: str = "float32"
+    device: str = "cpu"
+    repeats: int = 3
+    warmup: int = 1
+    reference_mem_gb: float = 18.0
+    reference_max_length: int = 16384
+    recurrent_max_length: int = 4096
+    threads: int | None = None  # torch intra-op threads; None keeps torch's default
+    seed: int = 0
+
+    @property
+    def shapes(self) -> dict:
+        """The input shapes, as recorded in the results metadata."""
+        return {"batch": self.batch, "heads": self.heads, "dim": self.dim, "dtype": self.dtype,
+                "causal": True, "lengths": list(self.lengths)}
+
+
+def _softmax_case(name: str, label: str, impl: str, **extra) -> Case:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return softmax_attention(q, k, v, causal=True, impl=impl)
+
+    return Case(name, label, attend, **extra)
+
+
+def _linear_case(name: str, label: str, feature_map: FeatureMap) -> Case:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return linear_attention(q, k, v, feature_map=feature_map, causal=True, mode="chunk")[0]
+
+    return Case(name, label, attend)
+
+
+def reference_max_length(config: AttentionBenchConfig) -> tuple[int, str]:
+    """Longest T the reference may run: its scores (``2 B H T^2`` float32 values: scores
+    and their softmax) fit in ``--reference-mem-gb``, and T <= ``--reference-max-length``."""
+    budget = config.reference_mem_gb * 1e9
+    by_memory = math.isqrt(int(budget // (2 * config.batch * config.heads * _SCORE_BYTES)))
+    if by_memory < config.reference_max_length:
+        return by_memory, f"estimated 2*B*H*T^2*4 bytes of scores > --reference-mem-gb {config.reference_mem_gb:g}"
+    return config.reference_max_length, "--reference-max-length"
+
+
+def _reference(config: AttentionBenchConfig) -> Case:
+    max_length, note = reference_max_length(config)
+    return _softmax_case(
+        "reference", "softmax (materialised scores)", "reference",
+        max_length=max_length, max_length_note=note, supports_backward=False,
+    )
+
+
+def _delta_case(name: str, label: str, mode: str, **extra) -> Case:
+    """Delta rule (identity features, l2-normalised q/k) with a fixed beta = 0.5."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        beta = torch.full(k.shape[:3], 0.5, dtype=k.dtype, device=k.device)
+        return delta_rule(q, k, v, beta, mode=mode)[0]
+
+    return Case(name, label, attend, **extra)
+
+
+CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
+    "sdpa": lambda config: _softmax_case("sdpa", "softmax (torch SDPA)", "sdpa"),
+    "tiled": lambda config: _softmax_case("tiled", "softmax (tiled, online)", "tiled"),
+    "reference": _reference,
+    "linear-elu": lambda config: _linear_case("linear-elu", "linear elu+1 (chunk)", EluPlusOne()),
+    "linear-dpfp1": lambda config: _linear_case("linear-dpfp1", "linear DPFP(1) (chunk)", DPFP(1)),
+    "linear-favor64": lambda config: _linear_case("linear-favor64", "linear FAVOR+(64) (chunk)", FAVOR(64)),
+    "delta-chunk": lambda config: _delta_case("delta-chunk", "delta rule (chunk, WY/UT)", "chunk"),
+    "delta-recurrent": lambda config: _delta_case(
+        "delta-recurrent", "delta rule (recurrent)", "recurrent",
+        max_length=config.recurrent_max_length, max_length_note="--recurrent-max-length",
+    ),
+}
+
+
+def _make_inputs(config: AttentionBenchConfig) -> Callable[[int], Inputs]:
+    def make(length: int) -> Inputs:
+        generator = torch.Generator().manual_seed(config.seed + length)
+        shape = (config.batch, config.heads, length, config.dim)
+        return tuple(
+            torch.randn(shape, generator=generator).to(device=config.device, dtype=DTYPES[config.dtype])
+            for _ in range(3)
+        )
+
+    return make
+
+
+# --- summary of the run against the project's targets -------------------------------
+
+
+def _longest_common(rows: Sequence[dict], cases: Sequence[str], key: str) -> int | None:
+    """Longest length at which every one of ``cases`` has a value for ``key``."""
+    def measured(case: str, length: int) -> bool:
+        row = report.find_row(rows, case, length)
+        return row is not None and row[key] is not None
+
+    lengths = {r["length"] for r in rows}
+    return max((t for t in lengths if all(measured(c, t) for c in cases)), default=None)
+
+
+def _growth(rows: Sequence[dict], case: str) -> dict | None:
+    """Time at the longest length T over time at the measured length nearest T/4."""
+    lengths = sorted(r["length"] for r in rows if r["case"] == case and r["forward_s"])
+    if len(lengths) < 2:
+        return None
+    longest = lengths[-1]
+    shorter = min(lengths[:-1], key=lambda t: abs(math.log(4 * t / longest)))
+    hi, lo = report.find_row(rows, case, longest), report.find_row(rows, case, shorter)
+    result = {"from_length": shorter, "to_length": longest, "length_ratio": longest / shorter}
+    for key, name in (("forward_s", "forward"), ("forward_backward_s", "forward_backward")):
+        result[name] = hi[key] / lo[key] if hi[key] and lo[key] else None
+    return result
+
+
+_GROWTH_CASES = ("linear-elu", "delta-chunk", BASELINE)
+
+
+def summarize(rows: Sequence[dict]) -> dict:
+    """Headline numbers: linear-elu and delta-chunk vs sdpa speed at the longest common
+    length, delta-chunk vs delta-recurrent, time growth over a 4x longer sequence, and
+    tiled vs reference forward peak memory."""
+    summary = {}
+    length = _longest_common(rows, ["linear-elu", BASELINE], "forward_s")
+    if length is not None:
+        summary["linear_elu_vs_sdpa"] = {
+            "length": length,
+            "forward_speedup": report.speed_ratio(rows, "linear-elu", BASELINE, length, "forward_s"),
+            "forward_backward_speedup": report.speed_ratio(rows, "linear-elu", BASELINE, length, "forward_backward_s"),
+        }
+    length = _longest_common(rows, ["delta-chunk", BASELINE], "forward_s")
+    if length is not None:
+        summary["delta_chunk_vs_sdpa"] = {
+            "length": length,
+            "forward_speedup": report.speed_ratio(rows, "delta-chunk", BASELINE, length, "forward_s"),
+            "forward_backward_speedup": report.speed_ratio(rows, "delta-chunk", BASELINE, length, "forward_backward_s"),
+        }
+    length = _longest_common(rows, ["delta-chunk", "delta-recurrent"], "forward_backward_s")
+    if length is not None:
+        summary["delta_chunk_vs_recurrent"] = {
+            "length": length,
+            "forward_speedup": report.speed_ratio(rows, "delta-chunk", "delta-recurrent", length, "forward_s"),
+            "forward_backward_speedup": report.speed_ratio(
+                rows, "delta-chunk", "delta-recurrent", length, "forward_backward_s"
+            ),
+        }
+    for case in _GROWTH_CASES:
+        growth = _growth(rows, case)
+        if growth is not None:
+            summary[f"{case.replace('-', '_')}_growth"] = growth
+    length = _longest_common(rows, ["tiled", "reference"], "forward_peak_bytes")
+    if length is not None:
+        tiled = report.find_row(rows, "tiled", length)["forward_peak_bytes"]
+        reference = report.find_row(rows, "reference", length)["forward_peak_bytes"]
+        summary["tiled_vs_reference_forward_memory"] = {
+            "length": length,
+            "tiled_bytes": tiled,
+            "reference_bytes": reference,
+            "ratio": tiled / reference if reference else None,
+        }
+    return summary
+
+
+def _x(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def format_summary(summary: dict) -> str:
+    """The summary as a few readable lines."""
+    lines = ["targets:"]
+    if "linear_elu_vs_sdpa" in summary:
+        s = summary["linear_elu_vs_sdpa"]
+        lines.append(
+            f"  linear-elu vs sdpa at T={s['length']}: sdpa/linear-elu forward = {_x(s['forward_speedup'])}, "
+            f"forward+backward = {_x(s['forward_backward_speedup'])}"
+        )
+    for key, baseline in (("delta_chunk_vs_sdpa", BASELINE), ("delta_chunk_vs_recurrent", "delta-recurrent")):
+        if key in summary:
+            s = summary[key]
+            lines.append(
+                f"  delta-chunk vs {baseline} at T={s['length']}: {baseline}/delta-chunk forward = "
+                f"{_x(s['forward_speedup'])}, forward+backward = {_x(s['forward_backward_speedup'])}"
+            )
+    for case in _GROWTH_CASES:
+        g = summary.get(f"{case.replace('-', '_')}_growth")
+        if g is not None:
+            lines.append(
+                f"  {case} time growth T={g['from_length']} -> {g['to_length']} ({g['length_ratio']:g}x longer): "
+                f"forward {_x(g['forward'])}, forward+backward {_x(g['forward_backward'])}"
+            )
+    if "tiled_vs_reference_forward_memory" in summary:
+        m = summary["tiled_vs_reference_forward_memory"]
+        mib = 2**20
+        lines.append(
+            f"  tiled vs reference forward peak memory at T={m['length']}: {_x(m['ratio'])} "
+            f"({m['tiled_bytes'] / mib:.1f} MiB vs {m['reference_bytes'] / mib:.1f} MiB)"
+        )
+    if len(lines) == 1:
+        lines.append("  (not enough cases/lengths measured for a summary)")
+    return "\n".join(lines)
+
+
+# --- running and the command line ---------------------------------------------------
+
+
+def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: bool = True) -> dict:
+    """Measure, then write ``results.json``, ``results.md`` and the PNG plots into ``out_dir``.
+
+    Returns ``{"metadata", "rows", "summary", "table", "files"}``.
+    """
+    unknown = [name for name in config.cases if name not in CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r} requested but torch.cuda.is_available() is False")
+    if config.threads is not None:
+        torch.set_num_threads(config.threads)
+    cases = [CASES[name](config) for name in (config.cases or CASES)]
+    rows = run_cases(
+        cases, config.lengths, _make_inputs(config),
+        repeats=config.repeats, warmup=config.warmup, device=config.device, progress=progress,
+    )
+    metadata = report.collect_metadata(device=config.device, command=command, shapes=config.shapes)
+    metadata.update(repeats=config.repeats, warmup=config.warmup, baseline=BASELINE, seed=config.seed)
+    summary = summarize(rows)
+    table = report.markdown_table(rows, baseline=BASELINE)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
+    markdown = out_dir / "results.md"
+    markdown.write_text(f"# bench attention\n\n`{command}`\n\n{table}\n```\n{format_summary(summary)}\n```\n")
+    files.append(markdown)
+    files += report.write_plots(rows, out_dir, title="causal attention")
+    return {"metadata": metadata, "rows": rows, "summary": summary, "table": table, "files": files}
+
+
+def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "positive")
+_non_negative_int = _int_at_least(0, "non-negative")
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+HELP = "causal attention: forward / forward+backward time and peak memory vs sequence length"
+DESCRIPTION = (
+    "Runs every attention mechanism on the same random causal q, k, v [B, H, T, D] in one process and "
+    "compares it with torch SDPA: median forward time (no grad) and forward+backward time, and the peak "
+    "extra memory of each. Writes results.json, results.md and PNG plots to --out and prints the table."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``linattn bench attention``."""
+    defaults = AttentionBenchConfig()
+    parser.add_argument("--lengths", nargs="+", type=_positive_int, metavar="T",
+                        help=f"sequence lengths (default {' '.join(map(str, DEFAULT_LENGTHS))})")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"lengths {' '.join(map(str, QUICK_LENGTHS))} and 2 repeats unless given")
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
+                        help=f"cases to run (default all: {' '.join(CASES)})")
+    parser.add_argument("--repeats", type=_positive_int, help="timed calls per measurement, median kept (default 3)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=defaults.warmup, help="untimed calls first")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)
+    parser.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype)
+    parser.add_argument("--batch", type=_positive_int, default=defaults.batch)
+    parser.add_argument("--heads", type=_positive_int, default=defaults.heads)
+    parser.add_argument("--dim", type=_positive_int, default=defaults.dim, help="head dimension of q, k and v")
+    parser.add_argument("--reference-mem-gb", type=_positive_float, default=defaults.reference_mem_gb,
+                        help="skip the reference case where its scores, 2*B*H*T^2*4 bytes, exceed this (10^9 bytes)")
+    parser.add_argument("--reference-max-length", type=_positive_int, default=defaults.reference_max_length,
+                        help="longest T for the reference case")
+    parser.add_argument("--recurrent-max-length", type=_positive_int, default=defaults.recurrent_max_length,
+                        help="longest T for token-by-token (recurrent) cases")
+    parser.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: torch's choice)")
+    parser.add_argument("--out", type=Path, default=Path("results/bench-attention"), help="output directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run from parsed arguments; print the table and the summary."""
+    config = AttentionBenchConfig(
+        lengths=tuple(sorted(set(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)))),
+        cases=tuple(dict.fromkeys(args.cases or ())),
+        batch=args.batch,
+        heads=args.heads,
+        dim=args.dim,
+        dtype=args.dtype,
+        device=args.device,
+        repeats=args.repeats or (2 if args.quick else 3),
+        warmup=args.warmup,
+        reference_mem_gb=args.reference_mem_gb,
+        reference_max_length=args.reference_max_length,
+        recurrent_max_length=args.recurrent_max_length,
+        threads=args.threads,
+    )
+    result = run(config, out_dir=args.out, command=args.command_line, progress=not args.no_progress)
+    print(result["table"])
+    print(format_summary(result["summary"]))
+    print("wrote " + ", ".join(str(p) for p in result["files"]))
+    return 0

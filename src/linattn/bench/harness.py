@@ -1,0 +1,276 @@
+"""Measurement primitives and the (length x case) runner every benchmark shares.
+
+What is measured, per case and sequence length T:
+
+- forward time: wall-clock seconds of ``fn(q, k, v)`` under ``torch.no_grad()``;
+- forward+backward time: ``fn(q, k, v).backward(cotangent)`` with gradients on q, k, v
+  and a fixed random cotangent (drawn once per length, outside the timed region);
+- peak memory of each: the largest amount of memory in use during one call, above what
+  was in use just before it (CPU: resident set size of the process; CUDA: the caching
+  allocator's allocated bytes).
+
+Times are medians of ``repeats`` calls after ``warmup`` untimed calls; on CUDA every
+call is bracketed by ``torch.cuda.synchronize``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One mechanism under test.
+
+    ``fn(q, k, v)`` returns the attention output ``[B, H, T, Dv]``. Lengths above
+    ``max_length`` are skipped (``max_length_note`` says why); ``supports_backward=False``
+    measures the forward pass only.
+    """
+
+    name: str
+    label: str
+    fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    max_length: int | None = None
+    max_length_note: str = ""
+    supports_backward: bool = True
+
+
+def median(values: Sequence[float]) -> float:
+    """Median of a non-empty sequence."""
+    return float(statistics.median(values))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], object], *, repeats: int, warmup: int = 1, device: torch.device | str) -> list[float]:
+    """Seconds taken by each of ``repeats`` calls of ``fn()``, after ``warmup`` untimed calls."""
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        start = time.perf_counter()
+        fn()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _status_kib(field: str) -> int:
+    """A ``kB`` field (``VmRSS``, ``VmHWM``) of /proc/self/status, in KiB."""
+    for line in _PROC_STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"{field} not in {_PROC_STATUS}")
+
+
+def _cpu_peak_memory(fn: Callable[[], object]) -> int | None:
+    """Peak resident-set growth during ``fn()``: VmHWM after minus VmRSS before.
+
+    Freed heap memory is first handed back to the OS (``malloc_trim``) so it does not
+    hide in the baseline, and the high-water mark is reset (``clear_refs`` 5).
+    """
+    if not (_PROC_STATUS.exists() and _PROC_CLEAR_REFS.exists()):
+        return None
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the baseline may include freed-but-kept heap pages
+        pass
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        return None
+    baseline = _status_kib("VmRSS")
+    fn()
+    return max(_status_kib("VmHWM") - baseline, 0) * 1024
+
+
+def _cuda_peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak allocated CUDA bytes during ``fn()`` above those allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device | str) -> int | None:
+    """Bytes of peak extra memory used while ``fn()`` runs; None where it cannot be measured.
+
+    CPU: process resident set (Linux /proc), so it counts every allocation, torch's or
+    not, that is touched. CUDA: ``max_memory_allocated - memory_allocated`` before.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_peak_memory(fn, device)
+    if device.type == "cpu":
+        return _cpu_peak_memory(fn)
+    return None
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """True for CUDA/CPU allocation failures (which a benchmark records as a skip)."""
+    if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
+        return True
+    message = str(error).lower()
+    return isinstance(error, RuntimeError) and ("out of memory" in message or "can't allocate memory" in message)
+
+
+def _release_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class _Measurement:
+    median_s: float | None = None
+    times_s: tuple[float, ...] = ()
+    peak_bytes: int | None = None
+    failure: str | None = None
+
+
+def _measure(call: Callable[[], object], *, repeats: int, warmup: int, device: torch.device) -> _Measurement:
+    """Time ``call`` and take its peak memory; an out-of-memory error becomes ``failure``."""
+    failure = None
+    try:
+        times = time_call(call, repeats=repeats, warmup=warmup, device=device)
+        peak = peak_memory(call, device)
+    except Exception as error:  # noqa: BLE001 - only out-of-memory is swallowed
+        if not is_out_of_memory(error):
+            raise
+        first_line = (str(error).splitlines() or [type(error).__name__])[0]
+        failure = f"out of memory: {first_line[:200]}"
+    if failure is not None:
+        _release_memory(device)
+        return _Measurement(failure=failure)
+    return _Measurement(median(times), tuple(times), peak)
+
+
+def _forward_call(fn, inputs: Inputs) -> Callable[[], torch.Tensor]:
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return fn(*inputs)
+
+    return forward
+
+
+def _forward_backward_call(fn, inputs: Inputs, cotangent: torch.Tensor) -> Callable[[], None]:
+    leaves = tuple(t.detach().clone().requires_grad_(True) for t in inputs)
+
+    def forward_backward() -> None:
+        fn(*leaves).backward(cotangent)
+        for leaf in leaves:  # drop the grads so the next call starts from the same state
+            leaf.grad = None
+
+    return forward_backward
+
+
+def run_cases(
+    cases: Sequence[Case],
+    lengths: Sequence[int],
+    make_inputs: Callable[[int], Inputs],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    device: torch.device | str,
+    progress: bool = True,
+) -> list[dict]:
+    """Measure every case at every length; one result row per (length, case).
+
+    ``make_inputs(T)`` returns ``(q, k, v)`` on ``device``; the cotangent of the backward
+    pass has the output's shape ``[B, H, T, Dv]``. A case that runs out of memory at some
+    length is recorded as skipped there and at every longer length (separately for the
+    forward and the forward+backward measurement).
+
+    Row keys: ``case``, ``label``, ``length``, ``forward_s``, ``forward_times_s``,
+    ``forward_peak_bytes``, ``forward_backward_s``, ``forward_backward_times_s``,
+    ``forward_backward_peak_bytes`` (None where not measured), ``skip_reason`` (why the
+    case did not run at this length, else None) and ``backward_skip_reason``.
+    """
+    device = torch.device(device)
+    forward_failed: dict[str, str] = {}
+    backward_failed: dict[str, str] = {}
+    rows = []
+    pairs = [(length, case) for length in sorted(lengths) for case in cases]
+    bar = tqdm(pairs, desc="bench", unit="case", disable=not progress, dynamic_ncols=True)
+    inputs = cotangent = None
+    current_length = None
+    for length, case in bar:
+        bar.set_postfix_str(f"T={length} {case.name}")
+        if length != current_length:
+            inputs = cotangent = None
+            _release_memory(device)
+            inputs = make_inputs(length)
+            q, _, v = inputs
+            generator = torch.Generator(device=device).manual_seed(length)
+            cotangent = torch.randn(*q.shape[:-1], v.shape[-1], generator=generator, device=device, dtype=q.dtype)
+            current_length = length
+        row = {
+            "case": case.name,
+            "label": case.label,
+            "length": length,
+            "forward_s": None,
+            "forward_times_s": [],
+            "forward_peak_bytes": None,
+            "forward_backward_s": None,
+            "forward_backward_times_s": [],
+            "forward_backward_peak_bytes": None,
+            "skip_reason": None,
+            "backward_skip_reason": None,
+        }
+        rows.append(row)
+        if case.max_length is not None and length > case.max_length:
+            note = f" ({case.max_length_note})" if case.max_length_note else ""
+            row["skip_reason"] = f"T={length} > max length {case.max_length}{note}"
+            continue
+        if case.name in forward_failed:
+            row["skip_reason"] = forward_failed[case.name]
+            continue
+        forward = _measure(_forward_call(case.fn, inputs), repeats=repeats, warmup=warmup, device=device)
+        if forward.failure is not None:
+            row["skip_reason"] = forward.failure
+            forward_failed[case.name] = f"skipped after {forward.failure} at T={length}"
+            continue
+        row.update(
+            forward_s=forward.median_s, forward_times_s=list(forward.times_s), forward_peak_bytes=forward.peak_bytes
+        )
+
+        if not case.supports_backward:
+            row["backward_skip_reason"] = "forward only"
+            continue
+        if case.name in backward_failed:
+            row["backward_skip_reason"] = backward_failed[case.name]
+            continue
+        step_call = _forward_backward_call(case.fn, inputs, cotangent)
+        step = _measure(step_call, repeats=repeats, warmup=warmup, device=device)
+        if step.failure is not None:
+            row["backward_skip_reason"] = step.failure
+            backward_failed[case.name] = f"skipped after {step.failure} at T={length}"
+            continue
+        row.update(
+            forward_backward_s=step.median_s,
+            forward_backward_times_s=list(step.times_s),
+            forward_backward_peak_bytes=step.peak_bytes,
+        )
+    bar.close()
+    return rows

@@ -1,0 +1,176 @@
+"""Writers for benchmark results: JSON (rows + metadata), a Markdown table, PNG plots.
+
+Rows are the dicts of ``harness.run_cases``. Speed ratios are ``baseline time / case
+time`` at the same length in the same run, so ``10.3x`` means the case is 10.3 times
+faster than the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from .. import __version__
+
+_MIB = 2**20
+_PLOTS = (
+    ("forward_time.png", "forward_s", "forward time (s)", "forward (no grad)"),
+    ("forward_backward_time.png", "forward_backward_s", "forward+backward time (s)", "forward + backward"),
+)
+_MEMORY_PANELS = (("forward_peak_bytes", "forward (no grad)"), ("forward_backward_peak_bytes", "forward + backward"))
+
+
+def device_name(device: torch.device | str) -> str:
+    """Human-readable name of the device: the GPU model, or the CPU model from /proc/cpuinfo."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def collect_metadata(*, device: torch.device | str, command: str, shapes: dict) -> dict:
+    """What a reader needs to reproduce or compare a run."""
+    return {
+        "linattn_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(torch.device(device)),
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "shapes": shapes,
+    }
+
+
+def write_json(path: Path, *, rows: Sequence[dict], metadata: dict, summary: dict | None = None) -> Path:
+    """Write ``{"metadata", "rows", "summary"}`` as indented JSON."""
+    path = Path(path)
+    path.write_text(json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n")
+    return path
+
+
+def find_row(rows: Sequence[dict], case: str, length: int) -> dict | None:
+    """The row of ``case`` at ``length``, or None."""
+    return next((r for r in rows if r["case"] == case and r["length"] == length), None)
+
+
+def speed_ratio(rows: Sequence[dict], case: str, baseline: str, length: int, key: str) -> float | None:
+    """``baseline time / case time`` for ``key`` (``forward_s`` or ``forward_backward_s``)."""
+    row, base = find_row(rows, case, length), find_row(rows, baseline, length)
+    if row is None or base is None or not row[key] or not base[key]:
+        return None
+    return base[key] / row[key]
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def _mib(nbytes: int | None) -> str:
+    return "—" if nbytes is None else f"{nbytes / _MIB:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x" if value < 10 else f"{value:.1f}x"
+
+
+def _cases_in_order(rows: Sequence[dict]) -> list[str]:
+    return list(dict.fromkeys(r["case"] for r in rows))
+
+
+def markdown_table(rows: Sequence[dict], *, baseline: str | None = None) -> str:
+    """One line per (case, length): times in ms, peaks in MiB, speed ratios vs ``baseline``."""
+    header = ["case", "T", "fwd ms", "fwd+bwd ms", "fwd peak MiB", "fwd+bwd peak MiB"]
+    with_ratios = baseline is not None and any(r["case"] == baseline for r in rows)
+    if with_ratios:
+        header += [f"{baseline}/case fwd", f"{baseline}/case fwd+bwd"]
+    header.append("note")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for case in _cases_in_order(rows):
+        for row in sorted((r for r in rows if r["case"] == case), key=lambda r: r["length"]):
+            cells = [
+                case,
+                str(row["length"]),
+                _ms(row["forward_s"]),
+                _ms(row["forward_backward_s"]),
+                _mib(row["forward_peak_bytes"]),
+                _mib(row["forward_backward_peak_bytes"]),
+            ]
+            if with_ratios:
+                cells += [
+                    _ratio(speed_ratio(rows, case, baseline, row["length"], "forward_s")),
+                    _ratio(speed_ratio(rows, case, baseline, row["length"], "forward_backward_s")),
+                ]
+            cells.append(row["skip_reason"] or row["backward_skip_reason"] or "")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _series(rows: Sequence[dict], case: str, key: str) -> tuple[list[int], list[float]]:
+    """(lengths, values) of ``case`` where ``key`` was measured and is positive (log axes)."""
+    points = sorted((r["length"], r[key]) for r in rows if r["case"] == case and r[key])
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def _plot_lines(axis, rows: Sequence[dict], key: str, scale: float = 1.0) -> None:
+    """One line per case (same colour for a case in every plot), lengths as x ticks."""
+    labels = {r["case"]: r["label"] for r in rows}
+    for index, case in enumerate(_cases_in_order(rows)):
+        lengths, values = _series(rows, case, key)
+        if lengths:
+            axis.plot(lengths, [v * scale for v in values], marker="o", color=f"C{index % 10}", label=labels[case])
+    axis.set_xscale("log", base=2)
+    axis.set_yscale("log")
+    lengths = sorted({r["length"] for r in rows})
+    axis.set_xticks(lengths, [str(t) for t in lengths])
+    axis.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+    axis.set_xlabel("sequence length T")
+    axis.grid(True, which="both", alpha=0.3)
+    if axis.lines:
+        axis.legend(fontsize="small")
+
+
+def write_plots(rows: Sequence[dict], out_dir: Path, *, title: str) -> list[Path]:
+    """Log-log forward time, forward+backward time and peak memory against T, one line per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    paths = []
+    for filename, key, ylabel, subtitle in _PLOTS:
+        figure, axis = plt.subplots(figsize=(7, 5))
+        _plot_lines(axis, rows, key)
+        axis.set_ylabel(ylabel)
+        axis.set_title(f"{title}: {subtitle}")
+        figure.tight_layout()
+        paths.append(out_dir / filename)
+        figure.savefig(paths[-1], dpi=120)
+        plt.close(figure)
+    figure, axes = plt.subplots(1, 2, figsize=(12, 5))
+    for axis, (key, subtitle) in zip(axes, _MEMORY_PANELS):
+        _plot_lines(axis, rows, key, scale=1 / _MIB)
+        axis.set_ylabel("peak extra memory (MiB)")
+        axis.set_title(f"{title}: peak memory, {subtitle}")
+    figure.tight_layout()
+    paths.append(out_dir / "peak_memory.png")
+    figure.savefig(paths[-1], dpi=120)
+    plt.close(figure)
+    return paths
+

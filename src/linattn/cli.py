@@ -1,0 +1,54 @@
+"""The ``linattn`` command: ``linattn bench attention ...`` (more groups to come).
+
+Each command group lives in the package it drives and provides
+``register(commands)``, which adds its subparser and sets ``handler(args) -> int`` as
+the parser default; listing the module in ``_COMMAND_GROUPS`` wires it in (``train``,
+``eval``, ``generate``, ``data``, ``repro`` follow the same pattern).
+
+Exit codes: 0 success, 2 bad arguments (argparse) or invalid values rejected by the
+library (``ValueError``/``TypeError``, printed as ``linattn: error: ...``), 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .bench import cli as bench_cli
+
+_COMMAND_GROUPS = (bench_cli,)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``linattn`` argument parser."""
+    parser = argparse.ArgumentParser(prog="linattn", description="Linear-time Transformers for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"linattn {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for group in _COMMAND_GROUPS:
+        group.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``linattn`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_request:  # --help, --version, or an argparse error (code 2)
+        return int(exit_request.code or 0)
+    args.command_line = shlex.join(["linattn", *argv])
+    try:
+        return args.handler(args)
+    except (ValueError, TypeError) as error:
+        print(f"linattn: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("linattn: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

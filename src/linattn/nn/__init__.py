@@ -1,0 +1,6 @@
+"""Attention layers (``nn.Module``s) built on the functional ops."""
+
+from .delta_net import DeltaNet
+from .short_conv import ShortConvolution
+
+__all__ = ["DeltaNet", "ShortConvolution"]

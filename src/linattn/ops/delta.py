@@ -1,0 +1,171 @@
+"""The delta rule (fast weight programmers): recurrent reference and chunkwise WY/UT form.
+
+Per key/value head, fast weights ``S [F, Dv]`` and, at each position t,
+
+    v_old_t = S^T k_t                       (what the memory returns for k_t)
+    S      <- S + k_t (beta_t (v_t - v_old_t))^T
+    out_t   = scale * S^T q_t               (read after the write)
+
+with ``q_t, k_t`` the feature-mapped and normalised queries/keys. Unlike the sum rule
+of plain linear attention, writing a value to a key replaces (for beta = 1 and
+unit-norm keys) what was stored there.
+
+Chunk form (Yang et al. 2024), per chunk of C positions with incoming state S:
+``A = tril(diag(beta) K K^T, -1)``, ``T = (I + A)^-1 diag(beta)`` (a unit triangular
+solve), ``W = T K``, ``U = T V``, ``U' = U - W S``, ``O = Q S + (Q K^T * tril) U'``,
+``S <- S + K^T U'``. W and U of all chunks are computed at once, only ``U'`` and ``S``
+run chunk after chunk, and the reads ``O`` are batched again.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..state import DeltaRuleState
+from ._validate import (
+    check_choice,
+    check_positive_int,
+    check_qkv,
+    check_same_dtype_device,
+    check_state_tensor,
+    check_tensor,
+    compute_dtype,
+)
+from .feature_maps import FeatureMap, get_feature_map, normalized_features
+
+_MODES = ("chunk", "recurrent")
+_NORMALIZE = ("l2", "sum", None)
+
+# Layout shared by both forms: q [N, G, T, F], k [N, T, F], v [N, T, E], beta [N, T],
+# memory [N, F, E] (N = B * Hkv, G query heads per key/value head).
+
+
+def _recurrent(q, k, v, beta, memory):
+    """Token by token, exactly the recurrence in the module docstring (without scale)."""
+    outs = []
+    for q_t, k_t, v_t, b_t in zip(q.unbind(2), k.unbind(1), v.unbind(1), beta.unbind(1)):
+        v_old = (k_t.unsqueeze(1) @ memory).squeeze(1)
+        update = b_t.unsqueeze(-1) * (v_t - v_old)
+        memory = memory + k_t.unsqueeze(-1) * update.unsqueeze(1)
+        outs.append(q_t @ memory)
+    return torch.stack(outs, dim=2), memory
+
+
+def _chunk(q, k, v, beta, memory, chunk_size):
+    """Chunkwise WY/UT form; T is padded to a multiple of C with beta = 0 (no writes)."""
+    N, G, T, Fd = q.shape
+    E = v.shape[-1]
+    C = chunk_size
+    n_chunks = -(-T // C)
+    pad = n_chunks * C - T
+    if pad:
+        q = F.pad(q, (0, 0, 0, pad))
+        k = F.pad(k, (0, 0, 0, pad))
+        v = F.pad(v, (0, 0, 0, pad))
+        beta = F.pad(beta, (0, pad))
+    keys = k.reshape(N * n_chunks, C, Fd)
+    betas = beta.reshape(N * n_chunks, C, 1)
+    strict_lower = torch.bmm(betas * keys, keys.transpose(1, 2)).tril_(-1)
+    # T = (I + A)^-1 diag(beta); the unit diagonal is implied, A's own is never read.
+    identity = torch.eye(C, dtype=q.dtype, device=q.device).expand(N * n_chunks, C, C)
+    transform = torch.linalg.solve_triangular(strict_lower, identity, upper=False, unitriangular=True) * betas.transpose(1, 2)
+    w_chunks = torch.bmm(transform, keys).view(N, n_chunks, C, Fd).unbind(1)
+    u_chunks = torch.bmm(transform, v.reshape(N * n_chunks, C, E)).view(N, n_chunks, C, E).unbind(1)
+    # Only the state recurrence runs chunk by chunk; the reads are batched afterwards.
+    states, corrected = [], []
+    for k_c, w_c, u_c in zip(keys.view(N, n_chunks, C, Fd).unbind(1), w_chunks, u_chunks):
+        states.append(memory)
+        u_new = torch.baddbmm(u_c, w_c, memory, alpha=-1.0)
+        corrected.append(u_new)
+        memory = torch.baddbmm(memory, k_c.transpose(1, 2), u_new)
+    states = torch.stack(states, dim=1).view(N * n_chunks, Fd, E)
+    corrected = torch.stack(corrected, dim=1).view(N * n_chunks, C, E)
+    # O_c = Q_c S_c + (Q_c K_c^T * tril) U'_c, all chunks at once, G heads as G * C rows.
+    rows = q.reshape(N, G, n_chunks, C, Fd).transpose(1, 2).reshape(N * n_chunks, G * C, Fd)
+    scores = torch.bmm(rows, keys.transpose(1, 2))
+    scores.view(-1, G, C, C).tril_()
+    out = torch.bmm(rows, states).baddbmm_(scores, corrected)
+    out = out.view(N, n_chunks, G, C, E).transpose(1, 2).reshape(N, G, n_chunks * C, E)
+    return out[:, :, :T], memory
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    feature_map: str | FeatureMap = "identity",
+    normalize: str | None = "l2",
+    scale: float | None = None,
+    mode: str | None = None,
+    chunk_size: int = 64,
+    initial_state: DeltaRuleState | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, DeltaRuleState | None]:
+    """Causal delta-rule attention (DeltaNet / fast weight programmer with the delta rule).
+
+    Args:
+        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+        beta: ``[B, Hkv, T]`` write strengths in [0, 1] (one per key/value head: the
+            memory being written belongs to the key/value head).
+        feature_map: applied to q and k before normalisation (name or ``FeatureMap``).
+        normalize: ``"l2"`` (unit-norm features), ``"sum"`` (``phi / sum(phi)``, the
+            FWP paper's choice with DPFP/elu) or ``None`` (then keep keys small: the
+            update is only stable for ``beta |k|^2 < 2``).
+        scale: output scale; ``None`` means ``F^-1/2`` (F = feature dimension).
+        mode: ``"chunk"`` (WY/UT) or ``"recurrent"`` (token by token, the reference and
+            the decoding step); ``None`` picks recurrent for T == 1, else chunk.
+        chunk_size: chunk length of ``mode="chunk"``.
+        initial_state / output_final_state: carry a ``DeltaRuleState``.
+
+    Returns:
+        ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
+    """
+    shapes = check_qkv(q, k, v)
+    fmap = get_feature_map(feature_map)
+    check_choice("normalize", normalize, _NORMALIZE)
+    check_choice("mode", mode, (None,) + _MODES)
+    check_positive_int("chunk_size", chunk_size)
+    B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
+    G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
+    beta = check_tensor("beta", beta, ndim=3, layout="[batch, kv_heads, length]")
+    check_same_dtype_device(q=q, beta=beta)
+    if tuple(beta.shape) != (B, Hkv, T):
+        raise ValueError(f"beta has shape {list(beta.shape)}, expected [{B}, {Hkv}, {T}] (one value per key/value head)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    if mode is None:
+        mode = "recurrent" if T == 1 else "chunk"
+    Fd = fmap.dim_out(Dk)
+    scale = Fd ** -0.5 if scale is None else float(scale)
+    dtype = compute_dtype(q.dtype)
+
+    if initial_state is None:
+        memory = q.new_zeros(B * Hkv, Fd, Dv, dtype=dtype)
+    else:
+        if not isinstance(initial_state, DeltaRuleState):
+            raise TypeError(f"initial_state must be a DeltaRuleState, got {type(initial_state).__name__}")
+        memory = check_state_tensor("initial_state.memory", initial_state.memory, (B, Hkv, Fd, Dv), q)
+        memory = memory.to(dtype).reshape(B * Hkv, Fd, Dv)
+
+    phi_q = normalized_features(fmap, q.to(dtype), is_query=True, normalize=normalize, eps=eps)
+    phi_k = normalized_features(fmap, k.to(dtype), is_query=False, normalize=normalize, eps=eps)
+    phi_q = phi_q.reshape(B * Hkv, G, T, Fd)
+    phi_k = phi_k.reshape(B * Hkv, T, Fd)
+    values = v.to(dtype).reshape(B * Hkv, T, Dv)
+    betas = beta.to(dtype).reshape(B * Hkv, T)
+
+    if mode == "recurrent":
+        out, memory = _recurrent(phi_q, phi_k, values, betas, memory)
+    else:
+        out, memory = _chunk(phi_q, phi_k, values, betas, memory, chunk_size)
+    out = (out * scale).reshape(B, H, T, Dv).to(q.dtype)
+
+    state = None
+    if output_final_state:
+        steps = (initial_state.steps if initial_state is not None else 0) + T
+        state = DeltaRuleState(memory=memory.reshape(B, Hkv, Fd, Dv), steps=steps)
+    return out, state

@@ -1,0 +1,111 @@
+"""Small helpers shared by the op tests: random inputs, tolerant comparisons, feature
+maps written out independently of the library, and a causality check on Jacobians."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from linattn import feature_maps as fm
+
+F64 = torch.float64
+
+
+def make_qkv(B=2, H=4, Hkv=2, T=7, Dk=4, Dv=3, *, S=None, dtype=F64, positive=False, seed=0, requires_grad=False):
+    """Random ``q [B, H, T, Dk]``, ``k [B, Hkv, S, Dk]``, ``v [B, Hkv, S, Dv]`` (S = T by default).
+
+    ``positive`` draws q and k from U(0.1, 1) (keeps the identity map's denominators away
+    from zero); otherwise q, k, v are standard normal.
+    """
+    S = T if S is None else S
+    g = torch.Generator().manual_seed(seed)
+    if positive:
+        q = 0.1 + 0.9 * torch.rand(B, H, T, Dk, generator=g, dtype=F64)
+        k = 0.1 + 0.9 * torch.rand(B, Hkv, S, Dk, generator=g, dtype=F64)
+    else:
+        q = torch.randn(B, H, T, Dk, generator=g, dtype=F64)
+        k = torch.randn(B, Hkv, S, Dk, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, S, Dv, generator=g, dtype=F64)
+    out = [t.to(dtype).requires_grad_(requires_grad) for t in (q, k, v)]
+    return tuple(out)
+
+
+def assert_close_rel(actual, expected, rtol=1e-9, name="tensor"):
+    """``max |actual - expected| <= rtol * max |expected|`` (and the same shape).
+
+    Scale-aware, so outputs whose magnitude depends on the feature map compare fairly.
+    """
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    scale = expected.abs().max().item()
+    err = (actual.to(F64) - expected.to(F64)).abs().max().item()
+    assert err <= rtol * max(scale, 1e-30), f"{name}: max abs error {err:.3e} vs scale {scale:.3e} (rtol {rtol})"
+
+
+# ----------------------------------------------------------------------------- feature maps
+# The formulas of DESIGN.md section 3, written without the library's code paths. FAVOR's
+# projection is random, so it is read from the map; everything after it is recomputed.
+
+
+def _dpfp(x, nu):
+    r = torch.cat([x.clamp_min(0), (-x).clamp_min(0)], dim=-1)
+    n = r.shape[-1]
+    parts = []
+    for j in range(1, nu + 1):
+        index = (torch.arange(n) - j) % n  # r rolled right by j: entry i holds r[i - j]
+        parts.append(r * r[..., index])
+    return torch.cat(parts, dim=-1)
+
+
+def _taylor(x):
+    d = x.shape[-1]
+    second = [x[..., a : a + 1] * x[..., b : b + 1] for a in range(d) for b in range(d)]
+    return torch.cat([torch.ones_like(x[..., :1]), x / d**0.25] + [s / math.sqrt(2 * d) for s in second], dim=-1)
+
+
+def _favor(x, fmap):
+    d = x.shape[-1]
+    W = fmap.projection(d, dtype=x.dtype)
+    xs = x / d**0.25
+    return torch.exp(xs @ W.T - 0.5 * (xs * xs).sum(-1, keepdim=True)) / math.sqrt(fmap.num_features)
+
+
+def independent_features(fmap, x):
+    """phi(x) for a library feature map, from the formula (unstabilised for exp maps)."""
+    fmap = fm.get_feature_map(fmap)
+    if isinstance(fmap, fm.EluPlusOne):
+        return torch.where(x > 0, x + 1, torch.exp(x))
+    if isinstance(fmap, fm.ReLU):
+        return torch.where(x > 0, x, torch.zeros_like(x))
+    if isinstance(fmap, fm.Identity):
+        return x.clone()
+    if isinstance(fmap, fm.Exp):
+        return torch.exp(x)
+    if isinstance(fmap, fm.FAVOR):
+        return _favor(x, fmap)
+    if isinstance(fmap, fm.DPFP):
+        return _dpfp(x, fmap.nu)
+    if isinstance(fmap, fm.Taylor):
+        return _taylor(x)
+    raise AssertionError(f"no independent formula for {fmap!r}")
+
+
+# ----------------------------------------------------------------------------- causality
+
+
+def assert_causal_jacobian(fn, inputs, names):
+    """``fn(*inputs)`` returns ``[B, H, T, Dv]``; each input is ``[B, *, T, D]``.
+
+    Asserts that d out[..., i, :] / d input[..., j, :] is exactly zero for every j > i,
+    and that the Jacobian is not zero everywhere (so the check can fail).
+    """
+    jac = torch.autograd.functional.jacobian(fn, tuple(inputs))
+    T = inputs[0].shape[2]
+    for name, J in zip(names, jac):
+        # J: [B, H, T, Dv, B, Hin, T, Din] -> [T_out, T_in, rest]
+        Jt = J.movedim(2, 0).movedim(6, 1)
+        assert Jt.abs().sum() > 0, f"Jacobian w.r.t. {name} is identically zero"
+        for i in range(T):
+            future = Jt[i, i + 1 :]
+            assert (future == 0).all(), f"output row {i} depends on {name} rows > {i}"

@@ -1,0 +1,159 @@
+"""The benchmark harness and ``linattn bench attention`` end to end, at tiny sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn import __version__
+from linattn.bench.attention import CASES
+from linattn.bench.harness import Case, peak_memory, run_cases, time_call
+from linattn.cli import main
+
+MIB = 2**20
+ROW_KEYS = {
+    "case", "label", "length", "forward_s", "forward_times_s", "forward_peak_bytes", "forward_backward_s",
+    "forward_backward_times_s", "forward_backward_peak_bytes", "skip_reason", "backward_skip_reason",
+}
+PLOTS = ("forward_time.png", "forward_backward_time.png", "peak_memory.png")
+
+
+def _load(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def test_bench_attention_writes_json_markdown_and_plots(tmp_path, capsys):
+    args = ["bench", "attention", "--lengths", "64", "128", "--repeats", "1", "--warmup", "0", "--threads", "1",
+            "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| case | T |" in printed and "targets:" in printed
+
+    result = _load(tmp_path)
+    assert set(result) == {"metadata", "rows", "summary"}
+    meta = result["metadata"]
+    for key in ("torch_version", "device", "threads", "date", "command", "shapes"):
+        assert key in meta
+    assert meta["torch_version"] == torch.__version__ and meta["threads"] == 1
+    assert meta["command"].startswith("linattn bench attention --lengths 64 128")
+    expected_shapes = {"batch": 1, "heads": 8, "dim": 64, "dtype": "float32", "causal": True, "lengths": [64, 128]}
+    assert meta["shapes"] == expected_shapes
+
+    rows = result["rows"]
+    assert sorted((r["case"], r["length"]) for r in rows) == sorted((c, t) for c in CASES for t in (64, 128))
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert row["skip_reason"] is None
+        assert row["forward_s"] > 0 and len(row["forward_times_s"]) == 1
+        assert row["forward_peak_bytes"] >= 0
+        if row["case"] == "reference":
+            assert row["forward_backward_s"] is None and row["backward_skip_reason"] == "forward only"
+        else:
+            assert row["forward_backward_s"] > 0 and row["forward_backward_peak_bytes"] >= 0
+
+    summary = result["summary"]
+    assert summary["linear_elu_vs_sdpa"]["length"] == 128
+    assert summary["linear_elu_vs_sdpa"]["forward_speedup"] > 0
+    assert summary["linear_elu_growth"]["from_length"] == 64 and summary["linear_elu_growth"]["to_length"] == 128
+    assert summary["tiled_vs_reference_forward_memory"]["length"] == 128
+
+    table = (tmp_path / "results.md").read_text()
+    assert "sdpa/case fwd" in table
+    for case in CASES:
+        assert f"| {case} | 64 |" in table and f"| {case} | 128 |" in table
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_console_script_runs_a_selected_case(tmp_path):
+    script = Path(sys.executable).parent / "linattn"
+    if not script.exists():
+        pytest.skip(f"console script not installed next to {sys.executable}")
+    command = [str(script), "bench", "attention", "--lengths", "32", "--cases", "sdpa", "linear-elu",
+               "--repeats", "1", "--warmup", "0", "--threads", "1", "--out", str(tmp_path), "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "| linear-elu | 32 |" in done.stdout
+    rows = _load(tmp_path)["rows"]
+    assert [(r["case"], r["length"]) for r in rows] == [("sdpa", 32), ("linear-elu", 32)]
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["bench", "attention", "--cases", "no-such-case"], "--cases"),
+        (["bench", "attention", "--lengths", "64", "-8"], "--lengths"),
+        (["bench", "attention", "--repeats", "0"], "--repeats"),
+        (["no-such-command"], "COMMAND"),
+        (["bench", "no-such-benchmark"], "BENCHMARK"),
+        (["bench"], "BENCHMARK"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(args, named, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and named in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_library_errors_exit_2_without_traceback(tmp_path, capsys):
+    assert main(["bench", "attention", "--device", "cuda", "--lengths", "8", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("linattn: error: ") and "cuda" in err and "Traceback" not in err
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert __version__ in capsys.readouterr().out
+
+
+def test_time_call_runs_warmup_then_repeats():
+    calls = []
+    times = time_call(lambda: calls.append(1), repeats=3, warmup=2, device="cpu")
+    assert len(calls) == 5 and len(times) == 3 and all(t >= 0 for t in times)
+
+
+def _ones(nbytes: int) -> torch.Tensor:
+    return torch.ones(nbytes // 4, dtype=torch.float32)  # written, so resident
+
+
+def test_peak_memory_sees_an_allocation_once():
+    if peak_memory(lambda: None, "cpu") is None:
+        pytest.skip("peak memory needs /proc (Linux)")
+    assert peak_memory(lambda: _ones(64 * MIB), "cpu") >= 60 * MIB
+
+    def allocate_free_allocate():
+        first = _ones(64 * MIB)
+        del first
+        return _ones(64 * MIB)
+
+    assert 60 * MIB <= peak_memory(allocate_free_allocate, "cpu") < 100 * MIB
+
+    held = _ones(64 * MIB)  # allocated before the call: part of the baseline, not of the peak
+    assert peak_memory(lambda: held.sum(), "cpu") < 16 * MIB
+
+
+def test_runner_skips_over_max_length_and_after_out_of_memory():
+    def attend(q, k, v):
+        if q.shape[2] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1 TiB")
+        return q + k + v
+
+    cases = [
+        Case("oom", "fails above T=8", attend),
+        Case("short", "limited", lambda q, k, v: q * v, max_length=8, max_length_note="too long"),
+        Case("fwd-only", "no backward", lambda q, k, v: q - v, supports_backward=False),
+    ]
+    rows = run_cases(cases, [4, 16, 32], lambda t: tuple(torch.randn(1, 2, t, 4) for _ in range(3)),
+                     repeats=1, warmup=0, device="cpu", progress=False)
+    by_key = {(r["case"], r["length"]): r for r in rows}
+    assert by_key["oom", 4]["forward_s"] > 0 and by_key["oom", 4]["forward_backward_s"] > 0
+    assert by_key["oom", 16]["skip_reason"].startswith("out of memory: CUDA out of memory")
+    assert "skipped after out of memory" in by_key["oom", 32]["skip_reason"]
+    assert by_key["short", 16]["skip_reason"] == "T=16 > max length 8 (too long)"
+    assert by_key["fwd-only", 32]["forward_s"] > 0 and by_key["fwd-only", 32]["forward_backward_s"] is None

@@ -1,0 +1,314 @@
+"""Exact softmax attention (``linattn.softmax_attention``): the three implementations
+agree with each other and with the formula, their gradients agree, causality holds
+exactly, the tiled form never materialises a T x S tensor, and half precision is safe.
+
+    out_i = sum_j softmax_j(s_i q_i.k_j + b_ij [-inf for j > i when causal]) v_j
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import Counter
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from _helpers import F64, assert_causal_jacobian, assert_close_rel, make_qkv
+from linattn import softmax_attention
+
+IMPLS = ("reference", "sdpa", "tiled", "auto")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def make_bias(kind, B, H, T, S, *, seed=1, requires_grad=False):
+    """A bias of the given kind for scores ``[B, H, T, S]``.
+
+    ``tensor``: additive ``[H, T, S]``; ``bool``: keep-mask ``[B, 1, T, S]`` that always
+    keeps key 0 and the diagonal (no row fully masked); ``callable``: per-head slopes
+    times the offset ``i - j`` (returns ``[H, n]``).
+    """
+    g = torch.Generator().manual_seed(seed)
+    if kind == "none":
+        return None
+    if kind == "tensor":
+        return torch.randn(H, T, S, generator=g, dtype=F64).requires_grad_(requires_grad)
+    if kind == "bool":
+        keep = torch.rand(B, 1, T, S, generator=g) > 0.4
+        keep[..., 0] = True
+        diag = torch.arange(min(T, S))
+        keep[..., diag, diag] = True
+        return keep
+    if kind == "callable":
+        slopes = (0.3 * torch.randn(H, generator=g, dtype=F64)).requires_grad_(requires_grad)
+        return relative_bias(slopes)
+    raise AssertionError(kind)
+
+
+def relative_bias(slopes):
+    """Relative bias ``slopes[h] * (i - j)``, the callable form of a bias."""
+
+    def bias(offsets):
+        return slopes[:, None] * offsets.to(slopes.dtype)[None, :]
+
+    bias.slopes = slopes
+    return bias
+
+
+def loop_reference(q, k, v, *, causal, scale, bias):
+    """The formula, one query position at a time: softmax over the keys query i sees."""
+    B, H, T, Dk = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    heads = torch.arange(H) // (H // Hkv)  # kv head read by each query head
+    keys, values = k[:, heads], v[:, heads]  # [B, H, S, D]
+    out = torch.empty(B, H, T, v.shape[-1], dtype=q.dtype)
+    for i in range(T):
+        n = i + 1 if causal else S
+        if scale is None:
+            s = 1.0 / math.sqrt(Dk)
+        elif scale == "entropy":
+            s = math.log(n) / math.log(512) / math.sqrt(Dk)
+        else:
+            s = scale
+        logits = s * torch.einsum("bhd,bhnd->bhn", q[:, :, i], keys[:, :, :n])
+        if callable(bias) and not isinstance(bias, torch.Tensor):
+            logits = logits + bias(torch.tensor([i - j for j in range(n)]))
+        elif bias is not None:
+            b = bias.expand(B, H, T, S)[:, :, i, :n]
+            logits = logits + (torch.where(b, 0.0, -math.inf) if b.dtype == torch.bool else b)
+        weights = torch.softmax(logits, dim=-1)
+        out[:, :, i] = torch.einsum("bhn,bhnd->bhd", weights, values[:, :, :n])
+    return out
+
+
+def block_for(T):
+    """A block size that does not divide T (except for T = 1)."""
+    return {1: 4, 7: 3, 64: 24, 129: 32, 1000: 96}[T]
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("scale", [None, 0.37, "entropy"], ids=["scale-default", "scale-number", "scale-entropy"])
+@pytest.mark.parametrize("bias_kind", ["none", "tensor", "bool", "callable"])
+@pytest.mark.parametrize("layout", ["causal", "self", "cross"])
+@pytest.mark.parametrize("T", [1, 7, 64, 129])
+def test_impls_match_formula(T, layout, bias_kind, scale):
+    """reference == sdpa == tiled == auto == the per-query loop, GQA (H=4, Hkv=2), B=2.
+
+    ``cross``: non-causal with key length S = T + 2 != T.
+    """
+    causal = layout == "causal"
+    S = T + 2 if layout == "cross" else T
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, T=T, S=S, Dk=4, Dv=3, seed=T)
+    bias = make_bias(bias_kind, 2, 4, T, S)
+    expected = loop_reference(q, k, v, causal=causal, scale=scale, bias=bias)
+    for impl in IMPLS:
+        out = softmax_attention(q, k, v, causal=causal, scale=scale, bias=bias, impl=impl, block_size=block_for(T))
+        assert out.dtype == F64
+        assert_close_rel(out, expected, rtol=1e-10, name=impl)
+
+
+@pytest.mark.parametrize(
+    "causal, bias_kind, scale",
+    [(True, "callable", "entropy"), (False, "tensor", None), (True, "bool", 0.2)],
+)
+def test_impls_agree_long(causal, bias_kind, scale):
+    """T = 1000 (block 96 does not divide it): sdpa and tiled equal the reference."""
+    T = 1000
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=T, Dk=8, Dv=4, seed=3)
+    bias = make_bias(bias_kind, 1, 2, T, T)
+    kwargs = dict(causal=causal, scale=scale, bias=bias, block_size=block_for(T))
+    expected = softmax_attention(q, k, v, impl="reference", **kwargs)
+    for impl in ("sdpa", "tiled"):
+        assert_close_rel(softmax_attention(q, k, v, impl=impl, **kwargs), expected, rtol=1e-10, name=impl)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_inputs(impl):
+    """Inputs that are [B, T, H, D] tensors viewed as [B, H, T, D] (non-contiguous)."""
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, T=9, Dk=4, Dv=3)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    out = softmax_attention(*strided, causal=True, bias=make_bias("callable", 2, 4, 9, 9), impl=impl, block_size=4)
+    expected = loop_reference(q, k, v, causal=True, scale=None, bias=make_bias("callable", 2, 4, 9, 9))
+    assert_close_rel(out, expected, rtol=1e-12)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("Hkv", [1, 2])
+def test_gqa_equals_repeated_heads(impl, Hkv):
+    """Query head h reads key/value head h // (H / Hkv) (repeat_interleave, not repeat)."""
+    q, k, v = make_qkv(B=2, H=4, Hkv=Hkv, T=9, Dk=4, Dv=3)
+    group = 4 // Hkv
+    out = softmax_attention(q, k, v, causal=True, impl=impl, block_size=4)
+    full = softmax_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), causal=True, impl="reference"
+    )
+    assert_close_rel(out, full, rtol=1e-12, name=impl)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def _tiled_fn(causal, scale, bias_kind):
+    """A function of (q, k, v[, bias or slopes]) running impl='tiled' with block 2."""
+
+    def fn(q, k, v, *extra):
+        bias = None
+        if bias_kind == "tensor":
+            bias = extra[0]
+        elif bias_kind == "callable":
+            bias = relative_bias(extra[0])
+        return softmax_attention(q, k, v, causal=causal, scale=scale, bias=bias, impl="tiled", block_size=2)
+
+    return fn
+
+
+@pytest.mark.parametrize("bias_kind, scale", [("none", None), ("tensor", "entropy"), ("callable", 0.7)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_gradcheck(causal, bias_kind, scale):
+    """Finite differences agree with the tiled backward w.r.t. q, k, v and the bias
+    (a tensor bias, or the slopes inside a callable bias)."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=5, Dk=3, Dv=2, seed=7, requires_grad=True)
+    inputs = [q, k, v]
+    bias = make_bias(bias_kind, 1, 2, 5, 5, requires_grad=True)
+    if bias_kind == "tensor":
+        inputs.append(bias)
+    elif bias_kind == "callable":
+        inputs.append(bias.slopes)
+    fn = _tiled_fn(causal, scale, bias_kind)
+    assert torch.autograd.gradcheck(fn, tuple(inputs), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 4, 1, 64), (64, 64), (2, 1, 1, 64), (4, 1, 64), (2, 4, 64, 1)])
+def test_tiled_gradient_of_broadcast_bias(bias_shape):
+    """A bias broadcast over some of [B, H, T, S] gets the summed gradient (zero for a
+    bias constant over keys, which softmax ignores)."""
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, T=64, Dk=4, Dv=3, requires_grad=True)
+    grad_out = torch.randn(2, 4, 64, 3, generator=torch.Generator().manual_seed(6), dtype=F64)
+    grads = {}
+    for impl in ("reference", "tiled"):
+        bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(5), dtype=F64, requires_grad=True)
+        out = softmax_attention(q, k, v, causal=True, bias=bias, impl=impl, block_size=24)
+        grads[impl] = torch.autograd.grad(out, (q, k, v, bias), grad_out)
+    for g_tiled, g_ref in zip(grads["tiled"], grads["reference"]):
+        torch.testing.assert_close(g_tiled, g_ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias_kind", ["none", "tensor", "callable"])
+@pytest.mark.parametrize("layout", ["causal", "cross"])
+def test_gradients_match_reference(layout, bias_kind):
+    """Medium case (T=129, block 32, GQA, B=2, entropy scale): tiled and sdpa gradients
+    w.r.t. q, k, v and the bias (tensor, or slopes of a callable) == reference gradients."""
+    causal = layout == "causal"
+    T, S = 129, (129 if causal else 131)
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, T=T, S=S, Dk=8, Dv=5, requires_grad=True)
+    grad_out = torch.randn(2, 4, T, 5, generator=torch.Generator().manual_seed(11), dtype=F64)
+    grads = {}
+    for impl in ("reference", "tiled", "sdpa"):
+        bias = make_bias(bias_kind, 2, 4, T, S, requires_grad=True)
+        wrt = [q, k, v] + ([bias] if bias_kind == "tensor" else [bias.slopes] if bias_kind == "callable" else [])
+        out = softmax_attention(q, k, v, causal=causal, scale="entropy", bias=bias, impl=impl, block_size=32)
+        grads[impl] = torch.autograd.grad(out, wrt, grad_out)
+    for impl in ("tiled", "sdpa"):
+        for i, (g_impl, g_ref) in enumerate(zip(grads[impl], grads["reference"])):
+            assert_close_rel(g_impl, g_ref, rtol=1e-10, name=f"{impl} grad of input {i}")
+
+
+@pytest.mark.parametrize("impl", ["reference", "tiled", "sdpa"])
+def test_causal_jacobian_is_lower_triangular(impl):
+    """d out_i / d (q_j, k_j, v_j) is exactly zero for j > i (with a relative bias)."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=6, Dk=3, Dv=2, seed=2)
+    bias = make_bias("callable", 1, 2, 6, 6)
+
+    def fn(q, k, v):
+        return softmax_attention(q, k, v, causal=True, bias=bias, impl=impl, block_size=4)
+
+    assert_causal_jacobian(fn, (q, k, v), ("q", "k", "v"))
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the largest numel among op outputs and how often each op ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls[func.overloadpacket.__name__] += 1
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out
+
+
+def _record(impl, causal, T, block_size, backward):
+    q, k, v = make_qkv(B=1, H=1, Hkv=1, T=T, Dk=16, Dv=16, dtype=torch.float32, requires_grad=backward)
+    grad_out = torch.randn(1, 1, T, 16, generator=torch.Generator().manual_seed(0))
+    with _OpRecorder() as rec:
+        out = softmax_attention(q, k, v, causal=causal, impl=impl, block_size=block_size)
+        if backward:
+            out.backward(grad_out)
+    return rec
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiled_never_builds_t_by_s(causal):
+    """Forward and backward of impl='tiled' at T=2048, block 256: no op output reaches
+    T*T/16 elements (tiles are 256 x 256 = T*T/64; chunking queries alone would give
+    256 x T = T*T/8); the reference, for contrast, does build T*T."""
+    T = 2048
+    tiled = _record("tiled", causal, T, 256, backward=True)
+    assert tiled.max_numel < T * T / 16, f"tiled built a tensor of {tiled.max_numel} elements"
+    reference = _record("reference", causal, T, 256, backward=False)
+    assert reference.max_numel >= T * T
+
+
+def test_tiled_causal_skips_blocks_above_diagonal():
+    """Causal tiled runs matmuls only on the nb(nb+1)/2 blocks on or below the diagonal."""
+    T, block = 512, 64
+    nb = T // block
+
+    def matmuls(rec):
+        return sum(n for name, n in rec.calls.items() if name in ("mm", "bmm", "matmul", "addmm", "baddbmm"))
+
+    full = matmuls(_record("tiled", False, T, block, backward=False))
+    causal = matmuls(_record("tiled", True, T, block, backward=False))
+    assert full >= nb * nb  # at least one matmul per block: the count sees them
+    assert causal <= full * (nb + 1) / (2 * nb) + 2 * nb, (causal, full)
+
+
+# ----------------------------------------------------------------------------- half precision
+
+
+@functools.lru_cache(maxsize=None)
+def _large_half_inputs(dtype):
+    """T=4096 inputs with q, k scaled by 30 (scores in the thousands), in ``dtype``, and the
+    float64 result on the same (rounded) values."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=4096, Dk=16, Dv=16, dtype=F64, seed=4)
+    q, k, v = (q * 30).to(dtype), (k * 30).to(dtype), v.to(dtype)
+    expected = softmax_attention(q.to(F64), k.to(F64), v.to(F64), causal=True, impl="tiled", block_size=512)
+    return q, k, v, expected
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_precision_large_scores(dtype, impl):
+    """fp16/bf16 inputs with huge scores: finite output in the input dtype, equal to the
+    float64 computation up to the output rounding."""
+    q, k, v, expected = _large_half_inputs(dtype)
+    out = softmax_attention(q, k, v, causal=True, impl=impl, block_size=256)
+    assert out.dtype == dtype
+    assert torch.isfinite(out).all()
+    tol = 1e-2 if dtype == torch.float16 else 4e-2
+    assert (out.to(F64) - expected).abs().max().item() <= tol * v.abs().max().item()
