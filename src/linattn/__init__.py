@@ -8,7 +8,9 @@ from . import feature_maps, nn
 from .ops.delta import delta_rule
 from .ops.linear import linear_attention
 from .ops.softmax import softmax_attention
-from .state import DeltaNetState, DeltaRuleState, LinearAttentionState
+from .ops.vq import soft_vq_attention, vq_attention
+from .quantize import VectorQuantizer
+from .state import DeltaNetState, DeltaRuleState, LinearAttentionState, VQAttentionState
 
 __version__ = "0.1.0"
 
@@ -16,6 +18,10 @@ __all__ = [
     "softmax_attention",
     "linear_attention",
     "delta_rule",
+    "vq_attention",
+    "soft_vq_attention",
+    "VectorQuantizer",
+    "VQAttentionState",
     "LinearAttentionState",
     "DeltaRuleState",
     "DeltaNetState",

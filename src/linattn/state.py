@@ -80,3 +80,31 @@ class DeltaNetState(_State):
     rule: DeltaRuleState
     conv: torch.Tensor | None = None
     steps: int = 0
+
+
+@dataclass
+class VQAttentionState(_State):
+    """Decode state of Transformer-VQ attention (``vq_attention``), per key/value head.
+
+    Positions are grouped in blocks of ``L`` from the start of the sequence. With the
+    current block holding the last ``p < L`` positions:
+
+    ``partial_keys [B, Hkv, p, Dk]``, ``partial_values [B, Hkv, p, Dv]``,
+    ``partial_codes [B, Hkv, p]``: the current, incomplete block.
+    ``prev_keys [B, Hkv, L, Dk]``, ``prev_values``, ``prev_codes``: the last complete block
+    (None before the first block is complete).
+    ``cache_counts [B, Hkv, S]`` and ``cache_means [B, Hkv, S, Dv]``: for every code, how many
+    older positions (blocks before the previous one) were quantized to it and the mean of
+    their values (float32, float64 for float64 inputs).
+    ``steps``: positions consumed. Memory is constant in the sequence length.
+    """
+
+    partial_keys: torch.Tensor
+    partial_values: torch.Tensor
+    partial_codes: torch.Tensor
+    cache_counts: torch.Tensor
+    cache_means: torch.Tensor
+    prev_keys: torch.Tensor | None = None
+    prev_values: torch.Tensor | None = None
+    prev_codes: torch.Tensor | None = None
+    steps: int = 0

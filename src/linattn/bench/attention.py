@@ -46,7 +46,7 @@ class AttentionBenchConfig:
     device: str = "cpu"
     repeats: int = 3
     warmup: int = 1
-    reference_mem_gb: float = 18.0
+    reference_mem_gb: float = 8.0
     reference_max_length: int = 16384
     recurrent_max_length: int = 4096
     threads: int | None = None  # torch intra-op threads; None keeps torch's default

@@ -1,6 +1,7 @@
 """Attention layers (``nn.Module``s) built on the functional ops."""
 
 from .delta_net import DeltaNet
+from .gau import GAU
 from .short_conv import ShortConvolution
 
-__all__ = ["DeltaNet", "ShortConvolution"]
+__all__ = ["DeltaNet", "GAU", "ShortConvolution"]

@@ -60,42 +60,44 @@ def check_same_dtype_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
 
 
-def check_qkv(q: object, k: object, v: object, *, same_length: bool = True) -> AttentionShapes:
+def check_qkv(
+    q: object, k: object, v: object, *, same_length: bool = True, key_name: str = "k"
+) -> AttentionShapes:
     """Validate the SDPA layout ``q [B, H, T, Dk]``, ``k [B, Hkv, S, Dk]``, ``v [B, Hkv, S, Dv]``.
 
     ``Hkv`` must divide ``H`` (MQA: ``Hkv = 1``; GQA: in between). With ``same_length``
     the key length ``S`` must equal the query length ``T``.
     """
     q = check_tensor("q", q, ndim=4, layout="[batch, heads, length, key_dim]")
-    k = check_tensor("k", k, ndim=4, layout="[batch, kv_heads, length, key_dim]")
+    k = check_tensor(key_name, k, ndim=4, layout="[batch, kv_heads, length, key_dim]")
     v = check_tensor("v", v, ndim=4, layout="[batch, kv_heads, length, value_dim]")
-    check_same_dtype_device(q=q, k=k, v=v)
+    check_same_dtype_device(**{"q": q, key_name: k, "v": v})
     B, H, T, Dk = q.shape
     if T == 0:
         raise ValueError(f"q has length 0 (shape {_shape(q)}); at least one position is required")
     if Dk == 0 or v.shape[-1] == 0:
         raise ValueError(f"q, k and v need a non-empty feature dimension, got q {_shape(q)}, v {_shape(v)}")
     if k.shape[0] != B:
-        raise ValueError(f"k has batch size {k.shape[0]} (shape {_shape(k)}) but q has {B}; expected [{B}, Hkv, T, {Dk}]")
+        raise ValueError(f"{key_name} has batch size {k.shape[0]} (shape {_shape(k)}) but q has {B}; expected [{B}, Hkv, T, {Dk}]")
     if v.shape[0] != B:
         raise ValueError(f"v has batch size {v.shape[0]} (shape {_shape(v)}) but q has {B}; expected [{B}, Hkv, T, Dv]")
     Hkv = k.shape[1]
     if v.shape[1] != Hkv:
-        raise ValueError(f"v has {v.shape[1]} heads (shape {_shape(v)}) but k has {Hkv}; they must match")
+        raise ValueError(f"v has {v.shape[1]} heads (shape {_shape(v)}) but {key_name} has {Hkv}; they must match")
     if Hkv == 0 or H % Hkv != 0:
         raise ValueError(
-            f"k has {Hkv} heads (shape {_shape(k)}), which must divide the {H} heads of q "
+            f"{key_name} has {Hkv} heads (shape {_shape(k)}), which must divide the {H} heads of q "
             f"(expected Hkv in {{d : {H} % d == 0}})"
         )
     if k.shape[-1] != Dk:
-        raise ValueError(f"k has key dimension {k.shape[-1]} (shape {_shape(k)}) but q has {Dk}; expected [{B}, {Hkv}, T, {Dk}]")
+        raise ValueError(f"{key_name} has key dimension {k.shape[-1]} (shape {_shape(k)}) but q has {Dk}; expected [{B}, {Hkv}, T, {Dk}]")
     S = k.shape[2]
     if S == 0:
-        raise ValueError(f"k has length 0 (shape {_shape(k)}); at least one key is required")
+        raise ValueError(f"{key_name} has length 0 (shape {_shape(k)}); at least one key is required")
     if v.shape[2] != S:
-        raise ValueError(f"v has length {v.shape[2]} (shape {_shape(v)}) but k has {S}; they must match")
+        raise ValueError(f"v has length {v.shape[2]} (shape {_shape(v)}) but {key_name} has {S}; they must match")
     if same_length and S != T:
-        raise ValueError(f"k has length {S} (shape {_shape(k)}) but q has {T}; expected [{B}, {Hkv}, {T}, {Dk}]")
+        raise ValueError(f"{key_name} has length {S} (shape {_shape(k)}) but q has {T}; expected [{B}, {Hkv}, {T}, {Dk}]")
     return AttentionShapes(B, H, Hkv, T, Dk, v.shape[-1])
 
 

@@ -30,14 +30,43 @@ _MODES = ("parallel", "chunk", "recurrent")
 _NORMALIZE = ("attention", "sum", None)
 
 
-# The three forms share one layout: phi_q [N, G, T, F], phi_k [N, T, F], v [N, T, E]
+# The three forms share one layout: q [N, G, T, Dk], k [N, T, Dk], v [N, T, E]
 # (N = B * Hkv, G query heads per key/value head), state S [N, F, E] and z [N, F]
-# (z is None without a denominator). Each returns (num [N, G, T, E], den [N, G, T, 1]
-# or None, S_final, z_final or None).
+# (z is None without a denominator). `features` maps raw q/k to phi, `finish` turns
+# (numerator, denominator, query shift) into the output. Each returns (out, S, z).
 
 
-def _parallel(phi_q, phi_k, v, S, z, causal):
+class _Features:
+    """phi of queries and keys for any slice of positions, stabilisers fixed per call.
+
+    Under "attention", exponential maps are stabilised by max-subtraction that cancels
+    exactly in the ratio: per query row, and one detached shift per (batch, head) for the
+    keys (``key_shift [N]``, merged with the carried state's). Other normalisations are
+    per row and need no shift.
+    """
+
+    def __init__(self, fmap: FeatureMap, normalize, eps, key_shift):
+        self.fmap, self.eps, self.key_shift = fmap, eps, key_shift
+        self.normalize = None if normalize == "attention" else normalize
+        self.shifted = key_shift is not None
+
+    def queries(self, q):
+        if self.shifted:
+            log_q = self.fmap.log_features(q, is_query=True)
+            shift = log_q.amax(dim=-1, keepdim=True).detach()
+            return torch.exp(log_q - shift), shift
+        return normalized_features(self.fmap, q, is_query=True, normalize=self.normalize, eps=self.eps), None
+
+    def keys(self, k):
+        if self.shifted:
+            return torch.exp(self.fmap.log_features(k, is_query=False) - self.key_shift[:, None, None])
+        return normalized_features(self.fmap, k, is_query=False, normalize=self.normalize, eps=self.eps)
+
+
+def _parallel(q, k, v, S, z, causal, features, finish):
     """Reference: materialised (masked) ``A = phi(Q) phi(K)^T`` [N, G, T, T]."""
+    phi_q, q_shift = features.queries(q)
+    phi_k = features.keys(k)
     A = phi_q @ phi_k.unsqueeze(1).transpose(-1, -2)
     if causal:
         A = A.tril()
@@ -49,16 +78,17 @@ def _parallel(phi_q, phi_k, v, S, z, causal):
             den = den + phi_q @ z[:, None, :, None]
     S_final = phi_k.transpose(-1, -2) @ v + (S if S is not None else 0)
     z_final = phi_k.sum(1) + z if z is not None else None
-    return num, den, S_final, z_final
+    return finish(num, den, q_shift), S_final, z_final
 
 
-def _recurrent(phi_q, phi_k, v, S, z, causal):
+def _recurrent(q, k, v, S, z, causal, features, finish):
     """Token by token: ``S <- S + phi(k_t) v_t^T``, ``z <- z + phi(k_t)``, read with phi(q_t)."""
+    phi_q, q_shift = features.queries(q)
+    phi_k = features.keys(k)
     if S is None:
         S = phi_k.new_zeros(phi_k.shape[0], phi_k.shape[-1], v.shape[-1])
-    queries, keys, values = phi_q.unbind(2), phi_k.unbind(1), v.unbind(1)
     nums, dens = [], []
-    for q_t, k_t, v_t in zip(queries, keys, values):
+    for q_t, k_t, v_t in zip(phi_q.unbind(2), phi_k.unbind(1), v.unbind(1)):
         S = S + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
         if z is not None:
             z = z + k_t
@@ -69,66 +99,48 @@ def _recurrent(phi_q, phi_k, v, S, z, causal):
     if not causal:
         num = phi_q @ S.unsqueeze(1)
         den = phi_q @ z[:, None, :, None] if z is not None else None
-        return num, den, S, z
-    num = torch.stack(nums, dim=2)
-    den = torch.stack(dens, dim=2) if z is not None else None
-    return num, den, S, z
+    else:
+        num = torch.stack(nums, dim=2)
+        den = torch.stack(dens, dim=2) if z is not None else None
+    return finish(num, den, q_shift), S, z
 
 
-def _chunk(phi_q, phi_k, v, S, z, causal, chunk_size):
+def _chunk(q, k, v, S, z, causal, chunk_size, features, finish):
     """Chunkwise parallel: within a chunk of C positions, ``tril(Q_c K_c^T) V_c``; across
     chunks, the carried state: ``out_c = Q_c S + tril(Q_c K_c^T) V_c``, ``S += K_c^T V_c``.
 
-    The G query heads of a key/value head are stacked as G * C rows of one matmul.
+    Features, products and the division all happen chunk by chunk, so no full-length
+    temporary is made besides the output; the G query heads of a key/value head are
+    stacked as G * C rows of one matmul.
     """
-    N, G, T, F = phi_q.shape
+    N, G, T, _ = q.shape
     E = v.shape[-1]
-    if S is None:
-        S = phi_k.new_zeros(N, F, E)
     if not causal:
-        S = S + phi_k.transpose(-1, -2) @ v
-        num = phi_q @ S.unsqueeze(1)
-        if z is None:
-            return num, None, S, None
-        z = z + phi_k.sum(1)
-        return num, phi_q @ z[:, None, :, None], S, z
-    nums, dens = [], []
-    q_chunks = phi_q.split(chunk_size, dim=2)
-    for q_c, k_c, v_c in zip(q_chunks, phi_k.split(chunk_size, dim=1), v.split(chunk_size, dim=1)):
+        phi_k = features.keys(k)
+        S_final = phi_k.transpose(-1, -2) @ v + (S if S is not None else 0)
+        z_final = phi_k.sum(1) + z if z is not None else None
+        phi_q, q_shift = features.queries(q)
+        den = phi_q @ z_final[:, None, :, None] if z is not None else None
+        return finish(phi_q @ S_final.unsqueeze(1), den, q_shift), S_final, z_final
+    outs = []
+    for q_c, k_c, v_c in zip(q.split(chunk_size, dim=2), k.split(chunk_size, dim=1), v.split(chunk_size, dim=1)):
         C = k_c.shape[1]
-        rows = q_c.reshape(N, G * C, F)
-        A = torch.bmm(rows, k_c.transpose(1, 2))
+        phi_q, q_shift = features.queries(q_c)
+        phi_k = features.keys(k_c)
+        F = phi_k.shape[-1]
+        if S is None:
+            S = phi_k.new_zeros(N, F, E)
+        rows = phi_q.reshape(N, G * C, F)
+        A = torch.bmm(rows, phi_k.transpose(1, 2))
         A.view(N, G, C, C).tril_()
-        nums.append(torch.bmm(rows, S).baddbmm_(A, v_c).view(N, G, C, E))
+        num = torch.bmm(rows, S).baddbmm_(A, v_c).view(N, G, C, E)
+        den = None
         if z is not None:
-            dens.append(torch.baddbmm(A.sum(-1, keepdim=True), rows, z.unsqueeze(-1)).view(N, G, C, 1))
-            z = z + k_c.sum(1)
-        S = torch.baddbmm(S, k_c.transpose(1, 2), v_c)
-    num = torch.cat(nums, dim=2)
-    den = torch.cat(dens, dim=2) if z is not None else None
-    return num, den, S, z
-
-
-def _features(fmap: FeatureMap, q, k, normalize, eps, state_shift):
-    """phi(q), phi(k) and the log-scales removed from them by stabilisers.
-
-    Under "attention", exponential maps are stabilised by max-subtraction that cancels
-    exactly in the ratio: per query row, and for keys one detached shift per (batch,
-    head), merged with the carried state's shift. Other normalisations are per row.
-    """
-    if fmap.exponential and normalize == "attention":
-        log_q = fmap.log_features(q, is_query=True)
-        log_k = fmap.log_features(k, is_query=False)
-        q_shift = log_q.amax(dim=-1, keepdim=True).detach()
-        k_shift = log_k.detach().amax(dim=(-1, -2))  # [B, Hkv]
-        if state_shift is not None:
-            k_shift = torch.maximum(k_shift, state_shift)
-        return torch.exp(log_q - q_shift), torch.exp(log_k - k_shift[..., None, None]), q_shift, k_shift
-    if normalize == "attention":
-        normalize = None  # the denominator is applied after the sums
-    phi_q = normalized_features(fmap, q, is_query=True, normalize=normalize, eps=eps)
-    phi_k = normalized_features(fmap, k, is_query=False, normalize=normalize, eps=eps)
-    return phi_q, phi_k, None, None
+            den = torch.baddbmm(A.sum(-1, keepdim=True), rows, z.unsqueeze(-1)).view(N, G, C, 1)
+            z = z + phi_k.sum(1)
+        outs.append(finish(num, den, q_shift))
+        S = torch.baddbmm(S, phi_k.transpose(1, 2), v_c)
+    return torch.cat(outs, dim=2), S, z
 
 
 def linear_attention(
@@ -205,32 +217,35 @@ def linear_attention(
     if with_denominator and z is None:
         z = q.new_zeros(B * Hkv, F, dtype=dtype)
 
-    qf = q.to(dtype).reshape(B, Hkv, G, T, Dk)
-    phi_q, phi_k, q_shift, k_shift = _features(fmap, qf, k.to(dtype), normalize, eps, state_shift)
-    phi_q = phi_q.reshape(B * Hkv, G, T, F)
-    phi_k = phi_k.reshape(B * Hkv, T, F)
+    qf = q.to(dtype).reshape(B * Hkv, G, T, Dk)
+    kf = k.to(dtype).reshape(B * Hkv, T, Dk)
     values = v.to(dtype).reshape(B * Hkv, T, Dv)
-    if state_shift is not None:
-        # Keys stored under the old shift are rescaled to the new (larger) one.
-        rescale = torch.exp(state_shift - k_shift).reshape(B * Hkv, 1)
-        S, z = S * rescale.unsqueeze(-1), z * rescale
+    key_shift = None
+    if tracks_shift:
+        key_shift = fmap.log_features(kf, is_query=False).detach().amax(dim=(-1, -2))  # [N]
+        if state_shift is not None:
+            old_shift = state_shift.reshape(B * Hkv)
+            key_shift = torch.maximum(key_shift, old_shift)
+            # Keys stored under the old shift are rescaled to the new (larger) one.
+            rescale = torch.exp(old_shift - key_shift).unsqueeze(-1)
+            S, z = S * rescale.unsqueeze(-1), z * rescale
+    features = _Features(fmap, normalize, eps, key_shift)
+
+    def finish(num, den, q_shift):
+        if den is None:
+            return num
+        if q_shift is not None:
+            # eps belongs to the unshifted denominator: scale it like the features.
+            return num / (den + eps * torch.exp(-(q_shift + key_shift[:, None, None, None])))
+        return num / (den + eps)
 
     if mode == "parallel":
-        num, den, S, z = _parallel(phi_q, phi_k, values, S, z, causal)
+        out, S, z = _parallel(qf, kf, values, S, z, causal, features, finish)
     elif mode == "recurrent":
-        num, den, S, z = _recurrent(phi_q, phi_k, values, S, z, causal)
+        out, S, z = _recurrent(qf, kf, values, S, z, causal, features, finish)
     else:
-        num, den, S, z = _chunk(phi_q, phi_k, values, S, z, causal, chunk_size)
-
-    if with_denominator:
-        if tracks_shift:
-            # eps belongs to the unshifted denominator: scale it like the features.
-            shift = (q_shift + k_shift[:, :, None, None, None]).reshape(B * Hkv, G, T, 1)
-            den = den + eps * torch.exp(-shift)
-        else:
-            den = den + eps
-        num = num / den
-    out = num.reshape(B, H, T, Dv).to(q.dtype)
+        out, S, z = _chunk(qf, kf, values, S, z, causal, chunk_size, features, finish)
+    out = out.reshape(B, H, T, Dv).to(q.dtype)
 
     state = None
     if output_final_state:
@@ -238,7 +253,7 @@ def linear_attention(
         state = LinearAttentionState(
             kv=S.reshape(B, Hkv, F, Dv),
             normalizer=z.reshape(B, Hkv, F) if with_denominator else None,
-            key_shift=k_shift if tracks_shift else None,
+            key_shift=key_shift.reshape(B, Hkv) if tracks_shift else None,
             steps=steps,
         )
     return out, state

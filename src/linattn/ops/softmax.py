@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ._bias import relative_bias_table
 from ._validate import (
     AttentionShapes,
     check_choice,
@@ -52,23 +53,10 @@ def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, de
 
 
 def _bias_table(bias: Callable, heads: int, length: int, key_length: int, device, dtype) -> torch.Tensor:
-    """Evaluate a relative-position bias ``bias(i - j)`` once on every offset.
-
-    Returns ``[Hb, T + S - 1]`` (``Hb`` in {1, H}); column ``(i - j) + S - 1`` holds the
-    bias of query i on key j.
-    """
+    """``[Hb, T + S - 1]`` table of ``bias(i - j)``; column ``(i - j) + S - 1`` holds the
+    bias of query i on key j."""
     offsets = torch.arange(-(key_length - 1), length, device=device)
-    table = bias(offsets)
-    if not isinstance(table, torch.Tensor) or not table.is_floating_point():
-        raise TypeError("bias callable must return a floating-point tensor of shape [n] or [H, n] for n offsets")
-    if table.dim() == 1:
-        table = table.unsqueeze(0)
-    n = offsets.numel()
-    if table.dim() != 2 or table.shape[-1] != n or table.shape[0] not in (1, heads):
-        raise ValueError(
-            f"bias callable returned shape {list(table.shape)} for {n} offsets; expected [{n}] or [{heads}, {n}]"
-        )
-    return table.to(dtype)
+    return relative_bias_table(bias, offsets, heads, dtype)
 
 
 def _dense_bias(bias: torch.Tensor, B: int, H: int, T: int, S: int, like: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""The Gated Attention Unit of Transformer-VQ, with VQ, soft-VQ or exact softmax attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.vq import windowed_softmax
+from ..ops.vq import soft_vq_attention, vq_attention
+from ..quantize import VectorQuantizer
+from ..state import VQAttentionState
+
+_ATTENTIONS = ("vq", "soft-vq", "softmax")
+
+
+def _sinusoids(length: int, dim: int) -> torch.Tensor:
+    """Transformer-XL's fixed relative encodings ``R [length, dim]`` for offsets 0..length-1."""
+    inverse_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inverse_freq[None, :]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)[:, :dim].float()
+
+
+def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class GAU(nn.Module):
+    """Single-head gated attention unit (Hua et al. 2022) as used by Transformer-VQ.
+
+    ``x~ = RMSNorm(x)``; ``q, k = RMS(W_q x~), RMS(W_k x~)`` each times ``d_k^-1/4`` (so
+    ``|q.k| <= sqrt(d_k)``, scale 1); ``v = SiLU(W_v x~)``, ``g = SiLU(W_g x~)``;
+    ``y = W_o(attention(q, k, v) * g)``. No projection biases. The residual is left to the
+    caller. Relative positions as in Transformer-XL within the window ``0 <= i - j <= L``:
+    ``(q_i + u).k_j + (q_i + w).W_r R_{i-j}`` with learned ``u, w, W_r`` and sinusoids R.
+
+    ``attention``: ``"vq"`` (keys quantized by a ``VectorQuantizer``, linear-time
+    ``vq_attention``), ``"soft-vq"`` (``soft_vq_attention`` with a codebook learned by
+    gradient), ``"softmax"`` (the quadratic twin: same layer, exact keys).
+
+    ``forward(x [B, T, d_model], state=None) -> (y, state, aux)``; ``aux`` holds
+    ``commit_loss`` (VQ; zero otherwise) and ``codes``. ``state`` continues the sequence
+    (VQ and soft-VQ); the softmax twin is stateless.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        *,
+        d_k: int = 128,
+        d_v: int | None = None,
+        codebook_size: int = 512,
+        block_size: int = 128,
+        attention: str = "vq",
+        temperature: float = 1.0,
+        ema_decay: float = 0.99,
+        commitment_weight: float = 1e-4,
+        kmeans_init: bool = False,
+        dead_code_threshold: float = 0.0,
+    ):
+        super().__init__()
+        if attention not in _ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(_ATTENTIONS)}; got {attention!r}")
+        d_v = 2 * d_model if d_v is None else d_v
+        self.d_model, self.d_k, self.d_v, self.block_size = d_model, d_k, d_v, block_size
+        self.attention, self.temperature = attention, temperature
+        self.norm = nn.RMSNorm(d_model)
+        self.w_q = nn.Linear(d_model, d_k, bias=False)
+        self.w_k = nn.Linear(d_model, d_k, bias=False)
+        self.w_v = nn.Linear(d_model, d_v, bias=False)
+        self.w_g = nn.Linear(d_model, d_v, bias=False)
+        self.w_o = nn.Linear(d_v, d_model, bias=False)
+        self.w_r = nn.Linear(d_k, d_k, bias=False)
+        self.content_bias = nn.Parameter(torch.zeros(d_k))  # u
+        self.position_bias = nn.Parameter(torch.zeros(d_k))  # w
+        self.register_buffer("sinusoids", _sinusoids(block_size + 1, d_k), persistent=False)
+        self.quantizer = None
+        self.codebook = None
+        if attention == "vq":
+            self.quantizer = VectorQuantizer(
+                1, d_k, codebook_size, ema_decay=ema_decay, commitment_weight=commitment_weight,
+                kmeans_init=kmeans_init, dead_code_threshold=dead_code_threshold, init_scale=d_k ** -0.25,
+            )
+        elif attention == "soft-vq":
+            self.codebook = nn.Parameter(torch.randn(1, codebook_size, d_k) * d_k ** -0.25)
+
+    def forward(
+        self, x: torch.Tensor, state: VQAttentionState | None = None
+    ) -> tuple[torch.Tensor, VQAttentionState | None, dict]:
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        if state is not None and self.attention == "softmax":
+            raise ValueError("the softmax GAU is the stateless quadratic twin; it takes no state")
+        h = self.norm(x)
+        scale = self.d_k ** -0.25
+        q = (_rms(self.w_q(h)) * scale).unsqueeze(1)  # [B, 1, T, d_k]
+        k = (_rms(self.w_k(h)) * scale).unsqueeze(1)
+        v = F.silu(self.w_v(h)).unsqueeze(1)
+        gate = F.silu(self.w_g(h))
+        position_keys = self.w_r(self.sinusoids.to(x.dtype))  # P_delta = W_r R_delta, [L + 1, d_k]
+        bias = (self.position_bias - self.content_bias) @ position_keys.T  # (w - u).P_delta
+        queries = q + self.content_bias
+        aux = {"commit_loss": x.new_zeros(()), "codes": None}
+        common = dict(block_size=self.block_size, bias=bias, position_keys=position_keys, scale=1.0)
+        if self.attention == "vq":
+            k_hat, codes, aux["commit_loss"] = self.quantizer(k)
+            aux["codes"] = codes
+            out, state = vq_attention(
+                queries, k_hat, v, codes, self.quantizer.codebook.to(x.dtype),
+                initial_state=state, output_final_state=True, **common,
+            )
+        elif self.attention == "soft-vq":
+            out, state = soft_vq_attention(
+                queries, k, v, self.codebook.to(x.dtype), temperature=self.temperature,
+                initial_state=state, output_final_state=True, **common,
+            )
+        else:
+            table = bias.reshape(1, 1, -1)
+            out = windowed_softmax(queries.unsqueeze(2), k, v, table, position_keys.reshape(1, 1, *position_keys.shape),
+                                    self.block_size, True).squeeze(2)
+            state = None
+        y = self.w_o(out.squeeze(1) * gate)
+        return y, state, aux

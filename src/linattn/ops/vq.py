@@ -1,0 +1,455 @@
+"""Transformer-VQ attention: softmax attention over vector-quantized keys, in linear time.
+
+Every key is a codebook vector, ``k_hat_j = c_{z_j}`` (codebook ``C [Hkv, S, Dk]``,
+codes ``z``). The score of query i on key j is ``s_ij = scale q_i.(k_hat_j + P_{i-j}) + b_{i-j}``
+with relative terms (a bias table ``b``, position keys ``P``) that are non-zero only for
+``0 <= i - j <= L`` (L = block_size).
+
+``mode="parallel"`` (the reference) materialises ``softmax(s) V`` causally.
+
+``mode="block"`` groups positions in blocks of L from the start of the sequence. A query
+in block r attends exactly to its own block (causal) and to block r-1 (both with the
+bias), and to every older position through a cache: per code s, the count ``n_s`` and
+mean value ``m_s`` of the positions in blocks <= r-2 quantized to s. Since all those keys
+equal ``c_s`` and carry no bias,
+
+    sum_{j in blocks <= r-2} exp(scale q.k_hat_j) v_j = exp(scale q.c_s + log n_s) m_s   (summed over s)
+
+so one softmax over (own block, previous block, S cache slots), with a detached max, equals
+the reference exactly at O(T (2L + S)) cost. ``causal=False``:
+``softmax over s of (scale q.c_s + log n_s)`` applied to ``m_s`` (the encoder form
+``exp(Q C^T)(Delta^T V)``, normalised).
+
+Gradients: the paper stops the gradient through the cache (``cache_grad=False``: the
+cache is built from detached values); ``cache_grad=True`` lets it flow into v (and into
+the codebook through the cache logits in both cases), which makes the block form's
+gradients equal the reference's w.r.t. q, v and the codebook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..state import VQAttentionState
+from ._bias import relative_bias_table
+from ._validate import (
+    check_choice,
+    check_positive_int,
+    check_qkv,
+    check_same_dtype_device,
+    check_state_tensor,
+    check_tensor,
+    compute_dtype,
+)
+
+_MODES = ("parallel", "block")
+_GROUP_ROWS = 2048  # query rows processed together in block mode (bounds temporary memory)
+
+
+def _window_bias(bias, heads: int, kv_heads: int, block_size: int, device, dtype) -> torch.Tensor | None:
+    """The bias for offsets 0..L as ``[1 or Hkv, 1 or G, L + 1]`` (grouped head layout)."""
+    if bias is None:
+        return None
+    L = block_size
+    if callable(bias) and not isinstance(bias, torch.Tensor):
+        table = relative_bias_table(bias, torch.arange(L + 1, device=device), heads, dtype)
+    else:
+        table = check_tensor("bias", bias)
+        if table.dim() == 1:
+            table = table.unsqueeze(0)
+        if table.dim() != 2 or table.shape[-1] != L + 1 or table.shape[0] not in (1, heads):
+            raise ValueError(
+                f"bias has shape {list(bias.shape)}, expected [{L + 1}] or [{heads}, {L + 1}] "
+                f"(one value per offset 0..block_size)"
+            )
+        if table.device != device:
+            raise ValueError(f"bias is on {table.device} but q is on {device}")
+        table = table.to(dtype)
+    if table.shape[0] == heads:
+        return table.reshape(kv_heads, heads // kv_heads, L + 1)
+    return table.reshape(1, 1, L + 1)
+
+
+def _offset_bias(table: torch.Tensor, offsets: torch.Tensor, L: int) -> torch.Tensor:
+    """``b[i - j]`` for a matrix of offsets, zero outside ``0 <= i - j <= L``: ``[h, g, *offsets]``."""
+    inside = (offsets >= 0) & (offsets <= L)
+    return table[..., offsets.clamp(0, L)] * inside
+
+
+def _position_keys(position_keys, heads: int, kv_heads: int, block_size: int, key_dim: int, like):
+    """Validate ``position_keys`` ``[L + 1, Dk]`` or ``[H, L + 1, Dk]``; return ``[1|Hkv, 1|G, L + 1, Dk]``."""
+    if position_keys is None:
+        return None
+    P = check_tensor("position_keys", position_keys)
+    check_same_dtype_device(q=like, position_keys=P)
+    n = block_size + 1
+    if P.dim() == 2:
+        P = P.unsqueeze(0)
+    if P.dim() != 3 or P.shape[0] not in (1, heads) or P.shape[1:] != (n, key_dim):
+        raise ValueError(
+            f"position_keys has shape {list(position_keys.shape)}, expected [{n}, {key_dim}] or [{heads}, {n}, {key_dim}]"
+        )
+    if P.shape[0] == heads:
+        return P.reshape(kv_heads, heads // kv_heads, n, key_dim)
+    return P.reshape(1, 1, n, key_dim)
+
+
+def _position_scores(q, position_keys, offsets, L):
+    """``q_i . P_{i-j}`` for ``0 <= i - j <= L``, else 0: q ``[..., r, D]``, offsets ``[r, c]``."""
+    per_offset = q @ position_keys.transpose(-1, -2)  # [..., r, L + 1]
+    index = offsets.clamp(0, L).expand(*per_offset.shape[:-1], offsets.shape[-1])
+    inside = (offsets >= 0) & (offsets <= L)
+    return per_offset.gather(-1, index) * inside
+
+
+def windowed_softmax(q, k, v, table, positions_k, L, causal):
+    """Quadratic softmax with the windowed relative terms (the reference; the GAU's softmax twin). Materialised scores. q ``[B, Hkv, G, T, D]`` (scaled), k ``[B, Hkv, T, D]``."""
+    scores = q @ k.unsqueeze(2).transpose(-1, -2)
+    T = q.shape[-2]
+    positions = torch.arange(T, device=q.device)
+    offsets = positions[:, None] - positions[None, :]
+    if table is not None:
+        scores = scores + _offset_bias(table, offsets, L)
+    if positions_k is not None:
+        scores = scores + _position_scores(q, positions_k.unsqueeze(0), offsets, L)
+    if causal:
+        scores = scores.masked_fill(offsets < 0, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v.unsqueeze(2)
+
+
+def _code_statistics(codes, values, num_codes):
+    """Per block: how many positions use each code and the sum of their values.
+
+    codes ``[B, Hkv, R, L]`` (hard, int64) or assignment weights ``[B, Hkv, R, L, S]``
+    (soft) -> counts ``[B, Hkv, R, S]``; values ``[B, Hkv, R, L, E]`` -> sums ``[B, Hkv, R, S, E]``.
+    """
+    if codes.is_floating_point():
+        return codes.sum(-2), codes.transpose(-1, -2) @ values
+    counts = values.new_zeros(*codes.shape[:-1], num_codes)
+    counts.scatter_add_(-1, codes, torch.ones_like(codes, dtype=values.dtype))
+    index = codes.unsqueeze(-1).expand(*codes.shape, values.shape[-1])
+    sums = values.new_zeros(*codes.shape[:-1], num_codes, values.shape[-1]).scatter_add(-2, index, values)
+    return counts, sums
+
+
+def _means(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean value per code, ``sums / counts`` (0 for unused codes; soft counts may be < 1)."""
+    return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
+
+
+def _noncausal(q, codes, v, codebook, state_counts, state_sums):
+    """Encoder form: ``softmax_s(q.c_s + log n_s) m_s`` over all positions (and the state)."""
+    counts, sums = _code_statistics(codes.unsqueeze(2), v.unsqueeze(2), codebook.shape[1])
+    counts, sums = counts.squeeze(2) + state_counts, sums.squeeze(2) + state_sums
+    logits = q @ codebook.unsqueeze(0).unsqueeze(2).transpose(-1, -2) + torch.log(counts).unsqueeze(2).unsqueeze(-2)
+    means = _means(sums, counts)
+    return torch.softmax(logits, dim=-1) @ means.unsqueeze(2)
+
+
+def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, dtype):
+    """Linear-time causal form. q ``[B, Hkv, G, T, D]`` (scaled); returns (out, pieces of the final state)."""
+    B, Hkv, G, T, D = q.shape
+    E, S = v.shape[-1], codebook.shape[1]
+    # The stream continues the state's partial block; queries exist only for new positions.
+    if state is not None:
+        p = state.partial_keys.shape[2]
+        k = torch.cat([state.partial_keys.to(dtype), k], dim=2)
+        v = torch.cat([state.partial_values.to(dtype), v], dim=2)
+        codes = torch.cat([state.partial_codes, codes], dim=2)
+        q = F.pad(q, (0, 0, p, 0))
+    else:
+        p = 0
+    P = p + T
+    R = -(-P // L)
+    pad = R * L - P
+    if pad:
+        q, k, v = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+        codes = F.pad(codes, (0, 0, 0, pad)) if codes.is_floating_point() else F.pad(codes, (0, pad))
+    k_blocks = k.reshape(B, Hkv, R, L, D)
+    v_blocks = v.reshape(B, Hkv, R, L, E)
+    code_blocks = codes.reshape(B, Hkv, R, L, *codes.shape[3:])
+    q_blocks = q.reshape(B, Hkv, G, R, L, D)
+
+    has_prev = state is not None and state.prev_keys is not None
+    if has_prev:
+        first_prev = (state.prev_keys.to(dtype), state.prev_values.to(dtype), state.prev_codes)
+    else:
+        first_prev = (k.new_zeros(B, Hkv, L, D), v.new_zeros(B, Hkv, L, E), codes.new_zeros(B, Hkv, L, *codes.shape[3:]))
+    # Block r's previous block: the state's for r = 0, else block r - 1.
+    prev_k = torch.cat([first_prev[0].unsqueeze(2), k_blocks[:, :, :-1]], dim=2)
+    prev_v = torch.cat([first_prev[1].unsqueeze(2), v_blocks[:, :, :-1]], dim=2)
+    prev_codes = torch.cat([first_prev[2].unsqueeze(2), code_blocks[:, :, :-1]], dim=2)
+    prev_valid = torch.ones(R, dtype=torch.bool, device=q.device)
+    prev_valid[0] = has_prev
+
+    if state is not None:
+        run_counts = state.cache_counts.to(dtype)
+        run_sums = state.cache_means.to(dtype) * run_counts.unsqueeze(-1)
+    else:
+        run_counts, run_sums = q.new_zeros(B, Hkv, S), q.new_zeros(B, Hkv, S, E)
+
+    rows = torch.arange(L, device=q.device)
+    present_offsets = rows[:, None] - rows[None, :]
+    present_mask = present_offsets < 0
+    present_bias = _offset_bias(table, present_offsets, L) if table is not None else None
+    prev_bias = _offset_bias(table, present_offsets + L, L) if table is not None else None
+    codebook_t = codebook.unsqueeze(0).unsqueeze(2).unsqueeze(3).transpose(-1, -2)  # [1, Hkv, 1, 1, D, S]
+
+    outs = []
+    group = max(1, _GROUP_ROWS // L)
+    final_cache = None
+    full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
+    for r0 in range(0, R, group):
+        r1 = min(r0 + group, R)
+        entering_v = prev_v[:, :, r0:r1]
+        if not cache_grad:
+            entering_v = entering_v.detach()
+        counts, sums = _code_statistics(prev_codes[:, :, r0:r1], entering_v, S)
+        valid = prev_valid[r0:r1].to(dtype)
+        counts, sums = counts * valid[:, None], sums * valid[:, None, None]
+        if codes.is_floating_point() and not cache_grad:
+            counts = counts.detach()
+        # cache of block r = running cache + entering blocks r0..r-1 of this group
+        inclusive_counts, inclusive_sums = counts.cumsum(2), sums.cumsum(2)
+        cache_counts = run_counts.unsqueeze(2) + inclusive_counts - counts
+        cache_sums = run_sums.unsqueeze(2) + inclusive_sums - sums
+        if r0 <= full_blocks < r1:
+            final_cache = (cache_counts[:, :, full_blocks - r0], cache_sums[:, :, full_blocks - r0])
+        run_counts = run_counts + inclusive_counts[:, :, -1]
+        run_sums = run_sums + inclusive_sums[:, :, -1]
+
+        q_g = q_blocks[:, :, :, r0:r1]  # [B, Hkv, G, g, L, D]
+        present = q_g @ k_blocks[:, :, None, r0:r1].transpose(-1, -2)
+        previous = q_g @ prev_k[:, :, None, r0:r1].transpose(-1, -2)
+        if table is not None:
+            present = present + present_bias.unsqueeze(2)
+            previous = previous + prev_bias.unsqueeze(2)
+        if positions_k is not None:
+            group_keys = positions_k.unsqueeze(0).unsqueeze(3)  # [1, h, g, 1, L + 1, D]
+            present = present + _position_scores(q_g, group_keys, present_offsets, L)
+            previous = previous + _position_scores(q_g, group_keys, present_offsets + L, L)
+        present = present.masked_fill(present_mask, float("-inf"))
+        previous = previous.masked_fill(~prev_valid[r0:r1, None, None], float("-inf"))
+        cached = q_g @ codebook_t + torch.log(cache_counts).unsqueeze(2).unsqueeze(-2)
+        top = torch.maximum(torch.maximum(present.amax(-1), previous.amax(-1)), cached.amax(-1)).detach()
+        top = top.unsqueeze(-1)
+        w_present, w_previous, w_cached = (present - top).exp(), (previous - top).exp(), (cached - top).exp()
+        means = _means(cache_sums, cache_counts)
+        numerator = (
+            w_present @ v_blocks[:, :, None, r0:r1]
+            + w_previous @ prev_v[:, :, None, r0:r1]
+            + w_cached @ means.unsqueeze(2)
+        )
+        denominator = w_present.sum(-1) + w_previous.sum(-1) + w_cached.sum(-1)
+        outs.append(numerator / denominator.unsqueeze(-1))
+    if final_cache is None:
+        final_cache = (run_counts, run_sums)
+    out = torch.cat(outs, dim=3).reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
+
+    start = full_blocks * L
+    new_state = {
+        "partial": (k[:, :, start:P], v[:, :, start:P], codes[:, :, start:P]),
+        "prev": (
+            (k_blocks[:, :, full_blocks - 1], v_blocks[:, :, full_blocks - 1], code_blocks[:, :, full_blocks - 1])
+            if full_blocks >= 1
+            else ((state.prev_keys, state.prev_values, state.prev_codes) if has_prev else (None, None, None))
+        ),
+        "cache": final_cache,
+    }
+    return out, new_state
+
+
+def _check_codes(codes, codebook, B, Hkv, T, like):
+    """Hard codes ``[B, Hkv, T]`` (int64) or soft assignment weights ``[B, Hkv, T, S]``."""
+    codebook = check_tensor("codebook", codebook, ndim=3, layout="[kv_heads, codebook_size, key_dim]")
+    check_same_dtype_device(q=like, codebook=codebook)
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be an int64 tensor [B, Hkv, T], got {type(codes).__name__}")
+    if codes.device != like.device:
+        raise ValueError(f"codes is on {codes.device} but q is on {like.device}")
+    if codes.is_floating_point():
+        S = codebook.shape[1]
+        if tuple(codes.shape) != (B, Hkv, T, S):
+            raise ValueError(f"soft codes have shape {list(codes.shape)}, expected [{B}, {Hkv}, {T}, {S}]")
+        return codes.to(compute_dtype(like.dtype)), codebook
+    if codes.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"codes must be an int64 tensor [B, Hkv, T], got dtype {codes.dtype}")
+    if tuple(codes.shape) != (B, Hkv, T):
+        raise ValueError(f"codes has shape {list(codes.shape)}, expected [{B}, {Hkv}, {T}]")
+    return codes.long(), codebook
+
+
+def vq_attention(
+    q: torch.Tensor,
+    k_hat: torch.Tensor,
+    v: torch.Tensor,
+    codes: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    block_size: int = 128,
+    bias: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
+    position_keys: torch.Tensor | None = None,
+    mode: str | None = None,
+    cache_grad: bool = False,
+    initial_state: VQAttentionState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, VQAttentionState | None]:
+    """Softmax attention over vector-quantized keys (Transformer-VQ).
+
+    Args:
+        q: ``[B, H, T, Dk]``; k_hat: ``[B, Hkv, T, Dk]`` quantized keys (equal to
+            ``codebook[h, codes]`` in value; ``VectorQuantizer`` gives them with a
+            straight-through gradient); v: ``[B, Hkv, T, Dv]``.
+        codes: ``[B, Hkv, T]`` int64 code indices; codebook: ``[Hkv, S, Dk]``.
+        causal: decoder (True) or encoder (False; no bias, no state).
+        scale: score scale, ``None`` = ``Dk^-1/2``.
+        block_size: L, the block length and the bias window.
+        bias: relative bias for offsets ``0..L``: a tensor ``[L + 1]`` or ``[H, L + 1]``, or
+            a callable of the offsets (1-D long tensor) returning ``[n]`` or ``[H, n]``.
+            Zero for larger offsets.
+        position_keys: ``[L + 1, Dk]`` or ``[H, L + 1, Dk]``: adds the query-dependent
+            relative term ``scale q_i . P_{i-j}`` for ``0 <= i - j <= L`` (Transformer-XL's
+            content-position term; the GAU layer uses it).
+        mode: ``"parallel"`` (quadratic reference) or ``"block"`` (linear; default).
+        cache_grad: let gradients flow through the cache into v (the paper stops them).
+        initial_state / output_final_state: carry a ``VQAttentionState`` (block mode).
+
+    Returns:
+        ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
+    """
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    shapes = check_qkv(q, k_hat, v, key_name="k_hat")
+    check_choice("mode", mode, (None,) + _MODES)
+    check_positive_int("block_size", block_size)
+    B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
+    G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
+    codes, codebook = _check_codes(codes, codebook, B, Hkv, T, q)
+    if codebook.shape[0] != Hkv or codebook.shape[2] != Dk:
+        raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}]")
+    S = codebook.shape[1]
+    mode = mode or "block"
+    if scale is None:
+        scale = Dk ** -0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    if not causal and (bias is not None or position_keys is not None):
+        raise ValueError(
+            "bias and position_keys act on the causal window 0 <= i - j <= block_size; not defined for causal=False"
+        )
+    if mode == "parallel" and (initial_state is not None or output_final_state):
+        raise ValueError("mode='parallel' is the stateless reference; use mode='block' to carry a state")
+    if initial_state is not None and not isinstance(initial_state, VQAttentionState):
+        raise TypeError(f"initial_state must be a VQAttentionState, got {type(initial_state).__name__}")
+
+    dtype = compute_dtype(q.dtype)
+    L = block_size
+    qf = q.to(dtype).reshape(B, Hkv, G, T, Dk) * scale
+    kf, vf, cb = k_hat.to(dtype), v.to(dtype), codebook.to(dtype)
+    table = _window_bias(bias, H, Hkv, L, q.device, dtype)
+    positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
+    positions_k = positions_k.to(dtype) if positions_k is not None else None
+
+    if initial_state is not None:
+        s = initial_state
+        check_state_tensor("initial_state.cache_counts", s.cache_counts, (B, Hkv, S), q)
+        check_state_tensor("initial_state.cache_means", s.cache_means, (B, Hkv, S, Dv), q)
+        p = s.partial_keys.shape[2] if isinstance(s.partial_keys, torch.Tensor) else -1
+        if not 0 <= p < L:
+            raise ValueError(f"initial_state.partial_keys must hold 0..{L - 1} positions for block_size={L}")
+        check_state_tensor("initial_state.partial_keys", s.partial_keys, (B, Hkv, p, Dk), q)
+        check_state_tensor("initial_state.partial_values", s.partial_values, (B, Hkv, p, Dv), q)
+        if s.prev_keys is not None:
+            check_state_tensor("initial_state.prev_keys", s.prev_keys, (B, Hkv, L, Dk), q)
+            check_state_tensor("initial_state.prev_values", s.prev_values, (B, Hkv, L, Dv), q)
+
+    if not causal:
+        counts0 = sums0 = 0.0
+        if initial_state is not None:
+            raise ValueError("causal=False takes no state (the encoder form sees the whole sequence)")
+        out = _noncausal(qf, codes, vf, cb, counts0, sums0)
+        return out.reshape(B, H, T, Dv).to(q.dtype), None
+    if mode == "parallel":
+        out = windowed_softmax(qf, kf, vf, table, positions_k, L, causal)
+        return out.reshape(B, H, T, Dv).to(q.dtype), None
+
+    out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, cache_grad, initial_state, dtype)
+    out = out.reshape(B, H, T, Dv).to(q.dtype)
+    if not output_final_state:
+        return out, None
+    counts, sums = pieces["cache"]
+    partial_k, partial_v, partial_codes = pieces["partial"]
+    prev_k, prev_v, prev_codes = pieces["prev"]
+    state = VQAttentionState(
+        partial_keys=partial_k,
+        partial_values=partial_v,
+        partial_codes=partial_codes,
+        cache_counts=counts,
+        cache_means=_means(sums, counts),
+        prev_keys=prev_k,
+        prev_values=prev_v,
+        prev_codes=prev_codes,
+        steps=(initial_state.steps if initial_state is not None else 0) + T,
+    )
+    return out, state
+
+
+def soft_assignments(k: torch.Tensor, codebook: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``softmax_s(-|k - c_s|^2 / (2 tau))``: k ``[B, Hkv, T, Dk]``, codebook ``[Hkv, S, Dk]``
+    -> ``[B, Hkv, T, S]``; one-hot on the nearest code as tau -> 0."""
+    distances = (
+        k.pow(2).sum(-1, keepdim=True)
+        - 2.0 * k @ codebook.unsqueeze(0).transpose(-1, -2)
+        + codebook.pow(2).sum(-1).unsqueeze(0).unsqueeze(2)
+    )
+    return torch.softmax(-distances / (2.0 * temperature), dim=-1)
+
+
+def soft_vq_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    codebook: torch.Tensor,
+    *,
+    temperature: float,
+    causal: bool = True,
+    scale: float | None = None,
+    block_size: int = 128,
+    bias: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
+    position_keys: torch.Tensor | None = None,
+    initial_state: VQAttentionState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, VQAttentionState | None]:
+    """Soft Transformer-VQ: keys softly assigned to codes, differentiable everywhere.
+
+    With ``a_j = softmax_s(-|k_j - c_s|^2 / 2 tau)`` and soft-quantized keys
+    ``k~_j = sum_s a_js c_s``, a query attends exactly (softmax) to ``k~`` in its own and the
+    previous block, and to older positions through a cache of soft counts
+    ``n_s = sum_j a_js`` and soft means ``m_s = sum_j a_js v_j / n_s`` with logits
+    ``scale q.c_s + log n_s``. No straight-through, no stop-gradient: gradients reach q, k,
+    v and the codebook exactly, in linear time. As tau -> 0 it becomes ``vq_attention``.
+    ``causal=False`` is linear attention with the ``SoftVQ`` feature map.
+    Shapes as in ``vq_attention``; the state stores soft assignments in its ``*_codes``
+    fields (``[B, Hkv, p, S]``).
+    """
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    shapes = check_qkv(q, k, v)
+    codebook = check_tensor("codebook", codebook, ndim=3, layout="[kv_heads, codebook_size, key_dim]")
+    check_same_dtype_device(q=q, codebook=codebook)
+    if codebook.shape[0] != shapes.kv_heads or codebook.shape[2] != shapes.key_dim:
+        raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{shapes.kv_heads}, S, {shapes.key_dim}]")
+    dtype = compute_dtype(q.dtype)
+    weights = soft_assignments(k.to(dtype), codebook.to(dtype), float(temperature))
+    soft_keys = weights @ codebook.to(dtype).unsqueeze(0)
+    out, state = vq_attention(
+        q.to(dtype), soft_keys, v.to(dtype), weights, codebook.to(dtype),
+        causal=causal, scale=scale, block_size=block_size, bias=bias, position_keys=position_keys,
+        mode="block", cache_grad=True, initial_state=initial_state, output_final_state=output_final_state,
+    )
+    return out.to(q.dtype), state
