@@ -8,8 +8,9 @@ from .ops.feature_maps import (
     FeatureMap,
     Identity,
     ReLU,
+    SoftVQ,
     Taylor,
     get_feature_map,
 )
 
-__all__ = ["FeatureMap", "EluPlusOne", "ReLU", "Identity", "Exp", "FAVOR", "DPFP", "Taylor", "get_feature_map"]
+__all__ = ["FeatureMap", "EluPlusOne", "ReLU", "Identity", "Exp", "FAVOR", "DPFP", "Taylor", "SoftVQ", "get_feature_map"]

@@ -13,8 +13,10 @@ torch.distributed and moves the exponential moving averages
     counts <- g counts + (1 - g) batch_counts,   sums <- g sums + (1 - g) batch_sums,
     c = sums / max(counts, 0.01)
 
-A forward recomputed by activation checkpointing (it runs inside the backward pass) adds
-nothing, so the statistics of a step are counted once.
+Every training-mode forward outside a backward pass is counted (use ``.eval()`` for
+evaluation); a forward recomputed by activation checkpointing runs inside the backward
+pass and adds nothing, so the statistics of a step are counted once. The codebook and the
+statistics stay float32 whatever the module is cast to.
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ class VectorQuantizer(nn.Module):
         self.register_buffer("_pending_sums", torch.zeros(n_heads, codebook_size, head_dim), persistent=False)
         self._recent_keys: torch.Tensor | None = None
 
+    _FLOAT32_BUFFERS = ("codebook", "ema_counts", "ema_sums", "_pending_counts", "_pending_sums")
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.double()``, ``.half()`` move the codebook and statistics but keep them float32."""
+        super()._apply(fn, recurse)
+        for name in self._FLOAT32_BUFFERS:
+            buffer = self._buffers[name]
+            if buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
     # -- forward -----------------------------------------------------------------------
 
     def _check(self, k: torch.Tensor, mask: torch.Tensor | None) -> None:
@@ -87,15 +100,18 @@ class VectorQuantizer(nn.Module):
             raise ValueError(f"mask must be a bool tensor [{k.shape[0]}, {k.shape[2]}], got {mask.dtype} {list(mask.shape)}")
 
     def nearest_codes(self, k: torch.Tensor) -> torch.Tensor:
-        """``[B, H, T]`` index of the nearest code by squared L2 distance, computed in float32."""
+        """``[B, H, T]`` index of the nearest code by squared L2 distance, computed in float32.
+
+        ``argmin_s |k - c_s|^2 = argmin_s (|c_s|^2 - 2 k.c_s)``, evaluated 1024 positions at a time.
+        """
         keys = k.detach().float()
         codebook = self.codebook.float()
-        distances = (
-            keys.pow(2).sum(-1, keepdim=True)
-            - 2.0 * keys @ codebook.transpose(-1, -2).unsqueeze(0)
-            + codebook.pow(2).sum(-1).unsqueeze(0).unsqueeze(2)
-        )
-        return distances.argmin(-1)
+        code_norms = codebook.pow(2).sum(-1)[None, :, None, :]  # [1, H, 1, S]
+        codes = []
+        for chunk in keys.split(1024, dim=2):
+            scores = chunk @ codebook.transpose(-1, -2).unsqueeze(0)  # [B, H, t, S]
+            codes.append(scores.mul_(-2.0).add_(code_norms).argmin(-1))
+        return torch.cat(codes, dim=2)
 
     def lookup(self, codes: torch.Tensor) -> torch.Tensor:
         """``codebook[h, codes[b, h, t]]`` -> ``[B, H, T, Dk]``."""
@@ -123,7 +139,7 @@ class VectorQuantizer(nn.Module):
             commit = squared.mean()
         else:
             commit = (squared * weights).sum() / (weights.sum() * self.n_heads).clamp_min(1.0)
-        if self.training and torch.is_grad_enabled() and not _inside_backward():
+        if self.training and not _inside_backward():
             self._accumulate(k, codes, mask)
         return k_hat, codes, self.commitment_weight * commit
 

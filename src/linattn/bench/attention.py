@@ -23,6 +23,8 @@ from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.softmax import softmax_attention
+from ..ops.vq import vq_attention
+from ..quantize import VectorQuantizer
 from . import report
 from .harness import Case, Inputs, run_cases
 
@@ -49,6 +51,7 @@ class AttentionBenchConfig:
     reference_mem_gb: float = 8.0
     reference_max_length: int = 16384
     recurrent_max_length: int = 4096
+    backward_max_length: int | None = None
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int = 0
 
@@ -101,6 +104,19 @@ def _delta_case(name: str, label: str, mode: str, **extra) -> Case:
     return Case(name, label, attend, **extra)
 
 
+def _vq_case(config: AttentionBenchConfig, block_size: int, codebook_size: int = 512) -> Case:
+    """Transformer-VQ: keys quantized (S codes per head, part of the timed call), block form."""
+    quantizer = VectorQuantizer(config.heads, config.dim, codebook_size).eval().to(config.device)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_hat, codes, _ = quantizer(k)
+        codebook = quantizer.codebook.to(q.dtype)
+        return vq_attention(q, k_hat, v, codes, codebook, block_size=block_size, mode="block")[0]
+
+    name = f"vq-b{block_size}"
+    return Case(name, f"Transformer-VQ (S={codebook_size}, block {block_size})", attend)
+
+
 CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
     "sdpa": lambda config: _softmax_case("sdpa", "softmax (torch SDPA)", "sdpa"),
     "tiled": lambda config: _softmax_case("tiled", "softmax (tiled, online)", "tiled"),
@@ -113,6 +129,8 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
         "delta-recurrent", "delta rule (recurrent)", "recurrent",
         max_length=config.recurrent_max_length, max_length_note="--recurrent-max-length",
     ),
+    "vq-b128": lambda config: _vq_case(config, 128),
+    "vq-b256": lambda config: _vq_case(config, 256),
 }
 
 
@@ -186,6 +204,14 @@ def summarize(rows: Sequence[dict]) -> dict:
                 rows, "delta-chunk", "delta-recurrent", length, "forward_backward_s"
             ),
         }
+    for case in ("vq-b128", "vq-b256"):
+        for length in sorted({r["length"] for r in rows}):
+            if _longest_common([r for r in rows if r["length"] == length], [case, BASELINE], "forward_s"):
+                summary.setdefault(f"{case}_vs_sdpa", []).append({
+                    "length": length,
+                    "forward_speedup": report.speed_ratio(rows, case, BASELINE, length, "forward_s"),
+                    "forward_backward_speedup": report.speed_ratio(rows, case, BASELINE, length, "forward_backward_s"),
+                })
     for case in _GROWTH_CASES:
         growth = _growth(rows, case)
         if growth is not None:
@@ -222,6 +248,12 @@ def format_summary(summary: dict) -> str:
             lines.append(
                 f"  delta-chunk vs {baseline} at T={s['length']}: {baseline}/delta-chunk forward = "
                 f"{_x(s['forward_speedup'])}, forward+backward = {_x(s['forward_backward_speedup'])}"
+            )
+    for case in ("vq-b128", "vq-b256"):
+        for s in summary.get(f"{case}_vs_sdpa", []):
+            lines.append(
+                f"  {case} vs sdpa at T={s['length']}: sdpa/{case} forward = {_x(s['forward_speedup'])}, "
+                f"forward+backward = {_x(s['forward_backward_speedup'])}"
             )
     for case in _GROWTH_CASES:
         g = summary.get(f"{case.replace('-', '_')}_growth")
@@ -261,6 +293,7 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     rows = run_cases(
         cases, config.lengths, _make_inputs(config),
         repeats=config.repeats, warmup=config.warmup, device=config.device, progress=progress,
+        backward_max_length=config.backward_max_length,
     )
     metadata = report.collect_metadata(device=config.device, command=command, shapes=config.shapes)
     metadata.update(repeats=config.repeats, warmup=config.warmup, baseline=BASELINE, seed=config.seed)
@@ -333,6 +366,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest T for the reference case")
     parser.add_argument("--recurrent-max-length", type=_positive_int, default=defaults.recurrent_max_length,
                         help="longest T for token-by-token (recurrent) cases")
+    parser.add_argument("--backward-max-length", type=_positive_int,
+                        help="measure forward+backward only up to this T (default: every length)")
     parser.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path("results/bench-attention"), help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -353,6 +388,7 @@ def run_command(args: argparse.Namespace) -> int:
         reference_mem_gb=args.reference_mem_gb,
         reference_max_length=args.reference_max_length,
         recurrent_max_length=args.recurrent_max_length,
+        backward_max_length=args.backward_max_length,
         threads=args.threads,
     )
     result = run(config, out_dir=args.out, command=args.command_line, progress=not args.no_progress)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 
-from . import attention
+from . import attention, decode
 
-BENCHMARKS = {"attention": attention}
+BENCHMARKS = {"attention": attention, "decode": decode}
 
 
 def register(commands: argparse._SubParsersAction) -> None:

@@ -194,13 +194,15 @@ def run_cases(
     warmup: int = 1,
     device: torch.device | str,
     progress: bool = True,
+    backward_max_length: int | None = None,
 ) -> list[dict]:
     """Measure every case at every length; one result row per (length, case).
 
     ``make_inputs(T)`` returns ``(q, k, v)`` on ``device``; the cotangent of the backward
     pass has the output's shape ``[B, H, T, Dv]``. A case that runs out of memory at some
     length is recorded as skipped there and at every longer length (separately for the
-    forward and the forward+backward measurement).
+    forward and the forward+backward measurement). Forward+backward is skipped above
+    ``backward_max_length``.
 
     Row keys: ``case``, ``label``, ``length``, ``forward_s``, ``forward_times_s``,
     ``forward_peak_bytes``, ``forward_backward_s``, ``forward_backward_times_s``,
@@ -257,6 +259,9 @@ def run_cases(
 
         if not case.supports_backward:
             row["backward_skip_reason"] = "forward only"
+            continue
+        if backward_max_length is not None and length > backward_max_length:
+            row["backward_skip_reason"] = f"T={length} > --backward-max-length {backward_max_length}"
             continue
         if case.name in backward_failed:
             row["backward_skip_reason"] = backward_failed[case.name]

@@ -198,6 +198,40 @@ class FAVOR(FeatureMap):
         return f"FAVOR(num_features={self.num_features}, seed={self.seed}, orthogonal={self.orthogonal})"
 
 
+class SoftVQ(FeatureMap):
+    """Performer as a soft Transformer-VQ (seed 000): features indexed by a codebook ``C [S, d]``.
+
+    ``phi_q(q)_y = exp(q.c_y - max_y q.c_y)``, ``phi_k(k)_y = softmax_y(-|k - c_y|^2 / 2 tau)``, so
+    ``phi_q(q).phi_k(k) -> exp(q.c_z(k) - max)`` as ``tau -> 0``: hard VQ attention's kernel.
+    Queries are expected pre-scaled (the map applies no ``d^-1/2``). Dim S.
+    """
+
+    name = "soft-vq"
+
+    def __init__(self, codebook: torch.Tensor, temperature: float = 1.0):
+        if not isinstance(codebook, torch.Tensor) or codebook.dim() != 2 or not codebook.is_floating_point():
+            raise ValueError("SoftVQ codebook must be a floating-point tensor [S, d]")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"SoftVQ temperature must be a positive number, got {temperature!r}")
+        self.codebook, self.temperature = codebook, float(temperature)
+
+    def dim_out(self, d: int) -> int:
+        if d != self.codebook.shape[1]:
+            raise ValueError(f"SoftVQ codebook has dimension {self.codebook.shape[1]} but the inputs have {d}")
+        return self.codebook.shape[0]
+
+    def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
+        codebook = self.codebook.to(device=x.device, dtype=x.dtype)
+        if is_query:
+            logits = x @ codebook.T
+            return torch.exp(logits - logits.amax(-1, keepdim=True).detach())
+        distances = (x.unsqueeze(-2) - codebook).pow(2).sum(-1)
+        return torch.softmax(-distances / (2.0 * self.temperature), dim=-1)
+
+    def __repr__(self) -> str:
+        return f"SoftVQ(codebook_size={self.codebook.shape[0]}, temperature={self.temperature})"
+
+
 def normalized_features(
     fmap: FeatureMap, x: torch.Tensor, *, is_query: bool, normalize: str | None, eps: float = 1e-6
 ) -> torch.Tensor:

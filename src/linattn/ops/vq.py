@@ -15,8 +15,7 @@ equal ``c_s`` and carry no bias,
 
     sum_{j in blocks <= r-2} exp(scale q.k_hat_j) v_j = exp(scale q.c_s + log n_s) m_s   (summed over s)
 
-so one softmax over (own block, previous block, S cache slots), with a detached max, equals
-the reference exactly at O(T (2L + S)) cost. ``causal=False``:
+so one softmax over (own block, previous block, S cache slots) equals the reference exactly at O(T (2L + S)) cost. ``causal=False``:
 ``softmax over s of (scale q.c_s + log n_s)`` applied to ``m_s`` (the encoder form
 ``exp(Q C^T)(Delta^T V)``, normalised).
 
@@ -46,7 +45,6 @@ from ._validate import (
 )
 
 _MODES = ("parallel", "block")
-_GROUP_ROWS = 2048  # query rows processed together in block mode (bounds temporary memory)
 
 
 def _window_bias(bias, heads: int, kv_heads: int, block_size: int, device, dtype) -> torch.Tensor | None:
@@ -182,8 +180,6 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
     prev_k = torch.cat([first_prev[0].unsqueeze(2), k_blocks[:, :, :-1]], dim=2)
     prev_v = torch.cat([first_prev[1].unsqueeze(2), v_blocks[:, :, :-1]], dim=2)
     prev_codes = torch.cat([first_prev[2].unsqueeze(2), code_blocks[:, :, :-1]], dim=2)
-    prev_valid = torch.ones(R, dtype=torch.bool, device=q.device)
-    prev_valid[0] = has_prev
 
     if state is not None:
         run_counts = state.cache_counts.to(dtype)
@@ -191,60 +187,45 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
     else:
         run_counts, run_sums = q.new_zeros(B, Hkv, S), q.new_zeros(B, Hkv, S, E)
 
+    # Columns of a block's window: the previous block (j = 0..L-1), then its own (L..2L-1);
+    # offset i - j = L + a - c for query row a and window column c.
     rows = torch.arange(L, device=q.device)
-    present_offsets = rows[:, None] - rows[None, :]
-    present_mask = present_offsets < 0
-    present_bias = _offset_bias(table, present_offsets, L) if table is not None else None
-    prev_bias = _offset_bias(table, present_offsets + L, L) if table is not None else None
-    codebook_t = codebook.unsqueeze(0).unsqueeze(2).unsqueeze(3).transpose(-1, -2)  # [1, Hkv, 1, 1, D, S]
+    offsets = L + rows[:, None] - torch.arange(2 * L, device=q.device)[None, :]
+    window = torch.zeros(L, 2 * L, dtype=dtype, device=q.device).masked_fill(offsets < 0, float("-inf"))
+    if table is not None:
+        window = window + _offset_bias(table, offsets, L)
+    window_without_prev = window.clone()
+    window_without_prev[..., :L] = float("-inf")
+    positions = positions_k.unsqueeze(0) if positions_k is not None else None
+    codebook_keys = codebook.unsqueeze(0).expand(B, -1, -1, -1)
 
     outs = []
-    group = max(1, _GROUP_ROWS // L)
     final_cache = None
     full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
-    for r0 in range(0, R, group):
-        r1 = min(r0 + group, R)
-        entering_v = prev_v[:, :, r0:r1]
-        if not cache_grad:
-            entering_v = entering_v.detach()
-        counts, sums = _code_statistics(prev_codes[:, :, r0:r1], entering_v, S)
-        valid = prev_valid[r0:r1].to(dtype)
-        counts, sums = counts * valid[:, None], sums * valid[:, None, None]
-        if codes.is_floating_point() and not cache_grad:
-            counts = counts.detach()
-        # cache of block r = running cache + entering blocks r0..r-1 of this group
-        inclusive_counts, inclusive_sums = counts.cumsum(2), sums.cumsum(2)
-        cache_counts = run_counts.unsqueeze(2) + inclusive_counts - counts
-        cache_sums = run_sums.unsqueeze(2) + inclusive_sums - sums
-        if r0 <= full_blocks < r1:
-            final_cache = (cache_counts[:, :, full_blocks - r0], cache_sums[:, :, full_blocks - r0])
-        run_counts = run_counts + inclusive_counts[:, :, -1]
-        run_sums = run_sums + inclusive_sums[:, :, -1]
-
-        q_g = q_blocks[:, :, :, r0:r1]  # [B, Hkv, G, g, L, D]
-        present = q_g @ k_blocks[:, :, None, r0:r1].transpose(-1, -2)
-        previous = q_g @ prev_k[:, :, None, r0:r1].transpose(-1, -2)
-        if table is not None:
-            present = present + present_bias.unsqueeze(2)
-            previous = previous + prev_bias.unsqueeze(2)
-        if positions_k is not None:
-            group_keys = positions_k.unsqueeze(0).unsqueeze(3)  # [1, h, g, 1, L + 1, D]
-            present = present + _position_scores(q_g, group_keys, present_offsets, L)
-            previous = previous + _position_scores(q_g, group_keys, present_offsets + L, L)
-        present = present.masked_fill(present_mask, float("-inf"))
-        previous = previous.masked_fill(~prev_valid[r0:r1, None, None], float("-inf"))
-        cached = q_g @ codebook_t + torch.log(cache_counts).unsqueeze(2).unsqueeze(-2)
-        top = torch.maximum(torch.maximum(present.amax(-1), previous.amax(-1)), cached.amax(-1)).detach()
-        top = top.unsqueeze(-1)
-        w_present, w_previous, w_cached = (present - top).exp(), (previous - top).exp(), (cached - top).exp()
-        means = _means(cache_sums, cache_counts)
-        numerator = (
-            w_present @ v_blocks[:, :, None, r0:r1]
-            + w_previous @ prev_v[:, :, None, r0:r1]
-            + w_cached @ means.unsqueeze(2)
-        )
-        denominator = w_present.sum(-1) + w_previous.sum(-1) + w_cached.sum(-1)
-        outs.append(numerator / denominator.unsqueeze(-1))
+    blocks = zip(
+        q_blocks.unbind(3), k_blocks.unbind(2), v_blocks.unbind(2), prev_k.unbind(2), prev_v.unbind(2),
+        prev_codes.unbind(2),
+    )
+    for r, (q_r, k_r, v_r, prev_k_r, prev_v_r, prev_codes_r) in enumerate(blocks):
+        if r == full_blocks:
+            final_cache = (run_counts, run_sums)
+        with_prev = r > 0 or has_prev
+        # One softmax over (previous block, own block, S cache slots): keys [prev; own; C].
+        keys = torch.cat([prev_k_r, k_r, codebook_keys], dim=-2)
+        values = torch.cat([prev_v_r, v_r, _means(run_sums, run_counts)], dim=-2)
+        scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
+        scores[..., : 2 * L] += window if with_prev else window_without_prev
+        if positions is not None:
+            scores[..., : 2 * L] += _position_scores(q_r, positions, offsets, L)
+        scores[..., 2 * L :] += torch.log(run_counts)[:, :, None, None, :]
+        outs.append(torch.softmax(scores, dim=-1) @ values.unsqueeze(2))
+        if with_prev:
+            # Block r's previous block is two blocks behind block r + 1: it enters the cache.
+            entering = prev_v_r if cache_grad else prev_v_r.detach()
+            counts, sums = _code_statistics(prev_codes_r.unsqueeze(2), entering.unsqueeze(2), S)
+            if codes.is_floating_point() and not cache_grad:
+                counts = counts.detach()
+            run_counts, run_sums = run_counts + counts.squeeze(2), run_sums + sums.squeeze(2)
     if final_cache is None:
         final_cache = (run_counts, run_sums)
     out = torch.cat(outs, dim=3).reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]

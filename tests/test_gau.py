@@ -1,0 +1,187 @@
+"""The GAU layer of Transformer-VQ (DESIGN.md section 3): decoding equals the full pass,
+the softmax twin equals VQ when the codebook holds every key, causality, shapes, no
+projection biases, the auxiliary commitment loss, input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linattn.nn import GAU
+
+F64 = torch.float64
+ATTENTIONS = ["vq", "soft-vq", "softmax"]
+
+
+def make_gau(attention, d_model=8, d_k=8, codebook_size=16, block_size=4, seed=0, **kw):
+    torch.manual_seed(seed)
+    gau = GAU(d_model, d_k=d_k, codebook_size=codebook_size, block_size=block_size, attention=attention, **kw)
+    with torch.no_grad():  # non-zero relative-position biases so they are exercised
+        gau.content_bias.normal_(0, 0.3)
+        gau.position_bias.normal_(0, 0.3)
+    return gau.double().eval()
+
+
+def make_x(B=2, T=19, d_model=8, seed=1):
+    return torch.randn(B, T, d_model, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def close(a, b, rtol=1e-10, name=""):
+    scale = b.abs().max().item()
+    err = (a - b).abs().max().item()
+    assert a.shape == b.shape, name
+    assert err <= rtol * max(scale, 1e-30), f"{name}: error {err:.3e} vs scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("attention", ["vq", "soft-vq"])
+def test_decoding_equals_full_pass(attention):
+    gau = make_gau(attention, temperature=0.5)
+    x = make_x()
+    T = x.shape[1]
+    with torch.no_grad():
+        full, full_state, _ = gau(x)
+        state, outs = None, []
+        for t in range(T):
+            y, state, _ = gau(x[:, t : t + 1], state)
+            outs.append(y)
+        close(torch.cat(outs, dim=1), full, name="token by token")
+        assert state.steps == T and full_state.steps == T
+        state, outs, start = None, [], 0
+        for n in (3, 1, 6, 2, 7):
+            y, state, _ = gau(x[:, start : start + n], state)
+            outs.append(y)
+            start += n
+        assert start == T
+        close(torch.cat(outs, dim=1), full, name="pieces")
+
+
+def _layer_keys(gau, x):
+    """The keys the layer computes: RMS(W_k RMSNorm(x)) * d_k^-1/4 (written out here)."""
+    h = gau.norm(x)
+    r = gau.w_k(h)
+    return r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + 1e-6) * gau.d_k**-0.25
+
+
+def test_softmax_twin_equals_vq_when_codebook_holds_every_key():
+    B, T, S, L = 2, 14, 32, 4  # T > 2L so the cache is used; B*T <= S
+    vq = make_gau("vq", codebook_size=S, block_size=L, seed=3)
+    twin = make_gau("softmax", codebook_size=S, block_size=L, seed=4)
+    twin.load_state_dict({n: t for n, t in vq.state_dict().items() if not n.startswith("quantizer")}, strict=True)
+    x = make_x(B=B, T=T, seed=5)
+    with torch.no_grad():
+        k = _layer_keys(vq, x)  # [B, T, d_k]
+        codebook = vq.quantizer.codebook.clone()
+        codebook[0, : B * T] = k.reshape(B * T, -1)
+        codebook[0, B * T :] = 100.0  # unused codes, far away
+        vq.quantizer.codebook.copy_(codebook)
+        y_vq, _, aux = vq(x)
+        y_twin, state, _ = twin(x)
+    assert state is None
+    assert torch.equal(aux["codes"].reshape(-1), torch.arange(B * T)), "each key should be its own code"
+    assert aux["commit_loss"].item() < 1e-20
+    # the codebook is kept in float32, so the stored keys carry float32 rounding
+    close(y_vq, y_twin, rtol=1e-6, name="vq vs softmax twin")
+    # and a different codebook makes them differ (the comparison can fail)
+    with torch.no_grad():
+        vq.quantizer.codebook[0, : B * T] += 0.05 * torch.randn(B * T, vq.d_k, dtype=F64)
+        y_vq2, _, _ = vq(x)
+    assert (y_vq2 - y_twin).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_causality(attention):
+    gau = make_gau(attention, d_model=4, d_k=4, codebook_size=8, block_size=3, temperature=0.7)
+    x = make_x(B=1, T=10, d_model=4, seed=6)
+
+    def fn(inp):
+        return gau(inp)[0]
+
+    J = torch.autograd.functional.jacobian(fn, x)  # [B, T, d, B, T, d]
+    J = J[0, :, :, 0]  # [T, d, T, d]
+    assert J.abs().sum() > 0
+    T = x.shape[1]
+    for i in range(T):
+        assert (J[i, :, i + 1 :] == 0).all(), f"output {i} depends on later inputs ({attention})"
+        assert J[i, :, : i + 1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_shapes_and_defaults(attention):
+    gau = GAU(6, d_k=8, codebook_size=16, block_size=4, attention=attention).double().eval()
+    assert gau.d_v == 12
+    assert gau.w_v.out_features == 12 and gau.w_g.out_features == 12 and gau.w_o.in_features == 12
+    assert gau.w_q.out_features == 8 and gau.w_k.out_features == 8
+    x = make_x(B=3, T=9, d_model=6)
+    y, state, aux = gau(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if attention == "softmax":
+        assert state is None
+    else:
+        assert state is not None and state.steps == 9
+    assert set(aux) >= {"commit_loss", "codes"}
+    if attention == "vq":
+        assert aux["codes"].shape == (3, 1, 9)
+    custom = GAU(6, d_k=8, d_v=5, codebook_size=16, block_size=4, attention=attention)
+    assert custom.d_v == 5 and custom.w_v.out_features == 5
+
+
+def test_default_sizes():
+    gau = GAU(16)
+    assert gau.d_k == 128 and gau.d_v == 32
+    assert gau.quantizer.codebook.shape == (1, 512, 128)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_no_biases_in_linear_layers(attention):
+    gau = GAU(6, d_k=8, codebook_size=16, block_size=4, attention=attention)
+    linears = [m for m in gau.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(linears) >= 5
+    for m in linears:
+        assert m.bias is None
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_commit_loss(attention):
+    # float32 module in training mode (a float64 cast of the quantizer is covered in test_quantizer)
+    torch.manual_seed(0)
+    gau = GAU(8, d_k=8, codebook_size=16, block_size=4, attention=attention).train()
+    x = make_x().float()
+    _, _, aux = gau(x)
+    loss = aux["commit_loss"]
+    assert loss.dim() == 0
+    if attention == "vq":
+        assert loss.item() > 0
+        assert loss.requires_grad
+    else:
+        assert loss.item() == 0.0
+
+
+def test_vq_training_forward_feeds_quantizer_statistics():
+    torch.manual_seed(0)
+    gau = GAU(8, d_k=8, codebook_size=16, block_size=4, attention="vq").train()
+    before = gau.quantizer.codebook.clone()
+    gau(make_x().float())
+    assert torch.equal(gau.quantizer.codebook, before), "forward must not move the codebook"
+    gau.quantizer.update()
+    assert not torch.equal(gau.quantizer.codebook, before)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_bad_x_shape(attention):
+    gau = make_gau(attention)
+    with pytest.raises(ValueError, match="x"):
+        gau(torch.zeros(2, 5, 7, dtype=F64))
+    with pytest.raises(ValueError, match="x"):
+        gau(torch.zeros(5, 8, dtype=F64))
+
+
+def test_softmax_twin_rejects_state():
+    vq = make_gau("vq")
+    _, state, _ = vq(make_x())
+    with pytest.raises(ValueError, match="state"):
+        make_gau("softmax")(make_x(), state)
+
+
+def test_bad_attention_name():
+    with pytest.raises(ValueError, match="attention"):
+        GAU(8, attention="linear")

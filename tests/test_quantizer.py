@@ -1,0 +1,332 @@
+"""VectorQuantizer (DESIGN.md section 3): exact lookup, nearest codes, straight-through
+gradient, commitment loss, the EMA update (once per step, padding excluded, also under
+activation checkpointing), buffers, eval mode, k-means init, dead-code restart, usage."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.utils.checkpoint as cp
+
+import linattn
+
+F64 = torch.float64
+
+
+def keys(B=2, H=2, T=9, D=4, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, T, D, generator=g).to(dtype)
+
+
+def lookup(codebook, codes):
+    H = codebook.shape[0]
+    return codebook[torch.arange(H)[None, :, None], codes]
+
+
+def distances64(k, codebook):
+    return ((k.to(F64).unsqueeze(-2) - codebook.to(F64).unsqueeze(0).unsqueeze(2)) ** 2).sum(-1)
+
+
+def tiny_quantizer(codebook_values, ema_decay=0.5, **kw):
+    """H=1, D=1 quantizer with a hand-set codebook (EMA counts 1, sums = codebook)."""
+    S = len(codebook_values)
+    vq = linattn.VectorQuantizer(1, 1, S, ema_decay=ema_decay, **kw)
+    cb = torch.tensor(codebook_values, dtype=torch.float32).reshape(1, S, 1)
+    with torch.no_grad():
+        vq.codebook.copy_(cb)
+        vq.ema_sums.copy_(cb)
+        vq.ema_counts.fill_(1.0)
+    return vq
+
+
+def as_keys(values):
+    return torch.tensor(values, dtype=torch.float32).reshape(1, 1, -1, 1)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_hat_is_the_code_exactly(dtype):
+    vq = linattn.VectorQuantizer(2, 4, 16)
+    k = keys(dtype=dtype)
+    k_hat, codes, _ = vq(k)
+    assert k_hat.dtype == dtype
+    assert codes.shape == (2, 2, 9) and codes.dtype == torch.int64
+    assert torch.equal(k_hat, lookup(vq.codebook, codes).to(dtype))
+    # and with a key that needs gradient (the straight-through branch is active)
+    k_hat2, codes2, _ = vq(k.clone().requires_grad_(True))
+    assert torch.equal(codes2, codes)
+    assert torch.equal(k_hat2.detach(), lookup(vq.codebook, codes).to(dtype))
+
+
+def test_codes_are_nearest():
+    vq = linattn.VectorQuantizer(3, 5, 32)
+    k = keys(B=2, H=3, T=20, D=5, seed=1)
+    _, codes, _ = vq(k)
+    expected = distances64(k, vq.codebook).argmin(-1)
+    assert torch.equal(codes, expected)
+    assert torch.equal(vq.nearest_codes(k), expected)
+
+
+def test_straight_through_gradient():
+    vq = linattn.VectorQuantizer(2, 4, 16)
+    k = keys(seed=2).requires_grad_(True)
+    w = torch.randn(k.shape, generator=torch.Generator().manual_seed(3))
+    k_hat, _, _ = vq(k)
+    (grad,) = torch.autograd.grad((k_hat * w).sum(), k)
+    assert torch.equal(grad, w)
+
+
+def test_commitment_loss_formula():
+    beta = 0.25
+    vq = linattn.VectorQuantizer(2, 4, 8, commitment_weight=beta)
+    k = keys(B=3, T=7, seed=4).requires_grad_(True)
+    _, codes, loss = vq(k)
+    chosen = lookup(vq.codebook, codes)
+    expected = beta * ((k.detach().to(F64) - chosen.to(F64)) ** 2).sum(-1).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    # gradient goes to k only: d loss / dk = beta * 2 (k - c_z) / (B H T)
+    (grad,) = torch.autograd.grad(loss, k)
+    n = k.shape[0] * k.shape[1] * k.shape[2]
+    torch.testing.assert_close(grad, beta * 2 * (k.detach() - chosen) / n, rtol=1e-5, atol=1e-8)
+    assert vq.codebook.grad is None
+
+
+def test_commitment_loss_with_mask():
+    beta = 0.5
+    vq = linattn.VectorQuantizer(2, 4, 8, commitment_weight=beta)
+    k = keys(B=2, T=6, seed=5)
+    mask = torch.tensor([[True] * 6, [True, True, True, False, False, False]])
+    _, codes, loss = vq(k, mask=mask)
+    per_token = ((k.to(F64) - lookup(vq.codebook, codes).to(F64)) ** 2).sum(-1)  # [B, H, T]
+    m = mask[:, None, :].expand_as(per_token)
+    expected = beta * per_token[m].mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    # padding content does not matter
+    k2 = k.clone()
+    k2[1, :, 3:] = 1000.0
+    _, _, loss2 = vq(k2, mask=mask)
+    assert loss2.item() == pytest.approx(loss.item(), rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- EMA update
+
+
+def test_ema_update_hand_checked():
+    # codebook {0, 10}, g = 0.5; keys 1, 2 -> code 0, key 9 -> code 1.
+    vq = tiny_quantizer([0.0, 10.0], ema_decay=0.5)
+    vq.train()
+    _, codes, _ = vq(as_keys([1.0, 2.0, 9.0]))
+    assert codes.flatten().tolist() == [0, 0, 1]
+    assert torch.equal(vq.codebook.flatten(), torch.tensor([0.0, 10.0])), "forward must not change the codebook"
+    vq.update()
+    # counts = 0.5*1 + 0.5*[2, 1] = [1.5, 1.0]; sums = 0.5*[0, 10] + 0.5*[3, 9] = [1.5, 9.5]
+    assert vq.ema_counts.flatten().tolist() == [1.5, 1.0]
+    assert vq.ema_sums.flatten().tolist() == [1.5, 9.5]
+    assert vq.codebook.flatten().tolist() == [1.0, 9.5]
+    # next step: only code 1 is used (key 9.5): code 0's count and sum decay, value stays.
+    vq(as_keys([9.5]))
+    vq.update()
+    # counts = [0.75, 0.5 + 0.5] ; sums = [0.75, 4.75 + 4.75]
+    assert vq.ema_counts.flatten().tolist() == [0.75, 1.0]
+    assert vq.codebook.flatten().tolist() == [1.0, 9.5]
+    # update() without new statistics does nothing
+    before = vq.codebook.clone()
+    vq.update()
+    assert torch.equal(vq.codebook, before)
+
+
+def test_codebook_uses_count_floor():
+    # a code whose count decays below 0.01 is divided by 0.01, not by its count
+    vq = tiny_quantizer([0.0, 10.0], ema_decay=0.1)
+    for _ in range(3):
+        vq(as_keys([0.5]))
+        vq.update()
+    counts, sums = vq.ema_counts[0, 1].item(), vq.ema_sums[0, 1].item()
+    assert counts < 0.01
+    assert vq.codebook[0, 1].item() == pytest.approx(sums / 0.01, rel=1e-6)
+
+
+def test_statistics_accumulate_over_forwards_until_update():
+    vq = tiny_quantizer([0.0, 10.0], ema_decay=0.5)
+    vq(as_keys([1.0]))
+    vq(as_keys([2.0, 9.0]))
+    vq.update()
+    assert vq.codebook.flatten().tolist() == [1.0, 9.5]
+
+
+def test_masked_tokens_excluded_from_statistics():
+    a = tiny_quantizer([0.0, 10.0], ema_decay=0.5)
+    b = copy.deepcopy(a)
+    a(as_keys([1.0, 2.0, 9.0]))
+    a.update()
+    padded = torch.tensor([1.0, 7.0, 2.0, 9.0, 100.0]).reshape(1, 1, 5, 1)
+    mask = torch.tensor([[True, False, True, True, False]])
+    b(padded, mask=mask)
+    b.update()
+    assert torch.equal(a.codebook, b.codebook)
+    assert torch.equal(a.ema_counts, b.ema_counts)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_update_once_per_step_under_checkpoint(use_reentrant):
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(4, 2 * 4)
+    vq = linattn.VectorQuantizer(2, 4, 6, ema_decay=0.9)
+    x = torch.randn(2, 5, 4, generator=torch.Generator().manual_seed(1))
+
+    def block(inp, proj=proj, vq=None):
+        k = proj(inp).reshape(2, 5, 2, 4).transpose(1, 2)
+        k_hat, _, loss = vq(k)
+        return k_hat.pow(2).sum() + loss
+
+    plain_proj, plain_vq = copy.deepcopy(proj), copy.deepcopy(vq)
+    start = vq.codebook.clone()
+
+    loss = block(x, plain_proj, plain_vq)
+    loss.backward()
+    plain_vq.update()
+
+    xc = x.clone().requires_grad_(True)
+    loss_c = cp.checkpoint(lambda t: block(t, proj, vq), xc, use_reentrant=use_reentrant)
+    loss_c.backward()
+    vq.update()
+
+    assert not torch.equal(plain_vq.codebook, start), "the step should move the codebook"
+    assert torch.equal(vq.codebook, plain_vq.codebook)
+    assert torch.equal(vq.ema_counts, plain_vq.ema_counts)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+def test_training_forward_after_module_dtype_cast(dtype):
+    # model.double() / model.to(bfloat16) casts the buffers; a training step must still work
+    # and gather the same statistics (accumulated in float32 or wider).
+    ref = tiny_quantizer([0.0, 10.0], ema_decay=0.5)
+    vq = copy.deepcopy(ref).to(dtype)
+    k = as_keys([1.0, 2.0, 9.0])
+    k_hat, codes, _ = vq(k.to(dtype))
+    ref(k)
+    vq.update()
+    ref.update()
+    assert codes.flatten().tolist() == [0, 0, 1]
+    assert vq.codebook.flatten().tolist() == ref.codebook.flatten().tolist() == [1.0, 9.5]
+
+
+def test_codebook_is_a_buffer():
+    vq = linattn.VectorQuantizer(2, 4, 8)
+    params = dict(vq.named_parameters())
+    buffers = dict(vq.named_buffers())
+    assert "codebook" not in params and all(p is not vq.codebook for p in vq.parameters())
+    assert "codebook" in buffers and "codebook" in vq.state_dict()
+    assert not vq.codebook.requires_grad
+    k = keys(seed=6).requires_grad_(True)
+    k_hat, _, loss = vq(k)
+    (k_hat.sum() + loss).backward()
+    assert vq.codebook.grad is None
+    assert k.grad is not None
+
+
+def test_eval_mode_accumulates_nothing():
+    vq = tiny_quantizer([0.0, 10.0], ema_decay=0.5)
+    vq.eval()
+    before = {n: b.clone() for n, b in vq.named_buffers()}
+    vq(as_keys([1.0, 2.0, 9.0]))
+    vq.update()
+    for n, b in vq.named_buffers():
+        assert torch.equal(b, before[n]), f"{n} changed in eval mode"
+    # training mode counts even under no_grad: reentrant checkpointing runs the real
+    # forward that way (its recomputation, inside backward, is the one that is skipped)
+    vq.train()
+    with torch.no_grad():
+        vq(as_keys([1.0, 2.0, 9.0]))
+    vq.update()
+    assert not torch.equal(vq.codebook, before["codebook"])
+
+
+# ----------------------------------------------------------------------------- k-means, dead codes
+
+
+def clustered(n_clusters=8, per=20, D=3, H=2, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    centers = 10.0 * torch.randn(H, n_clusters, D, generator=g)
+    idx = torch.arange(n_clusters).repeat_interleave(per)
+    pts = centers[:, idx] + 0.05 * torch.randn(H, idx.numel(), D, generator=g)  # [H, N, D]
+    perm = torch.randperm(idx.numel(), generator=g)
+    return pts[:, perm].reshape(H, 4, -1, D).transpose(0, 1).contiguous()  # [4, H, T, D]
+
+
+def mean_nearest_distance(k, codebook):
+    return distances64(k, codebook).min(-1).values.sqrt().mean().item()
+
+
+def test_kmeans_init_from_first_batch():
+    torch.manual_seed(0)
+    k = clustered()
+    km = linattn.VectorQuantizer(2, 3, 8, kmeans_init=True)
+    rnd = linattn.VectorQuantizer(2, 3, 8, kmeans_init=False)
+    assert not bool(km.initialized)
+    km(k)
+    rnd(k)
+    assert bool(km.initialized)
+    d_km, d_rnd = mean_nearest_distance(k, km.codebook), mean_nearest_distance(k, rnd.codebook)
+    assert d_km < 0.1 * d_rnd, (d_km, d_rnd)
+    assert torch.equal(km.ema_sums, km.codebook)
+    # only the first batch initialises
+    before = km.codebook.clone()
+    km(k + 50.0)
+    assert torch.equal(km.codebook, before)
+
+
+def test_kmeans_init_not_in_eval_mode():
+    km = linattn.VectorQuantizer(2, 3, 8, kmeans_init=True).eval()
+    before = km.codebook.clone()
+    km(clustered())
+    assert not bool(km.initialized)
+    assert torch.equal(km.codebook, before)
+
+
+def test_dead_code_restart_moves_dead_codes_onto_recent_keys():
+    torch.manual_seed(0)
+    # code 0 sits on the data, codes 1..3 far away and unused: their counts decay to 0.5 < 0.6
+    vq = tiny_quantizer([0.0, 100.0, 200.0, 300.0], ema_decay=0.5, dead_code_threshold=0.6)
+    batch = as_keys([0.1, -0.2, 0.3, 0.05])
+    vq(batch)
+    vq.update()
+    cb = vq.codebook.flatten()
+    recent = set(batch.flatten().tolist())
+    for s in (1, 2, 3):
+        assert cb[s].item() in recent, f"dead code {s} was not moved onto a recent key: {cb[s].item()}"
+        assert vq.ema_counts[0, s].item() >= 0.6
+    assert cb[0].item() == pytest.approx((0.5 * 0.0 + 0.5 * 0.25) / (0.5 + 0.5 * 4), rel=1e-6)
+
+
+def test_no_restart_without_threshold():
+    vq = tiny_quantizer([0.0, 100.0], ema_decay=0.5)
+    vq(as_keys([0.1, -0.2]))
+    vq.update()
+    assert vq.codebook[0, 1].item() == pytest.approx(100.0)
+
+
+# ----------------------------------------------------------------------------- usage
+
+
+def test_usage_perplexity():
+    vq = linattn.VectorQuantizer(2, 1, 4)
+    counts = torch.tensor([[4.0, 2.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
+    with torch.no_grad():
+        vq.ema_counts.copy_(counts)
+    u = vq.usage()
+    p = counts[0] / counts[0].sum()
+    expected = math.exp(-(p * p.log()).sum().item())
+    assert u["perplexity"][0].item() == pytest.approx(expected, rel=1e-5)
+    assert u["perplexity"][1].item() == pytest.approx(4.0, rel=1e-6)
+    assert u["dead_codes"].tolist() == [0, 0]
+    with torch.no_grad():
+        vq.ema_counts.copy_(torch.tensor([[5.0, 0.0, 0.0, 0.0], [2.0, 2.0, 0.0, 1e-5]]))
+    u = vq.usage()
+    assert u["perplexity"][0].item() == pytest.approx(1.0, rel=1e-6)
+    assert u["dead_codes"].tolist() == [3, 2]

@@ -1,0 +1,509 @@
+"""Transformer-VQ attention (DESIGN.md section 3): the block (linear) form against the
+parallel reference and an independent loop, gradients, causality, decode state, the
+non-causal form, soft VQ, and input validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import linattn
+from linattn.ops.vq import soft_assignments
+
+from _helpers import assert_causal_jacobian, assert_close_rel
+
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def gather_codes(codebook, codes):
+    """``codebook[h, codes[b, h, t]]`` -> ``[B, Hkv, T, Dk]`` (differentiable in the codebook)."""
+    Hkv = codebook.shape[0]
+    return codebook[torch.arange(Hkv)[None, :, None], codes]
+
+
+def make_vq(B=2, H=4, Hkv=2, T=7, Dk=4, Dv=3, S=8, unused=3, seed=0):
+    """q, k_hat, v, codes, codebook; codes never use the last ``unused`` entries."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, Dk, generator=g, dtype=F64)
+    codebook = torch.randn(Hkv, S, Dk, generator=g, dtype=F64)
+    codes = torch.randint(0, S - unused, (B, Hkv, T), generator=g)
+    v = torch.randn(B, Hkv, T, Dv, generator=g, dtype=F64)
+    return q, gather_codes(codebook, codes), v, codes, codebook
+
+
+def make_bias(H, L, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(H, L + 1, generator=g, dtype=F64)
+
+
+def make_position_keys(H, L, Dk, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return 0.5 * torch.randn(H, L + 1, Dk, generator=g, dtype=F64)
+
+
+def callable_bias(H):
+    slopes = torch.linspace(0.2, 1.0, H, dtype=F64)
+
+    def bias(offsets):
+        return -slopes[:, None] * offsets.to(F64)[None, :] + 0.1 * torch.cos(offsets.to(F64))[None, :]
+
+    return bias
+
+
+def loop_reference(q, k_hat, v, L, scale=None, bias=None, position_keys=None):
+    """Causal softmax written as an explicit loop over query positions and heads."""
+    B, H, T, Dk = q.shape
+    Hkv = k_hat.shape[1]
+    G = H // Hkv
+    scale = Dk**-0.5 if scale is None else scale
+    table = None if bias is None else (bias if bias.dim() == 2 else bias.expand(H, L + 1))
+    P = None
+    if position_keys is not None:
+        P = position_keys if position_keys.dim() == 3 else position_keys.expand(H, L + 1, Dk)
+    out = torch.zeros(B, H, T, v.shape[-1], dtype=F64)
+    for h in range(H):
+        kv = h // G
+        for i in range(T):
+            keys = k_hat[:, kv, : i + 1]  # [B, i+1, Dk]
+            scores = scale * (keys @ q[:, h, i].unsqueeze(-1)).squeeze(-1)  # [B, i+1]
+            extra = torch.zeros(i + 1, dtype=F64)
+            for j in range(max(0, i - L), i + 1):
+                if table is not None:
+                    extra[j] = extra[j] + table[h, i - j]
+            scores = scores + extra
+            if P is not None:
+                pos = torch.zeros(B, i + 1, dtype=F64)
+                for j in range(max(0, i - L), i + 1):
+                    pos[:, j] = scale * (q[:, h, i] * P[h, i - j]).sum(-1)
+                scores = scores + pos
+            weights = torch.softmax(scores, dim=-1)
+            out[:, h, i] = (weights.unsqueeze(-1) * v[:, kv, : i + 1]).sum(1)
+    return out
+
+
+# ----------------------------------------------------------------------------- block == parallel
+
+_GRID = [
+    (T, L)
+    for T in (1, 7, 128, 300, 1000)
+    for L in (4, 16, 128)
+    if not (T == 1000 and L != 4)
+]
+
+
+@pytest.mark.parametrize("extra", ["none", "tensor_bias", "callable_bias", "position_keys"])
+@pytest.mark.parametrize("T,L", _GRID)
+def test_block_equals_parallel(T, L, extra):
+    H, Dk = 4, 4
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=T + L)
+    kwargs = {}
+    if extra == "tensor_bias":
+        kwargs["bias"] = make_bias(H, L)
+    elif extra == "callable_bias":
+        kwargs["bias"] = callable_bias(H)
+    elif extra == "position_keys":
+        kwargs["position_keys"] = make_position_keys(H, L, Dk)
+    block, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, mode="block", **kwargs)
+    par, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, mode="parallel", **kwargs)
+    assert_close_rel(block, par, rtol=1e-10, name="block vs parallel")
+    default, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, **kwargs)
+    assert torch.equal(default, block), "mode=None should be the block form"
+
+
+def test_block_equals_parallel_bias_and_position_keys_together():
+    H, L, Dk = 4, 4, 4
+    q, k_hat, v, codes, codebook = make_vq(T=37, Dk=Dk, seed=5)
+    kw = dict(block_size=L, bias=make_bias(H, L), position_keys=make_position_keys(H, L, Dk), scale=0.8)
+    block, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, mode="block", **kw)
+    par, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, mode="parallel", **kw)
+    assert_close_rel(block, par, rtol=1e-10)
+
+
+def test_shared_bias_and_position_keys_broadcast_over_heads():
+    H, L, Dk = 4, 4, 4
+    q, k_hat, v, codes, codebook = make_vq(T=21, Dk=Dk, seed=6)
+    b1 = make_bias(1, L)[0]
+    P1 = make_position_keys(1, L, Dk)[0]
+    one, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=b1, position_keys=P1)
+    full, _ = linattn.vq_attention(
+        q, k_hat, v, codes, codebook, block_size=L, bias=b1.expand(H, L + 1), position_keys=P1.expand(H, L + 1, Dk)
+    )
+    assert_close_rel(one, full, rtol=1e-12)
+
+
+# ----------------------------------------------------------------------------- parallel == loop
+
+
+@pytest.mark.parametrize("L", [3, 8])
+@pytest.mark.parametrize("extra", ["none", "tensor_bias", "callable_bias", "position_keys", "both"])
+def test_parallel_equals_loop_reference(L, extra):
+    H, Dk, T = 4, 4, 20
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=11 + L)
+    bias = pos = None
+    if extra in ("tensor_bias", "both"):
+        bias = make_bias(H, L)
+    if extra == "callable_bias":
+        bias = callable_bias(H)
+    if extra in ("position_keys", "both"):
+        pos = make_position_keys(H, L, Dk)
+    scale = 0.7
+    out, _ = linattn.vq_attention(
+        q, k_hat, v, codes, codebook, block_size=L, bias=bias, position_keys=pos, mode="parallel", scale=scale
+    )
+    table = bias(torch.arange(L + 1)) if callable(bias) else bias
+    expected = loop_reference(q, k_hat, v, L, scale=scale, bias=table, position_keys=pos)
+    assert_close_rel(out, expected, rtol=1e-12, name="parallel vs loop")
+    block, _ = linattn.vq_attention(
+        q, k_hat, v, codes, codebook, block_size=L, bias=bias, position_keys=pos, mode="block", scale=scale
+    )
+    assert_close_rel(block, expected, rtol=1e-10, name="block vs loop")
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def _grads(mode, T, L, cache_grad, seed=0):
+    H, Dk = 4, 4
+    q, _, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=seed)
+    bias = make_bias(H, L)
+    pos = make_position_keys(H, L, Dk)
+    leaves = [t.clone().requires_grad_(True) for t in (q, v, codebook, bias, pos)]
+    qq, vv, cb, bb, pp = leaves
+    k_hat = gather_codes(cb, codes)  # inside the differentiated function: the codebook gets gradient
+    out, _ = linattn.vq_attention(
+        qq, k_hat, vv, codes, cb, block_size=L, bias=bb, position_keys=pp, mode=mode, cache_grad=cache_grad
+    )
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(99), dtype=F64)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    return dict(zip(["q", "v", "codebook", "bias", "position_keys"], grads))
+
+
+@pytest.mark.parametrize("T,L", [(40, 4), (29, 8), (7, 4)])
+def test_block_gradients_equal_parallel_with_cache_grad(T, L):
+    ref = _grads("parallel", T, L, cache_grad=False)
+    blk = _grads("block", T, L, cache_grad=True)
+    for name in ref:
+        assert ref[name].abs().sum() > 0, f"reference gradient w.r.t. {name} is zero"
+        assert_close_rel(blk[name], ref[name], rtol=1e-9, name=f"grad {name}")
+
+
+def test_block_gradients_without_cache_grad():
+    L = 4
+    # No cache (T <= 2L): every gradient equals the reference.
+    ref = _grads("parallel", 2 * L, L, cache_grad=False)
+    blk = _grads("block", 2 * L, L, cache_grad=False)
+    for name in ref:
+        assert_close_rel(blk[name], ref[name], rtol=1e-9, name=f"grad {name} (no cache)")
+    # With a cache the gradient into v through it is stopped: v-gradients differ ...
+    T = 40
+    ref = _grads("parallel", T, L, cache_grad=False)
+    blk = _grads("block", T, L, cache_grad=False)
+    err = (blk["v"] - ref["v"]).abs().max().item()
+    assert err > 1e-3 * ref["v"].abs().max().item(), "v-gradient should miss the cache path"
+    # ... but only at positions that enter a cache (blocks before the last two).
+    blocks = -(-T // L)
+    tail = (blocks - 2) * L  # the last two blocks never enter a cache
+    assert_close_rel(blk["v"][:, :, tail:], ref["v"][:, :, tail:], rtol=1e-9, name="v tail")
+    assert (blk["v"][:, :, :tail] - ref["v"][:, :, :tail]).abs().max() > 0
+    # q, the codebook (through the cache logits) and the relative terms are unaffected.
+    for name in ("q", "codebook", "bias", "position_keys"):
+        assert_close_rel(blk[name], ref[name], rtol=1e-9, name=f"grad {name} (cache_grad=False)")
+
+
+# ----------------------------------------------------------------------------- causality
+
+
+@pytest.mark.parametrize("with_relative", [False, True])
+def test_block_mode_is_causal(with_relative):
+    H, Hkv, L, T, Dk = 2, 1, 4, 13, 3
+    q, k_hat, v, codes, codebook = make_vq(B=1, H=H, Hkv=Hkv, T=T, Dk=Dk, Dv=2, S=5, unused=1, seed=3)
+    kw = {}
+    if with_relative:
+        kw = dict(bias=make_bias(H, L), position_keys=make_position_keys(H, L, Dk))
+
+    def fn(qq, kk, vv):
+        return linattn.vq_attention(qq, kk, vv, codes, codebook, block_size=L, mode="block", **kw)[0]
+
+    assert_causal_jacobian(fn, [q, k_hat, v], ["q", "k_hat", "v"])
+
+
+# ----------------------------------------------------------------------------- state
+
+
+def _run_pieces(fn, q, k_hat, v, codes, splits):
+    outs, state, start = [], None, 0
+    for n in splits:
+        sl = slice(start, start + n)
+        out, state = fn(q[:, :, sl], k_hat[:, :, sl], v[:, :, sl], codes[:, :, sl], state)
+        outs.append(out)
+        start += n
+    assert start == q.shape[2]
+    return torch.cat(outs, dim=2), state
+
+
+@pytest.mark.parametrize("splits", [[1, 6, 3, 1, 9, 3, 10], [5, 1, 17, 2, 8], [30, 1, 2]])
+def test_state_pieces_equal_one_call(splits):
+    H, L, Dk = 4, 4, 4
+    T = sum(splits)
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=21)
+    kw = dict(block_size=L, bias=make_bias(H, L), position_keys=make_position_keys(H, L, Dk))
+
+    def fn(qq, kk, vv, cc, state):
+        return linattn.vq_attention(qq, kk, vv, cc, codebook, initial_state=state, output_final_state=True, **kw)
+
+    full, full_state = linattn.vq_attention(q, k_hat, v, codes, codebook, output_final_state=True, **kw)
+    pieces, state = _run_pieces(fn, q, k_hat, v, codes, splits)
+    assert_close_rel(pieces, full, rtol=1e-10, name="pieces")
+    assert state.steps == T and full_state.steps == T
+    assert_close_rel(state.cache_counts, full_state.cache_counts, rtol=1e-12, name="cache counts")
+    assert_close_rel(state.cache_means, full_state.cache_means, rtol=1e-10, name="cache means")
+
+
+def test_token_by_token_decoding_equals_full_forward():
+    H, L, Dk, T = 4, 4, 4, 23
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=22)
+    kw = dict(block_size=L, bias=callable_bias(H), position_keys=make_position_keys(H, L, Dk))
+    full, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, **kw)
+    state, outs = None, []
+    for t in range(T):
+        out, state = linattn.vq_attention(
+            q[:, :, t : t + 1], k_hat[:, :, t : t + 1], v[:, :, t : t + 1], codes[:, :, t : t + 1], codebook,
+            initial_state=state, output_final_state=True, **kw,
+        )
+        assert state.steps == t + 1
+        assert state.partial_keys.shape[2] == (t + 1) % L
+        outs.append(out)
+    assert_close_rel(torch.cat(outs, dim=2), full, rtol=1e-10, name="decode")
+
+
+def test_state_memory_is_constant():
+    L, Dk = 4, 4
+    shapes = {}
+    for T in (3 * L, 30 * L):
+        q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=T)
+        _, state = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, output_final_state=True)
+        shapes[T] = {
+            name: tuple(value.shape) for name, value in vars(state).items() if isinstance(value, torch.Tensor)
+        }
+        assert state.steps == T
+    assert shapes[3 * L] == shapes[30 * L]
+    assert set(shapes[3 * L]) >= {"cache_counts", "cache_means", "prev_keys", "prev_values", "partial_keys"}
+
+
+def test_state_counts_cache_correctly():
+    """Cache counts after the call = code histogram of every block but the last complete one."""
+    L, T = 4, 22
+    q, k_hat, v, codes, codebook = make_vq(T=T, seed=23)
+    _, state = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, output_final_state=True)
+    full = T // L
+    old = codes[:, :, : (full - 1) * L]
+    S = codebook.shape[1]
+    hist = torch.zeros(*old.shape[:2], S, dtype=F64).scatter_add_(-1, old, torch.ones_like(old, dtype=F64))
+    assert torch.equal(state.cache_counts.to(F64), hist)
+    assert torch.equal(state.partial_codes, codes[:, :, full * L :])
+    assert torch.equal(state.prev_codes, codes[:, :, (full - 1) * L : full * L])
+
+
+# ----------------------------------------------------------------------------- non-causal
+
+
+@pytest.mark.parametrize("scale", [None, 0.6])
+def test_noncausal_equals_softmax_attention(scale):
+    q, k_hat, v, codes, codebook = make_vq(T=37, seed=31)
+    out, state = linattn.vq_attention(q, k_hat, v, codes, codebook, causal=False, scale=scale, block_size=4)
+    assert state is None
+    expected = linattn.softmax_attention(q, k_hat, v, causal=False, scale=scale, impl="reference")
+    assert_close_rel(out, expected, rtol=1e-10, name="non-causal")
+
+
+# ----------------------------------------------------------------------------- soft VQ
+
+
+def make_soft(B=2, H=4, Hkv=2, T=30, Dk=4, Dv=3, S=6, seed=0, noise=0.1):
+    """Keys near (but not on) codebook entries, so the nearest code is well separated."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, T, Dk, generator=g, dtype=F64)
+    codebook = 1.5 * torch.randn(Hkv, S, Dk, generator=g, dtype=F64)
+    codes = torch.randint(0, S, (B, Hkv, T), generator=g)
+    k = gather_codes(codebook, codes) + noise * torch.randn(B, Hkv, T, Dk, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, T, Dv, generator=g, dtype=F64)
+    return q, k, v, codebook
+
+
+def nearest(k, codebook):
+    d = ((k.unsqueeze(-2) - codebook.unsqueeze(0).unsqueeze(2)) ** 2).sum(-1)  # [B, Hkv, T, S]
+    return d.argmin(-1)
+
+
+def test_soft_vq_approaches_hard_vq_as_temperature_vanishes():
+    H, L, Dk = 4, 4, 4
+    q, k, v, codebook = make_soft(Dk=Dk, seed=41)
+    codes = nearest(k, codebook)
+    kw = dict(block_size=L, bias=make_bias(H, L), position_keys=make_position_keys(H, L, Dk))
+    hard, _ = linattn.vq_attention(q, gather_codes(codebook, codes), v, codes, codebook, **kw)
+    errors = []
+    for tau in (1.0, 0.1, 0.01, 1e-3):
+        soft, _ = linattn.soft_vq_attention(q, k, v, codebook, temperature=tau, **kw)
+        errors.append((soft - hard).abs().max().item())
+    assert errors[0] > errors[1] > errors[2], errors
+    assert errors[0] > 1e-3, "at tau=1 the soft form should differ visibly"
+    assert errors[3] < 1e-6, errors
+
+
+def test_soft_assignments_formula():
+    _, k, _, codebook = make_soft(seed=42)
+    tau = 0.3
+    a = soft_assignments(k, codebook, tau)
+    d = ((k.unsqueeze(-2) - codebook.unsqueeze(0).unsqueeze(2)) ** 2).sum(-1)
+    expected = torch.softmax(-d / (2 * tau), dim=-1)
+    assert_close_rel(a, expected, rtol=1e-12)
+
+
+def test_soft_vq_state_carry_equals_one_call():
+    H, L, Dk = 4, 4, 4
+    q, k, v, codebook = make_soft(T=27, Dk=Dk, seed=43)
+    kw = dict(block_size=L, temperature=0.5, bias=make_bias(H, L), position_keys=make_position_keys(H, L, Dk))
+    full, full_state = linattn.soft_vq_attention(q, k, v, codebook, output_final_state=True, **kw)
+    outs, state, start = [], None, 0
+    for n in (1, 6, 3, 9, 1, 7):
+        sl = slice(start, start + n)
+        out, state = linattn.soft_vq_attention(
+            q[:, :, sl], k[:, :, sl], v[:, :, sl], codebook, initial_state=state, output_final_state=True, **kw
+        )
+        outs.append(out)
+        start += n
+    assert start == 27 and state.steps == 27
+    assert_close_rel(torch.cat(outs, dim=2), full, rtol=1e-10, name="soft pieces")
+    assert_close_rel(state.cache_counts, full_state.cache_counts, rtol=1e-10, name="soft cache counts")
+
+
+def test_soft_vq_gradcheck():
+    L = 2
+    q, k, v, codebook = make_soft(B=1, H=2, Hkv=1, T=9, Dk=2, Dv=2, S=3, seed=44, noise=0.5)
+    bias = make_bias(2, L)
+    inputs = tuple(t.clone().requires_grad_(True) for t in (q, k, v, codebook))
+
+    def fn(qq, kk, vv, cb):
+        return linattn.soft_vq_attention(qq, kk, vv, cb, temperature=0.7, block_size=L, bias=bias)[0]
+
+    assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+    out = fn(*inputs)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=F64)
+    grads = torch.autograd.grad((out * w).sum(), inputs)
+    for name, g in zip(["q", "k", "v", "codebook"], grads):
+        assert g.abs().sum() > 0, f"no gradient reaches {name}"
+
+
+def test_soft_vq_noncausal_equals_linear_attention_with_softvq_features():
+    q, k, v, codebook = make_soft(T=19, seed=45, noise=0.4)
+    tau, scale = 0.5, 0.8
+    out, _ = linattn.soft_vq_attention(q, k, v, codebook, temperature=tau, causal=False, scale=scale)
+    # phi_q(q)_s = exp(scale q.c_s - max_s), per query head against its kv head's codebook
+    B, H, T, Dk = q.shape
+    Hkv = codebook.shape[0]
+    cb_per_head = codebook.repeat_interleave(H // Hkv, dim=0)  # [H, S, Dk]
+    logits = scale * q @ cb_per_head.unsqueeze(0).transpose(-1, -2)  # [B, H, T, S]
+    phi_q = torch.exp(logits - logits.amax(-1, keepdim=True))
+    d = ((k.unsqueeze(-2) - codebook.unsqueeze(0).unsqueeze(2)) ** 2).sum(-1)
+    phi_k = torch.softmax(-d / (2 * tau), dim=-1)  # [B, Hkv, T, S]
+    expected, _ = linattn.linear_attention(
+        phi_q, phi_k, v, feature_map="identity", causal=False, normalize="attention", eps=0.0, mode="parallel"
+    )
+    assert_close_rel(out, expected, rtol=1e-10, name="soft non-causal")
+    # and written out directly
+    num = phi_q @ (phi_k.transpose(-1, -2) @ v).repeat_interleave(H // Hkv, dim=1)
+    den = phi_q @ phi_k.sum(2).repeat_interleave(H // Hkv, dim=1).unsqueeze(-1)
+    assert_close_rel(out, num / den, rtol=1e-10, name="soft non-causal (direct)")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _base():
+    return make_vq(B=1, H=2, Hkv=1, T=6, Dk=4, Dv=3, S=5, unused=1, seed=51)
+
+
+def test_bad_codes_dtype():
+    q, k_hat, v, codes, codebook = _base()
+    with pytest.raises(TypeError, match="codes"):
+        linattn.vq_attention(q, k_hat, v, codes.to(torch.int16), codebook)
+    with pytest.raises((TypeError, ValueError), match="codes"):
+        linattn.vq_attention(q, k_hat, v, codes.to(F64), codebook)
+    with pytest.raises(TypeError, match="codes"):
+        linattn.vq_attention(q, k_hat, v, codes.tolist(), codebook)
+
+
+def test_bad_codes_shape():
+    q, k_hat, v, codes, codebook = _base()
+    with pytest.raises(ValueError, match="codes"):
+        linattn.vq_attention(q, k_hat, v, codes[:, :, :-1], codebook)
+    with pytest.raises(ValueError, match="codes"):
+        linattn.vq_attention(q, k_hat, v, codes[0], codebook)
+
+
+def test_bad_codebook_shape():
+    q, k_hat, v, codes, codebook = _base()
+    with pytest.raises(ValueError, match="codebook"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook[..., :3])
+    with pytest.raises(ValueError, match="codebook"):
+        linattn.vq_attention(q, k_hat, v, codes, torch.cat([codebook, codebook]))
+    with pytest.raises(ValueError, match="codebook"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook[0])
+    with pytest.raises(ValueError, match="codebook"):
+        linattn.soft_vq_attention(q, k_hat, v, codebook[..., :3], temperature=1.0)
+
+
+def test_bad_bias_shape():
+    q, k_hat, v, codes, codebook = _base()
+    L = 4
+    with pytest.raises(ValueError, match="bias"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=torch.zeros(L, dtype=F64))
+    with pytest.raises(ValueError, match="bias"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=torch.zeros(3, L + 1, dtype=F64))
+    with pytest.raises(ValueError, match="bias"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=lambda o: torch.zeros(3, o.numel(), dtype=F64))
+
+
+def test_bad_position_keys_shape():
+    q, k_hat, v, codes, codebook = _base()
+    L = 4
+    with pytest.raises(ValueError, match="position_keys"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, position_keys=torch.zeros(L, 4, dtype=F64))
+    with pytest.raises(ValueError, match="position_keys"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, position_keys=torch.zeros(L + 1, 3, dtype=F64))
+    with pytest.raises(ValueError, match="position_keys"):
+        linattn.vq_attention(
+            q, k_hat, v, codes, codebook, block_size=L, position_keys=torch.zeros(3, L + 1, 4, dtype=F64)
+        )
+
+
+def test_parallel_mode_with_state_is_rejected():
+    q, k_hat, v, codes, codebook = _base()
+    _, state = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, output_final_state=True)
+    with pytest.raises(ValueError, match="parallel"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, mode="parallel", initial_state=state)
+    with pytest.raises(ValueError, match="parallel"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, mode="parallel", output_final_state=True)
+
+
+def test_bias_with_noncausal_is_rejected():
+    q, k_hat, v, codes, codebook = _base()
+    with pytest.raises(ValueError, match="bias"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, causal=False, block_size=4, bias=torch.zeros(5, dtype=F64))
+    with pytest.raises(ValueError, match="position_keys"):
+        linattn.vq_attention(
+            q, k_hat, v, codes, codebook, causal=False, block_size=4, position_keys=torch.zeros(5, 4, dtype=F64)
+        )
+
+
+def test_bad_mode_and_state_type():
+    q, k_hat, v, codes, codebook = _base()
+    with pytest.raises(ValueError, match="mode"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, mode="chunk")
+    with pytest.raises(TypeError, match="initial_state"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, initial_state=(1, 2))
+    with pytest.raises(ValueError, match="temperature"):
+        linattn.soft_vq_attention(q, k_hat, v, codebook, temperature=0.0)
