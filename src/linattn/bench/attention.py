@@ -176,42 +176,33 @@ def _growth(rows: Sequence[dict], case: str) -> dict | None:
 _GROWTH_CASES = ("linear-elu", "delta-chunk", BASELINE)
 
 
+def _speedup(rows: Sequence[dict], case: str, baseline: str, length: int) -> dict:
+    """baseline time / case time at one length, forward and forward+backward."""
+    return {
+        "length": length,
+        "forward_speedup": report.speed_ratio(rows, case, baseline, length, "forward_s"),
+        "forward_backward_speedup": report.speed_ratio(rows, case, baseline, length, "forward_backward_s"),
+    }
+
+
 def summarize(rows: Sequence[dict]) -> dict:
     """Headline numbers: linear-elu and delta-chunk vs sdpa speed at the longest common
-    length, delta-chunk vs delta-recurrent, time growth over a 4x longer sequence, and
-    tiled vs reference forward peak memory."""
+    length, delta-chunk vs delta-recurrent, VQ vs sdpa at every length, time growth over a
+    4x longer sequence, and tiled vs reference forward peak memory."""
     summary = {}
-    length = _longest_common(rows, ["linear-elu", BASELINE], "forward_s")
-    if length is not None:
-        summary["linear_elu_vs_sdpa"] = {
-            "length": length,
-            "forward_speedup": report.speed_ratio(rows, "linear-elu", BASELINE, length, "forward_s"),
-            "forward_backward_speedup": report.speed_ratio(rows, "linear-elu", BASELINE, length, "forward_backward_s"),
-        }
-    length = _longest_common(rows, ["delta-chunk", BASELINE], "forward_s")
-    if length is not None:
-        summary["delta_chunk_vs_sdpa"] = {
-            "length": length,
-            "forward_speedup": report.speed_ratio(rows, "delta-chunk", BASELINE, length, "forward_s"),
-            "forward_backward_speedup": report.speed_ratio(rows, "delta-chunk", BASELINE, length, "forward_backward_s"),
-        }
-    length = _longest_common(rows, ["delta-chunk", "delta-recurrent"], "forward_backward_s")
-    if length is not None:
-        summary["delta_chunk_vs_recurrent"] = {
-            "length": length,
-            "forward_speedup": report.speed_ratio(rows, "delta-chunk", "delta-recurrent", length, "forward_s"),
-            "forward_backward_speedup": report.speed_ratio(
-                rows, "delta-chunk", "delta-recurrent", length, "forward_backward_s"
-            ),
-        }
+    for key, case, baseline, measured in (
+        ("linear_elu_vs_sdpa", "linear-elu", BASELINE, "forward_s"),
+        ("delta_chunk_vs_sdpa", "delta-chunk", BASELINE, "forward_s"),
+        ("delta_chunk_vs_recurrent", "delta-chunk", "delta-recurrent", "forward_backward_s"),
+    ):
+        length = _longest_common(rows, [case, baseline], measured)
+        if length is not None:
+            summary[key] = _speedup(rows, case, baseline, length)
     for case in ("vq-b128", "vq-b256"):
-        for length in sorted({r["length"] for r in rows}):
-            if _longest_common([r for r in rows if r["length"] == length], [case, BASELINE], "forward_s"):
-                summary.setdefault(f"{case}_vs_sdpa", []).append({
-                    "length": length,
-                    "forward_speedup": report.speed_ratio(rows, case, BASELINE, length, "forward_s"),
-                    "forward_backward_speedup": report.speed_ratio(rows, case, BASELINE, length, "forward_backward_s"),
-                })
+        lengths = sorted({r["length"] for r in rows})
+        common = [t for t in lengths if _longest_common([r for r in rows if r["length"] == t], [case, BASELINE], "forward_s")]
+        if common:
+            summary[f"{case}_vs_sdpa"] = [_speedup(rows, case, BASELINE, t) for t in common]
     for case in _GROWTH_CASES:
         growth = _growth(rows, case)
         if growth is not None:
