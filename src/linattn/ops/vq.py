@@ -45,7 +45,6 @@ from ._validate import (
 )
 
 _MODES = ("parallel", "block")
-_BLOCKS_PER_STEP = 4  # blocks whose scores are computed in one batched matmul
 
 
 def _window_bias(bias, heads: int, kv_heads: int, block_size: int, device, dtype) -> torch.Tensor | None:
@@ -197,46 +196,36 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
         window = window + _offset_bias(table, offsets, L)
     window_without_prev = window.clone()
     window_without_prev[..., :L] = float("-inf")
-    # Per block: the window additive term with or without a previous block, [g, (h, gq,) L, 2L].
-    windows = torch.stack([window_without_prev, window])
-    prev_valid = torch.ones(R, dtype=torch.long, device=q.device)
-    prev_valid[0] = int(has_prev)
-    positions = positions_k.unsqueeze(0).unsqueeze(3) if positions_k is not None else None
-    codebook_keys = codebook.unsqueeze(0).unsqueeze(2)  # [1, Hkv, 1, S, D]
+    positions = positions_k.unsqueeze(0) if positions_k is not None else None
+    codebook_keys = codebook.unsqueeze(0).expand(B, -1, -1, -1)
 
     outs = []
     final_cache = None
     full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
-    for r0 in range(0, R, _BLOCKS_PER_STEP):
-        r1 = min(r0 + _BLOCKS_PER_STEP, R)
-        valid = prev_valid[r0:r1]
-        # Block r's previous block is two blocks behind block r + 1: it enters the cache after r.
-        entering = prev_v[:, :, r0:r1] if cache_grad else prev_v[:, :, r0:r1].detach()
-        counts, sums = _code_statistics(prev_codes[:, :, r0:r1], entering, S)
-        counts, sums = counts * valid[:, None].to(dtype), sums * valid[:, None, None].to(dtype)
-        if codes.is_floating_point() and not cache_grad:
-            counts = counts.detach()
-        counts, sums = counts.cumsum(2), sums.cumsum(2)
-        cache_counts = torch.cat([run_counts.unsqueeze(2), run_counts.unsqueeze(2) + counts[:, :, :-1]], dim=2)
-        cache_sums = torch.cat([run_sums.unsqueeze(2), run_sums.unsqueeze(2) + sums[:, :, :-1]], dim=2)
-        if r0 <= full_blocks < r1:
-            final_cache = (cache_counts[:, :, full_blocks - r0], cache_sums[:, :, full_blocks - r0])
-        run_counts, run_sums = run_counts + counts[:, :, -1], run_sums + sums[:, :, -1]
-
+    blocks = zip(
+        q_blocks.unbind(3), k_blocks.unbind(2), v_blocks.unbind(2), prev_k.unbind(2), prev_v.unbind(2),
+        prev_codes.unbind(2),
+    )
+    for r, (q_r, k_r, v_r, prev_k_r, prev_v_r, prev_codes_r) in enumerate(blocks):
+        if r == full_blocks:
+            final_cache = (run_counts, run_sums)
+        with_prev = r > 0 or has_prev
         # One softmax over (previous block, own block, S cache slots): keys [prev; own; C].
-        g = r1 - r0
-        keys = torch.cat([prev_k[:, :, r0:r1], k_blocks[:, :, r0:r1], codebook_keys.expand(B, -1, g, -1, -1)], dim=-2)
-        values = torch.cat([prev_v[:, :, r0:r1], v_blocks[:, :, r0:r1], _means(cache_sums, cache_counts)], dim=-2)
-        q_g = q_blocks[:, :, :, r0:r1]  # [B, Hkv, G, g, L, D]
-        scores = q_g @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, L, 2L + S]
-        block_windows = windows[valid]
-        if block_windows.dim() == 5:  # per-head bias: [g, h, gq, L, 2L] -> [h, gq, g, L, 2L]
-            block_windows = block_windows.movedim(0, 2)
-        scores[..., : 2 * L] += block_windows
+        keys = torch.cat([prev_k_r, k_r, codebook_keys], dim=-2)
+        values = torch.cat([prev_v_r, v_r, _means(run_sums, run_counts)], dim=-2)
+        scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
+        scores[..., : 2 * L] += window if with_prev else window_without_prev
         if positions is not None:
-            scores[..., : 2 * L] += _position_scores(q_g, positions, offsets, L)
-        scores[..., 2 * L :] += torch.log(cache_counts)[:, :, None, :, None, :]
+            scores[..., : 2 * L] += _position_scores(q_r, positions, offsets, L)
+        scores[..., 2 * L :] += torch.log(run_counts)[:, :, None, None, :]
         outs.append(torch.softmax(scores, dim=-1) @ values.unsqueeze(2))
+        if with_prev:
+            # Block r's previous block is two blocks behind block r + 1: it enters the cache.
+            entering = prev_v_r if cache_grad else prev_v_r.detach()
+            counts, sums = _code_statistics(prev_codes_r.unsqueeze(2), entering.unsqueeze(2), S)
+            if codes.is_floating_point() and not cache_grad:
+                counts = counts.detach()
+            run_counts, run_sums = run_counts + counts.squeeze(2), run_sums + sums.squeeze(2)
     if final_cache is None:
         final_cache = (run_counts, run_sums)
     out = torch.cat(outs, dim=3).reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
