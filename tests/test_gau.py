@@ -33,7 +33,7 @@ def close(a, b, rtol=1e-10, name=""):
     assert err <= rtol * max(scale, 1e-30), f"{name}: error {err:.3e} vs scale {scale:.3e}"
 
 
-@pytest.mark.parametrize("attention", ["vq", "soft-vq"])
+@pytest.mark.parametrize("attention", ATTENTIONS)
 def test_decoding_equals_full_pass(attention):
     gau = make_gau(attention, temperature=0.5)
     x = make_x()
@@ -75,8 +75,7 @@ def test_softmax_twin_equals_vq_when_codebook_holds_every_key():
         codebook[0, B * T :] = 100.0  # unused codes, far away
         vq.quantizer.codebook.copy_(codebook)
         y_vq, _, aux = vq(x)
-        y_twin, state, _ = twin(x)
-    assert state is None
+        y_twin, _, _ = twin(x)
     assert torch.equal(aux["codes"].reshape(-1), torch.arange(B * T)), "each key should be its own code"
     assert aux["commit_loss"].item() < 1e-20
     # the codebook is kept in float32, so the stored keys carry float32 rounding
@@ -114,10 +113,9 @@ def test_shapes_and_defaults(attention):
     x = make_x(B=3, T=9, d_model=6)
     y, state, aux = gau(x)
     assert y.shape == x.shape and y.dtype == x.dtype
-    if attention == "softmax":
-        assert state is None
-    else:
-        assert state is not None and state.steps == 9
+    assert state is not None and state.steps == 9
+    if attention == "softmax":  # the quadratic twin keeps every key and value
+        assert state.keys.shape == (3, 1, 9, 8) and state.values.shape == (3, 1, 9, 12)
     assert set(aux) >= {"commit_loss", "codes"}
     if attention == "vq":
         assert aux["codes"].shape == (3, 1, 9)
@@ -175,10 +173,10 @@ def test_bad_x_shape(attention):
         gau(torch.zeros(5, 8, dtype=F64))
 
 
-def test_softmax_twin_rejects_state():
+def test_softmax_twin_rejects_a_vq_state():
     vq = make_gau("vq")
     _, state, _ = vq(make_x())
-    with pytest.raises(ValueError, match="state"):
+    with pytest.raises(TypeError, match="KVCacheState"):
         make_gau("softmax")(make_x(), state)
 
 

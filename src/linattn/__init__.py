@@ -10,7 +10,7 @@ from .ops.linear import linear_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import soft_vq_attention, vq_attention
 from .quantize import VectorQuantizer
-from .state import DeltaNetState, DeltaRuleState, LinearAttentionState, VQAttentionState
+from .state import DeltaNetState, DeltaRuleState, KVCacheState, LinearAttentionState, VQAttentionState
 
 __version__ = "0.1.0"
 
@@ -22,6 +22,7 @@ __all__ = [
     "soft_vq_attention",
     "VectorQuantizer",
     "VQAttentionState",
+    "KVCacheState",
     "LinearAttentionState",
     "DeltaRuleState",
     "DeltaNetState",

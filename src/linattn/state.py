@@ -108,3 +108,16 @@ class VQAttentionState(_State):
     prev_values: torch.Tensor | None = None
     prev_codes: torch.Tensor | None = None
     steps: int = 0
+
+
+@dataclass
+class KVCacheState(_State):
+    """Decode state of exact (quadratic) attention: every key and value so far.
+
+    ``keys [B, Hkv, t, Dk]``, ``values [B, Hkv, t, Dv]``; grows with the sequence (the point
+    of comparison for the constant-size states above).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    steps: int = 0

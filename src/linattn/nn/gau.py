@@ -11,7 +11,7 @@ from torch import nn
 from ..ops.vq import windowed_softmax
 from ..ops.vq import soft_vq_attention, vq_attention
 from ..quantize import VectorQuantizer
-from ..state import VQAttentionState
+from ..state import KVCacheState, VQAttentionState
 
 _ATTENTIONS = ("vq", "soft-vq", "softmax")
 
@@ -41,8 +41,8 @@ class GAU(nn.Module):
     gradient), ``"softmax"`` (the quadratic twin: same layer, exact keys).
 
     ``forward(x [B, T, d_model], state=None) -> (y, state, aux)``; ``aux`` holds
-    ``commit_loss`` (VQ; zero otherwise) and ``codes``. ``state`` continues the sequence
-    (VQ and soft-VQ); the softmax twin is stateless.
+    ``commit_loss`` (VQ; zero otherwise) and ``codes``. ``state`` continues the sequence:
+    constant-size for VQ and soft-VQ, a growing ``KVCacheState`` for the softmax twin.
     """
 
     def __init__(
@@ -87,12 +87,10 @@ class GAU(nn.Module):
             self.codebook = nn.Parameter(torch.randn(1, codebook_size, d_k) * d_k ** -0.25)
 
     def forward(
-        self, x: torch.Tensor, state: VQAttentionState | None = None
-    ) -> tuple[torch.Tensor, VQAttentionState | None, dict]:
+        self, x: torch.Tensor, state: VQAttentionState | KVCacheState | None = None
+    ) -> tuple[torch.Tensor, VQAttentionState | KVCacheState, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        if state is not None and self.attention == "softmax":
-            raise ValueError("the softmax GAU is the stateless quadratic twin; it takes no state")
         h = self.norm(x)
         scale = self.d_k ** -0.25
         q = (_rms(self.w_q(h)) * scale).unsqueeze(1)  # [B, 1, T, d_k]
@@ -117,9 +115,15 @@ class GAU(nn.Module):
                 initial_state=state, output_final_state=True, **common,
             )
         else:
-            table = bias.reshape(1, 1, -1)
-            out = windowed_softmax(queries.unsqueeze(2), k, v, table, position_keys.reshape(1, 1, *position_keys.shape),
-                                    self.block_size, True).squeeze(2)
-            state = None
+            if state is not None and not isinstance(state, KVCacheState):
+                raise TypeError(f"the softmax GAU's state is a KVCacheState, got {type(state).__name__}")
+            past = 0 if state is None else state.keys.shape[2]
+            keys = k if state is None else torch.cat([state.keys.to(k.dtype), k], dim=2)
+            values = v if state is None else torch.cat([state.values.to(v.dtype), v], dim=2)
+            out = windowed_softmax(
+                queries.unsqueeze(2), keys, values, bias.reshape(1, 1, -1),
+                position_keys.reshape(1, 1, *position_keys.shape), self.block_size, True, past=past,
+            ).squeeze(2)
+            state = KVCacheState(keys=keys, values=values, steps=past + x.shape[1])
         y = self.w_o(out.squeeze(1) * gate)
         return y, state, aux

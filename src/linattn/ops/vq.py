@@ -103,12 +103,13 @@ def _position_scores(q, position_keys, offsets, L):
     return per_offset.gather(-1, index) * inside
 
 
-def windowed_softmax(q, k, v, table, positions_k, L, causal):
-    """Quadratic softmax with the windowed relative terms (the reference; the GAU's softmax twin). Materialised scores. q ``[B, Hkv, G, T, D]`` (scaled), k ``[B, Hkv, T, D]``."""
+def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0):
+    """Quadratic softmax with the windowed relative terms: the reference, and the GAU's
+    softmax twin. Materialised scores; q ``[B, Hkv, G, T, D]`` (scaled) holds positions
+    ``past .. past + T - 1``, k ``[B, Hkv, past + T, D]`` and v every position from 0."""
     scores = q @ k.unsqueeze(2).transpose(-1, -2)
-    T = q.shape[-2]
-    positions = torch.arange(T, device=q.device)
-    offsets = positions[:, None] - positions[None, :]
+    rows = torch.arange(past, past + q.shape[-2], device=q.device)
+    offsets = rows[:, None] - torch.arange(k.shape[-2], device=q.device)[None, :]
     if table is not None:
         scores = scores + _offset_bias(table, offsets, L)
     if positions_k is not None:
