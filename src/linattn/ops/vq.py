@@ -139,10 +139,10 @@ def _means(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
 
 
-def _noncausal(q, codes, v, codebook, state_counts, state_sums):
-    """Encoder form: ``softmax_s(q.c_s + log n_s) m_s`` over all positions (and the state)."""
+def _noncausal(q, codes, v, codebook):
+    """Encoder form: ``softmax_s(q.c_s + log n_s) m_s`` over all positions."""
     counts, sums = _code_statistics(codes.unsqueeze(2), v.unsqueeze(2), codebook.shape[1])
-    counts, sums = counts.squeeze(2) + state_counts, sums.squeeze(2) + state_sums
+    counts, sums = counts.squeeze(2), sums.squeeze(2)
     logits = q @ codebook.unsqueeze(0).unsqueeze(2).transpose(-1, -2) + torch.log(counts).unsqueeze(2).unsqueeze(-2)
     means = _means(sums, counts)
     return torch.softmax(logits, dim=-1) @ means.unsqueeze(2)
@@ -351,10 +351,9 @@ def vq_attention(
             check_state_tensor("initial_state.prev_values", s.prev_values, (B, Hkv, L, Dv), q)
 
     if not causal:
-        counts0 = sums0 = 0.0
         if initial_state is not None:
             raise ValueError("causal=False takes no state (the encoder form sees the whole sequence)")
-        out = _noncausal(qf, codes, vf, cb, counts0, sums0)
+        out = _noncausal(qf, codes, vf, cb)
         return out.reshape(B, H, T, Dv).to(q.dtype), None
     if mode == "parallel":
         out = windowed_softmax(qf, kf, vf, table, positions_k, L, causal)
