@@ -1,11 +1,15 @@
 """Small helpers shared by the op tests: random inputs, tolerant comparisons, feature
-maps written out independently of the library, and a causality check on Jacobians."""
+maps written out independently of the library, a causality check on Jacobians, and a
+recorder of the largest tensor an op builds."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from linattn import feature_maps as fm
 
@@ -109,3 +113,20 @@ def assert_causal_jacobian(fn, inputs, names):
         for i in range(T):
             future = Jt[i, i + 1 :]
             assert (future == 0).all(), f"output row {i} depends on {name} rows > {i}"
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records the largest numel among op outputs and how often each op ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.max_numel = 0
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls[func.overloadpacket.__name__] += 1
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.max_numel = max(self.max_numel, t.numel())
+        return out

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from _helpers import F64, assert_causal_jacobian, assert_close_rel, make_qkv
+from _helpers import F64, OpRecorder, assert_causal_jacobian, assert_close_rel, make_qkv
 from linattn import softmax_attention
 
 IMPLS = ("reference", "sdpa", "tiled", "auto")
@@ -235,27 +232,10 @@ def test_causal_jacobian_is_lower_triangular(impl):
 # ----------------------------------------------------------------------------- memory
 
 
-class _OpRecorder(TorchDispatchMode):
-    """Records the largest numel among op outputs and how often each op ran."""
-
-    def __init__(self):
-        super().__init__()
-        self.max_numel = 0
-        self.calls = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.calls[func.overloadpacket.__name__] += 1
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.max_numel = max(self.max_numel, t.numel())
-        return out
-
-
 def _record(impl, causal, T, block_size, backward):
     q, k, v = make_qkv(B=1, H=1, Hkv=1, T=T, Dk=16, Dv=16, dtype=torch.float32, requires_grad=backward)
     grad_out = torch.randn(1, 1, T, 16, generator=torch.Generator().manual_seed(0))
-    with _OpRecorder() as rec:
+    with OpRecorder() as rec:
         out = softmax_attention(q, k, v, causal=causal, impl=impl, block_size=block_size)
         if backward:
             out.backward(grad_out)

@@ -22,6 +22,7 @@ import torch
 from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
+from ..ops.local import local_attention
 from ..ops.softmax import softmax_attention
 from ..ops.vq import vq_attention
 from ..quantize import VectorQuantizer
@@ -129,6 +130,10 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
         "delta-recurrent", "delta rule (recurrent)", "recurrent",
         max_length=config.recurrent_max_length, max_length_note="--recurrent-max-length",
     ),
+    "local-256": lambda config: Case(
+        "local-256", "local softmax (window 256)",
+        lambda q, k, v: local_attention(q, k, v, window=256)[0],
+    ),
     "vq-b128": lambda config: _vq_case(config, 128),
     "vq-b256": lambda config: _vq_case(config, 256),
 }
@@ -194,6 +199,7 @@ def summarize(rows: Sequence[dict]) -> dict:
         ("linear_elu_vs_sdpa", "linear-elu", BASELINE, "forward_s"),
         ("delta_chunk_vs_sdpa", "delta-chunk", BASELINE, "forward_s"),
         ("delta_chunk_vs_recurrent", "delta-chunk", "delta-recurrent", "forward_backward_s"),
+        ("local_256_vs_sdpa", "local-256", BASELINE, "forward_s"),
     ):
         length = _longest_common(rows, [case, baseline], measured)
         if length is not None:
@@ -233,11 +239,15 @@ def format_summary(summary: dict) -> str:
             f"  linear-elu vs sdpa at T={s['length']}: sdpa/linear-elu forward = {_x(s['forward_speedup'])}, "
             f"forward+backward = {_x(s['forward_backward_speedup'])}"
         )
-    for key, baseline in (("delta_chunk_vs_sdpa", BASELINE), ("delta_chunk_vs_recurrent", "delta-recurrent")):
+    for key, case, baseline in (
+        ("delta_chunk_vs_sdpa", "delta-chunk", BASELINE),
+        ("delta_chunk_vs_recurrent", "delta-chunk", "delta-recurrent"),
+        ("local_256_vs_sdpa", "local-256", BASELINE),
+    ):
         if key in summary:
             s = summary[key]
             lines.append(
-                f"  delta-chunk vs {baseline} at T={s['length']}: {baseline}/delta-chunk forward = "
+                f"  {case} vs {baseline} at T={s['length']}: {baseline}/{case} forward = "
                 f"{_x(s['forward_speedup'])}, forward+backward = {_x(s['forward_backward_speedup'])}"
             )
     for case in ("vq-b128", "vq-b256"):

@@ -1,0 +1,124 @@
+"""Sliding-window (local) attention, computed in blocks: O(T * window) time and memory.
+
+Query i attends exactly to the keys j with
+
+    -look_forward * window <= i - j < look_backward * window
+
+(causal: ``look_forward = 0``, so the last ``look_backward * window`` keys including its own).
+Positions are cut into blocks of ``window``; a query block scores only the key blocks
+``b - look_backward .. b + look_forward`` and masks the exact window inside them, so no
+T x T tensor is ever built. The decode state is the last ``look_backward * window - 1``
+keys and values: generation with a local layer is constant-memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..state import KVCacheState
+from ._validate import check_positive_int, check_qkv, check_state_tensor, compute_dtype
+
+_ROWS_PER_STEP = 1024  # query rows scored together
+
+
+def _non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    causal: bool = True,
+    look_backward: int = 1,
+    look_forward: int = 0,
+    scale: float | None = None,
+    initial_state: KVCacheState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, KVCacheState | None]:
+    """Exact softmax attention restricted to a sliding window.
+
+    Args:
+        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+        window: block length W; query i sees keys j with
+            ``-look_forward * W <= i - j < look_backward * W``.
+        causal: requires ``look_forward == 0`` (the default).
+        look_backward: how many windows back (>= 1); look_forward: how many ahead.
+        scale: ``None`` = ``Dk^-1/2``.
+        initial_state / output_final_state (causal only): a ``KVCacheState`` with the last
+            ``look_backward * W - 1`` keys and values.
+
+    Returns:
+        ``(out [B, H, T, Dv] in q's dtype, state or None)``.
+    """
+    shapes = check_qkv(q, k, v)
+    window = check_positive_int("window", window)
+    look_backward = check_positive_int("look_backward", look_backward)
+    look_forward = _non_negative_int("look_forward", look_forward)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if causal and look_forward:
+        raise ValueError(f"causal=True needs look_forward=0 (a query cannot see later keys), got {look_forward}")
+    if not causal and (initial_state is not None or output_final_state):
+        raise ValueError("a state is only defined for causal local attention")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
+    G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
+    W, back = window, look_backward * window
+    dtype = compute_dtype(q.dtype)
+    qf = q.to(dtype).reshape(B, Hkv, G, T, Dk) * (Dk ** -0.5 if scale is None else float(scale))
+    kf, vf = k.to(dtype), v.to(dtype)
+
+    past = 0
+    if initial_state is not None:
+        if not isinstance(initial_state, KVCacheState):
+            raise TypeError(f"initial_state must be a KVCacheState, got {type(initial_state).__name__}")
+        past = initial_state.keys.shape[2]
+        if past > back - 1:
+            raise ValueError(f"initial_state holds {past} positions; local attention keeps at most {back - 1}")
+        check_state_tensor("initial_state.keys", initial_state.keys, (B, Hkv, past, Dk), q)
+        check_state_tensor("initial_state.values", initial_state.values, (B, Hkv, past, Dv), q)
+        kf = torch.cat([initial_state.keys.to(dtype), kf], dim=2)
+        vf = torch.cat([initial_state.values.to(dtype), vf], dim=2)
+        qf = F.pad(qf, (0, 0, past, 0))
+    total = past + T
+    blocks = -(-total // W)
+    tail = blocks * W - total
+    qf = F.pad(qf, (0, 0, 0, tail))
+    # Keys padded by look_backward blocks in front and look_forward blocks (+ tail) behind;
+    # block b's keys are the (look_backward + 1 + look_forward) blocks starting at block b.
+    span = (look_backward + 1 + look_forward) * W
+    front, back_pad = look_backward * W, look_forward * W + tail
+    keys = F.pad(kf, (0, 0, front, back_pad)).unfold(2, span, W).transpose(-1, -2)  # [B, Hkv, R, span, Dk]
+    values = F.pad(vf, (0, 0, front, back_pad)).unfold(2, span, W).transpose(-1, -2)
+    rows = torch.arange(W, device=q.device)
+    cols = torch.arange(span, device=q.device)
+    offsets = front + rows[:, None] - cols[None, :]  # i - j inside a block
+    key_index = torch.arange(blocks, device=q.device)[:, None] * W - front + cols[None, :]  # [R, span]
+    visible = (offsets >= -look_forward * W) & (offsets < back)
+    visible = visible & ((key_index >= 0) & (key_index < total))[:, None, :]  # [R, W, span]
+    step = max(1, _ROWS_PER_STEP // W)  # blocks per step: keeps each temporary small
+    outs = []
+    pieces = zip(
+        qf.reshape(B, Hkv, G, blocks, W, Dk).split(step, dim=3), keys.split(step, dim=2),
+        values.split(step, dim=2), visible.split(step, dim=0),
+    )
+    for q_g, k_g, v_g, visible_g in pieces:
+        scores = q_g @ k_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, W, span]
+        scores.masked_fill_(~visible_g, float("-inf"))
+        outs.append(torch.softmax(scores, dim=-1) @ v_g.unsqueeze(2))
+    out = torch.cat(outs, dim=3)
+    out = out.reshape(B, Hkv, G, blocks * W, Dv)[:, :, :, past:total].reshape(B, H, T, Dv).to(q.dtype)
+
+    state = None
+    if output_final_state:
+        keep = min(back - 1, total)
+        steps = (initial_state.steps if initial_state is not None else 0) + T
+        state = KVCacheState(keys=kf[:, :, total - keep :], values=vf[:, :, total - keep :], steps=steps)
+    return out, state
