@@ -7,6 +7,7 @@ Functional ops follow the layout of ``torch.nn.functional.scaled_dot_product_att
 from . import feature_maps, nn
 from .ops.delta import delta_rule
 from .ops.linear import linear_attention
+from .ops.linformer import linformer_attention
 from .ops.local import local_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import soft_vq_attention, vq_attention
@@ -20,6 +21,7 @@ __all__ = [
     "linear_attention",
     "delta_rule",
     "local_attention",
+    "linformer_attention",
     "vq_attention",
     "soft_vq_attention",
     "VectorQuantizer",

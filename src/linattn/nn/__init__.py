@@ -2,6 +2,7 @@
 
 from .delta_net import DeltaNet
 from .gau import GAU
+from .linformer import LinformerAttention
 from .short_conv import ShortConvolution
 
-__all__ = ["DeltaNet", "GAU", "ShortConvolution"]
+__all__ = ["DeltaNet", "GAU", "LinformerAttention", "ShortConvolution"]

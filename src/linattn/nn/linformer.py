@@ -1,0 +1,39 @@
+"""Linformer self-attention layer (non-causal, fixed maximum length)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.linformer import linformer_attention
+
+
+class LinformerAttention(nn.Module):
+    """``y = W_o linformer(W_q x, W_k x, W_v x; E, F)`` with learned length projections
+    ``E, F [k, max_len]`` shared by all heads (the paper's head-wise sharing).
+
+    ``forward(x [B, T, d_model])`` with ``T <= max_len`` -> ``[B, T, d_model]``. Non-causal:
+    for encoders only.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, max_len: int, k: int = 256):
+        super().__init__()
+        if d_model % n_heads:
+            raise ValueError(f"n_heads={n_heads} must divide d_model={d_model}")
+        self.d_model, self.n_heads, self.max_len, self.k = d_model, n_heads, max_len, k
+        self.q_proj = nn.Linear(d_model, d_model, bias=False)
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model, bias=False)
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+        self.E = nn.Parameter(torch.randn(k, max_len) / k**0.5)
+        self.F = nn.Parameter(torch.randn(k, max_len) / k**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        B, T, _ = x.shape
+        heads = lambda t: t.reshape(B, T, self.n_heads, -1).transpose(1, 2)  # noqa: E731
+        out = linformer_attention(
+            heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), self.E.to(x.dtype), self.F.to(x.dtype)
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.d_model))
