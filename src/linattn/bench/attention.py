@@ -24,6 +24,7 @@ from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.local import local_attention
 from ..ops.softmax import softmax_attention
+from ..ops.strided import strided_attention
 from ..ops.vq import vq_attention
 from ..quantize import VectorQuantizer
 from . import report
@@ -133,6 +134,14 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
     "local-256": lambda config: Case(
         "local-256", "local softmax (window 256)",
         lambda q, k, v: local_attention(q, k, v, window=256)[0],
+    ),
+    "strided-128": lambda config: Case(
+        "strided-128", "Sparse Transformer strided (block 128)",
+        lambda q, k, v: strided_attention(q, k, v, pattern="strided", block=128),
+    ),
+    "fixed-128": lambda config: Case(
+        "fixed-128", "Sparse Transformer fixed (block 128, 8 summary)",
+        lambda q, k, v: strided_attention(q, k, v, pattern="fixed", block=128, summary=8),
     ),
     "vq-b128": lambda config: _vq_case(config, 128),
     "vq-b256": lambda config: _vq_case(config, 256),
