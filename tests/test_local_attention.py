@@ -107,3 +107,17 @@ def test_errors_name_the_argument():
         local_attention(q, k, v, window=2, initial_state=state)  # holds 3 > 1 positions
     with pytest.raises(ValueError, match="k has"):
         local_attention(q, k[:, :, :5], v, window=2)
+
+
+def test_peak_memory_at_64k_is_far_below_the_dense_reference():
+    from linattn.bench.harness import peak_memory
+
+    T, window = 65536, 256
+    q, k, v = make_qkv(B=1, H=1, Hkv=1, T=T, Dk=16, Dv=16, dtype=torch.float32, seed=8)
+    with OpRecorder() as rec:
+        local_attention(q, k, v, window=window)
+    dense_scores = T * T  # the reference materialises at least the T x T float32 scores
+    assert rec.max_numel <= 2 * T * window
+    assert rec.max_numel * 20 < dense_scores
+    peak = peak_memory(lambda: local_attention(q, k, v, window=window), "cpu")
+    assert peak is not None and peak * 20 < dense_scores * 4, f"peak {peak} bytes"

@@ -9,6 +9,7 @@ from .ops.delta import delta_rule
 from .ops.linear import linear_attention
 from .ops.linformer import linformer_attention
 from .ops.local import local_attention
+from .ops.lsh import lsh_attention
 from .ops.strided import strided_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import soft_vq_attention, vq_attention
@@ -24,6 +25,7 @@ __all__ = [
     "local_attention",
     "linformer_attention",
     "strided_attention",
+    "lsh_attention",
     "vq_attention",
     "soft_vq_attention",
     "VectorQuantizer",

@@ -23,6 +23,7 @@ from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.local import local_attention
+from ..ops.lsh import lsh_attention
 from ..ops.softmax import softmax_attention
 from ..ops.strided import strided_attention
 from ..ops.vq import vq_attention
@@ -142,6 +143,10 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
     "fixed-128": lambda config: Case(
         "fixed-128", "Sparse Transformer fixed (block 128, 8 summary)",
         lambda q, k, v: strided_attention(q, k, v, pattern="fixed", block=128, summary=8),
+    ),
+    "lsh-4x64": lambda config: Case(
+        "lsh-4x64", "Reformer LSH (4 hashes, bucket 64; k = q)",
+        lambda q, k, v: lsh_attention(q, v, n_hashes=4, bucket_size=64, seed=0),
     ),
     "vq-b128": lambda config: _vq_case(config, 128),
     "vq-b256": lambda config: _vq_case(config, 256),
