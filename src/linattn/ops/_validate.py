@@ -128,6 +128,15 @@ def check_state_tensor(name: str, value: object, expected: tuple[int, ...], like
     return value
 
 
+def resolve_scale(scale: object, key_dim: int) -> float:
+    """The score scale: ``None`` -> ``key_dim^-1/2``; a number -> itself; else TypeError."""
+    if scale is None:
+        return key_dim ** -0.5
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    return float(scale)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32

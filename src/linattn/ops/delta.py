@@ -31,6 +31,7 @@ from ._validate import (
     check_state_tensor,
     check_tensor,
     compute_dtype,
+    resolve_scale,
 )
 from .feature_maps import FeatureMap, get_feature_map, normalized_features
 
@@ -135,12 +136,10 @@ def delta_rule(
     check_same_dtype_device(q=q, beta=beta)
     if tuple(beta.shape) != (B, Hkv, T):
         raise ValueError(f"beta has shape {list(beta.shape)}, expected [{B}, {Hkv}, {T}] (one value per key/value head)")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     if mode is None:
         mode = "recurrent" if T == 1 else "chunk"
     Fd = fmap.dim_out(Dk)
-    scale = Fd ** -0.5 if scale is None else float(scale)
+    scale = resolve_scale(scale, Fd)
     dtype = compute_dtype(q.dtype)
 
     if initial_state is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_qkv, check_same_dtype_device, check_tensor, compute_dtype
+from ._validate import check_qkv, check_same_dtype_device, check_tensor, compute_dtype, resolve_scale
 
 
 def linformer_attention(
@@ -44,13 +44,11 @@ def linformer_attention(
             raise ValueError(f"sequence length T={T} exceeds max_len={P.shape[-1]} of {name} (shape {list(P.shape)})")
     if E.shape[-2] != F.shape[-2]:
         raise ValueError(f"E projects to {E.shape[-2]} positions but F to {F.shape[-2]}; they must match")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     dtype = compute_dtype(q.dtype)
     G = shapes.group_size
     keys = E[..., :T].to(dtype) @ k.to(dtype)  # [B, Hkv, k, Dk]
     values = F[..., :T].to(dtype) @ v.to(dtype)
-    qf = q.to(dtype).reshape(B, Hkv, G, T, -1) * (shapes.key_dim ** -0.5 if scale is None else float(scale))
+    qf = q.to(dtype).reshape(B, Hkv, G, T, -1) * resolve_scale(scale, shapes.key_dim)
     scores = qf @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, k]
     out = torch.softmax(scores, dim=-1) @ values.unsqueeze(2)
     return out.reshape(B, H, T, -1).to(q.dtype)

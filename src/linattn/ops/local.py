@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import KVCacheState
-from ._validate import check_positive_int, check_qkv, check_state_tensor, compute_dtype
+from ._validate import check_positive_int, check_qkv, check_state_tensor, compute_dtype, resolve_scale
 
 _ROWS_PER_STEP = 1024  # query rows scored together
 
@@ -66,13 +66,11 @@ def local_attention(
         raise ValueError(f"causal=True needs look_forward=0 (a query cannot see later keys), got {look_forward}")
     if not causal and (initial_state is not None or output_final_state):
         raise ValueError("a state is only defined for causal local attention")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
     G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
     W, back = window, look_backward * window
     dtype = compute_dtype(q.dtype)
-    qf = q.to(dtype).reshape(B, Hkv, G, T, Dk) * (Dk ** -0.5 if scale is None else float(scale))
+    qf = q.to(dtype).reshape(B, Hkv, G, T, Dk) * resolve_scale(scale, Dk)
     kf, vf = k.to(dtype), v.to(dtype)
 
     past = 0

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_choice, check_positive_int, check_qkv, compute_dtype
+from ._validate import check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
 
 _PATTERNS = ("strided", "fixed")
 
@@ -120,11 +120,9 @@ def strided_attention(
         raise ValueError(f"summary must be at most block={block}, got {summary}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     dtype = compute_dtype(q.dtype)
     G = shapes.group_size
-    qf = q.to(dtype) * (shapes.key_dim ** -0.5 if scale is None else float(scale))
+    qf = q.to(dtype) * resolve_scale(scale, shapes.key_dim)
     kf = k.to(dtype).repeat_interleave(G, dim=1)
     vf = v.to(dtype).repeat_interleave(G, dim=1)
 

@@ -42,6 +42,7 @@ from ._validate import (
     check_state_tensor,
     check_tensor,
     compute_dtype,
+    resolve_scale,
 )
 
 _MODES = ("parallel", "block")
@@ -316,10 +317,7 @@ def vq_attention(
         raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}]")
     S = codebook.shape[1]
     mode = mode or "block"
-    if scale is None:
-        scale = Dk ** -0.5
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
+    scale = resolve_scale(scale, Dk)
     if not causal and (bias is not None or position_keys is not None):
         raise ValueError(
             "bias and position_keys act on the causal window 0 <= i - j <= block_size; not defined for causal=False"
