@@ -62,24 +62,36 @@ def lsh_attention(
     generator = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
     rotations = torch.randn(n_hashes, D, n_buckets // 2, generator=generator, dtype=torch.float64)
     rotations = rotations.to(device=qk.device, dtype=dtype)
+    outs, lses = [], []
+    for rotation in rotations:  # one hash round at a time keeps the temporaries small
+        out, lse = _round(queries, keys, values, rotation, T, C, causal)
+        outs.append(out)
+        lses.append(lse)
+    weights = torch.softmax(torch.stack(lses), dim=0).unsqueeze(-1)  # combine rounds by log-sum-exp
+    return (weights * torch.stack(outs)).sum(0)[:, :, :T].to(qk.dtype)
+
+
+def _round(queries, keys, values, rotation, T, C, causal):
+    """One hash round: ``(out [B, H, Tp, E], lse [B, H, Tp])`` in position order."""
+    B, H, Tp, D = queries.shape
+    E = values.shape[-1]
+    n_chunks, n_buckets = Tp // C, 2 * rotation.shape[-1]
     with torch.no_grad():
-        rotated = keys.unsqueeze(2) @ rotations  # [B, H, n_hashes, Tp, n_buckets / 2]
+        rotated = keys @ rotation  # [B, H, Tp, n_buckets / 2]
         buckets = torch.cat([rotated, -rotated], dim=-1).argmax(-1)
-        positions = torch.arange(Tp, device=qk.device)
+        positions = torch.arange(Tp, device=queries.device)
         buckets = buckets.masked_fill(positions >= T, n_buckets)  # padding sorts last
         order = (buckets * Tp + positions).argsort(dim=-1)  # sort by (bucket, position)
-    gather = lambda x: torch.gather(  # noqa: E731
-        x.unsqueeze(2).expand(-1, -1, n_hashes, -1, -1), 3, order.unsqueeze(-1).expand(-1, -1, -1, -1, x.shape[-1])
-    ).reshape(B, H, n_hashes, n_chunks, C, x.shape[-1])
-    q_sorted, k_sorted, v_sorted = gather(queries), gather(keys), gather(values)
-    pos = order.reshape(B, H, n_hashes, n_chunks, C)
+    gather = lambda x: torch.gather(x, 2, order.unsqueeze(-1).expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
+    q_sorted = gather(queries).reshape(B, H, n_chunks, C, D)
+    k_window = gather(keys).reshape(B, H, n_chunks, C, D)
+    v_window = gather(values).reshape(B, H, n_chunks, C, E)
+    pos = order.reshape(B, H, n_chunks, C)
+    pos_window = pos
     if n_chunks > 1:  # own chunk + the previous one (wrapping around)
-        look_back = lambda x: torch.cat([x, x.roll(1, dims=3)], dim=4)  # noqa: E731
-        k_window, v_window, pos_window = look_back(k_sorted), look_back(v_sorted), look_back(pos)
-    else:
-        k_window, v_window, pos_window = k_sorted, v_sorted, pos
-
-    scores = q_sorted @ k_window.transpose(-1, -2) * D ** -0.5  # [B, H, n_hashes, n_chunks, C, 2C or C]
+        look_back = lambda x: torch.cat([x, x.roll(1, dims=2)], dim=3)  # noqa: E731
+        k_window, v_window, pos_window = look_back(k_window), look_back(v_window), look_back(pos)
+    scores = q_sorted @ k_window.transpose(-1, -2) * D ** -0.5  # [B, H, n_chunks, C, 2C or C]
     query_pos, key_pos = pos.unsqueeze(-1), pos_window.unsqueeze(-2)
     scores = scores.masked_fill(key_pos == query_pos, SELF_SCORE)
     hidden = key_pos >= T
@@ -87,14 +99,8 @@ def lsh_attention(
         hidden = hidden | (key_pos > query_pos)
     scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-    out_sorted = torch.exp(scores - lse) @ v_window  # [B, H, n_hashes, n_chunks, C, E]
-
-    # Unsort: position order[p] of round r holds sorted slot p.
-    out = torch.zeros(B, H, n_hashes, Tp, E, dtype=dtype, device=qk.device).scatter(
-        3, order.unsqueeze(-1).expand(-1, -1, -1, -1, E), out_sorted.reshape(B, H, n_hashes, Tp, E)
-    )
-    lse = torch.zeros(B, H, n_hashes, Tp, dtype=dtype, device=qk.device).scatter(
-        3, order, lse.reshape(B, H, n_hashes, Tp)
-    )
-    weights = torch.softmax(lse, dim=2).unsqueeze(-1)  # combine rounds by their log-sum-exp
-    return (weights * out).sum(2)[:, :, :T].to(qk.dtype)
+    out_sorted = (torch.exp(scores - lse) @ v_window).reshape(B, H, Tp, E)
+    # Unsort: sorted slot p belongs to position order[p].
+    out = torch.zeros_like(out_sorted).scatter(2, order.unsqueeze(-1).expand(-1, -1, -1, E), out_sorted)
+    lse = torch.zeros(B, H, Tp, dtype=lse.dtype, device=lse.device).scatter(2, order, lse.reshape(B, H, Tp))
+    return out, lse
