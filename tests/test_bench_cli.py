@@ -155,3 +155,13 @@ def test_runner_skips_over_max_length_and_after_out_of_memory():
     assert "skipped after out of memory" in by_key["oom", 32]["skip_reason"]
     assert by_key["short", 16]["skip_reason"] == "T=16 > max length 8 (too long)"
     assert by_key["fwd-only", 32]["forward_s"] > 0 and by_key["fwd-only", 32]["forward_backward_s"] is None
+
+
+def test_bench_decode_writes_rows_and_growth(tmp_path):
+    assert main(["bench", "decode", "--contexts", "32", "64", "--tokens", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    cases = {row["case"] for row in result["rows"]}
+    assert cases == {"vq-b128", "linear-elu", "delta", "sdpa-kvcache"}
+    assert all(row["per_token_s"] > 0 and len(row["times_s"]) == 2 for row in result["rows"])
+    assert set(result["summary"]) == cases and all(s["growth"] > 0 for s in result["summary"].values())
+    assert "per-token time" in (tmp_path / "results.md").read_text()

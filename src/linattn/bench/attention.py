@@ -168,14 +168,16 @@ def _make_inputs(config: AttentionBenchConfig) -> Callable[[int], Inputs]:
 # --- summary of the run against the project's targets -------------------------------
 
 
+def _measured(rows: Sequence[dict], case: str, length: int, key: str) -> bool:
+    """Whether ``case`` has a value for ``key`` at ``length``."""
+    row = report.find_row(rows, case, length)
+    return row is not None and row[key] is not None
+
+
 def _longest_common(rows: Sequence[dict], cases: Sequence[str], key: str) -> int | None:
     """Longest length at which every one of ``cases`` has a value for ``key``."""
-    def measured(case: str, length: int) -> bool:
-        row = report.find_row(rows, case, length)
-        return row is not None and row[key] is not None
-
     lengths = {r["length"] for r in rows}
-    return max((t for t in lengths if all(measured(c, t) for c in cases)), default=None)
+    return max((t for t in lengths if all(_measured(rows, c, t, key) for c in cases)), default=None)
 
 
 def _growth(rows: Sequence[dict], case: str) -> dict | None:
@@ -220,7 +222,7 @@ def summarize(rows: Sequence[dict]) -> dict:
             summary[key] = _speedup(rows, case, baseline, length)
     for case in ("vq-b128", "vq-b256"):
         lengths = sorted({r["length"] for r in rows})
-        common = [t for t in lengths if _longest_common([r for r in rows if r["length"] == t], [case, BASELINE], "forward_s")]
+        common = [t for t in lengths if _measured(rows, case, t, "forward_s") and _measured(rows, BASELINE, t, "forward_s")]
         if common:
             summary[f"{case}_vs_sdpa"] = [_speedup(rows, case, BASELINE, t) for t in common]
     for case in _GROWTH_CASES:

@@ -31,6 +31,11 @@ DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
 Mechanism = tuple[Callable, Callable]
 
 
+def _recurrent(run: Callable) -> Mechanism:
+    """An op with a carried state: prefill is the same call from no state."""
+    return (lambda q, k, v: run(q, k, v, None)), run
+
+
 def _vq(heads: int, dim: int, block_size: int = 128) -> Mechanism:
     quantizer = VectorQuantizer(heads, dim, 512).eval()
 
@@ -39,14 +44,14 @@ def _vq(heads: int, dim: int, block_size: int = 128) -> Mechanism:
         return vq_attention(q, k_hat, v, codes, quantizer.codebook, block_size=block_size,
                             initial_state=state, output_final_state=True)[1]
 
-    return (lambda q, k, v: run(q, k, v, None)), run
+    return _recurrent(run)
 
 
 def _linear(heads: int, dim: int) -> Mechanism:
     def run(q, k, v, state):
         return linear_attention(q, k, v, feature_map="elu", initial_state=state, output_final_state=True)[1]
 
-    return (lambda q, k, v: run(q, k, v, None)), run
+    return _recurrent(run)
 
 
 def _delta(heads: int, dim: int) -> Mechanism:
@@ -54,7 +59,7 @@ def _delta(heads: int, dim: int) -> Mechanism:
         beta = torch.full(k.shape[:3], 0.5)
         return delta_rule(q, k, v, beta, initial_state=state, output_final_state=True)[1]
 
-    return (lambda q, k, v: run(q, k, v, None)), run
+    return _recurrent(run)
 
 
 def _kv_cache(heads: int, dim: int) -> Mechanism:

@@ -108,6 +108,13 @@ def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
 
 
+def check_bool(name: str, value: object) -> bool:
+    """``value`` is a ``bool`` (not a truthy tensor or int)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def check_positive_int(name: str, value: object) -> int:
     """``value`` is an ``int`` (not bool) greater than zero."""
     if isinstance(value, bool) or not isinstance(value, int):

@@ -18,6 +18,7 @@ import torch
 
 from ..state import LinearAttentionState
 from ._validate import (
+    check_bool,
     check_choice,
     check_positive_int,
     check_qkv,
@@ -182,8 +183,7 @@ def linear_attention(
     check_choice("normalize", normalize, _NORMALIZE)
     check_choice("mode", mode, (None,) + _MODES)
     check_positive_int("chunk_size", chunk_size)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     if mode is None:
         mode = "recurrent" if shapes.length == 1 else "chunk"
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import KVCacheState
-from ._validate import check_positive_int, check_qkv, check_state_tensor, compute_dtype, resolve_scale
+from ._validate import check_bool, check_positive_int, check_qkv, check_state_tensor, compute_dtype, resolve_scale
 
 _ROWS_PER_STEP = 1024  # query rows scored together
 
@@ -60,8 +60,7 @@ def local_attention(
     window = check_positive_int("window", window)
     look_backward = check_positive_int("look_backward", look_backward)
     look_forward = _non_negative_int("look_forward", look_forward)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     if causal and look_forward:
         raise ValueError(f"causal=True needs look_forward=0 (a query cannot see later keys), got {look_forward}")
     if not causal and (initial_state is not None or output_final_state):

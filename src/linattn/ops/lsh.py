@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_positive_int, check_same_dtype_device, check_tensor, compute_dtype
+from ._validate import check_bool, check_positive_int, check_same_dtype_device, check_tensor, compute_dtype
 
 SELF_SCORE = -1e5
 
@@ -48,8 +48,7 @@ def lsh_attention(
         raise ValueError(f"qk has length 0 (shape {list(qk.shape)}); at least one position is required")
     n_hashes = check_positive_int("n_hashes", n_hashes)
     C = check_positive_int("bucket_size", bucket_size)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     dtype = compute_dtype(qk.dtype)
     E = v.shape[-1]
     n_chunks = -(-T // C)

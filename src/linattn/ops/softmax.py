@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ._bias import relative_bias_table
 from ._validate import (
+    check_bool,
     AttentionShapes,
     check_choice,
     check_positive_int,
@@ -281,8 +282,7 @@ def softmax_attention(
     Returns:
         ``[B, H, T, Dv]`` in q's dtype (computed in float32, float64 for float64 input).
     """
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     shapes = check_qkv(q, k, v, same_length=causal)
     check_choice("impl", impl, _IMPLS)
     check_positive_int("block_size", block_size)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
+from ._validate import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
 
 _PATTERNS = ("strided", "fixed")
 
@@ -118,8 +118,7 @@ def strided_attention(
     summary = check_positive_int("summary", summary)
     if summary > block:
         raise ValueError(f"summary must be at most block={block}, got {summary}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     dtype = compute_dtype(q.dtype)
     G = shapes.group_size
     qf = q.to(dtype) * resolve_scale(scale, shapes.key_dim)

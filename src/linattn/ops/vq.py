@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ..state import VQAttentionState
 from ._bias import relative_bias_table
 from ._validate import (
+    check_bool,
     check_choice,
     check_positive_int,
     check_qkv,
@@ -305,8 +306,7 @@ def vq_attention(
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
     """
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    check_bool("causal", causal)
     shapes = check_qkv(q, k_hat, v, key_name="k_hat")
     check_choice("mode", mode, (None,) + _MODES)
     check_positive_int("block_size", block_size)
