@@ -16,7 +16,9 @@ $(STAMP): $(BIN)/python pyproject.toml requirements.lock
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/linattn bench attention --quick --out results/bench-quick
+	rm -rf runs/demo
+	$(BIN)/linattn train --config configs/demo.toml --out runs/demo
+	$(BIN)/linattn generate --ckpt runs/demo --prompt "ROMEO." --max-new-tokens 300 --seed 0
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -28,4 +30,4 @@ bench: $(STAMP)
 	$(BIN)/linattn bench attention --out results/bench
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache runs

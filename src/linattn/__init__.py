@@ -4,7 +4,8 @@ Functional ops follow the layout of ``torch.nn.functional.scaled_dot_product_att
 ``q [B, H, T, Dk]``, ``k [B, Hkv, T, Dk]``, ``v [B, Hkv, T, Dv]``, ``H % Hkv == 0``.
 """
 
-from . import feature_maps, nn
+from . import feature_maps, models, nn
+from .models import LM, LMConfig
 from .ops.delta import delta_rule
 from .ops.linear import linear_attention
 from .ops.linformer import linformer_attention
@@ -14,7 +15,7 @@ from .ops.strided import strided_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import soft_vq_attention, vq_attention
 from .quantize import VectorQuantizer
-from .state import DeltaNetState, DeltaRuleState, KVCacheState, LinearAttentionState, VQAttentionState
+from .state import DeltaNetState, DeltaRuleState, KVCacheState, LinearAttentionState, LMState, VQAttentionState
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,10 @@ __all__ = [
     "LinearAttentionState",
     "DeltaRuleState",
     "DeltaNetState",
+    "LMState",
+    "LM",
+    "LMConfig",
+    "models",
     "feature_maps",
     "nn",
     "__version__",

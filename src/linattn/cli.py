@@ -1,4 +1,4 @@
-"""The ``linattn`` command: ``linattn bench attention ...`` (more groups to come).
+"""The ``linattn`` command: ``train``, ``eval``, ``generate``, ``data``, ``bench`` (and ``repro``).
 
 Each command group lives in the package it drives and provides
 ``register(commands)``, which adds its subparser and sets ``handler(args) -> int`` as
@@ -18,8 +18,10 @@ from collections.abc import Sequence
 
 from . import __version__
 from .bench import cli as bench_cli
+from .data import cli as data_cli
+from .train import cli as train_cli
 
-_COMMAND_GROUPS = (bench_cli,)
+_COMMAND_GROUPS = (train_cli, data_cli, bench_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

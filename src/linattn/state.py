@@ -15,6 +15,17 @@ from dataclasses import dataclass
 import torch
 
 
+def _map_value(value, fn):
+    """Apply ``fn`` to a tensor, to the tensors of a state, or to each item of a tuple."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, _State):
+        return value._map(fn)
+    if isinstance(value, tuple):
+        return tuple(_map_value(item, fn) for item in value)
+    return value
+
+
 @dataclass
 class _State:
     """Shared behaviour: map a function over the tensor fields, keep the rest."""
@@ -23,10 +34,8 @@ class _State:
         changes = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                changes[f.name] = fn(value)
-            elif isinstance(value, _State):
-                changes[f.name] = value._map(fn)
+            if isinstance(value, (torch.Tensor, _State, tuple)):
+                changes[f.name] = _map_value(value, fn)
         return dataclasses.replace(self, **changes)
 
     def detach(self) -> "_State":
@@ -120,4 +129,16 @@ class KVCacheState(_State):
 
     keys: torch.Tensor
     values: torch.Tensor
+    steps: int = 0
+
+
+@dataclass
+class LMState(_State):
+    """Decode state of ``linattn.models.LM``: one entry per layer, in order.
+
+    ``layers[i]`` is that layer's state (a tuple of two states for a GAU layer, which
+    holds two gated attention units). ``steps``: tokens consumed.
+    """
+
+    layers: tuple = ()
     steps: int = 0

@@ -124,6 +124,6 @@ class GAU(nn.Module):
                 queries.unsqueeze(2), keys, values, bias.reshape(1, 1, -1),
                 position_keys.reshape(1, 1, *position_keys.shape), self.block_size, True, past=past,
             ).squeeze(2)
-            state = KVCacheState(keys=keys, values=values, steps=past + x.shape[1])
+            state = KVCacheState(keys=keys, values=values, steps=(0 if state is None else state.steps) + x.shape[1])
         y = self.w_o(out.squeeze(1) * gate)
         return y, state, aux

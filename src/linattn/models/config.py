@@ -1,0 +1,149 @@
+"""``LMConfig``: the shape of a decoder-only language model and the attention of each layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# Layer kinds: a GAU pair (Transformer-VQ's layout, no feed-forward) or a pre-norm block
+# of multi-head attention + SwiGLU feed-forward.
+GAU_KINDS = {"vq": "vq", "soft-vq": "soft-vq", "gau-softmax": "softmax"}
+BLOCK_KINDS = ("softmax", "linear", "favor", "delta", "local")
+LINEAR_FEATURE_MAPS = ("elu", "relu", "identity", "exp", "dpfp", "taylor")
+
+LAYER_SPEC_HELP = (
+    "layer attention specs: 'vq' (Transformer-VQ GAU pair), 'soft-vq', 'gau-softmax' (the GAU's quadratic twin), "
+    "'softmax', 'linear:elu' / 'linear:relu' / 'linear:dpfp' / 'linear:dpfp:NU' / 'linear:taylor', 'favor' / "
+    "'favor:M', 'delta' / 'delta:dpfp' / 'delta:elu', 'local' / 'local:WINDOW'"
+)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One parsed layer spec: ``kind`` plus its option (feature map, window, ...)."""
+
+    kind: str
+    option: str | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.option is None else f"{self.kind}:{self.option}"
+
+    @property
+    def is_gau(self) -> bool:
+        return self.kind in GAU_KINDS
+
+
+def parse_layer_spec(spec: str) -> LayerSpec:
+    """Parse ``"vq"``, ``"linear:dpfp:2"``, ``"local:256"``, ... (see ``LAYER_SPEC_HELP``)."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a layer attention spec must be a non-empty string; got {spec!r}. {LAYER_SPEC_HELP}")
+    kind, _, option = spec.strip().partition(":")
+    option = option or None
+    bad = ValueError(f"unknown layer attention spec {spec!r}. {LAYER_SPEC_HELP}")
+    if kind in GAU_KINDS or kind == "softmax":
+        if option is not None:
+            raise bad
+    elif kind == "linear":
+        name, _, nu = (option or "").partition(":")
+        if name not in LINEAR_FEATURE_MAPS or (nu and (name != "dpfp" or not nu.isdigit() or int(nu) < 1)):
+            raise bad
+    elif kind == "favor":
+        if option is not None and (not option.isdigit() or int(option) < 1):
+            raise bad
+    elif kind == "delta":
+        if option is not None and option.partition(":")[0] not in LINEAR_FEATURE_MAPS:
+            raise bad
+    elif kind == "local":
+        if option is not None and (not option.isdigit() or int(option) < 1):
+            raise bad
+    else:
+        raise bad
+    return LayerSpec(kind, option)
+
+
+@dataclass
+class LMConfig:
+    """Configuration of ``linattn.models.LM``.
+
+    ``attention`` is one spec for every layer, a comma-separated pattern, or a list; a
+    pattern shorter than ``n_layers`` repeats (``"local:128,vq"`` alternates). A ``"vq"``
+    layer is a pair of gated attention units (Transformer-VQ), about as many parameters
+    as one attention + SwiGLU block of the same width.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    attention: str | list[str] = "vq"
+    # multi-head attention blocks
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden: int | None = None  # SwiGLU width; None = 8/3 d_model rounded up to 32
+    rotary_base: float = 10000.0
+    local_window: int = 256
+    chunk_size: int = 64
+    favor_features: int = 128
+    feature_seed: int = 0
+    delta_short_conv: int | None = 4
+    softmax_memory: int = 0  # keys a softmax layer keeps across training windows (XL memory)
+    # Transformer-VQ GAU layers
+    gau_d_k: int = 128
+    gau_d_v: int | None = None  # None = 2 d_model
+    codebook_size: int = 512
+    block_size: int = 128
+    commitment_weight: float = 1e-4
+    ema_decay: float = 0.99
+    kmeans_init: bool = False
+    dead_code_threshold: float = 0.0
+    soft_vq_temperature: float = 1.0
+    # embeddings and init
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    extra: dict = field(default_factory=dict)  # free-form notes carried into checkpoints
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "local_window", "chunk_size",
+                     "favor_features", "gau_d_k", "codebook_size", "block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
+        for name in ("n_kv_heads", "head_dim", "ffn_hidden", "gau_d_v", "delta_short_conv"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"LMConfig.{name} must be a positive int or None, got {value!r}")
+        if isinstance(self.softmax_memory, bool) or not isinstance(self.softmax_memory, int) or self.softmax_memory < 0:
+            raise ValueError(f"LMConfig.softmax_memory must be an int >= 0, got {self.softmax_memory!r}")
+        if self.n_heads % (self.n_kv_heads or self.n_heads):
+            raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        self.layer_specs()  # validates the attention pattern
+
+    def layer_specs(self) -> list[LayerSpec]:
+        """The parsed spec of each of the ``n_layers`` layers."""
+        pattern = self.attention.split(",") if isinstance(self.attention, str) else list(self.attention)
+        if not pattern:
+            raise ValueError(f"LMConfig.attention is empty. {LAYER_SPEC_HELP}")
+        specs = [parse_layer_spec(spec) for spec in pattern]
+        if len(specs) > self.n_layers:
+            raise ValueError(f"LMConfig.attention lists {len(specs)} layers but n_layers={self.n_layers}")
+        return [specs[i % len(specs)] for i in range(self.n_layers)]
+
+    @property
+    def ffn_width(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "LMConfig":
+        """Build from a dict (a checkpoint's JSON, a TOML ``[model]`` table); unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)

@@ -1,0 +1,43 @@
+"""Next-token sampling: temperature, top-k and nucleus (top-p) filtering."""
+
+from __future__ import annotations
+
+import torch
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw one token per row of ``logits [B, V]`` -> ``[B]`` int64.
+
+    ``temperature == 0`` takes the argmax. Otherwise the logits are divided by the
+    temperature; ``top_k`` keeps the k largest; ``top_p`` keeps the smallest set of tokens
+    whose probability mass reaches p (always at least the most likely one).
+    """
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    logits = logits.float()
+    if temperature == 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # mass of the strictly more likely tokens
+        drop_sorted = mass_before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

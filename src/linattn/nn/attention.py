@@ -1,0 +1,115 @@
+"""Multi-head attention layer over a choice of mechanisms (exact, kernel, sliding window)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.feature_maps import FeatureMap, get_feature_map
+from ..ops.linear import linear_attention
+from ..ops.local import local_attention
+from ..ops.softmax import softmax_attention
+from ..state import KVCacheState, LinearAttentionState
+from .rotary import apply_rotary
+
+MECHANISMS = ("softmax", "linear", "local")
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention ``y = W_o attention(W_q x, W_k x, W_v x)`` (no biases).
+
+    ``mechanism``:
+      - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``.
+      - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
+        ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
+      - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
+        positions; constant-size ``KVCacheState``.
+
+    Rotary position embeddings are applied to q and k for the softmax mechanisms
+    (``rotary=None`` = on for softmax/local, off for linear: causal kernel attention has
+    no use for them). Heads: ``n_heads`` query heads sharing ``n_kv_heads`` key/value heads.
+
+    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], state)``; passing the
+    state back continues the sequence, so token-by-token decoding equals the full pass.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        *,
+        mechanism: str = "softmax",
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        feature_map: str | FeatureMap = "elu",
+        window: int = 256,
+        chunk_size: int = 64,
+        rotary: bool | None = None,
+        rotary_base: float = 10000.0,
+    ):
+        super().__init__()
+        if mechanism not in MECHANISMS:
+            raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}; got {mechanism!r}")
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if n_kv_heads < 1 or n_heads % n_kv_heads:
+            raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
+        head_dim = d_model // n_heads if head_dim is None else head_dim
+        if head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {head_dim} (d_model={d_model}, n_heads={n_heads})")
+        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
+        self.mechanism, self.window, self.chunk_size = mechanism, window, chunk_size
+        self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
+        self.rotary = (mechanism != "linear") if rotary is None else bool(rotary)
+        self.rotary_base = rotary_base
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, state: KVCacheState | LinearAttentionState | None = None
+    ) -> tuple[torch.Tensor, KVCacheState | LinearAttentionState]:
+        if x.dim() != 3 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        past = 0 if state is None else state.steps
+        if self.rotary:
+            q, k = apply_rotary(q, past, self.rotary_base), apply_rotary(k, past, self.rotary_base)
+        if self.mechanism == "linear":
+            out, state = linear_attention(
+                q, k, v, feature_map=self.feature_map, chunk_size=self.chunk_size,
+                initial_state=state, output_final_state=True,
+            )
+        elif self.mechanism == "local":
+            out, state = local_attention(
+                q, k, v, window=self.window, initial_state=state, output_final_state=True
+            )
+        else:
+            out, state = self._softmax(q, k, v, state)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state
+
+    @staticmethod
+    def _softmax(q, k, v, state: KVCacheState | None):
+        T = q.shape[2]
+        if state is None or state.keys.shape[2] == 0:
+            out = softmax_attention(q, k, v, causal=True)
+            return out, KVCacheState(keys=k, values=v, steps=T if state is None else state.steps + T)
+        if not isinstance(state, KVCacheState):
+            raise TypeError(f"softmax attention's state is a KVCacheState, got {type(state).__name__}")
+        cached = state.keys.shape[2]
+        keys = torch.cat([state.keys.to(k.dtype), k], dim=2)
+        values = torch.cat([state.values.to(v.dtype), v], dim=2)
+        # query i (after `cached` older keys) sees keys j <= cached + i
+        visible = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
+        out = softmax_attention(q, keys, values, causal=False, bias=visible)
+        return out, KVCacheState(keys=keys, values=values, steps=state.steps + T)
+
+
+def truncate_cache(state: KVCacheState, memory: int) -> KVCacheState:
+    """Keep the last ``memory`` keys/values of a softmax cache (a Transformer-XL memory);
+    ``memory == 0`` keeps none but still counts the positions consumed."""
+    start = state.keys.shape[2] - min(memory, state.keys.shape[2])
+    return KVCacheState(keys=state.keys[:, :, start:], values=state.values[:, :, start:], steps=state.steps)

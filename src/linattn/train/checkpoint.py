@@ -1,0 +1,279 @@
+"""Checkpoints: safetensors for tensors, JSON for everything else, written atomically.
+
+A checkpoint is a folder ``<run>/checkpoints/step-00000100/`` holding
+
+- ``model.safetensors``: the model's ``state_dict`` (parameters and persistent buffers);
+- ``training.safetensors``: optimizer tensors, RNG states and the carried recurrent
+  state of every process (``carry.rank<r>.*``);
+- ``meta.json``: format tag, step, configs, data position, the non-tensor parts of the
+  optimizer state and of the carried state, and the size and SHA-256 of both tensor files.
+
+It is written into a temporary folder and renamed into place, then ``checkpoints/latest``
+is replaced atomically, so a crash leaves either the old or the new checkpoint, never a
+half one. Loading never unpickles: it checks sizes and hashes first, so a truncated or
+foreign file is a ``CheckpointError`` that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .. import state as state_module
+
+FORMAT = "linattn-checkpoint"
+VERSION = 1
+TENSOR_FILES = ("model.safetensors", "training.safetensors")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated, corrupt or not a linattn checkpoint."""
+
+
+# -- states <-> (tensors, JSON structure) ---------------------------------------------------
+
+
+def flatten_state(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Describe a (nested) decode state as JSON, moving its tensors into ``tensors``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        tensors[prefix] = value.detach().contiguous().cpu()
+        return {"tensor": prefix}
+    if isinstance(value, tuple):
+        return {"tuple": [flatten_state(item, f"{prefix}.{i}", tensors) for i, item in enumerate(value)]}
+    if isinstance(value, state_module._State):
+        fields = {f.name: flatten_state(getattr(value, f.name), f"{prefix}.{f.name}", tensors)
+                  for f in dataclasses.fields(value)}
+        return {"state": type(value).__name__, "fields": fields}
+    raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint state")
+
+
+def unflatten_state(structure: Any, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> Any:
+    """Inverse of ``flatten_state``."""
+    if structure is None or isinstance(structure, (bool, int, float, str)):
+        return structure
+    if "tensor" in structure:
+        return tensors[structure["tensor"]].to(device)
+    if "tuple" in structure:
+        return tuple(unflatten_state(item, tensors, device) for item in structure["tuple"])
+    cls = getattr(state_module, structure["state"], None)
+    if not (isinstance(cls, type) and issubclass(cls, state_module._State)):
+        raise CheckpointError(f"unknown state type {structure['state']!r} in checkpoint")
+    return cls(**{name: unflatten_state(item, tensors, device) for name, item in structure["fields"].items()})
+
+
+# -- optimizer state <-> (tensors, JSON) ----------------------------------------------------
+
+
+def _split_optimizer(state_dict: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    state = {}
+    for index, entry in state_dict["state"].items():
+        state[str(index)] = {}
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer.{index}.{name}"] = value.detach().contiguous().cpu()
+                state[str(index)][name] = {"tensor": f"optimizer.{index}.{name}"}
+            else:
+                state[str(index)][name] = value
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def _join_optimizer(structure: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    state = {}
+    for index, entry in structure["state"].items():
+        state[int(index)] = {
+            name: tensors[value["tensor"]] if isinstance(value, dict) and "tensor" in value else value
+            for name, value in entry.items()
+        }
+    return {"state": state, "param_groups": structure["param_groups"]}
+
+
+# -- writing --------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    _fsync(temporary)
+    os.replace(temporary, path)
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def save_checkpoint(
+    root: str | Path,
+    *,
+    step: int,
+    model_tensors: dict[str, torch.Tensor],
+    optimizer_state: dict,
+    rng: dict[str, torch.Tensor],
+    carries: list[Any],
+    meta: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write ``root/step-XXXXXXXX`` atomically, point ``root/latest`` at it, keep the newest ``keep``.
+
+    ``carries``: the carried decode state of each process (rank order), or None entries.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_name(step)
+    temporary = root / f".tmp-{step_name(step)}-{os.getpid()}"
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir()
+
+    training: dict[str, torch.Tensor] = {}
+    optimizer_structure = _split_optimizer(optimizer_state, training)
+    for name, value in rng.items():
+        training[f"rng.{name}"] = value.detach().contiguous().cpu()
+    carry_structure = [flatten_state(carry, f"carry.rank{rank}", training) for rank, carry in enumerate(carries)]
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model_tensors.items()}
+    save_file(tensors, str(temporary / "model.safetensors"))
+    save_file(training, str(temporary / "training.safetensors"))
+
+    files = {}
+    for name in TENSOR_FILES:
+        _fsync(temporary / name)
+        files[name] = {"bytes": (temporary / name).stat().st_size, "sha256": _sha256(temporary / name)}
+    document = {
+        "format": FORMAT, "version": VERSION, "step": step, "files": files,
+        "optimizer": optimizer_structure, "rng": sorted(rng), "carry": carry_structure, **meta,
+    }
+    (temporary / "meta.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
+    _fsync(temporary / "meta.json")
+
+    if final.exists():  # the same step saved again (e.g. on interrupt): swap it out
+        stale = root / f".old-{step_name(step)}-{os.getpid()}"
+        os.rename(final, stale)
+        os.rename(temporary, final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.rename(temporary, final)
+    _write_text_atomic(root / "latest", final.name + "\n")
+    _prune(root, keep)
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    for old in steps[: max(len(steps) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- reading --------------------------------------------------------------------------------
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint: ``meta`` (the JSON), ``model`` and ``training`` tensor dicts."""
+
+    path: Path
+    meta: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    training: dict[str, torch.Tensor]
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+    def optimizer_state(self) -> dict:
+        return _join_optimizer(self.meta["optimizer"], self.training)
+
+    def rng(self) -> dict[str, torch.Tensor]:
+        return {name: self.training[f"rng.{name}"] for name in self.meta["rng"]}
+
+    def carry(self, rank: int, device: torch.device | str = "cpu") -> Any:
+        structures = self.meta["carry"]
+        if rank >= len(structures):
+            return None
+        return unflatten_state(structures[rank], self.training, device)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A run folder, its ``checkpoints`` folder, or one ``step-*`` folder -> the step folder."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if (path / "meta.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        pointer = root / "latest"
+        if pointer.is_file():
+            target = root / pointer.read_text(encoding="utf-8").strip()
+            if not (target / "meta.json").is_file():
+                raise CheckpointError(f"{pointer} names {target.name}, which is not a complete checkpoint")
+            return target
+    raise CheckpointError(
+        f"{path} is not a linattn checkpoint: expected meta.json in it, or checkpoints/latest under a run folder"
+    )
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Verify and read a checkpoint (see ``resolve_checkpoint`` for what ``path`` may be)."""
+    folder = resolve_checkpoint(path)
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{folder / 'meta.json'} is not valid JSON ({error}); the checkpoint is corrupt") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{folder} is not a linattn checkpoint (meta.json has no format={FORMAT!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{folder}: checkpoint format version {meta.get('version')} is not supported "
+                              f"(this linattn reads version {VERSION})")
+    for name in TENSOR_FILES:
+        file = folder / name
+        expected = meta["files"][name]
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing; the checkpoint is incomplete")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file} is truncated or altered: {size} bytes, the checkpoint recorded "
+                                  f"{expected['bytes']}; use an earlier checkpoint in {folder.parent}")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file} is corrupt: its SHA-256 does not match the one recorded in meta.json; "
+                                  f"use an earlier checkpoint in {folder.parent}")
+    try:
+        model = load_file(str(folder / "model.safetensors"))
+        training = load_file(str(folder / "training.safetensors"))
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{folder}: cannot read the tensor files ({error})") from None
+    return Checkpoint(path=folder, meta=meta, model=model, training=training)
+
+
+def load_model(path: str | Path, device: torch.device | str = "cpu"):
+    """The ``LM`` stored in a checkpoint, in eval mode -> ``(model, checkpoint)``."""
+    from ..models import LM, LMConfig
+
+    checkpoint = load_checkpoint(path)
+    try:
+        model = LM(LMConfig.from_dict(checkpoint.meta["model_config"]))
+        model.load_state_dict(checkpoint.model, strict=True)
+    except (KeyError, RuntimeError) as error:
+        raise CheckpointError(f"{checkpoint.path}: the stored model does not match its config ({error})") from None
+    return model.to(device).eval(), checkpoint

@@ -1,0 +1,207 @@
+"""``linattn train``, ``linattn eval`` and ``linattn generate``.
+
+Configuration precedence for ``train``: defaults < ``--config FILE.toml`` ([model] and
+[train] tables) < the named flags < ``--set table.key=value``. ``--resume`` takes the
+configuration from the run's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from tqdm import tqdm
+
+from ..data import ByteTokenizer, load_corpus
+from ..models.config import LAYER_SPEC_HELP
+from .checkpoint import load_model
+from .config import build_configs, load_run_file, parse_override
+from .evaluate import evaluate_bpb
+from .trainer import train
+
+# flag -> (table, key); these override the config file
+_TRAIN_FLAGS = {
+    "attention": ("model", "attention"), "d_model": ("model", "d_model"), "n_layers": ("model", "n_layers"),
+    "n_heads": ("model", "n_heads"), "data": ("train", "data"), "steps": ("train", "steps"),
+    "batch_size": ("train", "batch_size"), "context": ("train", "context"), "lr": ("train", "lr"),
+    "seed": ("train", "seed"), "eval_every": ("train", "eval_every"),
+    "checkpoint_every": ("train", "checkpoint_every"), "log_every": ("train", "log_every"),
+    "device": ("train", "device"), "cache_dir": ("train", "cache_dir"), "bf16": ("train", "bf16"),
+}
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _add_runtime(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``train``, ``eval`` and ``generate`` to the top-level subcommands."""
+    p = commands.add_parser(
+        "train", help="train a language model",
+        description="Train a byte-level LM (default: Transformer-VQ on Shakespeare). " + LAYER_SPEC_HELP + ".",
+        epilog="Multi-process: torchrun --nproc_per_node N $(which linattn) train ... (gloo on CPU, nccl on GPU).")
+    p.add_argument("--config", metavar="FILE.toml", help="run file with [model] and [train] tables")
+    p.add_argument("--attention", metavar="SPEC", help="layer attention spec or comma-separated pattern")
+    p.add_argument("--d-model", dest="d_model", type=_positive_int)
+    p.add_argument("--n-layers", dest="n_layers", type=_positive_int)
+    p.add_argument("--n-heads", dest="n_heads", type=_positive_int)
+    p.add_argument("--data", metavar="PATH", help="'shakespeare', a text file, a folder of .txt files or an enwik8-style .zip")
+    p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help="corpus cache (default $LINATTN_CACHE or ~/.cache/linattn)")
+    p.add_argument("--steps", type=_positive_int)
+    p.add_argument("--batch-size", dest="batch_size", type=_positive_int, help="streams per process")
+    p.add_argument("--context", type=_positive_int, help="tokens per training window")
+    p.add_argument("--lr", type=_positive_float)
+    p.add_argument("--seed", type=_non_negative_int)
+    p.add_argument("--eval-every", dest="eval_every", type=_non_negative_int, help="steps between evaluations (0: never)")
+    p.add_argument("--checkpoint-every", dest="checkpoint_every", type=_non_negative_int)
+    p.add_argument("--log-every", dest="log_every", type=_positive_int)
+    p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                   help="any [model]/[train] setting, e.g. --set model.codebook_size=256 (repeatable)")
+    p.add_argument("--out", required=False, metavar="DIR", help="run folder (checkpoints, metrics.jsonl)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    _add_runtime(p)
+    p.set_defaults(handler=run_train)
+
+    p = commands.add_parser("eval", help="bits per byte of a checkpoint on a split",
+                            description="Evaluate a checkpoint in bits per byte, carrying the state across the split.")
+    p.add_argument("--ckpt", required=True, metavar="DIR", help="run folder or checkpoint folder")
+    p.add_argument("--split", choices=("train", "validation", "test"), default="test")
+    p.add_argument("--context", type=_positive_int, help="window length (default: the training context)")
+    p.add_argument("--batch-size", type=_positive_int, default=1,
+                   help="parallel streams (1 = the whole split as one stream, state carried throughout)")
+    p.add_argument("--max-tokens", type=_positive_int, help="evaluate only the first N bytes")
+    p.add_argument("--no-carry", action="store_true", help="reset the state at every window")
+    p.add_argument("--data", help="corpus (default: the one the model was trained on)")
+    p.add_argument("--cache-dir", metavar="DIR")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON line")
+    _add_runtime(p)
+    p.set_defaults(handler=run_eval)
+
+    p = commands.add_parser("generate", help="stream text from a checkpoint",
+                            description="Sample text after a prompt, one byte at a time with a constant-size state.")
+    p.add_argument("--ckpt", required=True, metavar="DIR")
+    p.add_argument("--prompt", default="\n")
+    p.add_argument("--max-new-tokens", type=_non_negative_int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=_positive_int)
+    p.add_argument("--top-p", type=_positive_float)
+    p.add_argument("--seed", type=_non_negative_int, default=0)
+    p.add_argument("--device", default="cpu")
+    _add_runtime(p)
+    p.set_defaults(handler=run_generate)
+
+
+def _train_values(args: argparse.Namespace) -> tuple[dict, dict]:
+    model_values, train_values = load_run_file(args.config) if args.config else ({}, {})
+    tables = {"model": model_values, "train": train_values}
+    for flag, (table, key) in _TRAIN_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            tables[table][key] = value
+    for text in args.overrides:
+        table, key, value = parse_override(text)
+        tables[table][key] = value
+    if args.threads is not None:
+        train_values["threads"] = args.threads
+    return model_values, train_values
+
+
+def run_train(args: argparse.Namespace) -> int:
+    progress = not args.no_progress
+    if args.resume:
+        given = [f"--{flag.replace('_', '-')}" for flag in _TRAIN_FLAGS if getattr(args, flag) is not None]
+        given += ["--config"] if args.config else []
+        given += ["--set"] if args.overrides else []
+        if not args.out:
+            raise ValueError("--resume needs --out DIR, the run folder to continue")
+        if given:
+            raise ValueError(f"--resume takes the configuration from the checkpoint; drop {', '.join(given)}")
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        summary = train(None, None, resume=True, out=args.out, progress=progress, command=args.command_line)
+    else:
+        model_config, train_config = build_configs(*_train_values(args))
+        summary = train(model_config, train_config, out=args.out, progress=progress, command=args.command_line)
+    if summary.get("final_bpb") is not None:
+        before = f"{summary['initial_bpb']:.3f} before -> " if summary.get("initial_bpb") is not None else ""
+        print(f"validation bpb: {before}{summary['final_bpb']:.3f} at step {summary['final_bpb_step']} "
+              f"({summary['step']} steps trained, {summary['elapsed']:.0f} s this session)")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, checkpoint = load_model(args.ckpt, args.device)
+    train_config = checkpoint.meta["train_config"]
+    corpus = load_corpus(args.data or train_config["data"], cache_dir=args.cache_dir or train_config.get("cache_dir"))
+    tokens = corpus.tokens(args.split)
+    context = args.context or train_config["context"]
+    total = (tokens.numel() if args.max_tokens is None else min(args.max_tokens, tokens.numel())) - 1
+    with tqdm(total=total, disable=args.no_progress, desc=f"eval {args.split}", unit="B", unit_scale=True) as bar:
+        result = evaluate_bpb(model, tokens, context=context, batch_size=args.batch_size, max_tokens=args.max_tokens,
+                              carry_state=not args.no_carry, progress=bar)
+    record = {"split": args.split, "bpb": result["bpb"], "tokens": result["tokens"], "context": context,
+              "batch_size": args.batch_size, "carry_state": not args.no_carry, "step": checkpoint.step,
+              "checkpoint": str(checkpoint.path)}
+    if args.json:
+        print(json.dumps(record))
+    else:
+        carried = "state carried across the split" if not args.no_carry else "state reset every window"
+        print(f"{args.split} bpb: {result['bpb']:.4f} ({result['tokens']:,} bytes, context {context}, {carried}; "
+              f"checkpoint step {checkpoint.step})")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, _ = load_model(args.ckpt, args.device)
+    tokenizer = ByteTokenizer()
+    prompt = tokenizer.encode(args.prompt)
+    if prompt.numel() == 0:
+        raise ValueError("--prompt must not be empty (give at least one character, e.g. a newline)")
+    decoder = tokenizer.stream_decoder()
+    sys.stdout.write(args.prompt)
+    for token in model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed):
+        sys.stdout.write(decoder.feed(token))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.flush() + "\n")
+    return 0

@@ -1,0 +1,116 @@
+"""``TrainConfig`` and the TOML run file (``[model]`` + ``[train]`` tables)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..models.config import LMConfig
+
+
+@dataclass
+class TrainConfig:
+    """How to train: data, batch, optimiser, schedule, evaluation, checkpoints.
+
+    The learning rate warms up linearly over ``warmup_steps`` to ``lr`` and decays by a
+    cosine to ``lr * min_lr_ratio`` at ``steps``. Each optimizer step reads one window of
+    ``context`` tokens from each of ``batch_size`` streams per process; the windows of a
+    stream are consecutive, and the model's recurrent state is carried (detached) from one
+    window to the next (Transformer-XL style), reset at each pass over the data.
+    """
+
+    data: str = "shakespeare"
+    out: str = "runs/latest"
+    steps: int = 1000
+    batch_size: int = 16
+    context: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    bf16: bool = False
+    carry_state: bool = True
+    eval_every: int = 200
+    eval_tokens: int | None = 65536  # validation bytes per evaluation (None = the whole split)
+    eval_batch_size: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "context", "eval_batch_size", "log_every", "keep_checkpoints"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{name} must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"train.{name} must be an int >= 0 (0 = never/none), got {value!r}")
+        for name in ("eval_tokens", "threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"train.{name} must be a positive int or None, got {value!r}")
+        for name in ("lr", "grad_clip"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"train.{name} must be a positive number, got {value!r}")
+        for name in ("min_lr_ratio", "beta1", "beta2"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1 + (name == "min_lr_ratio"):
+                raise ValueError(f"train.{name} must be in [0, 1], got {value!r}")
+        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise ValueError(f"train.weight_decay must be a number >= 0, got {self.weight_decay!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown train config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+
+def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a TOML run file -> ``(model values, train values)``; only ``[model]`` and ``[train]``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"--config {path}: not valid TOML ({error})") from None
+    unknown = sorted(set(document) - {"model", "train"})
+    if unknown:
+        raise ValueError(f"--config {path}: unknown tables {unknown}; expected [model] and [train]")
+    return dict(document.get("model", {})), dict(document.get("train", {}))
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """``"model.d_model=128"`` -> ``("model", "d_model", 128)``; the value is read as TOML
+    (numbers, booleans, quoted strings, lists), else taken as a bare string."""
+    key, sep, raw = text.partition("=")
+    table, dot, name = key.strip().partition(".")
+    if not sep or not dot or table not in ("model", "train") or not name:
+        raise ValueError(f"--set expects model.KEY=VALUE or train.KEY=VALUE, got {text!r}")
+    try:
+        value = tomllib.loads(f"value = {raw.strip()}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return table, name, value
+
+
+def build_configs(model_values: dict[str, Any], train_values: dict[str, Any]) -> tuple[LMConfig, TrainConfig]:
+    return LMConfig.from_dict(model_values), TrainConfig.from_dict(train_values)

@@ -1,0 +1,80 @@
+"""Process-group set-up for ``torchrun`` (DistributedDataParallel; gloo on CPU, nccl on GPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Context:
+    """Where this process stands: ``rank`` of ``world_size``, and its device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def setup(device: str = "cpu") -> Context:
+    """Join the process group that ``torchrun`` describes in the environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``); a plain run is rank 0 of 1."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    target = torch.device(device)
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda was requested but torch.cuda.is_available() is False")
+        target = torch.device("cuda", local_rank if world_size > 1 else (target.index or 0))
+        torch.cuda.set_device(target)
+    if world_size == 1:
+        return Context(device=target)
+    initialized_here = False
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if target.type == "cuda" else "gloo")
+        initialized_here = True
+    return Context(rank=rank, world_size=world_size, local_rank=local_rank, device=target,
+                   initialized_here=initialized_here)
+
+
+def teardown(context: Context) -> None:
+    if context.initialized_here and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: torch.Tensor, context: Context) -> torch.Tensor:
+    """Sum a tensor over processes (identity for a single process)."""
+    if context.distributed:
+        dist.all_reduce(values)
+    return values
+
+
+def broadcast_flag(flag: bool, context: Context) -> bool:
+    """True on every rank if it is True on any rank (e.g. a stop request seen by one)."""
+    if not context.distributed:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(value)
+    return bool(value.item() > 0)
+
+
+def gather_objects(value, context: Context) -> list | None:
+    """``[value of rank 0, value of rank 1, ...]`` on rank 0 (None elsewhere)."""
+    if not context.distributed:
+        return [value]
+    gathered = [None] * context.world_size if context.is_main else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered

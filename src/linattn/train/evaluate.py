@@ -1,0 +1,57 @@
+"""Bits per byte of a model on a token sequence, with the recurrent state carried."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..data import TokenStreams
+from .distributed import Context, all_reduce_sum
+
+
+@torch.no_grad()
+def evaluate_bpb(
+    model,
+    tokens: torch.Tensor,
+    *,
+    context: int,
+    batch_size: int = 1,
+    max_tokens: int | None = None,
+    carry_state: bool = True,
+    dist_context: Context | None = None,
+    bf16: bool = False,
+    progress=None,
+) -> dict[str, float]:
+    """Mean negative log-likelihood of every next byte, in bits (``nats / ln 2``).
+
+    ``tokens`` (1-D) is cut into ``batch_size`` (times the number of processes) contiguous
+    streams read in consecutive windows of ``context``; with ``carry_state`` the state of
+    window w is passed (detached) to window w+1, so with ``batch_size=1`` every byte is
+    predicted from the whole split before it (as far as the mechanism remembers).
+    ``max_tokens`` keeps only the first bytes. Returns ``{"bpb", "tokens"}``.
+    """
+    dist_context = dist_context or Context()
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens]
+    streams = TokenStreams(tokens, batch_size=batch_size, context=context, rank=dist_context.rank,
+                           world_size=dist_context.world_size, drop_last=False)
+    was_training = model.training
+    model.eval()
+    device = dist_context.device
+    totals = torch.zeros(2, dtype=torch.float64)
+    state = None
+    try:
+        for inputs, targets in streams:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits, state, _ = model(inputs.to(device), state)
+            totals[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum").item()
+            totals[1] += targets.numel()
+            state = model.carry(state) if carry_state else None
+            if progress is not None:
+                progress.update(targets.numel())
+    finally:
+        model.train(was_training)
+    all_reduce_sum(totals, dist_context)
+    return {"bpb": float(totals[0] / totals[1] / math.log(2)), "tokens": int(totals[1])}

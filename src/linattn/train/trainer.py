@@ -1,0 +1,274 @@
+"""The training loop: AdamW, warm-up + cosine, clipping, bf16, codebook EMA, state carry,
+bits-per-byte evaluation, JSONL metrics, atomic checkpoints, exact resume, signals, DDP."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from .. import __version__
+from ..data import TokenStreams, load_corpus
+from ..models import LM, LMConfig
+from . import distributed
+from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .config import TrainConfig
+from .evaluate import evaluate_bpb
+from .schedule import learning_rate
+
+
+class _StopRequest:
+    """Turns SIGINT/SIGTERM into a flag the loop checks after each step (a second signal
+    falls through to the default behaviour)."""
+
+    def __init__(self):
+        self.signal_name: str | None = None
+
+    def __call__(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+        signal.signal(signum, signal.SIG_DFL if signum == signal.SIGTERM else signal.default_int_handler)
+
+    @contextmanager
+    def installed(self):
+        previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in previous:
+            signal.signal(s, self)
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def _parameter_groups(model: LM, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: not on embeddings, norms, biases or codebooks."""
+    decay, no_decay = [], []
+    for name, parameter in model.named_parameters():
+        if parameter.dim() >= 2 and not name.startswith("embed.") and "codebook" not in name:
+            decay.append(parameter)
+        else:
+            no_decay.append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class _Metrics:
+    """Rank 0's JSONL log: one JSON object per line, flushed as written."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
+        self.path, self.enabled = path, enabled
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            path.write_text("", encoding="utf-8")
+        elif path.exists():  # drop what the interrupted run logged after its last checkpoint
+            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.enabled:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    rng = {"torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(rng["torch"])
+    if device.type == "cuda" and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def _load_data(train_config: TrainConfig, context: distributed.Context):
+    """Rank 0 loads first (it may download), then the others read the cache."""
+    if context.distributed and not context.is_main:
+        torch.distributed.barrier()
+    corpus = load_corpus(train_config.data, cache_dir=train_config.cache_dir)
+    if context.distributed and context.is_main:
+        torch.distributed.barrier()
+    return corpus
+
+
+def train(
+    model_config: LMConfig | None,
+    train_config: TrainConfig | None,
+    *,
+    resume: bool = False,
+    out: str | Path | None = None,
+    progress: bool = True,
+    command: str = "",
+    echo=print,
+) -> dict[str, Any]:
+    """Train (or with ``resume=True`` continue) a language model; returns a summary dict
+    (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
+    trained ``model``).
+
+    ``resume`` reads the latest checkpoint under ``out/checkpoints`` and takes both configs
+    from it (pass None for them); the loss curve then continues exactly as if the run had
+    never stopped. Under ``torchrun`` every process calls this; rank 0 alone writes.
+    """
+    if resume:
+        if out is None:
+            raise ValueError("resume needs the run folder (--out)")
+        checkpoint = load_checkpoint(Path(out) / "checkpoints")
+        model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
+        train_config = TrainConfig.from_dict({**checkpoint.meta["train_config"], "out": str(out)})
+    else:
+        checkpoint = None
+        if out is not None:
+            train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(out)})
+    run_dir = Path(train_config.out)
+    if not resume and (run_dir / "checkpoints" / "latest").exists():
+        raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it or choose another --out")
+
+    if train_config.threads is not None:
+        torch.set_num_threads(train_config.threads)
+    context = distributed.setup(train_config.device)
+    try:
+        return _train(model_config, train_config, checkpoint, context, progress, command, echo)
+    finally:
+        distributed.teardown(context)
+
+
+def _train(model_config, train_config, checkpoint, context, progress, command, echo) -> dict[str, Any]:
+    cfg = train_config
+    device = context.device
+    run_dir = Path(cfg.out)
+    if checkpoint is not None and checkpoint.meta.get("world_size", 1) != context.world_size:
+        raise ValueError(f"the checkpoint was written by {checkpoint.meta.get('world_size')} processes; resume it "
+                         f"with the same number (this run has {context.world_size}) so the data streams match")
+
+    torch.manual_seed(cfg.seed)
+    model = LM(model_config).to(device)
+    optimizer = torch.optim.AdamW(_parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2))
+    start_step, carry = 0, None
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint.model, strict=True)
+        optimizer.load_state_dict(checkpoint.optimizer_state())
+        _restore_rng(checkpoint.rng(), device)
+        start_step = checkpoint.step
+        carry = checkpoint.carry(context.rank, device)
+    trained = model
+    if context.distributed:
+        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                          broadcast_buffers=False)
+
+    corpus = _load_data(cfg, context)
+    streams = TokenStreams(corpus.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
+                           rank=context.rank, world_size=context.world_size)
+    validation = corpus.tokens("validation")
+    tokens_per_step = cfg.batch_size * cfg.context * context.world_size
+    metrics = _Metrics(run_dir / "metrics.jsonl", context.is_main, start_step if checkpoint else None)
+    if context.is_main and checkpoint is None:
+        echo(f"model: {model_config.attention} x {model_config.n_layers} layers, d_model {model_config.d_model}, "
+             f"{model.num_parameters() / 1e6:.2f}M parameters; data: {cfg.data} "
+             f"({corpus.tokens('train').numel():,} train bytes, {len(streams)} windows per pass)")
+
+    def evaluate(step: int) -> float:
+        result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
+                              max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
+                              dist_context=context, bf16=cfg.bf16)
+        metrics.write({"step": step, "split": "validation", "bpb": result["bpb"], "tokens": result["tokens"]})
+        return result["bpb"]
+
+    def save(step: int, carry_state) -> Path | None:
+        carries = distributed.gather_objects(None if carry_state is None else carry_state.to("cpu"), context)
+        if not context.is_main:
+            return None
+        meta = {
+            "model_config": model_config.to_dict(), "train_config": cfg.to_dict(),
+            "world_size": context.world_size, "data": {"window": step % len(streams), "pass": step // len(streams)},
+            "tokens_seen": step * tokens_per_step, "linattn_version": __version__,
+            "torch_version": torch.__version__, "command": command,
+        }
+        return save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model.state_dict(),
+                               optimizer_state=optimizer.state_dict(), rng=_rng_state(device),
+                               carries=carries, meta=meta, keep=cfg.keep_checkpoints)
+
+    summary: dict[str, Any] = {"out": str(run_dir), "start_step": start_step, "interrupted": None}
+    if start_step == 0 and cfg.eval_every:
+        summary["initial_bpb"] = evaluate(0)
+        if context.is_main:
+            echo(f"validation bpb before training: {summary['initial_bpb']:.3f}")
+
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=not (progress and context.is_main),
+               desc="train", unit="step", dynamic_ncols=True)
+    stop = _StopRequest()
+    step, last_bpb, started = start_step, summary.get("initial_bpb"), time.perf_counter()
+    last_bpb_step = 0 if last_bpb is not None else None
+    window_time, window_steps, loss_value = time.perf_counter(), 0, float("nan")
+    with stop.installed():
+        while step < cfg.steps:
+            window = step % len(streams)
+            if window == 0 or not cfg.carry_state:
+                carry = None
+            lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                               min_ratio=cfg.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            inputs, targets = (t.to(device) for t in streams.window(window))
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                logits, state, aux = trained(inputs, carry)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            (loss + aux["commit_loss"]).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            optimizer.step()
+            model.update_codebooks()
+            carry = model.carry(state) if cfg.carry_state else None
+            step += 1
+            window_steps += 1
+            bar.update(1)
+
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                reduced = distributed.all_reduce_sum(
+                    torch.tensor([loss.item(), aux["commit_loss"].item()], dtype=torch.float64), context
+                ) / context.world_size
+                loss_value = float(reduced[0])
+                now = time.perf_counter()
+                speed = window_steps * tokens_per_step / max(now - window_time, 1e-9)
+                window_time, window_steps = now, 0
+                record = {"step": step, "loss": loss_value, "bpb": loss_value / math.log(2), "lr": lr,
+                          "grad_norm": float(grad_norm), "commit_loss": float(reduced[1]),
+                          "tokens_per_second": speed, "elapsed": now - started}
+                if aux["codebook_perplexity"] is not None:
+                    record["codebook_perplexity"] = float(aux["codebook_perplexity"])
+                metrics.write(record)
+                postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{speed:,.0f}"}
+                if last_bpb is not None:
+                    postfix["val_bpb"] = f"{last_bpb:.3f}"
+                bar.set_postfix(postfix, refresh=False)
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                last_bpb, last_bpb_step = evaluate(step), step
+                bar.set_postfix({"loss": f"{loss_value:.3f}", "val_bpb": f"{last_bpb:.3f}"}, refresh=True)
+
+            stopping = distributed.broadcast_flag(stop.signal_name is not None, context)
+            if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                path = save(step, carry)
+                if stopping:
+                    summary["interrupted"] = stop.signal_name or "signal on another rank"
+                    if context.is_main:
+                        bar.close()
+                        echo(f"stopped by {summary['interrupted']} after step {step}; checkpoint saved to {path}; "
+                             f"continue with: linattn train --resume --out {run_dir}")
+                    break
+    bar.close()
+    summary.update(step=step, final_bpb=last_bpb, final_bpb_step=last_bpb_step, last_loss=loss_value,
+                   elapsed=time.perf_counter() - started, model=model)
+    return summary

@@ -1,0 +1,506 @@
+"""linattn.models: LMConfig parsing, the LM's decoding/causality/aux contracts, generation,
+sampling and the Transformer-XL carry. Models are tiny and run in float64."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from _helpers import assert_causal_jacobian
+from linattn.models import LM, LMConfig, sample_next
+from linattn.state import KVCacheState, LMState, _State
+
+torch.set_num_threads(1)
+
+ALL_KINDS = ["vq", "softmax", "linear:elu", "favor:16", "delta", "local:5", "linear:dpfp", "soft-vq",
+             "gau-softmax", "delta:dpfp"]
+RECURRENT = ["vq", "linear:elu", "favor:16", "delta", "local:5", "linear:dpfp", "soft-vq", "delta:dpfp"]
+TINY = dict(d_model=16, n_heads=2, chunk_size=4, gau_d_k=8, codebook_size=8, block_size=4, ffn_hidden=32)
+
+
+def make_model(attention, n_layers=None, *, seed=0, vocab_size=256, **overrides):
+    """A tiny float64 LM in eval mode."""
+    if n_layers is None:
+        n_layers = len(attention) if isinstance(attention, list) else len(attention.split(","))
+    options = {**TINY, **overrides}
+    config = LMConfig(vocab_size=vocab_size, n_layers=n_layers, attention=attention, **options)
+    torch.manual_seed(seed)
+    return LM(config).double().eval()
+
+
+def random_ids(B, T, *, vocab=256, seed=0):
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def state_tensors(value):
+    """Every tensor inside a (nested) decode state."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple):
+        return [t for item in value for t in state_tensors(item)]
+    if isinstance(value, _State):
+        return [t for f in dataclasses.fields(value) for t in state_tensors(getattr(value, f.name))]
+    return []
+
+
+def state_numel(state):
+    return sum(t.numel() for t in state_tensors(state))
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return make_model(ALL_KINDS)
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _decode_token_by_token(model, ids):
+    state, pieces = None, []
+    for i in range(ids.shape[1]):
+        logits, state, _ = model(ids[:, i : i + 1], state)
+        pieces.append(logits)
+    return torch.cat(pieces, dim=1), state
+
+
+def test_hybrid_covers_every_layer_kind(hybrid):
+    assert [str(s) for s in hybrid.specs] == ALL_KINDS
+    assert len(hybrid.layers) == len(ALL_KINDS)
+
+
+@torch.no_grad()
+def test_hybrid_token_by_token_decoding_equals_full_pass(hybrid):
+    ids = random_ids(2, 13, seed=1)
+    full, full_state, _ = hybrid(ids)
+    assert full.dtype == torch.float64 and full.shape == (2, 13, 256)
+    stepped, state = _decode_token_by_token(hybrid, ids)
+    torch.testing.assert_close(stepped, full, atol=1e-10, rtol=0)
+    assert state.steps == full_state.steps == 13
+
+
+@torch.no_grad()
+def test_hybrid_two_pieces_equal_full_pass(hybrid):
+    ids = random_ids(2, 13, seed=2)
+    full, _, _ = hybrid(ids)
+    first, state, _ = hybrid(ids[:, :6])
+    assert state.steps == 6
+    second, state, _ = hybrid(ids[:, 6:], state)
+    assert state.steps == 13
+    torch.testing.assert_close(torch.cat([first, second], dim=1), full, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+@torch.no_grad()
+def test_single_kind_decoding_equals_full_pass(kind):
+    model = make_model(kind, n_layers=2, seed=3)
+    ids = random_ids(2, 13, seed=4)
+    full, _, _ = model(ids)
+    stepped, _ = _decode_token_by_token(model, ids)
+    torch.testing.assert_close(stepped, full, atol=1e-10, rtol=0)
+    first, state, _ = model(ids[:, :6])
+    second, _, _ = model(ids[:, 6:], state)
+    torch.testing.assert_close(torch.cat([first, second], dim=1), full, atol=1e-10, rtol=0)
+    # the check can fail: a model that ignores its state would not match
+    fresh, _, _ = model(ids[:, 6:])
+    assert (fresh - full[:, 6:]).abs().max() > 1e-6
+
+
+@torch.no_grad()
+def _state_sizes(model, steps):
+    ids = random_ids(2, steps, seed=5)
+    state, sizes = None, []
+    for i in range(steps):
+        _, state, _ = model(ids[:, i : i + 1], state)
+        sizes.append(state_numel(state))
+    return sizes  # sizes[t - 1] = after t steps
+
+
+@pytest.mark.parametrize("kind", ["vq", "linear:elu", "favor:16", "delta", "local:5", "soft-vq", "delta:dpfp"])
+def test_recurrent_state_size_is_constant(kind):
+    block = TINY["block_size"]
+    sizes = _state_sizes(make_model(kind, n_layers=1), 45)
+    # VQ keeps the current partial block, so its size cycles with period block_size; compare
+    # positions of the same phase (5 and 41 = 5 + 9 * block_size) and bound the whole run.
+    assert (41 - 5) % block == 0
+    assert sizes[5 - 1] == sizes[41 - 1]
+    assert sizes[40 - 1] == sizes[8 - 1]
+    assert max(sizes) == max(sizes[: 2 * block + 5])
+    if kind in ("linear:elu", "favor:16", "delta", "delta:dpfp"):
+        assert len(set(sizes)) == 1
+
+
+@pytest.mark.parametrize("kind", ["softmax", "gau-softmax"])
+def test_softmax_state_grows(kind):
+    sizes = _state_sizes(make_model(kind, n_layers=1), 41)
+    assert sizes[40 - 1] > sizes[5 - 1]
+    assert all(b > a for a, b in zip(sizes, sizes[1:]))
+    assert sizes[40 - 1] == 8 * sizes[5 - 1]  # linear in the number of tokens
+
+
+# ----------------------------------------------------------------------------- causality
+
+
+@torch.no_grad()
+def test_hybrid_logits_do_not_see_the_future(hybrid):
+    ids = random_ids(2, 13, seed=6)
+    base, _, _ = hybrid(ids)
+    for i in (0, 3, 4, 7, 11):
+        changed = ids.clone()
+        changed[:, i + 1 :] = (ids[:, i + 1 :] + 1 + torch.arange(12 - i)) % 256
+        logits, _, _ = hybrid(changed)
+        torch.testing.assert_close(logits[:, : i + 1], base[:, : i + 1], atol=1e-12, rtol=0,
+                                   msg=lambda m: f"positions <= {i} changed: {m}")
+        assert (logits[:, i + 1 :] - base[:, i + 1 :]).abs().max() > 1e-8  # the change does matter
+
+
+def _embedding_hook(model, embedded):
+    """Replace the embedding output by ``embedded`` (a leaf tensor requiring grad)."""
+    return model.embed.register_forward_hook(lambda module, inputs, output: embedded)
+
+
+def test_hybrid_gradient_causality_through_embedding(hybrid):
+    ids = random_ids(1, 11, seed=7)
+    T = ids.shape[1]
+    with torch.no_grad():
+        embedded = hybrid.embed(ids).clone()
+    embedded.requires_grad_(True)
+    handle = _embedding_hook(hybrid, embedded)
+    try:
+        logits, _, _ = hybrid(ids)
+        weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=logits.dtype)
+        for i in range(T):
+            (grad,) = torch.autograd.grad((logits[:, i] * weights[:, i]).sum(), embedded, retain_graph=True)
+            assert (grad[:, i + 1 :] == 0).all(), f"logits at {i} depend on embeddings after {i}"
+            assert grad[:, i].abs().sum() > 0
+            if i > 0:
+                assert grad[:, :i].abs().sum() > 0, f"logits at {i} ignore the past"
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("kind", ALL_KINDS)
+def test_causal_jacobian_per_kind(kind):
+    model = make_model(kind, n_layers=1, vocab_size=12, seed=8)
+    ids = random_ids(1, 7, vocab=12, seed=9)
+    with torch.no_grad():
+        start = model.embed(ids).clone().unsqueeze(1)  # [B, 1, T, D]
+
+    def fn(embedded):
+        handle = _embedding_hook(model, embedded.squeeze(1))
+        try:
+            logits, _, _ = model(ids)
+        finally:
+            handle.remove()
+        return logits.unsqueeze(1)  # [B, 1, T, V]
+
+    assert_causal_jacobian(fn, [start], ["embedding"])
+
+
+# ----------------------------------------------------------------------------- aux
+
+
+@pytest.mark.parametrize("attention, has_vq", [("vq", True), ("local:4,vq", True), ("softmax", False),
+                                               ("linear:elu,delta", False), ("soft-vq", False),
+                                               ("gau-softmax", False)])
+def test_aux_commit_loss_and_perplexity(attention, has_vq):
+    model = make_model(attention, n_layers=2).train()
+    logits, _, aux = model(random_ids(2, 10, seed=10))
+    commit, perplexity = aux["commit_loss"], aux["codebook_perplexity"]
+    if has_vq:
+        assert commit.item() > 0
+        assert commit.grad_fn is not None and commit.requires_grad
+        (grad,) = torch.autograd.grad(commit, [p for n, p in model.named_parameters() if "w_k" in n][0])
+        assert grad.abs().sum() > 0  # the commitment loss reaches the key projection
+        assert perplexity is not None
+        assert 1.0 <= float(perplexity) <= model.config.codebook_size
+    else:
+        assert commit.item() == 0
+        assert perplexity is None
+
+
+def test_perplexity_matches_code_histogram():
+    """One VQ unit: exp(entropy) of the histogram of the codes it picked, recomputed here."""
+    model = make_model("vq", n_layers=1).eval()
+    ids = random_ids(2, 10, seed=11)
+    captured = []
+    handles = [q.register_forward_hook(lambda m, i, o: captured.append(o[1].flatten())) for q in model.quantizers()]
+    try:
+        _, _, aux = model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(captured) == 2
+    expected = []
+    for codes in captured:
+        counts = torch.tensor([float((codes == s).sum()) for s in range(8)])
+        p = counts / counts.sum()
+        p = p[p > 0]
+        expected.append(math.exp(-(p * p.log()).sum().item()))
+    assert float(aux["codebook_perplexity"]) == pytest.approx(sum(expected) / len(expected), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- LMConfig
+
+
+def test_pattern_repeats_to_n_layers():
+    config = LMConfig(n_layers=4, attention="local:4,vq", **TINY)
+    specs = config.layer_specs()
+    assert [(s.kind, s.option) for s in specs] == [("local", "4"), ("vq", None), ("local", "4"), ("vq", None)]
+    assert [s.is_gau for s in specs] == [False, True, False, True]
+    model = LM(config)
+    assert [str(s) for s in model.specs] == ["local:4", "vq", "local:4", "vq"]
+    assert LMConfig(n_layers=3, attention=["vq", "delta"], **TINY).layer_specs()[2].kind == "vq"
+    assert [str(s) for s in LMConfig(n_layers=2, attention="softmax", **TINY).layer_specs()] == ["softmax"] * 2
+
+
+def test_pattern_longer_than_n_layers_errors():
+    with pytest.raises(ValueError, match="n_layers"):
+        LMConfig(n_layers=2, attention="vq,delta,softmax", **TINY)
+    with pytest.raises(ValueError, match="n_layers"):
+        LMConfig(n_layers=1, attention=["vq", "delta"], **TINY)
+
+
+@pytest.mark.parametrize("spec", ["linear:foo", "favor:x", "local:0", "bogus", "vq:3", "", "favor:0",
+                                  "softmax:2", "linear:dpfp:0"])
+def test_bad_layer_specs_list_valid_ones(spec):
+    with pytest.raises(ValueError) as info:
+        LMConfig(n_layers=1, attention=spec, **TINY)
+    message = str(info.value)
+    for valid in ("'vq'", "linear:elu", "favor", "delta", "local"):
+        assert valid in message, f"{valid} missing from {message!r}"
+
+
+def test_from_dict_unknown_key_is_named():
+    with pytest.raises(ValueError, match="d_modle"):
+        LMConfig.from_dict({"d_modle": 32})
+    config = LMConfig.from_dict({**TINY, "n_layers": 2, "attention": "vq,delta"})
+    assert LMConfig.from_dict(config.to_dict()) == config
+
+
+@pytest.mark.parametrize("field, value", [("d_model", 0), ("n_layers", -1), ("codebook_size", 0),
+                                          ("block_size", 2.5), ("chunk_size", True), ("softmax_memory", -1)])
+def test_invalid_ints_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        LMConfig(**{**TINY, field: value})
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def test_ids_validation():
+    model = make_model("vq", n_layers=1)
+    with pytest.raises(TypeError):
+        model(torch.rand(2, 5))
+    with pytest.raises(TypeError):
+        model([[1, 2, 3]])
+    with pytest.raises(ValueError, match="256"):
+        model(torch.tensor([[0, 256]]))
+    with pytest.raises(ValueError):
+        model(torch.tensor([[-1, 3]]))
+    with pytest.raises(ValueError):
+        model(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError):
+        model(torch.zeros(1, 2, 3, dtype=torch.long))
+    with pytest.raises(ValueError):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    model(torch.tensor([[0, 255]]))  # both ends of the vocabulary are fine
+
+
+def test_state_validation():
+    model = make_model("vq,delta", n_layers=2)
+    ids = random_ids(1, 4)
+    with pytest.raises(ValueError, match="state"):
+        model(ids, {"layers": ()})
+    with pytest.raises(ValueError, match="state"):
+        model(ids, LMState(layers=(None,), steps=0))
+    _, state, _ = model(ids)
+    with pytest.raises(ValueError, match="state"):
+        model(ids, state.layers[0])
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def _greedy_by_full_pass(model, prompt, n):
+    """Greedy continuation written independently: re-run the whole sequence each step."""
+    sequence = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits, _, _ = model(torch.tensor([sequence]))
+            sequence.append(int(logits[0, -1].argmax()))
+    return sequence[len(prompt):]
+
+
+def test_generate_same_seed_same_tokens(hybrid):
+    prompt = [72, 105, 33]
+    a = list(hybrid.generate(prompt, 12, seed=5))
+    b = list(hybrid.generate(prompt, 12, seed=5))
+    assert a == b and len(a) == 12
+    assert all(isinstance(t, int) and 0 <= t < 256 for t in a)
+    others = [list(hybrid.generate(prompt, 12, seed=s)) for s in (6, 7, 8)]
+    assert any(o != a for o in others)
+
+
+def test_generate_temperature_zero_is_greedy(hybrid):
+    prompt = [10, 20, 30, 40, 50]
+    expected = _greedy_by_full_pass(hybrid, prompt, 10)
+    assert list(hybrid.generate(prompt, 10, temperature=0)) == expected
+    assert list(hybrid.generate(torch.tensor(prompt), 10, temperature=1.0, top_k=1, seed=3)) == expected
+
+
+def test_generate_batched_prompt_yields_rows():
+    model = make_model("vq,local:5", n_layers=2)
+    prompt = random_ids(3, 4, seed=12)
+    tokens = list(model.generate(prompt, 5, temperature=0))
+    assert len(tokens) == 5
+    for token in tokens:
+        assert isinstance(token, torch.Tensor) and token.shape == (3,) and token.dtype == torch.int64
+    for row in range(3):
+        assert [int(t[row]) for t in tokens] == _greedy_by_full_pass(model, prompt[row].tolist(), 5)
+
+
+def test_generate_zero_new_tokens_yields_nothing(hybrid):
+    assert list(hybrid.generate([1, 2, 3], 0)) == []
+
+
+@pytest.mark.parametrize("options", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=0),
+                                     dict(top_k=-2), dict(top_k=2.5)])
+def test_generate_bad_sampling_options(options):
+    model = make_model("linear:elu", n_layers=1)
+    with pytest.raises(ValueError):
+        list(model.generate([1, 2], 3, **options))
+
+
+def test_generate_bad_max_new_tokens():
+    model = make_model("linear:elu", n_layers=1)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(ValueError):
+            list(model.generate([1, 2], bad))
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_generate_restores_training_flag(training):
+    model = make_model("vq", n_layers=1)
+    model.train(training)
+    modes = []
+    handle = model.embed.register_forward_hook(lambda m, i, o: modes.append(m.training))
+    try:
+        list(model.generate([1, 2, 3], 4, seed=0))
+    finally:
+        handle.remove()
+    assert modes and not any(modes)  # generation runs in eval mode
+    assert model.training is training
+    assert all(m.training is training for m in model.modules())
+
+
+def test_generate_leaves_codebook_untouched():
+    model = make_model("vq", n_layers=1).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    list(model.generate([1, 2, 3], 6, seed=0))
+    model.update_codebooks()  # would apply any statistics gathered while generating
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def _draws(logits, n, **options):
+    generator = torch.Generator().manual_seed(0)
+    return sample_next(logits.unsqueeze(0).expand(n, -1), generator=generator, **options)
+
+
+def test_sample_next_top_k_only_largest():
+    logits = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.9, 1.7, -0.2, 0.0])
+    draws = _draws(logits, 4000, top_k=3)
+    allowed = set(sorted(range(8), key=lambda i: -logits[i].item())[:3])  # {1, 5, 3}
+    assert set(draws.tolist()) == allowed
+    assert draws.dtype == torch.int64 and draws.shape == (4000,)
+
+
+def test_sample_next_top_p_keeps_the_nucleus():
+    logits = torch.tensor([0.6, 0.2, 0.1, 0.1]).log()
+    assert set(_draws(logits, 3000, top_p=0.5).tolist()) == {0}
+    assert set(_draws(logits, 3000, top_p=0.7).tolist()) == {0, 1}
+    assert set(_draws(logits, 3000, top_p=1.0).tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_sample_next_temperature_frequencies(temperature):
+    logits = torch.tensor([1.0, 0.0, -0.5, 0.5])
+    n = 20000
+    draws = _draws(logits, n, temperature=temperature)
+    frequencies = torch.bincount(draws, minlength=4).double() / n
+    expected = torch.tensor([math.exp(x / temperature) for x in logits.tolist()], dtype=torch.float64)
+    expected = expected / expected.sum()
+    assert (frequencies - expected).abs().max() < 0.02
+    untempered = logits.double().softmax(-1)
+    if temperature != 1.0:  # the tolerance is tight enough to tell the temperatures apart
+        assert (expected - untempered).abs().max() > 0.06
+
+
+def test_sample_next_temperature_zero_is_argmax():
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(sample_next(logits, temperature=0), logits.argmax(-1))
+
+
+# ----------------------------------------------------------------------------- carry
+
+
+def test_carry_detaches_every_tensor():
+    model = make_model(ALL_KINDS, seed=1).train()
+    _, state, _ = model(random_ids(2, 9, seed=13))
+    assert any(t.grad_fn is not None for t in state_tensors(state))
+    carried = model.carry(state)
+    assert isinstance(carried, LMState) and carried.steps == state.steps == 9
+    tensors = state_tensors(carried)
+    assert tensors and all(t.grad_fn is None and not t.requires_grad for t in tensors)
+
+
+@pytest.mark.parametrize("memory", [0, 3, 50])
+def test_carry_truncates_softmax_cache(memory):
+    model = make_model("softmax,linear:elu", n_layers=2, softmax_memory=memory)
+    _, state, _ = model(random_ids(2, 9, seed=14))
+    cache = state.layers[0]
+    assert isinstance(cache, KVCacheState) and cache.keys.shape[2] == 9
+    carried = model.carry(state).layers[0]
+    kept = min(memory, 9)
+    assert carried.keys.shape[2] == carried.values.shape[2] == kept
+    assert torch.equal(carried.keys, cache.keys[:, :, 9 - kept :])
+    assert torch.equal(carried.values, cache.values[:, :, 9 - kept :])
+    assert carried.steps == 9
+    # the linear layer's state is carried unchanged
+    assert torch.equal(model.carry(state).layers[1].kv, state.layers[1].kv)
+
+
+@pytest.mark.parametrize("memory", [0, 3])
+def test_carry_bounds_gau_softmax_cache(memory):
+    """``carry`` promises bounded memory across training windows for every softmax cache,
+    the GAU's quadratic twin included (otherwise training with carried state is quadratic
+    in the length of a pass over the data)."""
+    model = make_model("gau-softmax", n_layers=1, softmax_memory=memory)
+    ids = random_ids(2, 9, seed=15)
+    _, state, _ = model(ids)
+    carried = model.carry(state)
+    for _ in range(3):
+        _, state, _ = model(ids, carried)
+        carried = model.carry(state)
+    for unit_state in carried.layers[0]:
+        assert unit_state.keys.shape[2] <= memory
+
+
+@pytest.mark.parametrize("kind", RECURRENT + ["softmax-with-memory"])
+@torch.no_grad()
+def test_carry_across_windows_equals_one_pass(kind):
+    if kind == "softmax-with-memory":
+        model = make_model("softmax", n_layers=2, softmax_memory=64)
+    else:
+        model = make_model(kind, n_layers=2, seed=2)
+    ids = random_ids(2, 14, seed=16)
+    full, _, _ = model(ids)
+    first, state, _ = model(ids[:, :7])
+    second, _, _ = model(ids[:, 7:], model.carry(state))
+    torch.testing.assert_close(torch.cat([first, second], dim=1), full, atol=1e-10, rtol=0)

@@ -1,0 +1,306 @@
+"""``linattn train`` / ``eval`` / ``generate`` / ``data info``, in-process through
+``linattn.cli.main`` (exit codes and output), on a tiny corpus written to tmp_path."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.cli import main
+from linattn.train import load_checkpoint, load_model
+
+torch.set_num_threads(1)
+
+WORDS = ("the a of and to in is was he she it that with for as his her on at by this had not are but from king "
+         "queen lord lady love night day sword crown heart shall will thou thee my your our good sweet death life "
+         "blood fair speak come go hath doth").split()
+CORPUS_BYTES = 8000
+
+
+def english_like(n_bytes: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < n_bytes:
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice(".!?;.") + ("\n" if rng.random() < 0.3 else " ")
+        parts.append(sentence)
+        size += len(sentence)
+    return "".join(parts)[:n_bytes]
+
+
+TINY_SETS = ["--set", "model.codebook_size=8", "--set", "model.gau_d_k=8", "--set", "model.block_size=4",
+             "--set", "train.eval_tokens=512"]
+
+
+def train_argv(data: Path, out: Path, steps: int = 12, attention: str = "vq,local:4") -> list[str]:
+    return ["train", "--data", str(data), "--out", str(out), "--steps", str(steps), "--attention", attention,
+            "--d-model", "16", "--n-layers", "2", "--n-heads", "2", "--batch-size", "2", "--context", "16",
+            "--eval-every", str(steps), "--lr", "0.003", *TINY_SETS, "--no-progress", "--threads", "1"]
+
+
+def run_captured(argv):
+    """``main(argv)`` with stdout/stderr captured (for module-scoped fixtures)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "tiny.txt"
+    path.write_text(english_like(CORPUS_BYTES), encoding="utf-8")
+    assert path.stat().st_size == CORPUS_BYTES
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "run"
+    code, stdout, stderr = run_captured(train_argv(corpus, out))
+    return out, code, stdout, stderr
+
+
+def _test_split(corpus: Path) -> torch.Tensor:
+    data = corpus.read_bytes()
+    n = len(data)
+    start = n * 90 // 100 + n * 5 // 100  # contiguous 90/5/5 split
+    return torch.tensor(list(data[start:]), dtype=torch.long)
+
+
+# ----------------------------------------------------------------------------- train / eval / generate
+
+
+def test_train_exits_zero_and_reports_bpb(trained):
+    out, code, stdout, stderr = trained
+    assert code == 0, stderr
+    match = re.search(r"validation bpb: (\d+\.\d+) before -> (\d+\.\d+)", stdout)
+    assert match, stdout
+    before, after = float(match.group(1)), float(match.group(2))
+    assert after < before
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if r.get("split") == "validation"]
+    assert [r["step"] for r in evals] == [0, 12]
+    assert round(evals[0]["bpb"], 3) == before and round(evals[-1]["bpb"], 3) == after
+    assert all(r["tokens"] <= 512 for r in evals)  # --set train.eval_tokens=512
+    checkpoint = load_checkpoint(out)
+    assert checkpoint.step == 12
+    model_config = checkpoint.meta["model_config"]
+    assert (model_config["attention"], model_config["d_model"], model_config["n_layers"]) == ("vq,local:4", 16, 2)
+    assert (model_config["codebook_size"], model_config["gau_d_k"], model_config["block_size"]) == (8, 8, 4)
+    assert checkpoint.meta["train_config"]["threads"] == 1
+
+
+def test_eval_prints_bpb_that_matches_an_independent_computation(trained, corpus, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    assert main(["eval", "--ckpt", str(out), "--split", "test", "--no-progress", "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    match = re.search(r"test bpb: (\d+\.\d+)", text)
+    assert match, text
+    assert main(["eval", "--ckpt", str(out), "--split", "test", "--json", "--no-progress", "--threads", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["split"] == "test"
+    tokens = _test_split(corpus)
+    assert record["tokens"] == tokens.numel() - 1
+    # batch 1 with the state carried = the whole test split in one forward pass (VQ and a
+    # sliding window carry exactly), recomputed here
+    model, _ = load_model(out)
+    with torch.no_grad():
+        logits, _, _ = model(tokens[:-1].unsqueeze(0))
+    expected = F.cross_entropy(logits[0].double(), tokens[1:]).item() / math.log(2)
+    assert record["bpb"] == pytest.approx(expected, rel=1e-4)
+    assert float(match.group(1)) == pytest.approx(expected, abs=1e-4)
+
+
+def test_generate_prints_prompt_and_is_reproducible(trained, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    argv = ["generate", "--ckpt", str(out), "--prompt", "ab", "--max-new-tokens", "20", "--threads", "1"]
+    outputs = []
+    for seed in ("1", "1", "2"):
+        assert main(argv + ["--seed", seed]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    assert outputs[0].startswith("ab") and len(outputs[0].rstrip("\n")) > 2
+    # temperature 0: the greedy continuation, computed here by full forward passes
+    assert main(["generate", "--ckpt", str(out), "--prompt", "The ", "--max-new-tokens", "8", "--temperature", "0",
+                 "--threads", "1"]) == 0
+    text = capsys.readouterr().out
+    model, _ = load_model(out)
+    sequence = list(b"The ")
+    with torch.no_grad():
+        for _ in range(8):
+            logits, _, _ = model(torch.tensor([sequence]))
+            sequence.append(int(logits[0, -1].argmax()))
+    assert text == bytes(sequence).decode("utf-8", errors="replace") + "\n"
+
+
+def test_generate_different_seeds_differ(trained, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    texts = set()
+    for seed in range(4):
+        assert main(["generate", "--ckpt", str(out), "--prompt", "ab", "--max-new-tokens", "20", "--seed", str(seed),
+                     "--temperature", "1.5", "--threads", "1"]) == 0
+        texts.add(capsys.readouterr().out)
+    assert len(texts) > 1
+
+
+def test_config_file_is_honoured_and_flags_override_it(corpus, tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+[model]
+attention = "linear:elu"
+d_model = 24
+n_layers = 1
+n_heads = 2
+
+[train]
+data = "{corpus}"
+steps = 3
+batch_size = 3
+context = 16
+eval_every = 0
+checkpoint_every = 0
+lr = 0.001
+""")
+    out = tmp_path / "run"
+    code = main(["train", "--config", str(config), "--out", str(out), "--steps", "2", "--set", "model.d_model=16",
+                 "--no-progress", "--threads", "1"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    checkpoint = load_checkpoint(out)
+    model_config, train_config = checkpoint.meta["model_config"], checkpoint.meta["train_config"]
+    assert model_config["attention"] == "linear:elu" and model_config["n_layers"] == 1  # from the file
+    assert model_config["d_model"] == 16  # --set beats the file
+    assert train_config["steps"] == 2 and checkpoint.step == 2  # the flag beats the file
+    assert train_config["batch_size"] == 3 and train_config["lr"] == 0.001 and train_config["eval_every"] == 0
+    assert train_config["data"] == str(corpus)
+
+
+def test_data_info(corpus, capsys):
+    assert main(["data", "info", str(corpus)]) == 0
+    text = capsys.readouterr().out
+    n = CORPUS_BYTES
+    train, validation = n * 90 // 100, n * 5 // 100
+    sizes = {"train": train, "validation": validation, "test": n - train - validation}
+    for split, size in sizes.items():
+        assert re.search(rf"^{split}\s+{size}\s+1\s*$", text, re.MULTILINE), (split, text)
+    assert re.search(rf"^total\s+{n}\s*$", text, re.MULTILINE), text
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+def _fails(capsys, argv, *needles):
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, f"exit {code} for {argv}: {err}"
+    for needle in needles:
+        assert needle in err, f"{needle!r} not in {err!r}"
+    return err
+
+
+def test_unknown_attention_spec(corpus, tmp_path, capsys):
+    argv = train_argv(corpus, tmp_path / "run")
+    argv[argv.index("--attention") + 1] = "bogus"
+    err = _fails(capsys, argv, "bogus")
+    assert "linear:elu" in err  # the valid specs are listed
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "abc", "-3"])
+def test_bad_steps(corpus, tmp_path, capsys, value):
+    argv = train_argv(corpus, tmp_path / "run")
+    argv[argv.index("--steps") + 1] = value
+    _fails(capsys, argv, "--steps", value)
+
+
+def test_eval_without_ckpt(capsys):
+    _fails(capsys, ["eval", "--split", "test"], "--ckpt")
+
+
+def test_missing_data_path(tmp_path, capsys):
+    missing = tmp_path / "no_such_corpus.txt"
+    _fails(capsys, train_argv(missing, tmp_path / "run"), str(missing), "does not exist")
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_binary_data_file(tmp_path, capsys):
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(bytes(random.Random(0).randrange(256) for _ in range(4000)))
+    _fails(capsys, train_argv(garbage, tmp_path / "run"), str(garbage), "text")
+
+
+def test_resume_without_out(capsys):
+    _fails(capsys, ["train", "--resume", "--no-progress"], "--out")
+
+
+def test_resume_with_no_checkpoint(tmp_path, capsys):
+    empty = tmp_path / "empty_run"
+    empty.mkdir()
+    _fails(capsys, ["train", "--resume", "--out", str(empty), "--no-progress"], str(empty))
+    _fails(capsys, ["train", "--resume", "--out", str(tmp_path / "nowhere"), "--no-progress"], "nowhere")
+
+
+def test_resume_with_steps(trained, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    _fails(capsys, ["train", "--resume", "--out", str(out), "--steps", "20", "--no-progress"], "--steps")
+    _fails(capsys, ["train", "--resume", "--out", str(out), "--set", "train.lr=1.0", "--no-progress"], "--set")
+    assert load_checkpoint(out).step == 12  # untouched
+
+
+def test_second_train_into_the_same_out(trained, corpus, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    before = (out / "metrics.jsonl").read_text()
+    _fails(capsys, train_argv(corpus, out), str(out), "--resume")
+    assert (out / "metrics.jsonl").read_text() == before
+    assert load_checkpoint(out).step == 12
+
+
+def test_eval_on_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
+    folder = tmp_path / "not_a_checkpoint"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello")
+    _fails(capsys, ["eval", "--ckpt", str(folder), "--no-progress"], str(folder), "checkpoint")
+    _fails(capsys, ["generate", "--ckpt", str(folder), "--prompt", "a"], str(folder))
+
+
+def test_set_with_bad_key(corpus, tmp_path, capsys):
+    _fails(capsys, train_argv(corpus, tmp_path / "run") + ["--set", "model.nope=1"], "nope")
+    _fails(capsys, train_argv(corpus, tmp_path / "run") + ["--set", "train.nope=1"], "nope")
+    _fails(capsys, train_argv(corpus, tmp_path / "run") + ["--set", "nope"], "nope")
+    _fails(capsys, train_argv(corpus, tmp_path / "run") + ["--set", "model.d_model=0"], "d_model")
+
+
+def test_config_with_invalid_toml(corpus, tmp_path, capsys):
+    config = tmp_path / "broken.toml"
+    config.write_text("[model\nattention = vq\n")
+    _fails(capsys, ["train", "--config", str(config), "--out", str(tmp_path / "run"), "--no-progress"],
+           str(config), "TOML")
+    _fails(capsys, ["train", "--config", str(tmp_path / "absent.toml"), "--out", str(tmp_path / "run"),
+                    "--no-progress"], "absent.toml")
+
+
+def test_generate_with_empty_prompt(trained, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    code = main(["generate", "--ckpt", str(out), "--prompt", "", "--max-new-tokens", "5"])
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "prompt" in captured.err
+    assert captured.out == ""
