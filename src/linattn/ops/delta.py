@@ -53,42 +53,120 @@ def _recurrent(q, k, v, beta, memory):
     return torch.stack(outs, dim=2), memory
 
 
+def _pad_time(x, pad, dim):
+    if not pad:
+        return x
+    widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
+    return F.pad(x, widths)
+
+
+class _ChunkDeltaRule(torch.autograd.Function):
+    """Chunkwise WY/UT form with a hand-written backward.
+
+    Forward (per chunk, all chunks batched except the state recurrence):
+    ``X = (I + A)^-1`` with ``A = tril(diag(beta) K K^T, -1)``; ``T = X diag(beta)``;
+    ``W = T K``, ``U = T V``; ``U'_c = U_c - W_c S_c``; ``S_{c+1} = S_c + K_c^T U'_c``;
+    ``O_c = Q_c S_c + (Q_c K_c^T * tril) U'_c``. T is padded to a multiple of C with
+    beta = 0 (no writes).
+
+    Backward, with ``dS_{c+1}`` the gradient reaching the state after chunk c:
+    ``dU'_c = P_c^T dO_c + K_c dS_{c+1}`` (P = masked Q K^T), ``dS_c = Q_c^T dO_c + dS_{c+1}
+    - W_c^T dU'_c`` (the only sequential part), then, batched over chunks,
+    ``dQ = dO S^T + (dO U'^T * tril) K``, ``dW = -dU' S^T``, ``dT = dW K^T + dU' V^T``,
+    ``dX = dT diag(beta)``, ``dA = -X^T dX X^T`` (strictly lower part), and the chain rule
+    through ``A_ij = beta_i k_i.k_j`` and ``T = X diag(beta)`` for dK, dV and dbeta.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, memory, chunk_size):
+        N, G, T, Fd = q.shape
+        E = v.shape[-1]
+        C = chunk_size
+        n_chunks = -(-T // C)
+        pad = n_chunks * C - T
+        q, k, v, beta = _pad_time(q, pad, 2), _pad_time(k, pad, 1), _pad_time(v, pad, 1), _pad_time(beta, pad, 1)
+        M = N * n_chunks
+        keys = k.reshape(M, C, Fd)
+        vals = v.reshape(M, C, E)
+        betas = beta.reshape(M, C, 1)
+        strict_lower = torch.bmm(betas * keys, keys.transpose(1, 2)).tril_(-1)
+        identity = torch.eye(C, dtype=q.dtype, device=q.device).expand(M, C, C)
+        inverse = torch.linalg.solve_triangular(strict_lower, identity, upper=False, unitriangular=True)
+        transform = inverse * betas.transpose(1, 2)
+        w = torch.bmm(transform, keys)
+        u = torch.bmm(transform, vals)
+        states, corrected = [], []
+        for k_c, w_c, u_c in zip(keys.view(N, n_chunks, C, Fd).unbind(1), w.view(N, n_chunks, C, Fd).unbind(1),
+                                 u.view(N, n_chunks, C, E).unbind(1)):
+            states.append(memory)
+            u_new = torch.baddbmm(u_c, w_c, memory, alpha=-1.0)
+            corrected.append(u_new)
+            memory = torch.baddbmm(memory, k_c.transpose(1, 2), u_new)
+        states = torch.stack(states, dim=1).view(M, Fd, E)
+        corrected = torch.stack(corrected, dim=1).view(M, C, E)
+        rows = q.reshape(N, G, n_chunks, C, Fd).transpose(1, 2).reshape(M, G * C, Fd)
+        scores = torch.bmm(rows, keys.transpose(1, 2))
+        scores.view(-1, G, C, C).tril_()
+        out = torch.bmm(rows, states).baddbmm_(scores, corrected)
+        out = out.view(N, n_chunks, G, C, E).transpose(1, 2).reshape(N, G, n_chunks * C, E)
+        ctx.save_for_backward(rows, keys, vals, betas, inverse, w, states, corrected)
+        ctx.shape = (N, G, T, Fd, E, C, n_chunks)
+        return out[:, :, :T], memory
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_memory):
+        rows, keys, vals, betas, inverse, w, states, corrected = ctx.saved_tensors
+        N, G, T, Fd, E, C, n_chunks = ctx.shape
+        M = N * n_chunks
+        if grad_out is None:
+            grad_out = rows.new_zeros(N, G, T, E)
+        grad_out = _pad_time(grad_out, n_chunks * C - T, 2)
+        d_rows = grad_out.reshape(N, G, n_chunks, C, E).transpose(1, 2).reshape(M, G * C, E)
+        causal = torch.ones(C, C, dtype=torch.bool, device=rows.device).tril()
+        scores = torch.bmm(rows, keys.transpose(1, 2))
+        scores.view(-1, G, C, C).masked_fill_(~causal, 0.0)
+        from_reads = torch.bmm(scores.transpose(1, 2), d_rows)  # P^T dO  [M, C, E]
+        state_reads = torch.bmm(rows.transpose(1, 2), d_rows)  # Q^T dO  [M, F, E]
+
+        d_state = grad_memory if grad_memory is not None else rows.new_zeros(N, Fd, E)
+        d_corrected, d_next = [None] * n_chunks, [None] * n_chunks
+        chunks = lambda x: x.view(N, n_chunks, *x.shape[1:]).unbind(1)  # noqa: E731
+        parts = list(zip(chunks(keys), chunks(w), chunks(from_reads), chunks(state_reads)))
+        for c in range(n_chunks - 1, -1, -1):
+            k_c, w_c, reads_c, state_reads_c = parts[c]
+            d_next[c] = d_state
+            d_u = torch.baddbmm(reads_c, k_c, d_state)
+            d_corrected[c] = d_u
+            d_state = torch.baddbmm(d_state + state_reads_c, w_c.transpose(1, 2), d_u, alpha=-1.0)
+        d_corrected = torch.stack(d_corrected, dim=1).view(M, C, E)
+        d_next = torch.stack(d_next, dim=1).view(M, Fd, E)
+
+        d_scores = torch.bmm(d_rows, corrected.transpose(1, 2))
+        d_scores.view(-1, G, C, C).masked_fill_(~causal, 0.0)
+        d_q = torch.bmm(d_rows, states.transpose(1, 2)).baddbmm_(d_scores, keys)
+        d_k = torch.bmm(d_scores.transpose(1, 2), rows).baddbmm_(corrected, d_next.transpose(1, 2))
+        d_w = -torch.bmm(d_corrected, states.transpose(1, 2))
+        transform = inverse * betas.transpose(1, 2)
+        d_transform = torch.bmm(d_w, keys.transpose(1, 2)).baddbmm_(d_corrected, vals.transpose(1, 2))
+        d_k.baddbmm_(transform.transpose(1, 2), d_w)
+        d_v = torch.bmm(transform.transpose(1, 2), d_corrected)
+        d_beta = (inverse * d_transform).sum(1)  # through T = X diag(beta): column sums
+        d_inverse = d_transform * betas.transpose(1, 2)
+        d_lower = -torch.bmm(torch.bmm(inverse.transpose(1, 2), d_inverse), inverse.transpose(1, 2)).tril_(-1)
+        gram = torch.bmm(keys, keys.transpose(1, 2))
+        d_beta = d_beta + (d_lower * gram).sum(2)
+        d_k.baddbmm_(betas * d_lower, keys).baddbmm_(d_lower.transpose(1, 2), betas * keys)
+
+        d_q = d_q.view(N, n_chunks, G, C, Fd).transpose(1, 2).reshape(N, G, n_chunks * C, Fd)[:, :, :T]
+        d_k = d_k.reshape(N, n_chunks * C, Fd)[:, :T]
+        d_v = d_v.reshape(N, n_chunks * C, E)[:, :T]
+        d_beta = d_beta.reshape(N, n_chunks * C)[:, :T]
+        return d_q, d_k, d_v, d_beta, d_state, None
+
+
 def _chunk(q, k, v, beta, memory, chunk_size):
-    """Chunkwise WY/UT form; T is padded to a multiple of C with beta = 0 (no writes)."""
-    N, G, T, Fd = q.shape
-    E = v.shape[-1]
-    C = chunk_size
-    n_chunks = -(-T // C)
-    pad = n_chunks * C - T
-    if pad:
-        q = F.pad(q, (0, 0, 0, pad))
-        k = F.pad(k, (0, 0, 0, pad))
-        v = F.pad(v, (0, 0, 0, pad))
-        beta = F.pad(beta, (0, pad))
-    keys = k.reshape(N * n_chunks, C, Fd)
-    betas = beta.reshape(N * n_chunks, C, 1)
-    strict_lower = torch.bmm(betas * keys, keys.transpose(1, 2)).tril_(-1)
-    # T = (I + A)^-1 diag(beta); the unit diagonal is implied, A's own is never read.
-    identity = torch.eye(C, dtype=q.dtype, device=q.device).expand(N * n_chunks, C, C)
-    transform = torch.linalg.solve_triangular(strict_lower, identity, upper=False, unitriangular=True) * betas.transpose(1, 2)
-    w_chunks = torch.bmm(transform, keys).view(N, n_chunks, C, Fd).unbind(1)
-    u_chunks = torch.bmm(transform, v.reshape(N * n_chunks, C, E)).view(N, n_chunks, C, E).unbind(1)
-    # Only the state recurrence runs chunk by chunk; the reads are batched afterwards.
-    states, corrected = [], []
-    for k_c, w_c, u_c in zip(keys.view(N, n_chunks, C, Fd).unbind(1), w_chunks, u_chunks):
-        states.append(memory)
-        u_new = torch.baddbmm(u_c, w_c, memory, alpha=-1.0)
-        corrected.append(u_new)
-        memory = torch.baddbmm(memory, k_c.transpose(1, 2), u_new)
-    states = torch.stack(states, dim=1).view(N * n_chunks, Fd, E)
-    corrected = torch.stack(corrected, dim=1).view(N * n_chunks, C, E)
-    # O_c = Q_c S_c + (Q_c K_c^T * tril) U'_c, all chunks at once, G heads as G * C rows.
-    rows = q.reshape(N, G, n_chunks, C, Fd).transpose(1, 2).reshape(N * n_chunks, G * C, Fd)
-    scores = torch.bmm(rows, keys.transpose(1, 2))
-    scores.view(-1, G, C, C).tril_()
-    out = torch.bmm(rows, states).baddbmm_(scores, corrected)
-    out = out.view(N, n_chunks, G, C, E).transpose(1, 2).reshape(N, G, n_chunks * C, E)
-    return out[:, :, :T], memory
+    """Chunkwise WY/UT form (``_ChunkDeltaRule``): ``(out [N, G, T, E], final memory)``."""
+    return _ChunkDeltaRule.apply(q, k, v, beta, memory, chunk_size)
 
 
 def delta_rule(
