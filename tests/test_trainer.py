@@ -616,3 +616,46 @@ def test_resume_with_another_process_count_is_refused(two_process_run):
     with pytest.raises(ValueError, match="processes"):
         train(None, None, resume=True, out=out, progress=False, echo=quiet)
     assert (out / "metrics.jsonl").read_text() == before  # nothing was rewritten
+
+
+# ------------------------------------------------------------------- carry schedule
+
+
+def test_evaluate_reset_every_interpolates_between_reset_and_carry():
+    from linattn.train import evaluate_bpb
+
+    torch.manual_seed(0)
+    model = LM(LMConfig(d_model=16, n_layers=1, n_heads=2, attention="delta", chunk_size=4)).double()
+    tokens = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(1))
+    common = dict(context=16, batch_size=1)
+    reset = evaluate_bpb(model, tokens, carry_state=False, **common)["bpb"]
+    every_one = evaluate_bpb(model, tokens, reset_every=1, **common)["bpb"]
+    carried = evaluate_bpb(model, tokens, **common)["bpb"]
+    never = evaluate_bpb(model, tokens, reset_every=1000, **common)["bpb"]
+    every_three = evaluate_bpb(model, tokens, reset_every=3, **common)["bpb"]
+    assert every_one == pytest.approx(reset, abs=1e-12)
+    assert never == pytest.approx(carried, abs=1e-12)
+    assert every_three != pytest.approx(reset, abs=1e-9) and every_three != pytest.approx(carried, abs=1e-9)
+
+
+def test_training_resets_the_carried_state_every_carry_windows(tmp_path, monkeypatch):
+    """The trainer passes state=None exactly at windows 0, N, 2N, ... of each pass."""
+    from linattn.train import trainer as trainer_module
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(chr(97 + (i * 7) % 26) for i in range(4000)))
+    seen = []
+    original_forward = LM.forward
+
+    def recording_forward(self, ids, state=None):
+        if self.training:
+            seen.append(state is None)
+        return original_forward(self, ids, state)
+
+    monkeypatch.setattr(LM, "forward", recording_forward)
+    model_config = LMConfig(d_model=16, n_layers=1, n_heads=2, attention="linear:elu")
+    train_config = trainer_module.TrainConfig(
+        data=str(corpus), out=str(tmp_path / "run"), steps=7, batch_size=2, context=16, eval_every=0,
+        checkpoint_every=0, carry_windows=3, threads=1)
+    trainer_module.train(model_config, train_config, progress=False, echo=lambda *a: None)
+    assert seen == [True, False, False, True, False, False, True]

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 from . import __version__
 from .bench import cli as bench_cli
 from .data import cli as data_cli
+from .repro import cli as repro_cli
 from .train import cli as train_cli
 
-_COMMAND_GROUPS = (train_cli, data_cli, bench_cli)
+_COMMAND_GROUPS = (train_cli, data_cli, bench_cli, repro_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -106,6 +106,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                    help="parallel streams (1 = the whole split as one stream, state carried throughout)")
     p.add_argument("--max-tokens", type=_positive_int, help="evaluate only the first N bytes")
     p.add_argument("--no-carry", action="store_true", help="reset the state at every window")
+    p.add_argument("--reset-every", type=_non_negative_int, default=0, metavar="N",
+                   help="reset the state every N windows (default 0: carry across the whole split)")
     p.add_argument("--data", help="corpus (default: the one the model was trained on)")
     p.add_argument("--cache-dir", metavar="DIR")
     p.add_argument("--device", default="cpu")
@@ -176,14 +178,17 @@ def run_eval(args: argparse.Namespace) -> int:
     total = (tokens.numel() if args.max_tokens is None else min(args.max_tokens, tokens.numel())) - 1
     with tqdm(total=total, disable=args.no_progress, desc=f"eval {args.split}", unit="B", unit_scale=True) as bar:
         result = evaluate_bpb(model, tokens, context=context, batch_size=args.batch_size, max_tokens=args.max_tokens,
-                              carry_state=not args.no_carry, progress=bar)
+                              carry_state=not args.no_carry, reset_every=args.reset_every, progress=bar)
     record = {"split": args.split, "bpb": result["bpb"], "tokens": result["tokens"], "context": context,
-              "batch_size": args.batch_size, "carry_state": not args.no_carry, "step": checkpoint.step,
+              "batch_size": args.batch_size, "carry_state": not args.no_carry, "reset_every": args.reset_every,
+              "step": checkpoint.step,
               "checkpoint": str(checkpoint.path)}
     if args.json:
         print(json.dumps(record))
     else:
-        carried = "state carried across the split" if not args.no_carry else "state reset every window"
+        carried = ("state reset every window" if args.no_carry else
+                   f"state reset every {args.reset_every} windows" if args.reset_every else
+                   "state carried across the split")
         print(f"{args.split} bpb: {result['bpb']:.4f} ({result['tokens']:,} bytes, context {context}, {carried}; "
               f"checkpoint step {checkpoint.step})")
     return 0

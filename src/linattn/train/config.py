@@ -19,7 +19,11 @@ class TrainConfig:
     cosine to ``lr * min_lr_ratio`` at ``steps``. Each optimizer step reads one window of
     ``context`` tokens from each of ``batch_size`` streams per process; the windows of a
     stream are consecutive, and the model's recurrent state is carried (detached) from one
-    window to the next (Transformer-XL style), reset at each pass over the data.
+    window to the next (Transformer-XL style) for ``carry_windows`` windows, then reset, so
+    a carried state is never older than ``carry_windows`` optimizer steps (states that
+    integrate over a whole pass would be dominated by values computed with stale weights,
+    and the model would learn to read that stale mixture). Evaluation during training
+    resets the state on the same schedule.
     """
 
     data: str = "shakespeare"
@@ -36,6 +40,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     bf16: bool = False
     carry_state: bool = True
+    carry_windows: int = 8  # windows per carried sequence (state reset every N windows; 0 = whole pass)
     eval_every: int = 200
     eval_tokens: int | None = 65536  # validation bytes per evaluation (None = the whole split)
     eval_batch_size: int = 8
@@ -52,7 +57,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be a positive int, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed"):
+        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"train.{name} must be an int >= 0 (0 = never/none), got {value!r}")

@@ -20,6 +20,7 @@ def evaluate_bpb(
     batch_size: int = 1,
     max_tokens: int | None = None,
     carry_state: bool = True,
+    reset_every: int | None = None,
     dist_context: Context | None = None,
     bf16: bool = False,
     progress=None,
@@ -29,7 +30,8 @@ def evaluate_bpb(
     ``tokens`` (1-D) is cut into ``batch_size`` (times the number of processes) contiguous
     streams read in consecutive windows of ``context``; with ``carry_state`` the state of
     window w is passed (detached) to window w+1, so with ``batch_size=1`` every byte is
-    predicted from the whole split before it (as far as the mechanism remembers).
+    predicted from the whole split before it (as far as the mechanism remembers);
+    ``reset_every=N`` starts a fresh state every N windows (the training schedule).
     ``max_tokens`` keeps only the first bytes. Returns ``{"bpb", "tokens"}``.
     """
     dist_context = dist_context or Context()
@@ -43,7 +45,9 @@ def evaluate_bpb(
     totals = torch.zeros(2, dtype=torch.float64)
     state = None
     try:
-        for inputs, targets in streams:
+        for index, (inputs, targets) in enumerate(streams):
+            if reset_every and index % reset_every == 0:
+                state = None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits, state, _ = model(inputs.to(device), state)
             totals[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum").item()

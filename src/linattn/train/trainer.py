@@ -183,7 +183,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     def evaluate(step: int) -> float:
         result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
                               max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
-                              dist_context=context, bf16=cfg.bf16)
+                              reset_every=cfg.carry_windows, dist_context=context, bf16=cfg.bf16)
         metrics.write({"step": step, "split": "validation", "bpb": result["bpb"], "tokens": result["tokens"]})
         return result["bpb"]
 
@@ -216,7 +216,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     with stop.installed():
         while step < cfg.steps:
             window = step % len(streams)
-            if window == 0 or not cfg.carry_state:
+            if window == 0 or not cfg.carry_state or (cfg.carry_windows and window % cfg.carry_windows == 0):
                 carry = None
             lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
                                min_ratio=cfg.min_lr_ratio)

@@ -1,0 +1,216 @@
+"""``linattn repro lm``: byte-level language-model quality per mechanism at an equal budget.
+
+Every mechanism gets the same model width, depth, context, batch, steps, learning-rate
+schedule, data order and seed (Shakespeare by default). Transformer-VQ layers are pairs of
+gated attention units; their value width is chosen so a pair has about the parameters of
+one attention + SwiGLU block (the parameter counts are reported). Measured per mechanism:
+validation bpb during training (the loss curves), test bpb with the state reset at every
+window and with the state carried across the whole test split (one stream), training
+tokens per second, and the peak memory of one training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ..bench import report
+from ..bench.harness import peak_memory
+from ..data import load_corpus
+from ..models import LMConfig
+from ..train import TrainConfig, evaluate_bpb, train
+
+HELP = "byte-level LM quality per mechanism at equal budget (bpb, tokens/s, memory)"
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+MECHANISMS = {
+    "softmax": "softmax",
+    "vq": "vq",
+    "delta": "delta",
+    "linear-elu": "linear:elu",
+    "dpfp": "linear:dpfp",
+    "favor": "favor",
+    "local": "local",
+}
+
+
+def _gau_value_width(d_model: int, d_k: int, block_params: int) -> int:
+    """d_v such that two GAUs (2 d_model d_k + 3 d_model d_v + d_k^2 weights each) match a block."""
+    per_unit = block_params / 2 - 2 * d_model * d_k - d_k * d_k
+    return max(8, int(round(per_unit / (3 * d_model) / 8)) * 8)
+
+
+def model_config(spec: str, args: argparse.Namespace) -> LMConfig:
+    d = args.d_model
+    common = dict(d_model=d, n_layers=args.n_layers, n_heads=args.n_heads, local_window=args.window,
+                  favor_features=args.favor_features, codebook_size=args.codebook_size,
+                  block_size=args.block_size, gau_d_k=args.gau_d_k, kmeans_init=True)
+    block_params = 4 * d * d + 3 * d * LMConfig(d_model=d).ffn_width
+    return LMConfig(attention=spec, gau_d_v=_gau_value_width(d, args.gau_d_k, block_params), **common)
+
+
+def _step_memory(model, args: argparse.Namespace) -> int | None:
+    ids = torch.randint(0, 256, (args.batch_size, args.context + 1), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        logits, _, aux = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + aux["commit_loss"]
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    was_training = model.training
+    model.train()
+    try:
+        return peak_memory(step, "cpu")
+    finally:
+        model.train(was_training)
+        for quantizer in model.quantizers():  # this probe must not feed the codebooks
+            quantizer._pending_counts.zero_()
+            quantizer._pending_sums.zero_()
+
+
+def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:
+    config = model_config(MECHANISMS[name], args)
+    run_dir = out_dir / "runs" / name
+    train_config = TrainConfig(
+        data=args.data, out=str(run_dir), steps=args.steps, batch_size=args.batch_size, context=args.context,
+        lr=args.lr, warmup_steps=max(1, args.steps // 10), eval_every=args.eval_every, eval_tokens=args.eval_tokens,
+        eval_batch_size=1,
+        checkpoint_every=0, log_every=max(1, args.steps // 50), seed=args.seed, cache_dir=args.cache_dir,
+    )
+    if run_dir.exists():  # a fresh run each time
+        shutil.rmtree(run_dir)
+    summary = train(config, train_config, progress=False, echo=lambda *a: None)
+    if summary["interrupted"]:
+        raise KeyboardInterrupt(f"stopped by {summary['interrupted']}")
+    model = summary["model"]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    curve = [(r["step"], r["bpb"]) for r in records if r.get("split") == "validation"]
+    speeds = [r["tokens_per_second"] for r in records if "tokens_per_second" in r][1:]
+    evaluate = dict(context=args.context, max_tokens=args.test_tokens)
+    reset = evaluate_bpb(model, test_tokens, batch_size=1, carry_state=False, **evaluate)
+    schedule = evaluate_bpb(model, test_tokens, batch_size=1, reset_every=train_config.carry_windows, **evaluate)
+    carried = evaluate_bpb(model, test_tokens, batch_size=1, carry_state=True, **evaluate)
+    return {
+        "mechanism": name, "spec": MECHANISMS[name], "parameters": model.num_parameters(),
+        "validation_bpb": summary["final_bpb"], "test_bpb_reset": reset["bpb"],
+        "test_bpb_schedule": schedule["bpb"], "test_bpb_carried": carried["bpb"], "carry_windows": train_config.carry_windows,
+        "test_tokens": carried["tokens"], "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None,
+        "step_peak_bytes": _step_memory(model, args), "train_seconds": summary["elapsed"],
+        "loss_curve": losses, "validation_curve": curve,
+        "codebook_usage": model.codebook_usage(),
+    }
+
+
+def markdown(rows: list[dict], metadata: dict) -> str:
+    lines = [
+        "# Byte-level LM quality per mechanism (equal budget)", "",
+        f"Command: `{metadata['command']}`  ", f"Date: {metadata['date']}; device: {metadata['device_name']}, "
+        f"{metadata['threads']} threads; torch {metadata['torch_version']}.", "",
+        "| mechanism | spec | parameters | validation bpb | test bpb, state reset every window | "
+        f"test bpb, state carried {rows[0]['carry_windows']} windows (as trained) | "
+        "test bpb, state carried across the whole stream | train tokens/s | step peak memory |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        speed = f"{r['train_tokens_per_second']:,.0f}" if r["train_tokens_per_second"] else "—"
+        memory = f"{r['step_peak_bytes'] / 2**20:,.0f} MiB" if r["step_peak_bytes"] else "—"
+        lines.append(f"| {r['mechanism']} | `{r['spec']}` | {r['parameters']:,} | {r['validation_bpb']:.3f} | "
+                     f"{r['test_bpb_reset']:.3f} | {r['test_bpb_schedule']:.3f} | {r['test_bpb_carried']:.3f} | "
+                     f"{speed} | {memory} |")
+    lines += ["", "Test bpb is measured on the first "
+              f"{rows[0]['test_tokens']:,} bytes of the test split read as one stream in windows of the training "
+              "context. Training carries each window's recurrent state (detached) to the next for "
+              f"{rows[0]['carry_windows']} windows, then resets it; the three columns reset it every window, on that "
+              "schedule, or never. Exact softmax keeps no memory across windows (`softmax_memory = 0`), so its "
+              "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, training schedule."]
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        steps, losses = zip(*r["loss_curve"])
+        left.plot(steps, [loss / math.log(2) for loss in losses], label=r["mechanism"])
+        if r["validation_curve"]:
+            steps, bpb = zip(*r["validation_curve"])
+            right.plot(steps, bpb, marker="o", label=r["mechanism"])
+    left.set(xlabel="step", ylabel="training loss (bits per byte)", title="training loss")
+    right.set(xlabel="step", ylabel="validation bpb", title="validation")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mechanisms", nargs="+", choices=list(MECHANISMS), default=list(MECHANISMS))
+    parser.add_argument("--data", default="shakespeare")
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--n-layers", type=int, default=2)
+    parser.add_argument("--n-heads", type=int, default=4)
+    parser.add_argument("--window", type=int, default=64, help="local attention window")
+    parser.add_argument("--favor-features", type=int, default=64)
+    parser.add_argument("--codebook-size", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--gau-d-k", type=int, default=64)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--eval-tokens", type=int, default=32768, help="validation bytes per evaluation")
+    parser.add_argument("--test-tokens", type=int, default=131072,
+                        help="test bytes evaluated as one stream (default 131072; 0 = the whole split)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a few minutes: 60 steps, 8k-byte evaluations")
+    parser.add_argument("--out", type=Path, default=Path("results/repro-lm"))
+
+
+def run_command(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.steps, args.eval_every, args.eval_tokens, args.test_tokens = 60, 30, 8192, 16384
+    if args.test_tokens == 0:
+        args.test_tokens = None
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    for name in ("steps", "batch_size", "context", "d_model", "n_layers", "n_heads", "window", "favor_features",
+                 "codebook_size", "block_size", "gau_d_k"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    test_tokens = load_corpus(args.data, cache_dir=args.cache_dir).tokens("test")
+    metadata = report.collect_metadata(device="cpu", command=args.command_line, shapes={
+        "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context,
+        "batch_size": args.batch_size, "steps": args.steps, "data": args.data})
+    rows = []
+    started = time.perf_counter()
+    for name in tqdm(args.mechanisms, desc="repro lm", unit="mechanism"):
+        rows.append(run_mechanism(name, args, args.out, test_tokens))
+    metadata["seconds"] = time.perf_counter() - started
+    report.write_json(args.out / "results.json", rows=rows, metadata=metadata)
+    text = markdown(rows, metadata)
+    (args.out / "results.md").write_text(text)
+    write_plot(rows, args.out / "loss_curves.png")
+    print(text)
+    print(f"wrote {args.out}/results.json, results.md, loss_curves.png")
+    return 0
