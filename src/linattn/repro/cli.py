@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 
-from . import fwp_retrieval, lm_quality
+from . import fwp_retrieval, lm_quality, mqar
 
 REPRODUCTIONS = {
     "fwp-capacity": fwp_retrieval.capacity_command,
     "fwp-update-rule": fwp_retrieval.update_rule_command,
+    "mqar": mqar,
     "lm": lm_quality,
 }
 
