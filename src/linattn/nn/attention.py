@@ -78,6 +78,13 @@ class Attention(nn.Module):
         past = 0 if state is None else state.steps
         if self.rotary:
             q, k = apply_rotary(q, past, self.rotary_base), apply_rotary(k, past, self.rotary_base)
+        # The ops keep their own precision (float32 sums/softmax); under autocast they run
+        # outside it, on the projections' dtype.
+        with torch.autocast(x.device.type, enabled=False):
+            out, state = self._attend(q, k.to(q.dtype), v.to(q.dtype), state)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state
+
+    def _attend(self, q, k, v, state):
         if self.mechanism == "linear":
             out, state = linear_attention(
                 q, k, v, feature_map=self.feature_map, chunk_size=self.chunk_size,
@@ -89,7 +96,7 @@ class Attention(nn.Module):
             )
         else:
             out, state = self._softmax(q, k, v, state)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state
+        return out, state
 
     @staticmethod
     def _softmax(q, k, v, state: KVCacheState | None):

@@ -67,16 +67,17 @@ class DeltaNet(nn.Module):
         else:
             beta = x.new_ones(B, self.n_kv_heads, T)
         heads = lambda t, n: t.reshape(B, T, n, self.head_dim).transpose(1, 2)  # noqa: E731
-        out, rule_state = delta_rule(
-            heads(q, self.n_heads),
-            heads(k, self.n_kv_heads),
-            heads(v, self.n_kv_heads),
-            beta,
-            feature_map=self.feature_map,
-            normalize=self.normalize,
-            chunk_size=self.chunk_size,
-            initial_state=state.rule if state is not None else None,
-            output_final_state=True,
-        )
+        with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
+            out, rule_state = delta_rule(
+                heads(q, self.n_heads),
+                heads(k.to(q.dtype), self.n_kv_heads),
+                heads(v.to(q.dtype), self.n_kv_heads),
+                beta.to(q.dtype),
+                feature_map=self.feature_map,
+                normalize=self.normalize,
+                chunk_size=self.chunk_size,
+                initial_state=state.rule if state is not None else None,
+                output_final_state=True,
+            )
         y = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return y, DeltaNetState(rule=rule_state, conv=conv_cache, steps=rule_state.steps)

@@ -99,21 +99,36 @@ class GAU(nn.Module):
         gate = F.silu(self.w_g(h))
         position_keys = self.w_r(self.sinusoids.to(x.dtype))  # P_delta = W_r R_delta, [L + 1, d_k]
         bias = (self.position_bias - self.content_bias) @ position_keys.T  # (w - u).P_delta
-        queries = q + self.content_bias
-        aux = {"commit_loss": x.new_zeros(()), "codes": None}
+        # The attention ops keep their own precision (float32 sums and softmax); under
+        # autocast they run outside it, on one dtype (that of the projected keys).
+        dtype = k.dtype
+        queries = (q + self.content_bias).to(dtype)
+        v, bias, position_keys = v.to(dtype), bias.to(dtype), position_keys.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out, state, aux = self._attend(queries, k, v, bias, position_keys, state, x.new_zeros(()))
+        y = self.w_o(out.squeeze(1) * gate)
+        return y, state, aux
+
+    def _attend(self, queries, k, v, bias, position_keys, state, zero):
+        """VQ / soft-VQ / exact windowed softmax over ``[B, 1, T, .]`` inputs -> (out, state, aux)."""
+        dtype, T = k.dtype, k.shape[2]
+        aux = {"commit_loss": zero, "codes": None}
         common = dict(block_size=self.block_size, bias=bias, position_keys=position_keys, scale=1.0)
         if self.attention == "vq":
             k_hat, codes, aux["commit_loss"] = self.quantizer(k)
             aux["codes"] = codes
             out, state = vq_attention(
-                queries, k_hat, v, codes, self.quantizer.codebook.to(x.dtype),
+                queries, k_hat, v, codes, self.quantizer.codebook.to(dtype),
                 initial_state=state, output_final_state=True, **common,
             )
         elif self.attention == "soft-vq":
+            wide = torch.float64 if dtype == torch.float64 else torch.float32  # soft keys are built in float32
+            common.update(bias=bias.to(wide), position_keys=position_keys.to(wide))
             out, state = soft_vq_attention(
-                queries, k, v, self.codebook.to(x.dtype), temperature=self.temperature,
+                queries.to(wide), k.to(wide), v.to(wide), self.codebook.to(wide), temperature=self.temperature,
                 initial_state=state, output_final_state=True, **common,
             )
+            out = out.to(dtype)
         else:
             if state is not None and not isinstance(state, KVCacheState):
                 raise TypeError(f"the softmax GAU's state is a KVCacheState, got {type(state).__name__}")
@@ -124,6 +139,5 @@ class GAU(nn.Module):
                 queries.unsqueeze(2), keys, values, bias.reshape(1, 1, -1),
                 position_keys.reshape(1, 1, *position_keys.shape), self.block_size, True, past=past,
             ).squeeze(2)
-            state = KVCacheState(keys=keys, values=values, steps=(0 if state is None else state.steps) + x.shape[1])
-        y = self.w_o(out.squeeze(1) * gate)
-        return y, state, aux
+            state = KVCacheState(keys=keys, values=values, steps=(0 if state is None else state.steps) + T)
+        return out, state, aux
