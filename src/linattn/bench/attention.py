@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from .._arguments import non_negative_int as _non_negative_int
+from .._arguments import positive_float as _positive_float, positive_int as _positive_int
 from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
@@ -326,31 +328,8 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     return {"metadata": metadata, "rows": rows, "summary": summary, "table": table, "files": files}
 
 
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {text!r}")
-        return value
-
-    return parse
 
 
-_positive_int = _int_at_least(1, "positive")
-_non_negative_int = _int_at_least(0, "non-negative")
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 HELP = "causal attention: forward / forward+backward time and peak memory vs sequence length"

@@ -61,6 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .._arguments import int_at_least as _int_at_least, positive_float as _positive_float
 from ..bench import report
 from ..feature_maps import FAVOR, FeatureMap, get_feature_map
 from ..ops.delta import delta_rule
@@ -511,6 +512,12 @@ def _loss(value: float | None) -> str:
     return f"{value:.1e}"
 
 
+def _percent(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "—"
+    return f"{100 * value:.1f}%"
+
+
 _STOP = {"target": "t", "plateau": "p", "max_steps": "m", "non_finite": "nan"}
 
 
@@ -522,16 +529,18 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
     find = {(r["mechanism"], r["size"]): r for r in rows}
     head = "| mechanism | d_dot | " + " | ".join(f"S={s}" for s in sizes) + " |"
     rule = "|" + "|".join(" --- " for _ in range(len(sizes) + 2)) + "|"
-    loss_lines, step_lines = [head, rule], [head, rule]
+    loss_lines, accuracy_lines, step_lines = [head, rule], [head, rule], [head, rule]
     for name in names:
         d_dot = find[(name, sizes[0])]["d_dot"] if (name, sizes[0]) in find else None
         prefix = f"| {name} | {d_dot if d_dot is not None else '∞'} | "
-        cells, steps = [], []
+        cells, accuracies, steps = [], [], []
         for s in sizes:
             r = find.get((name, s))
             cells.append("" if r is None else _loss(r["final_eval_loss"]))
+            accuracies.append("" if r is None else _percent(r["final_eval_accuracy"]))
             steps.append("" if r is None else f"{r['steps']}{_STOP[r['stop_reason']]}")
         loss_lines.append(prefix + " | ".join(cells) + " |")
+        accuracy_lines.append(prefix + " | ".join(accuracies) + " |")
         step_lines.append(prefix + " | ".join(steps) + " |")
     emb = "int(1.1 * 2S)" if config.emb_dim is None else str(config.emb_dim)
     lines = [
@@ -547,6 +556,10 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
         "## Final evaluation loss (1/2 squared error per query)",
         "",
         *loss_lines,
+        "",
+        "## Final retrieval accuracy (argmax of the retrieved vector = target value)",
+        "",
+        *accuracy_lines,
         "",
         "## Training steps (t: reached the target loss, p: plateau, m: step cap)",
         "",
@@ -669,31 +682,6 @@ def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Se
 # --- command line -------------------------------------------------------------------
 
 
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    import argparse
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what} (an integer >= {minimum}), got {text!r}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 class ExperimentCommand:

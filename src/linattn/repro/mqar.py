@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .._arguments import int_at_least as _int_at_least, positive_float as _positive_float
 from ..bench import report
 from ..models import LM, LMConfig
 from ..train.schedule import learning_rate
@@ -553,18 +554,6 @@ def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Se
 # --- command line -------------------------------------------------------------------
 
 
-def _int_at_least(minimum: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what} (an integer >= {minimum}), got {text!r}")
-        return value
-
-    return parse
-
 
 def _d_model(text: str) -> int:
     low, high = D_MODEL_RANGE
@@ -576,15 +565,6 @@ def _d_model(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a d_model in [{low}, {high}], got {text!r}")
     return value
 
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 QUICK_STEPS = 300

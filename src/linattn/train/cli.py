@@ -14,6 +14,8 @@ import sys
 import torch
 from tqdm import tqdm
 
+from .._arguments import non_negative_int as _non_negative_int
+from .._arguments import positive_float as _positive_float, positive_int as _positive_int
 from ..data import ByteTokenizer, load_corpus
 from ..models.config import LAYER_SPEC_HELP
 from .checkpoint import load_model
@@ -32,34 +34,7 @@ _TRAIN_FLAGS = {
 }
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
