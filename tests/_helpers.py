@@ -5,6 +5,7 @@ recorder of the largest tensor an op builds."""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import torch
@@ -130,3 +131,22 @@ class OpRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.max_numel = max(self.max_numel, t.numel())
         return out
+
+
+# ------------------------------------------------------------------ a tiny text corpus
+
+WORDS = ("the a of and to in is was he she it that with for as his her on at by this had not are but from king "
+         "queen lord lady love night day sword crown heart shall will thou thee my your our good sweet death life "
+         "blood fair speak come go hath doth").split()
+
+
+def english_like(n_bytes: int, seed: int = 0) -> str:
+    """Deterministic sentences of common words (learnable structure, a few KB)."""
+    rng = random.Random(seed)
+    parts, size = [], 0
+    while size < n_bytes:
+        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+        sentence = sentence[0].upper() + sentence[1:] + rng.choice(".!?;.") + ("\n" if rng.random() < 0.3 else " ")
+        parts.append(sentence)
+        size += len(sentence)
+    return "".join(parts)[:n_bytes]

@@ -17,25 +17,11 @@ import torch.nn.functional as F
 
 from linattn.cli import main
 from linattn.train import load_checkpoint, load_model
+from _helpers import english_like
 
 torch.set_num_threads(1)
 
-WORDS = ("the a of and to in is was he she it that with for as his her on at by this had not are but from king "
-         "queen lord lady love night day sword crown heart shall will thou thee my your our good sweet death life "
-         "blood fair speak come go hath doth").split()
 CORPUS_BYTES = 8000
-
-
-def english_like(n_bytes: int, seed: int = 0) -> str:
-    rng = random.Random(seed)
-    parts, size = [], 0
-    while size < n_bytes:
-        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
-        sentence = sentence[0].upper() + sentence[1:] + rng.choice(".!?;.") + ("\n" if rng.random() < 0.3 else " ")
-        parts.append(sentence)
-        size += len(sentence)
-    return "".join(parts)[:n_bytes]
-
 
 TINY_SETS = ["--set", "model.codebook_size=8", "--set", "model.gau_d_k=8", "--set", "model.block_size=4",
              "--set", "train.eval_tokens=512"]

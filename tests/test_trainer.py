@@ -11,7 +11,6 @@ import json
 import math
 import os
 import pickle
-import random
 import shutil
 import signal
 import subprocess
@@ -28,24 +27,9 @@ from linattn.state import LMState, _State
 from linattn.train import CheckpointError, TrainConfig, load_checkpoint, load_model, train
 from linattn.train.checkpoint import flatten_state, resolve_checkpoint, save_checkpoint, unflatten_state
 from linattn.train.schedule import learning_rate
+from _helpers import english_like
 
 torch.set_num_threads(1)
-
-WORDS = ("the a of and to in is was he she it that with for as his her on at by this had not are but from king "
-         "queen lord lady love night day sword crown heart shall will thou thee my your our good sweet death life "
-         "blood fair speak come go hath doth").split()
-
-
-def english_like(n_bytes: int, seed: int = 0) -> str:
-    """Deterministic sentences of common words (learnable structure, a few KB)."""
-    rng = random.Random(seed)
-    parts, size = [], 0
-    while size < n_bytes:
-        sentence = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
-        sentence = sentence[0].upper() + sentence[1:] + rng.choice(".!?;.") + ("\n" if rng.random() < 0.3 else " ")
-        parts.append(sentence)
-        size += len(sentence)
-    return "".join(parts)[:n_bytes]
 
 
 def quiet(*args):

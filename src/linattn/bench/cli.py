@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import argparse
 
+from .._arguments import add_command_group
 from . import attention, decode
 
 BENCHMARKS = {"attention": attention, "decode": decode}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    """Add ``bench`` and its benchmarks to the top-level subcommands."""
-    help_text = "speed and memory benchmarks"
-    bench = commands.add_parser("bench", help=help_text, description=f"{help_text}, one subcommand each")
-    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, module in BENCHMARKS.items():
-        parser = benchmarks.add_parser(name, help=module.HELP, description=module.DESCRIPTION)
-        module.add_arguments(parser)
-        parser.set_defaults(handler=module.run_command)
+    """Add ``bench`` and its subcommands to the top-level subcommands."""
+    add_command_group(commands, "bench", "speed and memory benchmarks", dest="benchmark", metavar="BENCHMARK",
+                      registry=BENCHMARKS)

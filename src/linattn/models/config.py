@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._config import check_int_fields, config_from_dict
+
 # Layer kinds: a GAU pair (Transformer-VQ's layout, no feed-forward) or a pre-norm block
 # of multi-head attention + SwiGLU feed-forward.
 GAU_KINDS = {"vq": "vq", "soft-vq": "soft-vq", "gau-softmax": "softmax"}
@@ -105,17 +107,12 @@ class LMConfig:
     extra: dict = field(default_factory=dict)  # free-form notes carried into checkpoints
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "local_window", "chunk_size",
-                     "favor_features", "gau_d_k", "codebook_size", "block_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LMConfig.{name} must be a positive int, got {value!r}")
-        for name in ("n_kv_heads", "head_dim", "ffn_hidden", "gau_d_v", "delta_short_conv"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"LMConfig.{name} must be a positive int or None, got {value!r}")
-        if isinstance(self.softmax_memory, bool) or not isinstance(self.softmax_memory, int) or self.softmax_memory < 0:
-            raise ValueError(f"LMConfig.softmax_memory must be an int >= 0, got {self.softmax_memory!r}")
+        check_int_fields(self, "LMConfig", ("vocab_size", "d_model", "n_layers", "n_heads", "local_window",
+                                            "chunk_size", "favor_features", "gau_d_k", "codebook_size", "block_size"),
+                         minimum=1)
+        check_int_fields(self, "LMConfig", ("n_kv_heads", "head_dim", "ffn_hidden", "gau_d_v", "delta_short_conv"),
+                         minimum=1, optional=True)
+        check_int_fields(self, "LMConfig", ("softmax_memory",), minimum=0)
         if self.n_heads % (self.n_kv_heads or self.n_heads):
             raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         self.layer_specs()  # validates the attention pattern
@@ -142,8 +139,4 @@ class LMConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "LMConfig":
         """Build from a dict (a checkpoint's JSON, a TOML ``[model]`` table); unknown keys are an error."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**values)
+        return config_from_dict(cls, values, "model")

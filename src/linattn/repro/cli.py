@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from .._arguments import add_command_group
 from . import fwp_retrieval, lm_quality, mqar
 
 REPRODUCTIONS = {
@@ -20,11 +21,6 @@ REPRODUCTIONS = {
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    """Add ``repro`` and its reproductions to the top-level subcommands."""
-    help_text = "reproductions of the seed papers' experiments"
-    repro = commands.add_parser("repro", help=help_text, description=f"{help_text}, one subcommand each")
-    experiments = repro.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
-    for name, command in REPRODUCTIONS.items():
-        parser = experiments.add_parser(name, help=command.HELP, description=command.DESCRIPTION)
-        command.add_arguments(parser)
-        parser.set_defaults(handler=command.run_command)
+    """Add ``repro`` and its subcommands to the top-level subcommands."""
+    add_command_group(commands, "repro", "reproductions of the seed papers' experiments", dest="experiment",
+                      metavar="EXPERIMENT", registry=REPRODUCTIONS)

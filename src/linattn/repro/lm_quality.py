@@ -66,15 +66,14 @@ def _step_memory(model, args: argparse.Namespace) -> int | None:
         loss.backward()
         model.zero_grad(set_to_none=True)
 
+    # eval mode: the same computation (and graph) as a training step, but the quantizers
+    # gather no codebook statistics from this probe
     was_training = model.training
-    model.train()
+    model.eval()
     try:
         return peak_memory(step, "cpu")
     finally:
         model.train(was_training)
-        for quantizer in model.quantizers():  # this probe must not feed the codebooks
-            quantizer._pending_counts.zero_()
-            quantizer._pending_sums.zero_()
 
 
 def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:

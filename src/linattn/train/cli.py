@@ -142,10 +142,15 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def _load(args: argparse.Namespace):
+    """Apply ``--threads`` and load ``--ckpt`` on ``--device`` -> ``(model, checkpoint)``."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, checkpoint = load_model(args.ckpt, args.device)
+    return load_model(args.ckpt, args.device)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    model, checkpoint = _load(args)
     train_config = checkpoint.meta["train_config"]
     corpus = load_corpus(args.data or train_config["data"], cache_dir=args.cache_dir or train_config.get("cache_dir"))
     tokens = corpus.tokens(args.split)
@@ -156,8 +161,7 @@ def run_eval(args: argparse.Namespace) -> int:
                               carry_state=not args.no_carry, reset_every=args.reset_every, progress=bar)
     record = {"split": args.split, "bpb": result["bpb"], "tokens": result["tokens"], "context": context,
               "batch_size": args.batch_size, "carry_state": not args.no_carry, "reset_every": args.reset_every,
-              "step": checkpoint.step,
-              "checkpoint": str(checkpoint.path)}
+              "step": checkpoint.step, "checkpoint": str(checkpoint.path)}
     if args.json:
         print(json.dumps(record))
     else:
@@ -170,9 +174,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model, _ = load_model(args.ckpt, args.device)
+    model, _ = _load(args)
     tokenizer = ByteTokenizer()
     prompt = tokenizer.encode(args.prompt)
     if prompt.numel() == 0:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._config import check_int_fields, check_number_fields, config_from_dict
 from ..models.config import LMConfig
 
 
@@ -53,39 +54,22 @@ class TrainConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "context", "eval_batch_size", "log_every", "keep_checkpoints"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"train.{name} must be a positive int, got {value!r}")
-        for name in ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"train.{name} must be an int >= 0 (0 = never/none), got {value!r}")
-        for name in ("eval_tokens", "threads"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"train.{name} must be a positive int or None, got {value!r}")
-        for name in ("lr", "grad_clip"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"train.{name} must be a positive number, got {value!r}")
-        for name in ("min_lr_ratio", "beta1", "beta2"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1 + (name == "min_lr_ratio"):
-                raise ValueError(f"train.{name} must be in [0, 1], got {value!r}")
-        if isinstance(self.weight_decay, bool) or not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            raise ValueError(f"train.weight_decay must be a number >= 0, got {self.weight_decay!r}")
+        check_int_fields(self, "train", ("steps", "batch_size", "context", "eval_batch_size", "log_every",
+                                         "keep_checkpoints"), minimum=1)
+        check_int_fields(self, "train", ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows"),
+                         minimum=0, note=" (0 = never/none)")
+        check_int_fields(self, "train", ("eval_tokens", "threads"), minimum=1, optional=True)
+        check_number_fields(self, "train", ("lr", "grad_clip"), low=0, low_inclusive=False, wanted="a positive number")
+        check_number_fields(self, "train", ("min_lr_ratio",), low=0, high=1, wanted="in [0, 1]")
+        check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
+        check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TrainConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"unknown train config keys {unknown}; valid keys: {sorted(known)}")
-        return cls(**values)
+        return config_from_dict(cls, values, "train")
 
 
 def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
