@@ -289,3 +289,13 @@ def test_bad_values_raise_value_error(tmp_path):
         fwp.run_grid(setting, ["softmax"], [1], config, progress=False)
     with pytest.raises(ValueError, match="max_steps"):
         fwp.run_grid(setting, ["softmax"], [4], fwp.TrainConfig(max_steps=0), progress=False)
+
+
+def test_worker_processes_give_the_same_rows():
+    setting, config = fwp.SETTINGS["update-rule"], fwp.TrainConfig(max_steps=20, eval_every=10, seed=3)
+    grid = dict(mechanisms=["sum-dpfp-1", "delta-linear"], sizes=[4, 6])
+    serial = fwp.run_grid(setting, **grid, config=config, progress=False)
+    parallel = fwp.run_grid(setting, **grid, config=config, jobs=2, threads=1, progress=False)
+    keys = ("mechanism", "size", "final_eval_loss", "steps", "stop_reason", "curve")
+    assert [[r[k] for k in keys] for r in parallel] == [[r[k] for k in keys] for r in serial]
+    assert [(r["mechanism"], r["size"]) for r in serial] == [(m, s) for m in grid["mechanisms"] for s in grid["sizes"]]

@@ -67,6 +67,7 @@ from ..feature_maps import FAVOR, FeatureMap, get_feature_map
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.softmax import softmax_attention
+from ._parallel import map_runs
 
 # --- data ---------------------------------------------------------------------------
 
@@ -450,15 +451,24 @@ def train_run(
     }
 
 
+def _train_named(setting_name: str, mechanism: str, num_keys: int, config: TrainConfig,
+                 on_eval: Callable[[int, float], None] | None = None) -> dict:
+    """``train_run`` by names (picklable for worker processes)."""
+    return train_run(SETTINGS[setting_name], MECHANISMS[mechanism], num_keys, config, on_eval=on_eval)
+
+
 def run_grid(
     setting: Setting,
     mechanisms: Sequence[str],
     sizes: Sequence[int],
     config: TrainConfig,
     *,
+    jobs: int = 1,
+    threads: int | None = None,
     progress: bool = True,
 ) -> list[dict]:
-    """Every (mechanism, S) run, mechanisms outer, with a tqdm bar over runs."""
+    """Every (mechanism, S) run, mechanisms outer, with a tqdm bar over runs; ``jobs > 1``
+    trains that many at once in worker processes with ``threads`` torch threads each."""
     from tqdm.auto import tqdm
 
     unknown = [m for m in mechanisms if m not in MECHANISMS]
@@ -469,17 +479,22 @@ def run_grid(
         raise ValueError(f"sizes S must be ints >= 2, got {bad}")
     if not mechanisms or not sizes:
         raise ValueError("need at least one mechanism and one size")
+    for name, value in (("jobs", jobs), ("threads", 1 if threads is None else threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     config.validate()
-    rows = []
-    with tqdm(total=len(mechanisms) * len(sizes), desc=f"fwp {setting.name}", unit="run", disable=not progress) as bar:
-        for name in mechanisms:
-            for size in sizes:
-                def show(step: int, loss: float, name=name, size=size) -> None:
-                    bar.set_postfix_str(f"{name} S={size} step {step} loss {loss:.2e}")
+    grid = [(setting.name, name, size, config) for name in mechanisms for size in sizes]
 
-                rows.append(train_run(setting, MECHANISMS[name], size, config, on_eval=show))
-                bar.update(1)
-    return rows
+    def show_evals(run: tuple):
+        _, name, size, _ = run
+        return lambda step, loss: bar.set_postfix_str(f"{name} S={size} step {step} loss {loss:.2e}")
+
+    def describe(row: dict) -> str:
+        return f"{row['mechanism']} S={row['size']} loss {row['final_eval_loss']:.2e}"
+
+    with tqdm(total=len(grid), desc=f"fwp {setting.name}", unit="run", disable=not progress) as bar:
+        return map_runs(_train_named, grid, jobs=jobs, threads=threads or torch.get_num_threads(), bar=bar,
+                        describe=describe, progress_kwarg="on_eval", show_progress=show_evals)
 
 
 # --- summary and reports ------------------------------------------------------------
@@ -653,25 +668,27 @@ UPDATE_RULE = ExperimentSpec(
 
 
 def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Sequence[int], config: TrainConfig,
-                   out_dir: Path, command: str, progress: bool = True) -> dict:
+                   out_dir: Path, command: str, jobs: int = 1, threads: int | None = None,
+                   progress: bool = True) -> dict:
     """Run the grid and write ``results.json``, ``results.md`` and the PNG into ``out_dir``."""
     setting = SETTINGS[spec.setting]
     started, cpu_started = time.perf_counter(), time.process_time()
-    rows = run_grid(setting, mechanisms, sizes, config, progress=progress)
+    rows = run_grid(setting, mechanisms, sizes, config, jobs=jobs, threads=threads, progress=progress)
     elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
     title = f"repro {spec.command}"
     shapes = {"setting": spec.setting, "sizes": list(sizes), "seq_len": [setting.seq_len(s) for s in sizes],
               "key_dim": config.key_dim, "heads": 1}
     metadata = report.collect_metadata(device=config.device, command=command, shapes=shapes)
     metadata.update(config=asdict(config), mechanisms=list(mechanisms), wall_seconds=elapsed, cpu_seconds=cpu,
+                    jobs=jobs, threads=threads or metadata["threads"],
                     paper="Schlag, Irie & Schmidhuber 2021, Linear Transformers Are Secretly Fast Weight Programmers")
     summary = summarize(rows, target_loss=config.target_loss)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
     markdown = markdown_report(rows, title=title, command=command, setting=setting, config=config, summary=summary)
-    markdown += (f"\nWall time {elapsed:.0f} s, process CPU time {cpu:.0f} s, on {metadata['device_name']} "
-                 f"({metadata['threads']} threads).\n")
+    markdown += (f"\nWall time {elapsed:.0f} s, process CPU time {cpu:.0f} s (this process; workers not counted), on "
+                 f"{metadata['device_name']} ({jobs} process(es) x {metadata['threads']} thread(s)).\n")
     (out_dir / "results.md").write_text(markdown)
     files.append(out_dir / "results.md")
     files.append(write_plot(rows, out_dir / spec.plot_name, title=f"{setting.title}", target_loss=config.target_loss,
@@ -723,7 +740,9 @@ class ExperimentCommand:
                             help="seed of data, initialisation and FAVOR+ projections")
         parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)
         parser.add_argument("--threads", type=_int_at_least(1, "a thread count"),
-                            help="torch intra-op CPU threads (default: torch's choice)")
+                            help="torch intra-op CPU threads per run (default: torch's choice)")
+        parser.add_argument("--jobs", type=_int_at_least(1, "a process count"), default=1,
+                            help="runs trained at once in worker processes (e.g. --jobs 2 --threads 1 on 2 cores)")
         parser.add_argument("--out", type=Path, default=Path(f"results/repro-{spec.command}"), help="output directory")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -741,7 +760,7 @@ class ExperimentCommand:
         )
         result = run_experiment(spec, mechanisms=mechanisms, sizes=sizes, config=config, out_dir=args.out,
                                 command=getattr(args, "command_line", f"linattn repro {spec.command}"),
-                                progress=not args.no_progress)
+                                jobs=args.jobs, threads=args.threads, progress=not args.no_progress)
         print(result["markdown"])
         print("wrote " + ", ".join(str(p) for p in result["files"]))
         return 0

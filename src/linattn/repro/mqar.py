@@ -64,6 +64,7 @@ import torch.nn.functional as F
 from .._arguments import int_at_least as _int_at_least, positive_float as _positive_float
 from ..bench import report
 from ..models import LM, LMConfig
+from ._parallel import map_runs
 from ..train.schedule import learning_rate
 
 HELP = "multi-query associative recall (Zoology): accuracy per mechanism, width and sequence length"
@@ -354,13 +355,6 @@ def train_run(
     }
 
 
-def _train_in_worker(job: tuple) -> dict:
-    """``train_run`` in a worker process (single-threaded; no progress callback)."""
-    mechanism, d_model, seq_len, num_pairs, config, threads = job
-    torch.set_num_threads(threads)
-    return train_run(mechanism, d_model, seq_len, num_pairs, config)
-
-
 def run_grid(
     mechanisms: Sequence[str],
     d_models: Sequence[int],
@@ -382,31 +376,20 @@ def run_grid(
     check_grid(mechanisms, d_models, tasks, config)
     _check_int("jobs", jobs, 1)
     _check_int("threads", threads, 1)
-    grid = [(name, d, t, n) for name in mechanisms for d in d_models for t, n in tasks]
-    rows: list[dict] = []
+    grid = [(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks]
+
+    def show_steps(run: tuple):
+        name, d_model, seq_len, num_pairs, _ = run
+        return lambda step, loss: bar.set_postfix_str(f"{name} d={d_model} T={seq_len} N={num_pairs} "
+                                                      f"step {step} loss {loss:.3f}")
+
+    def describe(row: dict) -> str:
+        return (f"{row['mechanism']} d={row['d_model']} T={row['seq_len']} N={row['num_pairs']} "
+                f"acc {row['accuracy']:.3f}")
+
     with tqdm(total=len(grid), desc="repro mqar", unit="run", disable=not progress) as bar:
-        if jobs == 1:
-            for name, d_model, seq_len, num_pairs in grid:
-                def show(step: int, loss: float, tag=f"{name} d={d_model} T={seq_len} N={num_pairs}") -> None:
-                    bar.set_postfix_str(f"{tag} step {step} loss {loss:.3f}")
-
-                rows.append(train_run(name, d_model, seq_len, num_pairs, config, on_step=show))
-                bar.update(1)
-            return rows
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(grid)), mp_context=context) as pool:
-            futures = {pool.submit(_train_in_worker, (*run, config, threads)): i for i, run in enumerate(grid)}
-            done: dict[int, dict] = {}
-            for future in as_completed(futures):
-                row = future.result()
-                done[futures[future]] = row
-                bar.set_postfix_str(f"{row['mechanism']} d={row['d_model']} T={row['seq_len']} "
-                                    f"N={row['num_pairs']} acc {row['accuracy']:.3f}")
-                bar.update(1)
-        return [done[i] for i in range(len(grid))]
+        return map_runs(train_run, grid, jobs=jobs, threads=threads, bar=bar, describe=describe,
+                        progress_kwarg="on_step", show_progress=show_steps)
 
 
 def check_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
