@@ -78,7 +78,7 @@ def loop_reference(q, k, v, fmap, *, causal, normalize, eps=EPS, initial=None):
     heads = torch.arange(H) // (H // Hkv)
     out = torch.empty(B, H, T, Dv, dtype=q.dtype)
     for i in range(T):
-        n = i + 1 if causal else T
+        n = i + 1 if causal else k.shape[2]  # non-causal: every key (T_k may differ from T)
         S = S0 + torch.einsum("bgnf,bgne->bgfe", phi_k[:, :, :n], v[:, :, :n])
         z = z0 + phi_k[:, :, :n].sum(2)
         num = torch.einsum("bhf,bhfe->bhe", phi_q[:, :, i], S[:, heads])
@@ -132,6 +132,24 @@ def test_modes_match_formula(map_name, normalize, causal, T, with_state):
         assert_close_rel(kv, S_final, rtol=1e-9, name=f"{mode} state.kv")
         if normalize == "attention":
             assert_close_rel(z, z_final, rtol=1e-9, name=f"{mode} state.normalizer")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("T_q, T_k", [(1, 9), (3, 17), (17, 5)])
+@pytest.mark.parametrize("normalize", NORMALIZE, ids=["attention", "sum", "none"])
+@pytest.mark.parametrize("map_name", ["elu", "favor", "dpfp1"])
+def test_noncausal_reads_keys_of_another_length(map_name, normalize, T_q, T_k, mode):
+    """causal=False with T_q != T_k (e.g. a few queries reading a long memory) == the formula;
+    the state counts the keys; causal=True refuses different lengths."""
+    q, _, _ = inputs_for(map_name, B=2, H=4, Hkv=2, T=T_q, Dk=4, Dv=3, seed=T_q)
+    _, k, v = inputs_for(map_name, B=2, H=4, Hkv=2, T=T_k, Dk=4, Dv=3, seed=T_k + 50)
+    expected, S_final, _ = loop_reference(q, k, v, MAPS[map_name](), causal=False, normalize=normalize)
+    out, state = run(q, k, v, MAPS[map_name](), causal=False, normalize=normalize, mode=mode, chunk_size=4)
+    assert out.shape == (2, 4, T_q, 3) and state.steps == T_k
+    assert_close_rel(out, expected, rtol=1e-9, name=f"{mode} output")
+    assert_close_rel(true_sums(state)[0], S_final, rtol=1e-9, name=f"{mode} state.kv")
+    with pytest.raises(ValueError, match="k has length"):
+        run(q, k, v, MAPS[map_name](), causal=True, mode=mode)
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -89,7 +89,9 @@ def _recurrent(q, k, v, S, z, causal, features, finish):
     if S is None:
         S = phi_k.new_zeros(phi_k.shape[0], phi_k.shape[-1], v.shape[-1])
     nums, dens = [], []
-    for q_t, k_t, v_t in zip(phi_q.unbind(2), phi_k.unbind(1), v.unbind(1)):
+    # Non-causal: every key is written before any query reads (query and key counts may differ).
+    reads = phi_q.unbind(2) if causal else [None] * phi_k.shape[1]
+    for q_t, k_t, v_t in zip(reads, phi_k.unbind(1), v.unbind(1)):
         S = S + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
         if z is not None:
             z = z + k_t
@@ -162,6 +164,8 @@ def linear_attention(
 
     Args:
         q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+            With ``causal=False`` the keys may be more or fewer than the queries
+            (``k, v [B, Hkv, T_k, *]``): every query reads the sums over all keys.
         feature_map: a name (``"elu"``, ``"relu"``, ``"identity"``, ``"exp"``, ``"favor"``,
             ``"dpfp"``, ``"taylor"``, ``"favor:M"``, ``"dpfp:NU"``) or a ``FeatureMap``.
         causal: position i sees keys j <= i (and the carried state); else all keys.
@@ -178,14 +182,14 @@ def linear_attention(
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``. Sums and states are
         float32 (float64 for float64 inputs).
     """
-    shapes = check_qkv(q, k, v)
+    check_bool("causal", causal)
+    shapes = check_qkv(q, k, v, same_length=causal)
     fmap = get_feature_map(feature_map)
     check_choice("normalize", normalize, _NORMALIZE)
     check_choice("mode", mode, (None,) + _MODES)
     check_positive_int("chunk_size", chunk_size)
-    check_bool("causal", causal)
     if mode is None:
-        mode = "recurrent" if shapes.length == 1 else "chunk"
+        mode = "recurrent" if causal and shapes.length == 1 else "chunk"
 
     B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
     G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
@@ -218,8 +222,9 @@ def linear_attention(
         z = q.new_zeros(B * Hkv, F, dtype=dtype)
 
     qf = q.to(dtype).reshape(B * Hkv, G, T, Dk)
-    kf = k.to(dtype).reshape(B * Hkv, T, Dk)
-    values = v.to(dtype).reshape(B * Hkv, T, Dv)
+    T_keys = k.shape[2]  # == T when causal
+    kf = k.to(dtype).reshape(B * Hkv, T_keys, Dk)
+    values = v.to(dtype).reshape(B * Hkv, T_keys, Dv)
     key_shift = None
     if tracks_shift:
         key_shift = fmap.log_features(kf, is_query=False).detach().amax(dim=(-1, -2))  # [N]
@@ -249,7 +254,7 @@ def linear_attention(
 
     state = None
     if output_final_state:
-        steps = (initial_state.steps if initial_state is not None else 0) + T
+        steps = (initial_state.steps if initial_state is not None else 0) + T_keys
         state = LinearAttentionState(
             kv=S.reshape(B, Hkv, F, Dv),
             normalizer=z.reshape(B, Hkv, F) if with_denominator else None,

@@ -278,16 +278,10 @@ class RetrievalModel(nn.Module):
         return out.squeeze(1)
 
     def _read_sum_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Non-causal kernel attention of the queries over all pairs (= read of the final state).
-        ``linear_attention`` wants as many queries as keys: zero-pad to L, keep the first Q rows."""
-        L = k.shape[2]
-        outs = []
-        for chunk in q.split(L, dim=2):
-            padded = F.pad(chunk, (0, 0, 0, L - chunk.shape[2]))
-            out, _ = linear_attention(padded, k, v, feature_map=self.feature_map, causal=False,
-                                      normalize=self.mechanism.normalize)
-            outs.append(out[:, :, : chunk.shape[2]])
-        return torch.cat(outs, dim=2)
+        """Non-causal kernel attention of the Q queries over all L pairs (= read of the final state)."""
+        out, _ = linear_attention(q, k, v, feature_map=self.feature_map, causal=False,
+                                  normalize=self.mechanism.normalize)
+        return out
 
 
 def default_emb_dim(num_keys: int) -> int:
