@@ -64,8 +64,8 @@ import torch.nn.functional as F
 from .._arguments import int_at_least as _int_at_least, positive_float as _positive_float
 from ..bench import report
 from ..models import LM, LMConfig
-from ._parallel import map_runs
 from ..train.schedule import learning_rate
+from ._parallel import map_runs
 
 HELP = "multi-query associative recall (Zoology): accuracy per mechanism, width and sequence length"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
