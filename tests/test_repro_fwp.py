@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import linattn.repro.cli
 from linattn.feature_maps import get_feature_map
-from linattn.repro import fwp_retrieval as fwp
+from linattn.repro import fwp_retrieval as fwp, mqar
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -299,3 +299,11 @@ def test_worker_processes_give_the_same_rows():
     keys = ("mechanism", "size", "final_eval_loss", "steps", "stop_reason", "curve")
     assert [[r[k] for k in keys] for r in parallel] == [[r[k] for k in keys] for r in serial]
     assert [(r["mechanism"], r["size"]) for r in serial] == [(m, s) for m in grid["mechanisms"] for s in grid["sizes"]]
+
+
+@pytest.mark.parametrize("bad", [{"jobs": 0}, {"jobs": 1.5}, {"threads": 0}, {"threads": True}])
+def test_bad_jobs_or_threads_are_named(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        fwp.run_grid(fwp.SETTINGS["capacity"], ["softmax"], [4], fwp.TrainConfig(max_steps=1), progress=False, **bad)
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        mqar.run_grid(["softmax"], [16], [(32, 2)], mqar.MQARConfig(steps=1), progress=False, **bad)

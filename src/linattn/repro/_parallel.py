@@ -34,7 +34,11 @@ def map_runs(
 
     ``describe(row)`` is shown on the bar when a run finishes. In-process runs (``jobs ==
     1``) also receive ``progress_kwarg=show_progress(args)`` for per-step updates.
+    ``jobs`` and ``threads`` must be ints >= 1 (a ValueError naming the argument otherwise).
     """
+    for name, value in (("jobs", jobs), ("threads", threads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if jobs == 1:
         rows = []
         for args in grid:

@@ -473,9 +473,6 @@ def run_grid(
         raise ValueError(f"sizes S must be ints >= 2, got {bad}")
     if not mechanisms or not sizes:
         raise ValueError("need at least one mechanism and one size")
-    for name, value in (("jobs", jobs), ("threads", 1 if threads is None else threads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     config.validate()
     grid = [(setting.name, name, size, config) for name in mechanisms for size in sizes]
 
@@ -487,7 +484,7 @@ def run_grid(
         return f"{row['mechanism']} S={row['size']} loss {row['final_eval_loss']:.2e}"
 
     with tqdm(total=len(grid), desc=f"fwp {setting.name}", unit="run", disable=not progress) as bar:
-        return map_runs(_train_named, grid, jobs=jobs, threads=threads or torch.get_num_threads(), bar=bar,
+        return map_runs(_train_named, grid, jobs=jobs, threads=torch.get_num_threads() if threads is None else threads, bar=bar,
                         describe=describe, progress_kwarg="on_eval", show_progress=show_evals)
 
 

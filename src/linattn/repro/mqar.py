@@ -374,8 +374,6 @@ def run_grid(
     from tqdm.auto import tqdm
 
     check_grid(mechanisms, d_models, tasks, config)
-    _check_int("jobs", jobs, 1)
-    _check_int("threads", threads, 1)
     grid = [(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks]
 
     def show_steps(run: tuple):
