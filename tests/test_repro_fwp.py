@@ -171,7 +171,7 @@ def test_queries_read_the_final_memory_and_never_write(name):
         for j in (0, 3, S - 1):
             one = model(batch.keys, batch.values, batch.queries[:, j : j + 1])
             torch.testing.assert_close(one[:, 0], every[:, j], atol=1e-5, rtol=1e-5)
-        # More queries than pairs (split into chunks of L for the sum rule).
+        # More queries than pairs; a single query takes the scores-first order of the sum rule.
         short = batch.keys[:, :3], batch.values[:, :3]
         many = model(*short, batch.queries)
         for j in range(S):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from .._files import write_text_atomic
 
 _MIB = 2**20
 _PLOTS = (
@@ -55,9 +56,9 @@ def collect_metadata(*, device: torch.device | str, command: str, shapes: dict) 
 
 
 def write_json(path: Path, *, rows: Sequence[dict], metadata: dict, summary: dict | None = None) -> Path:
-    """Write ``{"metadata", "rows", "summary"}`` as indented JSON."""
+    """Write ``{"metadata", "rows", "summary"}`` as indented JSON (atomically)."""
     path = Path(path)
-    path.write_text(json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n")
+    write_text_atomic(path, json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n")
     return path
 
 

@@ -192,7 +192,10 @@ class FAVOR(FeatureMap):
         d = x.shape[-1]
         x = x * d ** -0.25
         proj = self.projection(d, device=x.device, dtype=x.dtype)
-        return x @ proj.T - 0.5 * (x * x).sum(-1, keepdim=True) - 0.5 * math.log(self.num_features)
+        # In place on the product (one [.., m] temporary instead of three), and an add of the
+        # negated [.., 1] term so that the backward does not negate an [.., m] gradient.
+        offset = (x * x).sum(-1, keepdim=True).mul(-0.5).sub_(0.5 * math.log(self.num_features))
+        return (x @ proj.T).add_(offset)
 
     def __repr__(self) -> str:
         return f"FAVOR(num_features={self.num_features}, seed={self.seed}, orthogonal={self.orthogonal})"

@@ -46,8 +46,11 @@ class _Features:
     per row and need no shift.
     """
 
-    def __init__(self, fmap: FeatureMap, normalize, eps, key_shift):
+    def __init__(self, fmap: FeatureMap, normalize, eps, key_shift, all_keys=None, all_key_logs=None):
         self.fmap, self.eps, self.key_shift = fmap, eps, key_shift
+        # log-features of every key, computed once for the shift: reused when the form asks
+        # for the features of all keys at once (parallel, recurrent, non-causal).
+        self.all_keys, self.all_key_logs = all_keys, all_key_logs
         self.normalize = None if normalize == "attention" else normalize
         self.shifted = key_shift is not None
 
@@ -55,17 +58,25 @@ class _Features:
         if self.shifted:
             log_q = self.fmap.log_features(q, is_query=True)
             shift = log_q.amax(dim=-1, keepdim=True).detach()
-            return torch.exp(log_q - shift), shift
+            return (log_q - shift).exp_(), shift
         return normalized_features(self.fmap, q, is_query=True, normalize=self.normalize, eps=self.eps), None
 
     def keys(self, k):
         if self.shifted:
-            return torch.exp(self.fmap.log_features(k, is_query=False) - self.key_shift[:, None, None])
+            if k is self.all_keys and self.all_key_logs is not None:
+                log_k = self.all_key_logs
+            else:
+                log_k = self.fmap.log_features(k, is_query=False)
+            return (log_k - self.key_shift[:, None, None]).exp_()  # the shift is detached: no grad
         return normalized_features(self.fmap, k, is_query=False, normalize=self.normalize, eps=self.eps)
 
 
-def _parallel(q, k, v, S, z, causal, features, finish):
-    """Reference: materialised (masked) ``A = phi(Q) phi(K)^T`` [N, G, T, T]."""
+def _parallel(q, k, v, S, z, causal, features, finish, final_state):
+    """Reference: materialised (masked) ``A = phi(Q) phi(K)^T`` [N, G, T, T].
+
+    The final state (``phi(K)^T V``, ``T F E`` work) is formed only if ``final_state``:
+    for a few queries over many keys this order is the cheap one.
+    """
     phi_q, q_shift = features.queries(q)
     phi_k = features.keys(k)
     A = phi_q @ phi_k.unsqueeze(1).transpose(-1, -2)
@@ -77,6 +88,8 @@ def _parallel(q, k, v, S, z, causal, features, finish):
         num = num + phi_q @ S.unsqueeze(1)
         if z is not None:
             den = den + phi_q @ z[:, None, :, None]
+    if not final_state:
+        return finish(num, den, q_shift), None, None
     S_final = phi_k.transpose(-1, -2) @ v + (S if S is not None else 0)
     z_final = phi_k.sum(1) + z if z is not None else None
     return finish(num, den, q_shift), S_final, z_final
@@ -171,8 +184,10 @@ def linear_attention(
         causal: position i sees keys j <= i (and the carried state); else all keys.
         normalize: ``"attention"`` (divide by ``phi(q).z + eps``), ``"sum"``
             (``phi / sum(phi)`` on q and k, no denominator) or ``None``.
-        mode: ``"parallel"`` (quadratic reference), ``"chunk"``, ``"recurrent"``;
-            ``None`` picks ``"recurrent"`` for T == 1 (decoding) and ``"chunk"`` otherwise.
+        mode: ``"parallel"`` (quadratic reference; also the cheaper order for a few
+            non-causal queries over many keys, ``T T_k (F + Dv)`` instead of
+            ``T_k F Dv`` work), ``"chunk"``, ``"recurrent"``; ``None`` picks
+            ``"recurrent"`` for T == 1 (decoding) and ``"chunk"`` otherwise.
         chunk_size: chunk length of ``mode="chunk"`` (any T; the tail chunk is padded).
         initial_state / output_final_state: carry a ``LinearAttentionState`` across calls.
         eps: added to the denominator of ``normalize="attention"`` (and to the sums of
@@ -225,16 +240,19 @@ def linear_attention(
     T_keys = k.shape[2]  # == T when causal
     kf = k.to(dtype).reshape(B * Hkv, T_keys, Dk)
     values = v.to(dtype).reshape(B * Hkv, T_keys, Dv)
-    key_shift = None
+    key_shift = key_logs = None
     if tracks_shift:
-        key_shift = fmap.log_features(kf, is_query=False).detach().amax(dim=(-1, -2))  # [N]
+        key_logs = fmap.log_features(kf, is_query=False)
+        key_shift = key_logs.detach().amax(dim=(-1, -2))  # [N]
+        if causal and mode == "chunk":
+            key_logs = None  # the causal chunk form makes features chunk by chunk
         if state_shift is not None:
             old_shift = state_shift.reshape(B * Hkv)
             key_shift = torch.maximum(key_shift, old_shift)
             # Keys stored under the old shift are rescaled to the new (larger) one.
             rescale = torch.exp(old_shift - key_shift).unsqueeze(-1)
             S, z = S * rescale.unsqueeze(-1), z * rescale
-    features = _Features(fmap, normalize, eps, key_shift)
+    features = _Features(fmap, normalize, eps, key_shift, kf, key_logs)
 
     def finish(num, den, q_shift):
         if den is None:
@@ -245,7 +263,7 @@ def linear_attention(
         return num / (den + eps)
 
     if mode == "parallel":
-        out, S, z = _parallel(qf, kf, values, S, z, causal, features, finish)
+        out, S, z = _parallel(qf, kf, values, S, z, causal, features, finish, output_final_state)
     elif mode == "recurrent":
         out, S, z = _recurrent(qf, kf, values, S, z, causal, features, finish)
     else:

@@ -1,16 +1,70 @@
-"""Independent training runs of a reproduction grid, one process or several.
+"""Independent training runs of a reproduction grid, one process or several, resumable.
 
 A grid is a list of argument tuples for one module-level ``train`` function. With
 ``jobs == 1`` the runs go one after another in this process (with a live progress
 callback); with ``jobs > 1`` that many run at once in spawned worker processes, each with
 ``threads`` torch threads. Runs are seeded, so the results do not depend on ``jobs``.
+
+A ``RunJournal`` (``<out>/runs.jsonl``) records each finished run as one JSON line
+``{"key": ..., "row": ...}`` the moment it finishes, so a grid of many CPU-hours that is
+interrupted (or run in parts) loses at most the runs in flight: ``--resume`` reuses every
+recorded run whose key (the run's arguments and configuration) matches.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+JOURNAL_NAME = "runs.jsonl"
+
+
+def _canonical(key: Any) -> str:
+    return json.dumps(key, sort_keys=True)
+
+
+class RunJournal:
+    """Finished runs of a grid, appended to ``path`` one JSON line each.
+
+    ``resume=False`` starts an empty journal (an old one is replaced); ``resume=True``
+    loads the recorded runs first. A line that does not parse (the tail of a write cut
+    short by a crash) is ignored; that run is simply trained again.
+    """
+
+    def __init__(self, path: str | Path, *, resume: bool):
+        self.path = Path(path)
+        self._rows: dict[str, dict] = {}
+        if resume and self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                    self._rows[_canonical(entry["key"])] = entry["row"]
+                except (ValueError, KeyError, TypeError):
+                    continue
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Rewrite what was loaded (drops a torn last line) or start empty.
+        with open(self.path, "w", encoding="utf-8") as handle:
+            for key, row in self._rows.items():
+                handle.write(json.dumps({"key": json.loads(key), "row": row}) + "\n")
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, key: Any) -> dict | None:
+        """The recorded row of the run with this key, or None."""
+        return self._rows.get(_canonical(key))
+
+    def record(self, key: Any, row: dict) -> None:
+        """Append one finished run and flush it to disk."""
+        self._rows[_canonical(key)] = row
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"key": key, "row": row}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def _run_in_worker(job: tuple) -> Any:
@@ -29,34 +83,55 @@ def map_runs(
     describe: Callable[[dict], str],
     progress_kwarg: str | None = None,
     show_progress: Callable[[tuple], Callable] | None = None,
+    journal: RunJournal | None = None,
+    run_key: Callable[[tuple], Any] | None = None,
 ) -> list[dict]:
     """``[train(*args) for args in grid]`` in grid order, advancing the tqdm ``bar`` per run.
 
     ``describe(row)`` is shown on the bar when a run finishes. In-process runs (``jobs ==
     1``) also receive ``progress_kwarg=show_progress(args)`` for per-step updates.
+    With a ``journal``, runs whose ``run_key(args)`` it holds are not trained again and every
+    newly finished run is recorded in it at once.
     ``jobs`` and ``threads`` must be ints >= 1 (a ValueError naming the argument otherwise).
     """
     for name, value in (("jobs", jobs), ("threads", threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if jobs == 1:
-        rows = []
-        for args in grid:
-            kwargs = {progress_kwarg: show_progress(args)} if progress_kwarg and show_progress else {}
-            rows.append(train(*args, **kwargs))
-            bar.set_postfix_str(describe(rows[-1]))
-            bar.update(1)
-        return rows
+    if (journal is None) != (run_key is None):
+        raise ValueError("journal and run_key go together")
+    done: dict[int, dict] = {}
+    if journal is not None:
+        for i, args in enumerate(grid):
+            row = journal.get(run_key(args))
+            if row is not None:
+                done[i] = row
+        if done:
+            bar.update(len(done))
+    todo = [i for i in range(len(grid)) if i not in done]
+
+    def finish(i: int, row: dict) -> None:
+        done[i] = row
+        if journal is not None:
+            journal.record(run_key(grid[i]), row)
+        bar.set_postfix_str(describe(row))
+        bar.update(1)
+
+    if jobs == 1 or len(todo) <= 1:
+        torch_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for i in todo:
+                kwargs = {progress_kwarg: show_progress(grid[i])} if progress_kwarg and show_progress else {}
+                finish(i, train(*grid[i], **kwargs))
+        finally:
+            torch.set_num_threads(torch_threads)
+        return [done[i] for i in range(len(grid))]
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     context = multiprocessing.get_context("spawn")
-    done: dict[int, dict] = {}
-    with ProcessPoolExecutor(max_workers=min(jobs, len(grid)), mp_context=context) as pool:
-        futures = {pool.submit(_run_in_worker, (train, args, threads)): i for i, args in enumerate(grid)}
+    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
+        futures = {pool.submit(_run_in_worker, (train, grid[i], threads)): i for i in todo}
         for future in as_completed(futures):
-            row = future.result()
-            done[futures[future]] = row
-            bar.set_postfix_str(describe(row))
-            bar.update(1)
+            finish(futures[future], future.result())
     return [done[i] for i in range(len(grid))]

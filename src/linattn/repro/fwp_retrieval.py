@@ -35,9 +35,9 @@ Mechanisms (``MECHANISMS``):
 
 **Reading.** All queries of a sequence read the memory after the *last* pair, and never
 write: softmax and the sum rule read it as a non-causal call whose keys/values are the pairs
-(``linear_attention`` takes as many queries as keys, so the queries are zero-padded to L
-and only their rows kept: the non-causal output of kernel attention *is* the read of the
-final state); the delta rule writes the pairs with ``output_final_state=True``, then reads
+(the non-causal output of kernel attention *is* the read of the final state; the sum rule
+takes whichever of ``linear_attention``'s orders is cheaper, ``(phi(Q) phi(K)^T) V`` for the
+single training query, ``phi(Q) (phi(K)^T V)`` when many queries share the pairs); the delta rule writes the pairs with ``output_final_state=True``, then reads
 the state by a second ``delta_rule`` call over the queries with ``beta = 0`` (no writes).
 This is exactly the query at position L+1 of a causal sequence, and lets the evaluation ask
 every key of a sequence at once. Training asks one random query per sequence (batch 32),
@@ -67,7 +67,7 @@ from ..feature_maps import FAVOR, FeatureMap, get_feature_map
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.softmax import softmax_attention
-from ._parallel import map_runs
+from ._parallel import JOURNAL_NAME, RunJournal, map_runs
 
 # --- data ---------------------------------------------------------------------------
 
@@ -260,7 +260,7 @@ class RetrievalModel(nn.Module):
         """``keys, values [B, L]``, ``queries [B, Q]`` -> retrieved vectors ``[B, Q, S]``."""
         S = self.num_keys
         k = self._project_pairs(self.write_key, keys, values).unsqueeze(1)  # [B, 1, L, d_key]
-        v = F.one_hot(values, S).to(k.dtype).unsqueeze(1)  # [B, 1, L, S]
+        v = k.new_zeros(*values.shape, S).scatter_(-1, values.unsqueeze(-1), 1.0).unsqueeze(1)  # one-hot [B, 1, L, S]
         q = F.embedding(queries, self.embedding.weight @ self.query.weight.t() + self.query.bias).unsqueeze(1)
         rule = self.mechanism.rule
         if rule == "softmax":
@@ -278,9 +278,13 @@ class RetrievalModel(nn.Module):
         return out.squeeze(1)
 
     def _read_sum_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Non-causal kernel attention of the Q queries over all L pairs (= read of the final state)."""
+        """Non-causal kernel attention of the Q queries over all L pairs (= read of the final
+        state), in the cheaper order: scores first costs ``Q L (F + S)``, the state ``(L + Q) F S``."""
+        num_queries, length, values = q.shape[2], k.shape[2], v.shape[-1]
+        features = self.feature_map.dim_out(k.shape[-1])
+        scores_first = num_queries * length * (features + values) <= (length + num_queries) * features * values
         out, _ = linear_attention(q, k, v, feature_map=self.feature_map, causal=False,
-                                  normalize=self.mechanism.normalize)
+                                  normalize=self.mechanism.normalize, mode="parallel" if scores_first else "chunk")
         return out
 
 
@@ -451,20 +455,14 @@ def _train_named(setting_name: str, mechanism: str, num_keys: int, config: Train
     return train_run(SETTINGS[setting_name], MECHANISMS[mechanism], num_keys, config, on_eval=on_eval)
 
 
-def run_grid(
-    setting: Setting,
-    mechanisms: Sequence[str],
-    sizes: Sequence[int],
-    config: TrainConfig,
-    *,
-    jobs: int = 1,
-    threads: int | None = None,
-    progress: bool = True,
-) -> list[dict]:
-    """Every (mechanism, S) run, mechanisms outer, with a tqdm bar over runs; ``jobs > 1``
-    trains that many at once in worker processes with ``threads`` torch threads each."""
-    from tqdm.auto import tqdm
+def _run_key(run: tuple) -> dict:
+    """What identifies a run of the grid in the journal: its arguments and configuration."""
+    setting_name, mechanism, size, config = run
+    return {"setting": setting_name, "mechanism": mechanism, "size": size, "config": asdict(config)}
 
+
+def check_grid(mechanisms: Sequence[str], sizes: Sequence[int], config: TrainConfig) -> None:
+    """Every value of the grid, before anything is trained or written: a ValueError otherwise."""
     unknown = [m for m in mechanisms if m not in MECHANISMS]
     if unknown:
         raise ValueError(f"unknown mechanism(s) {', '.join(unknown)}; choose from {', '.join(MECHANISMS)}")
@@ -474,6 +472,25 @@ def run_grid(
     if not mechanisms or not sizes:
         raise ValueError("need at least one mechanism and one size")
     config.validate()
+
+
+def run_grid(
+    setting: Setting,
+    mechanisms: Sequence[str],
+    sizes: Sequence[int],
+    config: TrainConfig,
+    *,
+    jobs: int = 1,
+    threads: int | None = None,
+    progress: bool = True,
+    journal: RunJournal | None = None,
+) -> list[dict]:
+    """Every (mechanism, S) run, mechanisms outer, with a tqdm bar over runs; ``jobs > 1``
+    trains that many at once in worker processes with ``threads`` torch threads each.
+    With a ``journal``, runs recorded there are reused and new ones recorded."""
+    from tqdm.auto import tqdm
+
+    check_grid(mechanisms, sizes, config)
     grid = [(setting.name, name, size, config) for name in mechanisms for size in sizes]
 
     def show_evals(run: tuple):
@@ -485,7 +502,8 @@ def run_grid(
 
     with tqdm(total=len(grid), desc=f"fwp {setting.name}", unit="run", disable=not progress) as bar:
         return map_runs(_train_named, grid, jobs=jobs, threads=torch.get_num_threads() if threads is None else threads, bar=bar,
-                        describe=describe, progress_kwarg="on_eval", show_progress=show_evals)
+                        describe=describe, progress_kwarg="on_eval", show_progress=show_evals,
+                        journal=journal, run_key=_run_key if journal is not None else None)
 
 
 # --- summary and reports ------------------------------------------------------------
@@ -660,11 +678,20 @@ UPDATE_RULE = ExperimentSpec(
 
 def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Sequence[int], config: TrainConfig,
                    out_dir: Path, command: str, jobs: int = 1, threads: int | None = None,
-                   progress: bool = True) -> dict:
-    """Run the grid and write ``results.json``, ``results.md`` and the PNG into ``out_dir``."""
+                   progress: bool = True, resume: bool = False) -> dict:
+    """Run the grid and write ``results.json``, ``results.md`` and the PNG into ``out_dir``.
+
+    Each finished run is recorded in ``out_dir/runs.jsonl`` at once; ``resume=True`` reuses
+    the runs recorded there (same mechanism, S and configuration) instead of training them.
+    """
     setting = SETTINGS[spec.setting]
+    check_grid(mechanisms, sizes, config)
+    out_dir = Path(out_dir)
+    journal = RunJournal(out_dir / JOURNAL_NAME, resume=resume)
+    reused = sum(journal.get(_run_key((setting.name, m, s, config))) is not None for m in mechanisms for s in sizes)
     started = time.perf_counter()
-    rows = run_grid(setting, mechanisms, sizes, config, jobs=jobs, threads=threads, progress=progress)
+    rows = run_grid(setting, mechanisms, sizes, config, jobs=jobs, threads=threads, progress=progress,
+                    journal=journal)
     elapsed = time.perf_counter() - started
     cpu = sum(row["cpu_seconds"] for row in rows)  # each run's own process, workers included
     title = f"repro {spec.command}"
@@ -672,15 +699,15 @@ def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Se
               "key_dim": config.key_dim, "heads": 1}
     metadata = report.collect_metadata(device=config.device, command=command, shapes=shapes)
     metadata.update(config=asdict(config), mechanisms=list(mechanisms), wall_seconds=elapsed, cpu_seconds=cpu,
-                    jobs=jobs, threads=threads or metadata["threads"],
+                    jobs=jobs, threads=threads or metadata["threads"], reused_runs=reused,
                     paper="Schlag, Irie & Schmidhuber 2021, Linear Transformers Are Secretly Fast Weight Programmers")
     summary = summarize(rows, target_loss=config.target_loss)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
     markdown = markdown_report(rows, title=title, command=command, setting=setting, config=config, summary=summary)
     markdown += (f"\nWall time {elapsed:.0f} s, CPU time of the runs {cpu:.0f} s, on "
-                 f"{metadata['device_name']} ({jobs} process(es) x {metadata['threads']} thread(s)).\n")
+                 f"{metadata['device_name']} ({jobs} process(es) x {metadata['threads']} thread(s))"
+                 + (f"; {reused} of {len(rows)} runs were reused from {JOURNAL_NAME} (--resume), their CPU time "
+                    "included, the wall time is this invocation's" if reused else "") + ".\n")
     (out_dir / "results.md").write_text(markdown)
     files.append(out_dir / "results.md")
     files.append(write_plot(rows, out_dir / spec.plot_name, title=f"{setting.title}", target_loss=config.target_loss,
@@ -736,6 +763,9 @@ class ExperimentCommand:
         parser.add_argument("--jobs", type=_int_at_least(1, "a process count"), default=1,
                             help="runs trained at once in worker processes (e.g. --jobs 2 --threads 1 on 2 cores)")
         parser.add_argument("--out", type=Path, default=Path(f"results/repro-{spec.command}"), help="output directory")
+        parser.add_argument("--resume", action="store_true",
+                            help=f"reuse the runs recorded in --out/{JOURNAL_NAME} by an earlier (interrupted or "
+                                 "partial) invocation with the same settings; without it the journal starts empty")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     def run_command(self, args) -> int:
@@ -752,7 +782,8 @@ class ExperimentCommand:
         )
         result = run_experiment(spec, mechanisms=mechanisms, sizes=sizes, config=config, out_dir=args.out,
                                 command=getattr(args, "command_line", f"linattn repro {spec.command}"),
-                                jobs=args.jobs, threads=args.threads, progress=not args.no_progress)
+                                jobs=args.jobs, threads=args.threads, progress=not args.no_progress,
+                                resume=args.resume)
         print(result["markdown"])
         print("wrote " + ", ".join(str(p) for p in result["files"]))
         return 0

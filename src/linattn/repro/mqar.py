@@ -65,7 +65,7 @@ from .._arguments import int_at_least as _int_at_least, positive_float as _posit
 from ..bench import report
 from ..models import LM, LMConfig
 from ..train.schedule import learning_rate
-from ._parallel import map_runs
+from ._parallel import JOURNAL_NAME, RunJournal, map_runs
 
 HELP = "multi-query associative recall (Zoology): accuracy per mechanism, width and sequence length"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -364,12 +364,13 @@ def run_grid(
     jobs: int = 1,
     threads: int = 1,
     progress: bool = True,
+    journal: RunJournal | None = None,
 ) -> list[dict]:
     """Every (mechanism, d_model, (T, N)) run, in grid order, with a tqdm bar over runs.
 
     ``jobs > 1`` trains that many runs at once in worker processes (spawned, ``threads``
     torch threads each). Runs are independent and seeded, so the rows do not depend on
-    ``jobs``.
+    ``jobs``. With a ``journal``, runs recorded there are reused and new ones recorded.
     """
     from tqdm.auto import tqdm
 
@@ -387,7 +388,15 @@ def run_grid(
 
     with tqdm(total=len(grid), desc="repro mqar", unit="run", disable=not progress) as bar:
         return map_runs(train_run, grid, jobs=jobs, threads=threads, bar=bar, describe=describe,
-                        progress_kwarg="on_step", show_progress=show_steps)
+                        progress_kwarg="on_step", show_progress=show_steps,
+                        journal=journal, run_key=_run_key if journal is not None else None)
+
+
+def _run_key(run: tuple) -> dict:
+    """What identifies a run of the grid in the journal: its arguments and configuration."""
+    mechanism, d_model, seq_len, num_pairs, config = run
+    return {"mechanism": mechanism, "d_model": d_model, "seq_len": seq_len, "num_pairs": num_pairs,
+            "config": asdict(config)}
 
 
 def check_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
@@ -468,7 +477,9 @@ def markdown_report(rows: Sequence[dict], *, command: str, config: MQARConfig, m
     lines += [
         "",
         f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
-        f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s)).",
+        f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))"
+        + (f"; {metadata['reused_runs']} of {len(rows)} runs were reused from {JOURNAL_NAME} (--resume), the wall "
+           "time is this invocation's" if metadata.get("reused_runs") else "") + ".",
     ]
     return "\n".join(lines) + "\n"
 
@@ -511,18 +522,25 @@ def write_plot(rows: Sequence[dict], path: Path) -> Path:
 
 def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
                    config: MQARConfig, *, out_dir: Path, command: str, jobs: int = 1, threads: int = 1,
-                   progress: bool = True) -> dict:
-    """Run the grid and write ``results.json``, ``results.md`` and ``mqar_accuracy.png`` into ``out_dir``."""
+                   progress: bool = True, resume: bool = False) -> dict:
+    """Run the grid and write ``results.json``, ``results.md`` and ``mqar_accuracy.png`` into ``out_dir``.
+
+    Each finished run is recorded in ``out_dir/runs.jsonl`` at once; ``resume=True`` reuses
+    the runs recorded there (same mechanism, d_model, task and configuration).
+    """
     check_grid(mechanisms, d_models, tasks, config)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    journal = RunJournal(out_dir / JOURNAL_NAME, resume=resume)
+    reused = sum(journal.get(_run_key((m, d, t, n, config))) is not None
+                 for m in mechanisms for d in d_models for t, n in tasks)
     started = time.perf_counter()
-    rows = run_grid(mechanisms, d_models, tasks, config, jobs=jobs, threads=threads, progress=progress)
+    rows = run_grid(mechanisms, d_models, tasks, config, jobs=jobs, threads=threads, progress=progress,
+                    journal=journal)
     shapes = {"n_layers": 2, "vocab_size": config.vocab_size, "d_models": list(d_models),
               "tasks": [{"seq_len": t, "num_pairs": n} for t, n in tasks]}
     metadata = report.collect_metadata(device="cpu", command=command, shapes=shapes)
     metadata.update(seconds=time.perf_counter() - started, config=asdict(config), mechanisms=list(mechanisms),
-                    jobs=jobs, threads=threads,
+                    jobs=jobs, threads=threads, reused_runs=reused,
                     paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient Language Models")
     files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata)]
     markdown = markdown_report(rows, command=command, config=config, metadata=metadata)
@@ -600,6 +618,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "little and stall badly on a busy machine)")
     parser.add_argument("--out", type=Path, default=Path("results/repro-mqar"),
                         help="output directory (default %(default)s)")
+    parser.add_argument("--resume", action="store_true",
+                        help=f"reuse the runs recorded in --out/{JOURNAL_NAME} by an earlier (interrupted or "
+                             "partial) invocation with the same settings; without it the journal starts empty")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -628,7 +649,7 @@ def run_command(args: argparse.Namespace) -> int:
     )
     result = run_experiment(mechanisms, d_models, tasks, config, out_dir=args.out,
                             command=getattr(args, "command_line", "linattn repro mqar"), jobs=args.jobs,
-                            threads=args.threads, progress=not args.no_progress)
+                            threads=args.threads, progress=not args.no_progress, resume=args.resume)
     print(result["markdown"])
     print("wrote " + ", ".join(str(p) for p in result["files"]))
     return 0

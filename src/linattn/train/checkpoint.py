@@ -30,6 +30,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .. import state as state_module
+from .._files import fsync_file, write_text_atomic
 
 FORMAT = "linattn-checkpoint"
 VERSION = 1
@@ -110,18 +111,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    _fsync(temporary)
-    os.replace(temporary, path)
-
-
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -159,14 +148,14 @@ def save_checkpoint(
 
     files = {}
     for name in TENSOR_FILES:
-        _fsync(temporary / name)
+        fsync_file(temporary / name)
         files[name] = {"bytes": (temporary / name).stat().st_size, "sha256": _sha256(temporary / name)}
     document = {
         "format": FORMAT, "version": VERSION, "step": step, "files": files,
         "optimizer": optimizer_structure, "rng": sorted(rng), "carry": carry_structure, **meta,
     }
     (temporary / "meta.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
-    _fsync(temporary / "meta.json")
+    fsync_file(temporary / "meta.json")
 
     if final.exists():  # the same step saved again (e.g. on interrupt): swap it out
         stale = root / f".old-{step_name(step)}-{os.getpid()}"
@@ -175,7 +164,7 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     else:
         os.rename(temporary, final)
-    _write_text_atomic(root / "latest", final.name + "\n")
+    write_text_atomic(root / "latest", final.name + "\n")
     _prune(root, keep)
     return final
 

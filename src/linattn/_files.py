@@ -1,0 +1,21 @@
+"""Crash-safe file writes shared by checkpoints, reports and run journals."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s contents to disk."""
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    fsync_file(temporary)
+    os.replace(temporary, path)

@@ -1,0 +1,148 @@
+"""Resumable reproduction grids: the run journal (``runs.jsonl``) and ``--resume``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+import linattn.repro.cli
+from linattn.repro import fwp_retrieval as fwp, mqar
+from linattn.repro._parallel import JOURNAL_NAME, RunJournal, map_runs
+
+
+class _Bar:
+    def __init__(self):
+        self.n = 0
+
+    def update(self, n):
+        self.n += n
+
+    def set_postfix_str(self, text):
+        pass
+
+
+def _square(x: int) -> dict:
+    return {"x": x, "y": x * x}
+
+
+def test_journal_skips_a_torn_last_line_and_keeps_the_rest(tmp_path):
+    path = tmp_path / JOURNAL_NAME
+    journal = RunJournal(path, resume=False)
+    journal.record({"x": 1}, {"y": 1})
+    journal.record({"x": 2}, {"y": 4})
+    with open(path, "a") as handle:
+        handle.write('{"key": {"x": 3}, "row": {"y"')  # a crash in the middle of a write
+    resumed = RunJournal(path, resume=True)
+    assert len(resumed) == 2 and resumed.get({"x": 2}) == {"y": 4} and resumed.get({"x": 3}) is None
+    assert [json.loads(line)["key"] for line in path.read_text().splitlines()] == [{"x": 1}, {"x": 2}]
+    assert len(RunJournal(path, resume=False)) == 0 and path.read_text() == ""
+
+
+def test_map_runs_trains_only_what_the_journal_lacks(tmp_path):
+    calls = []
+
+    def train(x):
+        calls.append(x)
+        return _square(x)
+
+    journal = RunJournal(tmp_path / JOURNAL_NAME, resume=False)
+    grid = [(x,) for x in range(4)]
+    first = map_runs(train, grid[:2], jobs=1, threads=1, bar=_Bar(), describe=str, journal=journal,
+                     run_key=lambda args: {"x": args[0]})
+    assert calls == [0, 1] and first == [_square(0), _square(1)]
+    bar = _Bar()
+    resumed = RunJournal(tmp_path / JOURNAL_NAME, resume=True)
+    rows = map_runs(train, grid, jobs=1, threads=1, bar=bar, describe=str, journal=resumed,
+                    run_key=lambda args: {"x": args[0]})
+    assert calls == [0, 1, 2, 3] and rows == [_square(x) for x in range(4)] and bar.n == 4
+    with pytest.raises(ValueError, match="journal and run_key"):
+        map_runs(train, grid, jobs=1, threads=1, bar=_Bar(), describe=str, journal=resumed)
+
+
+def _fwp_rows(out, monkeypatch, *, resume, max_steps=20, calls=None):
+    if calls is not None:
+        real = fwp._train_named
+
+        def counted(*args, **kwargs):
+            calls.append(args[1:3])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(fwp, "_train_named", counted)
+    config = fwp.TrainConfig(max_steps=max_steps, eval_every=10, seed=1)
+    result = fwp.run_experiment(fwp.CAPACITY, mechanisms=["softmax", "linear-elu"], sizes=[4, 6], config=config,
+                                out_dir=out, command="test", progress=False, resume=resume)
+    monkeypatch.undo()
+    return result
+
+
+def test_interrupted_fwp_grid_resumes_to_the_same_results(tmp_path, monkeypatch):
+    full = _fwp_rows(tmp_path / "full", monkeypatch, resume=False)
+    lines = (tmp_path / "full" / JOURNAL_NAME).read_text().splitlines()
+    assert len(lines) == 4 and full["metadata"]["reused_runs"] == 0
+
+    # An interrupted run: two runs recorded, the third cut off mid-line.
+    out = tmp_path / "cut"
+    out.mkdir()
+    (out / JOURNAL_NAME).write_text("\n".join(lines[:2]) + "\n" + lines[2][:40])
+    calls = []
+    resumed = _fwp_rows(out, monkeypatch, resume=True, calls=calls)
+    assert len(calls) == 2 and resumed["metadata"]["reused_runs"] == 2
+    keys = ("mechanism", "size", "final_eval_loss", "steps", "stop_reason", "curve")
+    assert [[r[k] for k in keys] for r in resumed["rows"]] == [[r[k] for k in keys] for r in full["rows"]]
+    assert "2 of 4 runs were reused" in (out / "results.md").read_text()
+    assert len((out / JOURNAL_NAME).read_text().splitlines()) == 4
+
+    # Another configuration is another run: nothing reused; without --resume nothing either.
+    calls = []
+    _fwp_rows(out, monkeypatch, resume=True, max_steps=10, calls=calls)
+    assert len(calls) == 4
+    calls = []
+    _fwp_rows(out, monkeypatch, resume=False, max_steps=10, calls=calls)
+    assert len(calls) == 4
+
+
+def test_mqar_resume_reuses_recorded_runs(tmp_path, monkeypatch):
+    config = mqar.MQARConfig(steps=2, batch_size=4, eval_batches=1, vocab_size=64, window=8)
+    grid = (["softmax", "local"], [16], [(32, 2)], config)
+    first = mqar.run_experiment(*grid, out_dir=tmp_path, command="test", progress=False)
+    calls = []
+    real = mqar.train_run
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mqar, "train_run", counted)
+    again = mqar.run_experiment(*grid, out_dir=tmp_path, command="test", progress=False, resume=True)
+    assert calls == [] and again["metadata"]["reused_runs"] == 2
+    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in first["rows"]]
+    mqar.run_experiment(*grid, out_dir=tmp_path, command="test", progress=False)
+    assert calls == ["softmax", "local"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["fwp-capacity", "--sizes", "4", "--mechanisms", "softmax", "--max-steps", "10", "--eval-every", "10"],
+    ["mqar", "--mechanisms", "local", "--d-models", "16", "--lengths", "32", "--steps", "2", "--batch-size", "4",
+     "--eval-batches", "1", "--window", "8"],
+])
+def test_resume_flag_of_the_commands(tmp_path, monkeypatch, capsys, argv):
+    parser = argparse.ArgumentParser()
+    linattn.repro.cli.register(parser.add_subparsers(dest="command", required=True))
+    argv = ["repro", *argv, "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    args = parser.parse_args(argv)
+    assert args.handler(args) == 0
+    module = fwp if argv[1].startswith("fwp") else mqar
+    name = "_train_named" if module is fwp else "train_run"
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a recorded run was trained again")
+
+    monkeypatch.setattr(module, name, fail)
+    args = parser.parse_args(argv + ["--resume"])
+    assert args.handler(args) == 0
+    assert "1 of 1 runs were reused" in capsys.readouterr().out
+    args = parser.parse_args(argv)
+    with pytest.raises(AssertionError, match="trained again"):
+        args.handler(args)
