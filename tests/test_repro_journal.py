@@ -146,3 +146,23 @@ def test_resume_flag_of_the_commands(tmp_path, monkeypatch, capsys, argv):
     args = parser.parse_args(argv)
     with pytest.raises(AssertionError, match="trained again"):
         args.handler(args)
+
+
+def test_grid_split_by_mechanism_assembles_from_concatenated_journals(tmp_path, monkeypatch):
+    config = fwp.TrainConfig(max_steps=10, eval_every=10, seed=2)
+    parts = {"a": ["softmax"], "b": ["linear-elu"]}
+    for name, mechanisms in parts.items():
+        fwp.run_experiment(fwp.CAPACITY, mechanisms=mechanisms, sizes=[4], config=config, out_dir=tmp_path / name,
+                           command="test", progress=False)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / JOURNAL_NAME).write_text("".join((tmp_path / name / JOURNAL_NAME).read_text() for name in parts))
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a recorded run was trained again")
+
+    monkeypatch.setattr(fwp, "_train_named", fail)
+    result = fwp.run_experiment(fwp.CAPACITY, mechanisms=["softmax", "linear-elu"], sizes=[4], config=config,
+                                out_dir=whole, command="test", progress=False, resume=True)
+    assert [r["mechanism"] for r in result["rows"]] == ["softmax", "linear-elu"]
+    assert result["metadata"]["reused_runs"] == 2
