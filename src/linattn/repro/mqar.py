@@ -27,7 +27,7 @@ position are still computed by ``LM.forward``) -- the full ``[B, T, V]`` logits 
 more than the rest of the model.
 
 **Training.** One model per (mechanism, d_model, (T, N)): AdamW (peak lr 1e-2, weight decay
-0.1 on matrices, betas 0.9/0.98), batch 64, a fixed number of steps (default 800) with linear
+0.1 on matrices, betas 0.9/0.98), batch 64, a fixed number of steps (default 3000) with linear
 warm-up over the first 10 % and cosine decay to 10 % of the peak, gradient clipping at 1.0,
 a fresh batch every step from a generator seeded by (seed, T, N) -- every mechanism and
 width sees the same data at the same (T, N). Loss: cross-entropy over the query positions
@@ -40,13 +40,14 @@ induction-style phase transition (near step 1700) to 57 % accuracy; 3e-2 was no 
 
 **Budget.** MQAR at V = 8192 is learned late: softmax at d_model 64, (64, 4) needs about
 1500-2000 steps of 64 sequences before its accuracy leaves the ~10-25 % plateau of
-"answer with some value of the context". That does not fit an hour on 2 CPU cores for
-a grid, so the defaults are sized to the hour and are pre-transition: d_model 64,
-(T, N) in {(64, 4), (128, 8)}, 800 steps (about 3,600 CPU-seconds, i.e. ~30 min with
-``--jobs 2`` on an idle 2-core machine); ``--quick`` is d_model 64, (64, 4), 300 steps
-(~480 CPU-seconds). The Zoology-sized grid ``--d-models 64 128 --lengths 64 128 256``
-costs about 32 CPU-seconds per step for all six mechanisms (~3.5 h at 800 steps on 2 cores);
-use more steps (``--steps 2000``+) and a faster machine for the converged picture.
+"answer with some value of the context". The default grid is the CPU-sized one whose
+results are published (docs/results.md): d_model 64, (T, N) in {(64, 4), (128, 8)},
+3000 steps, past the transition -- about 1.3 CPU-hours for the six mechanisms at
+(64, 4) and roughly twice that at (128, 8), i.e. ~2 h with ``--jobs 2`` on 2 cores
+(``--resume`` continues an interrupted grid). ``--quick`` is d_model 64, (64, 4), 300
+steps (~480 CPU-seconds), a smoke test that stops before any mechanism has learned the
+task. The Zoology-sized grid ``--d-models 64 128 --lengths 64 128 256`` costs about 32
+CPU-seconds per step for all six mechanisms: ~27 CPU-hours at 3000 steps.
 """
 
 from __future__ import annotations
@@ -183,7 +184,7 @@ def query_logits(model: LM, inputs: torch.Tensor, positions: torch.Tensor) -> tu
 class MQARConfig:
     """Hyper-parameters shared by every run of a grid."""
 
-    steps: int = 800
+    steps: int = 3000
     batch_size: int = 64
     lr: float = 1e-2
     weight_decay: float = 0.1
