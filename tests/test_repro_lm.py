@@ -30,7 +30,7 @@ def corpus(tmp_path):
     return path
 
 
-def test_repro_lm_writes_table_json_and_plot(corpus, tmp_path):
+def test_repro_lm_writes_table_json_and_plot(corpus, tmp_path, monkeypatch):
     torch.set_num_threads(1)
     out = tmp_path / "out"
     args = _parser().parse_args([
@@ -60,12 +60,30 @@ def test_repro_lm_writes_table_json_and_plot(corpus, tmp_path):
     assert "| vq |" in table and "| local |" in table
     assert (out / "loss_curves.png").stat().st_size > 0
 
+    # --resume: both mechanisms are recorded in runs.jsonl, so nothing is trained again.
+    def fail(*args, **kwargs):
+        raise AssertionError("a recorded mechanism was trained again")
+
+    monkeypatch.setattr(lm_quality, "train", fail)
+    args.resume = True
+    assert args.handler(args) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert [r["validation_bpb"] for r in again["rows"]] == [r["validation_bpb"] for r in rows]
+    assert "2 of 2 mechanisms were reused" in (out / "results.md").read_text()
+    args.resume = False
+    with pytest.raises(AssertionError, match="trained again"):
+        args.handler(args)
+
 
 def test_repro_lm_rejects_bad_arguments(corpus, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         _parser().parse_args(["lm", "--mechanisms", "nope"])
     assert exit_info.value.code == 2
-    args = _parser().parse_args(["lm", "--data", str(corpus), "--steps", "0", "--out", str(tmp_path)])
-    args.command_line = "x"
+    for bad in (["--steps", "0"], ["--lr", "-1"], ["--test-tokens", "-1"], ["--context", "x"]):
+        with pytest.raises(SystemExit) as exit_info:
+            _parser().parse_args(["lm", *bad])
+        assert exit_info.value.code == 2
+    args = _parser().parse_args(["lm", "--data", str(corpus), "--out", str(tmp_path)])
+    args.command_line, args.steps = "x", 0  # a namespace built by hand is checked too
     with pytest.raises(ValueError, match="--steps"):
         args.handler(args)

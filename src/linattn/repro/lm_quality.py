@@ -22,11 +22,14 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .._arguments import int_at_least as _int_at_least, non_negative_int as _non_negative_int
+from .._arguments import positive_float as _positive_float
 from ..bench import report
 from ..bench.harness import peak_memory
 from ..data import load_corpus
 from ..models import LMConfig
 from ..train import TrainConfig, evaluate_bpb, train
+from ._parallel import JOURNAL_NAME, RunJournal, map_runs
 
 HELP = "byte-level LM quality per mechanism at equal budget (bpb, tokens/s, memory)"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -132,6 +135,8 @@ def markdown(rows: list[dict], metadata: dict) -> str:
               f"{rows[0]['carry_windows']} windows, then resets it; the three columns reset it every window, on that "
               "schedule, or never. Exact softmax keeps no memory across windows (`softmax_memory = 0`), so its "
               "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, training schedule."]
+    if metadata.get("reused_runs"):
+        lines += ["", f"{metadata['reused_runs']} of {len(rows)} mechanisms were reused from {JOURNAL_NAME} (--resume)."]
     return "\n".join(lines) + "\n"
 
 
@@ -160,29 +165,44 @@ def write_plot(rows: list[dict], path: Path) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    positive = _int_at_least(1, "a positive integer")
     parser.add_argument("--mechanisms", nargs="+", choices=list(MECHANISMS), default=list(MECHANISMS))
     parser.add_argument("--data", default="shakespeare")
     parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--n-layers", type=int, default=2)
-    parser.add_argument("--n-heads", type=int, default=4)
-    parser.add_argument("--window", type=int, default=64, help="local attention window")
-    parser.add_argument("--favor-features", type=int, default=64)
-    parser.add_argument("--codebook-size", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--gau-d-k", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=100)
-    parser.add_argument("--eval-tokens", type=int, default=32768, help="validation bytes per evaluation")
-    parser.add_argument("--test-tokens", type=int, default=131072,
+    parser.add_argument("--steps", type=positive, default=300)
+    parser.add_argument("--batch-size", type=positive, default=8)
+    parser.add_argument("--context", type=positive, default=256)
+    parser.add_argument("--lr", type=_positive_float, default=3e-3)
+    parser.add_argument("--d-model", type=positive, default=128)
+    parser.add_argument("--n-layers", type=positive, default=2)
+    parser.add_argument("--n-heads", type=positive, default=4)
+    parser.add_argument("--window", type=positive, default=64, help="local attention window")
+    parser.add_argument("--favor-features", type=positive, default=64)
+    parser.add_argument("--codebook-size", type=positive, default=64)
+    parser.add_argument("--block-size", type=positive, default=64)
+    parser.add_argument("--gau-d-k", type=positive, default=64)
+    parser.add_argument("--eval-every", type=positive, default=100)
+    parser.add_argument("--eval-tokens", type=positive, default=32768, help="validation bytes per evaluation")
+    parser.add_argument("--test-tokens", type=_non_negative_int, default=131072,
                         help="test bytes evaluated as one stream (default 131072; 0 = the whole split)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a few minutes: 60 steps, 8k-byte evaluations")
     parser.add_argument("--out", type=Path, default=Path("results/repro-lm"))
+    parser.add_argument("--resume", action="store_true",
+                        help=f"reuse the mechanisms recorded in --out/{JOURNAL_NAME} by an earlier (interrupted) "
+                             "invocation with the same settings; without it the journal starts empty")
+
+
+# What a finished mechanism's row depends on (the journal key besides its name).
+_RUN_SETTINGS = ("data", "steps", "batch_size", "context", "lr", "d_model", "n_layers", "n_heads", "window",
+                 "favor_features", "codebook_size", "block_size", "gau_d_k", "eval_every", "eval_tokens",
+                 "test_tokens", "seed")
+
+
+def _run_key(run: tuple) -> dict:
+    name, args, _, _ = run
+    return {"mechanism": name, "settings": {key: getattr(args, key) for key in _RUN_SETTINGS}}
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -201,11 +221,16 @@ def run_command(args: argparse.Namespace) -> int:
     metadata = report.collect_metadata(device="cpu", command=args.command_line, shapes={
         "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context,
         "batch_size": args.batch_size, "steps": args.steps, "data": args.data})
-    rows = []
+    journal = RunJournal(args.out / JOURNAL_NAME, resume=getattr(args, "resume", False))
+    grid = [(name, args, args.out, test_tokens) for name in args.mechanisms]
+    reused = sum(journal.get(_run_key(run)) is not None for run in grid)
     started = time.perf_counter()
-    for name in tqdm(args.mechanisms, desc="repro lm", unit="mechanism"):
-        rows.append(run_mechanism(name, args, args.out, test_tokens))
+    with tqdm(total=len(grid), desc="repro lm", unit="mechanism") as bar:
+        rows = map_runs(run_mechanism, grid, jobs=1, threads=torch.get_num_threads(), bar=bar,
+                        describe=lambda row: f"{row['mechanism']} val {row['validation_bpb']:.3f} bpb",
+                        journal=journal, run_key=_run_key)
     metadata["seconds"] = time.perf_counter() - started
+    metadata["reused_runs"] = reused
     report.write_json(args.out / "results.json", rows=rows, metadata=metadata)
     text = markdown(rows, metadata)
     (args.out / "results.md").write_text(text)
