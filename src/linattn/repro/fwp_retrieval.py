@@ -594,11 +594,15 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
     ]
     for name, s in summary.items():
         largest = s["largest_size_all_solved"]
-        lines.append(
-            f"- {name} (d_dot {s['d_dot'] if s['d_dot'] is not None else '∞'}): every S up to "
-            f"{largest if largest is not None else '— (none)'} reached loss <= {config.target_loss:g}; "
-            f"reached at S = {', '.join(map(str, s['solved_sizes'])) or 'none'}"
-        )
+        d_dot = s["d_dot"] if s["d_dot"] is not None else "∞"
+        solved = ", ".join(map(str, s["solved_sizes"]))
+        if not solved:
+            text = f"no S reached loss <= {config.target_loss:g}"
+        elif largest is None:
+            text = f"the smallest S missed loss <= {config.target_loss:g}; reached at S = {solved}"
+        else:
+            text = f"every S up to {largest} reached loss <= {config.target_loss:g}; reached at S = {solved}"
+        lines.append(f"- {name} (d_dot {d_dot}): {text}")
     return "\n".join(lines) + "\n"
 
 
