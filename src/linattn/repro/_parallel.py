@@ -54,6 +54,10 @@ class RunJournal:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def count(self, keys) -> int:
+        """How many of ``keys`` have a recorded run."""
+        return sum(self.get(key) is not None for key in keys)
+
     def get(self, key: Any) -> dict | None:
         """The recorded row of the run with this key, or None."""
         return self._rows.get(_canonical(key))
@@ -65,6 +69,14 @@ class RunJournal:
             handle.write(json.dumps({"key": key, "row": row}) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
+
+
+def reuse_note(reused: int, total: int, unit: str = "runs") -> str:
+    """The report's clause on runs taken from the journal ('' when there were none)."""
+    if not reused:
+        return ""
+    return (f"{reused} of {total} {unit} were reused from {JOURNAL_NAME} (--resume): their CPU time is included, "
+            "the wall time is this invocation's")
 
 
 def _run_in_worker(job: tuple) -> Any:

@@ -37,8 +37,8 @@ Mechanisms (``MECHANISMS``):
 write: softmax and the sum rule read it as a non-causal call whose keys/values are the pairs
 (the non-causal output of kernel attention *is* the read of the final state; the sum rule
 takes whichever of ``linear_attention``'s orders is cheaper, ``(phi(Q) phi(K)^T) V`` for the
-single training query, ``phi(Q) (phi(K)^T V)`` when many queries share the pairs); the delta rule writes the pairs with ``output_final_state=True``, then reads
-the state by a second ``delta_rule`` call over the queries with ``beta = 0`` (no writes).
+single training query, ``phi(Q) (phi(K)^T V)`` when many queries share the pairs); the
+delta rule writes the pairs with ``output_final_state=True``, then reads the state by a second ``delta_rule`` call over the queries with ``beta = 0`` (no writes).
 This is exactly the query at position L+1 of a causal sequence, and lets the evaluation ask
 every key of a sequence at once. Training asks one random query per sequence (batch 32),
 as in the paper.
@@ -67,7 +67,7 @@ from ..feature_maps import FAVOR, FeatureMap, get_feature_map
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.softmax import softmax_attention
-from ._parallel import JOURNAL_NAME, RunJournal, map_runs
+from ._parallel import JOURNAL_NAME, RunJournal, map_runs, reuse_note
 
 # --- data ---------------------------------------------------------------------------
 
@@ -692,7 +692,7 @@ def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Se
     check_grid(mechanisms, sizes, config)
     out_dir = Path(out_dir)
     journal = RunJournal(out_dir / JOURNAL_NAME, resume=resume)
-    reused = sum(journal.get(_run_key((setting.name, m, s, config))) is not None for m in mechanisms for s in sizes)
+    reused = journal.count(_run_key((setting.name, m, s, config)) for m in mechanisms for s in sizes)
     started = time.perf_counter()
     rows = run_grid(setting, mechanisms, sizes, config, jobs=jobs, threads=threads, progress=progress,
                     journal=journal)
@@ -709,9 +709,8 @@ def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Se
     files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
     markdown = markdown_report(rows, title=title, command=command, setting=setting, config=config, summary=summary)
     markdown += (f"\nWall time {elapsed:.0f} s, CPU time of the runs {cpu:.0f} s, on "
-                 f"{metadata['device_name']} ({jobs} process(es) x {metadata['threads']} thread(s))"
-                 + (f"; {reused} of {len(rows)} runs were reused from {JOURNAL_NAME} (--resume), their CPU time "
-                    "included, the wall time is this invocation's" if reused else "") + ".\n")
+                 f"{metadata['device_name']} ({jobs} process(es) x {metadata['threads']} thread(s))."
+                 + (f" {reuse_note(reused, len(rows))}." if reused else "") + "\n")
     (out_dir / "results.md").write_text(markdown)
     files.append(out_dir / "results.md")
     files.append(write_plot(rows, out_dir / spec.plot_name, title=f"{setting.title}", target_loss=config.target_loss,

@@ -29,7 +29,7 @@ from ..bench.harness import peak_memory
 from ..data import load_corpus
 from ..models import LMConfig
 from ..train import TrainConfig, evaluate_bpb, train
-from ._parallel import JOURNAL_NAME, RunJournal, map_runs
+from ._parallel import JOURNAL_NAME, RunJournal, map_runs, reuse_note
 
 HELP = "byte-level LM quality per mechanism at equal budget (bpb, tokens/s, memory)"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -136,7 +136,7 @@ def markdown(rows: list[dict], metadata: dict) -> str:
               "schedule, or never. Exact softmax keeps no memory across windows (`softmax_memory = 0`), so its "
               "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, training schedule."]
     if metadata.get("reused_runs"):
-        lines += ["", f"{metadata['reused_runs']} of {len(rows)} mechanisms were reused from {JOURNAL_NAME} (--resume)."]
+        lines += ["", reuse_note(metadata["reused_runs"], len(rows), "mechanisms") + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -223,7 +223,7 @@ def run_command(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size, "steps": args.steps, "data": args.data})
     journal = RunJournal(args.out / JOURNAL_NAME, resume=getattr(args, "resume", False))
     grid = [(name, args, args.out, test_tokens) for name in args.mechanisms]
-    reused = sum(journal.get(_run_key(run)) is not None for run in grid)
+    reused = journal.count(_run_key(run) for run in grid)
     started = time.perf_counter()
     with tqdm(total=len(grid), desc="repro lm", unit="mechanism") as bar:
         rows = map_runs(run_mechanism, grid, jobs=1, threads=torch.get_num_threads(), bar=bar,

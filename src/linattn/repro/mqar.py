@@ -66,7 +66,7 @@ from .._arguments import int_at_least as _int_at_least, positive_float as _posit
 from ..bench import report
 from ..models import LM, LMConfig
 from ..train.schedule import learning_rate
-from ._parallel import JOURNAL_NAME, RunJournal, map_runs
+from ._parallel import JOURNAL_NAME, RunJournal, map_runs, reuse_note
 
 HELP = "multi-query associative recall (Zoology): accuracy per mechanism, width and sequence length"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
@@ -478,9 +478,8 @@ def markdown_report(rows: Sequence[dict], *, command: str, config: MQARConfig, m
     lines += [
         "",
         f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
-        f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))"
-        + (f"; {metadata['reused_runs']} of {len(rows)} runs were reused from {JOURNAL_NAME} (--resume), the wall "
-           "time is this invocation's" if metadata.get("reused_runs") else "") + ".",
+        f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
+        + (f" {reuse_note(metadata['reused_runs'], len(rows))}." if metadata.get("reused_runs") else ""),
     ]
     return "\n".join(lines) + "\n"
 
@@ -532,8 +531,7 @@ def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Se
     check_grid(mechanisms, d_models, tasks, config)
     out_dir = Path(out_dir)
     journal = RunJournal(out_dir / JOURNAL_NAME, resume=resume)
-    reused = sum(journal.get(_run_key((m, d, t, n, config))) is not None
-                 for m in mechanisms for d in d_models for t, n in tasks)
+    reused = journal.count(_run_key((m, d, t, n, config)) for m in mechanisms for d in d_models for t, n in tasks)
     started = time.perf_counter()
     rows = run_grid(mechanisms, d_models, tasks, config, jobs=jobs, threads=threads, progress=progress,
                     journal=journal)
