@@ -103,14 +103,14 @@ def map_runs(
     ``describe(row)`` is shown on the bar when a run finishes. In-process runs (``jobs ==
     1``) also receive ``progress_kwarg=show_progress(args)`` for per-step updates.
     With a ``journal``, runs whose ``run_key(args)`` it holds are not trained again and every
-    newly finished run is recorded in it at once.
+    newly finished run is recorded in it at once (``run_key`` is unused without one).
     ``jobs`` and ``threads`` must be ints >= 1 (a ValueError naming the argument otherwise).
     """
     for name, value in (("jobs", jobs), ("threads", threads)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if (journal is None) != (run_key is None):
-        raise ValueError("journal and run_key go together")
+    if journal is not None and run_key is None:
+        raise ValueError("journal and run_key go together: a journal needs run_key (what identifies a run in it)")
     done: dict[int, dict] = {}
     if journal is not None:
         for i, args in enumerate(grid):

@@ -503,7 +503,7 @@ def run_grid(
     with tqdm(total=len(grid), desc=f"fwp {setting.name}", unit="run", disable=not progress) as bar:
         return map_runs(_train_named, grid, jobs=jobs, threads=torch.get_num_threads() if threads is None else threads, bar=bar,
                         describe=describe, progress_kwarg="on_eval", show_progress=show_evals,
-                        journal=journal, run_key=_run_key if journal is not None else None)
+                        journal=journal, run_key=_run_key)
 
 
 # --- summary and reports ------------------------------------------------------------

@@ -390,7 +390,7 @@ def run_grid(
     with tqdm(total=len(grid), desc="repro mqar", unit="run", disable=not progress) as bar:
         return map_runs(train_run, grid, jobs=jobs, threads=threads, bar=bar, describe=describe,
                         progress_kwarg="on_step", show_progress=show_steps,
-                        journal=journal, run_key=_run_key if journal is not None else None)
+                        journal=journal, run_key=_run_key)
 
 
 def _run_key(run: tuple) -> dict:
