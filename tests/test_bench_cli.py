@@ -12,13 +12,14 @@ import torch
 
 from linattn import __version__
 from linattn.bench.attention import CASES
-from linattn.bench.harness import Case, peak_memory, run_cases, time_call
+from linattn.bench.harness import Case, peak_memory, profile_call, run_cases, time_call
 from linattn.cli import main
 
 MIB = 2**20
 ROW_KEYS = {
     "case", "label", "length", "forward_s", "forward_times_s", "forward_peak_bytes", "forward_backward_s",
     "forward_backward_times_s", "forward_backward_peak_bytes", "skip_reason", "backward_skip_reason",
+    "forward_profile", "forward_backward_profile",
 }
 PLOTS = ("forward_time.png", "forward_backward_time.png", "peak_memory.png")
 
@@ -48,6 +49,7 @@ def test_bench_attention_writes_json_markdown_and_plots(tmp_path, capsys):
     assert sorted((r["case"], r["length"]) for r in rows) == sorted((c, t) for c in CASES for t in (64, 128))
     for row in rows:
         assert set(row) == ROW_KEYS
+        assert row["forward_profile"] is None and row["forward_backward_profile"] is None  # no --profile
         assert row["skip_reason"] is None
         assert row["forward_s"] > 0 and len(row["forward_times_s"]) == 1
         assert row["forward_peak_bytes"] >= 0
@@ -88,6 +90,7 @@ def test_console_script_runs_a_selected_case(tmp_path):
         (["bench", "attention", "--cases", "no-such-case"], "--cases"),
         (["bench", "attention", "--lengths", "64", "-8"], "--lengths"),
         (["bench", "attention", "--repeats", "0"], "--repeats"),
+        (["bench", "attention", "--profile", "0"], "--profile"),
         (["no-such-command"], "COMMAND"),
         (["bench", "no-such-benchmark"], "BENCHMARK"),
         (["bench"], "BENCHMARK"),
@@ -165,3 +168,42 @@ def test_bench_decode_writes_rows_and_growth(tmp_path):
     assert all(row["per_token_s"] > 0 and len(row["times_s"]) == 2 for row in result["rows"])
     assert set(result["summary"]) == cases and all(s["growth"] > 0 for s in result["summary"].values())
     assert "per-token time" in (tmp_path / "results.md").read_text()
+
+
+def test_profile_call_names_the_operators_that_take_the_time():
+    a, b = torch.randn(300, 300), torch.randn(300, 300)
+
+    def work():
+        for _ in range(5):
+            a @ b  # far more time than the one small exp
+        torch.exp(a[:2])
+
+    profile = profile_call(work, device="cpu", top=2)
+    assert len(profile["ops"]) == 2
+    top = profile["ops"][0]
+    assert top["op"] == "aten::mm" and top["calls"] == 5
+    assert profile["ops"][0]["self_ms"] >= profile["ops"][1]["self_ms"] > 0
+    assert 0.5 < top["share"] <= 1 and sum(op["share"] for op in profile["ops"]) <= 1 + 1e-9
+    assert profile["total_ms"] >= sum(op["self_ms"] for op in profile["ops"])
+    with pytest.raises(ValueError, match="top must be a positive int"):
+        profile_call(work, device="cpu", top=0)
+
+
+def test_bench_attention_profile_writes_the_top_operators(tmp_path):
+    args = ["bench", "attention", "--lengths", "32", "--cases", "sdpa", "linear-elu", "--repeats", "1",
+            "--warmup", "0", "--profile", "3", "--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
+    rows = _load(tmp_path)["rows"]
+    for row in rows:
+        for key in ("forward_profile", "forward_backward_profile"):
+            ops = row[key]["ops"]
+            assert 1 <= len(ops) <= 3 and all(op["op"].startswith("aten::") for op in ops)
+            assert [op["self_ms"] for op in ops] == sorted((op["self_ms"] for op in ops), reverse=True)
+    sdpa = next(r for r in rows if r["case"] == "sdpa")
+    assert any("scaled_dot_product" in op["op"] or "attention" in op["op"] for op in sdpa["forward_profile"]["ops"])
+    text = (tmp_path / "profile.md").read_text()
+    assert "linattn bench attention" in text
+    for case in ("sdpa", "linear-elu"):
+        for name in ("forward", "forward+backward"):
+            assert f"### {case}, T=32, {name}:" in text
+    assert "| operator | self ms | share | calls |" in text

@@ -59,6 +59,7 @@ class AttentionBenchConfig:
     backward_max_length: int | None = None
     threads: int | None = None  # torch intra-op threads; None keeps torch's default
     seed: int = 0
+    profile_top: int = 0  # > 0: profile one more call per measurement, keep this many operators
 
     @property
     def shapes(self) -> dict:
@@ -312,7 +313,7 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     rows = run_cases(
         cases, config.lengths, _make_inputs(config),
         repeats=config.repeats, warmup=config.warmup, device=config.device, progress=progress,
-        backward_max_length=config.backward_max_length,
+        backward_max_length=config.backward_max_length, profile_top=config.profile_top,
     )
     metadata = report.collect_metadata(device=config.device, command=command, shapes=config.shapes)
     metadata.update(repeats=config.repeats, warmup=config.warmup, baseline=BASELINE, seed=config.seed)
@@ -325,6 +326,10 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     markdown.write_text(f"# bench attention\n\n`{command}`\n\n{table}\n```\n{format_summary(summary)}\n```\n")
     files.append(markdown)
     files += report.write_plots(rows, out_dir, title="causal attention")
+    if config.profile_top:
+        profile = out_dir / "profile.md"
+        profile.write_text(f"# bench attention: where the time goes\n\n`{command}`\n\n{report.profile_markdown(rows)}")
+        files.append(profile)
     return {"metadata": metadata, "rows": rows, "summary": summary, "table": table, "files": files}
 
 
@@ -365,6 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backward-max-length", type=_positive_int,
                         help="measure forward+backward only up to this T (default: every length)")
     parser.add_argument("--threads", type=_positive_int, help="torch intra-op CPU threads (default: torch's choice)")
+    parser.add_argument("--profile", type=_positive_int, metavar="N", default=0,
+                        help="also run each measured call once under torch.profiler and write its N operators "
+                             "with the most self time to profile.md and results.json")
     parser.add_argument("--out", type=Path, default=Path("results/bench-attention"), help="output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -386,6 +394,7 @@ def run_command(args: argparse.Namespace) -> int:
         recurrent_max_length=args.recurrent_max_length,
         backward_max_length=args.backward_max_length,
         threads=args.threads,
+        profile_top=args.profile,
     )
     result = run(config, out_dir=args.out, command=args.command_line, progress=not args.no_progress)
     print(result["table"])

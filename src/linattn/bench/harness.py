@@ -11,6 +11,9 @@ What is measured, per case and sequence length T:
 
 Times are medians of ``repeats`` calls after ``warmup`` untimed calls; on CUDA every
 call is bracketed by ``torch.cuda.synchronize``.
+
+With ``profile_top > 0`` one more call of each runs under ``torch.profiler``: where the
+time goes, as the operators with the most self time (``profile_call``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,34 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str) -> int | N
     return None
 
 
+def profile_call(fn: Callable[[], object], *, device: torch.device | str, top: int) -> dict:
+    """Run ``fn()`` once under ``torch.profiler``; the ``top`` operators by self time.
+
+    Self time is an operator's own time, without the operators it calls: on CPU the host
+    time, on CUDA the time of its kernels on the device. Returns ``{"total_ms", "ops"}``
+    with ``ops`` a list of ``{"op", "self_ms", "share", "calls"}`` sorted by ``self_ms``
+    (``share`` = ``self_ms / total_ms``, the total over every operator of the call).
+    """
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        raise ValueError(f"top must be a positive int, got {top!r}")
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(device)
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    _synchronize(device)
+    with profile(activities=activities) as profiler:
+        fn()
+        _synchronize(device)
+    field = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+    events = [(e.key, getattr(e, field) / 1e3, e.count) for e in profiler.key_averages()]
+    events = [e for e in events if e[1] > 0]
+    total = sum(e[1] for e in events)
+    events.sort(key=lambda e: e[1], reverse=True)
+    ops = [{"op": name, "self_ms": ms, "share": ms / total, "calls": calls} for name, ms, calls in events[:top]]
+    return {"total_ms": total, "ops": ops}
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """True for CUDA/CPU allocation failures (which a benchmark records as a skip)."""
     if isinstance(error, (torch.cuda.OutOfMemoryError, MemoryError)):
@@ -195,6 +226,7 @@ def run_cases(
     device: torch.device | str,
     progress: bool = True,
     backward_max_length: int | None = None,
+    profile_top: int = 0,
 ) -> list[dict]:
     """Measure every case at every length; one result row per (length, case).
 
@@ -207,7 +239,9 @@ def run_cases(
     Row keys: ``case``, ``label``, ``length``, ``forward_s``, ``forward_times_s``,
     ``forward_peak_bytes``, ``forward_backward_s``, ``forward_backward_times_s``,
     ``forward_backward_peak_bytes`` (None where not measured), ``skip_reason`` (why the
-    case did not run at this length, else None) and ``backward_skip_reason``.
+    case did not run at this length, else None), ``backward_skip_reason``, and
+    ``forward_profile`` / ``forward_backward_profile``: ``profile_call``'s top
+    ``profile_top`` operators of one more call (None unless ``profile_top > 0``).
     """
     device = torch.device(device)
     forward_failed: dict[str, str] = {}
@@ -239,6 +273,8 @@ def run_cases(
             "forward_backward_peak_bytes": None,
             "skip_reason": None,
             "backward_skip_reason": None,
+            "forward_profile": None,
+            "forward_backward_profile": None,
         }
         rows.append(row)
         if case.max_length is not None and length > case.max_length:
@@ -256,6 +292,8 @@ def run_cases(
         row.update(
             forward_s=forward.median_s, forward_times_s=list(forward.times_s), forward_peak_bytes=forward.peak_bytes
         )
+        if profile_top:
+            row["forward_profile"] = profile_call(_forward_call(case.fn, inputs), device=device, top=profile_top)
 
         if not case.supports_backward:
             row["backward_skip_reason"] = "forward only"
@@ -277,5 +315,7 @@ def run_cases(
             forward_backward_times_s=list(step.times_s),
             forward_backward_peak_bytes=step.peak_bytes,
         )
+        if profile_top:
+            row["forward_backward_profile"] = profile_call(step_call, device=device, top=profile_top)
     bar.close()
     return rows

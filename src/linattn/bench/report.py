@@ -122,6 +122,33 @@ def markdown_table(rows: Sequence[dict], *, baseline: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+_PROFILES = (("forward_profile", "forward"), ("forward_backward_profile", "forward+backward"))
+
+
+def profile_markdown(rows: Sequence[dict]) -> str:
+    """Where the time goes: per (case, length, pass) the profiled operators with the most
+    self time, their share of the call's total, and how often they ran."""
+    sections = []
+    for case in _cases_in_order(rows):
+        for row in sorted((r for r in rows if r["case"] == case), key=lambda r: r["length"]):
+            for key, name in _PROFILES:
+                profile = row.get(key)
+                if not profile:
+                    continue
+                lines = [
+                    f"### {case}, T={row['length']}, {name}: {_ms(profile['total_ms'] / 1e3)} ms profiled",
+                    "",
+                    "| operator | self ms | share | calls |",
+                    "| --- | --- | --- | --- |",
+                ]
+                lines += [
+                    f"| `{op['op']}` | {_ms(op['self_ms'] / 1e3)} | {op['share']:.0%} | {op['calls']} |"
+                    for op in profile["ops"]
+                ]
+                sections.append("\n".join(lines) + "\n")
+    return "\n".join(sections)
+
+
 def _series(rows: Sequence[dict], case: str, key: str) -> tuple[list[int], list[float]]:
     """(lengths, values) of ``case`` where ``key`` was measured and is positive (log axes)."""
     points = sorted((r["length"], r[key]) for r in rows if r["case"] == case and r[key])
