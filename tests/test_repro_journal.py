@@ -13,14 +13,16 @@ from linattn.repro._parallel import JOURNAL_NAME, RunJournal, map_runs
 
 
 class _Bar:
+    """The part of a tqdm bar that map_runs uses."""
+
     def __init__(self):
-        self.n = 0
+        self.n, self.postfixes = 0, []
 
     def update(self, n):
         self.n += n
 
     def set_postfix_str(self, text):
-        pass
+        self.postfixes.append(text)
 
 
 def _square(x: int) -> dict:
@@ -166,3 +168,20 @@ def test_grid_split_by_mechanism_assembles_from_concatenated_journals(tmp_path, 
                                 out_dir=whole, command="test", progress=False, resume=True)
     assert [r["mechanism"] for r in result["rows"]] == ["softmax", "linear-elu"]
     assert result["metadata"]["reused_runs"] == 2
+
+
+def test_worker_runs_report_their_steps_to_the_parent():
+    config = fwp.TrainConfig(max_steps=30, eval_every=10, seed=1, target_loss=1e-12)
+    grid = [("capacity", "softmax", 4, config), ("capacity", "linear-elu", 6, config)]
+    seen = []
+
+    def show(args):
+        return lambda step, loss: seen.append((args[1], args[2], step, loss))
+
+    bar = _Bar()
+    rows = map_runs(fwp._train_named, grid, jobs=2, threads=1, bar=bar, describe=lambda row: row["mechanism"],
+                    progress_kwarg="on_eval", show_progress=show)
+    assert bar.n == 2 and sorted(bar.postfixes[-2:]) == ["linear-elu", "softmax"]
+    for (_, name, size, _), row in zip(grid, rows):
+        # Every evaluation of every worker run reached the parent, in order, with its loss.
+        assert [(s, loss) for n, k, s, loss in seen if (n, k) == (name, size)] == [tuple(c) for c in row["curve"]]

@@ -79,10 +79,21 @@ def reuse_note(reused: int, total: int, unit: str = "runs") -> str:
             "the wall time is this invocation's")
 
 
+class _ReportToParent:
+    """A worker run's progress callback: sends ``(run index, callback args)`` to the parent."""
+
+    def __init__(self, queue, index: int):
+        self.queue, self.index = queue, index
+
+    def __call__(self, *args) -> None:
+        self.queue.put((self.index, args))
+
+
 def _run_in_worker(job: tuple) -> Any:
-    train, args, threads = job
+    train, args, threads, progress_kwarg, queue, index = job
     torch.set_num_threads(threads)
-    return train(*args)
+    kwargs = {progress_kwarg: _ReportToParent(queue, index)} if queue is not None else {}
+    return train(*args, **kwargs)
 
 
 def map_runs(
@@ -100,8 +111,11 @@ def map_runs(
 ) -> list[dict]:
     """``[train(*args) for args in grid]`` in grid order, advancing the tqdm ``bar`` per run.
 
-    ``describe(row)`` is shown on the bar when a run finishes. In-process runs (``jobs ==
-    1``) also receive ``progress_kwarg=show_progress(args)`` for per-step updates.
+    ``describe(row)`` is shown on the bar when a run finishes. With ``progress_kwarg`` and
+    ``show_progress``, every run also gets a per-step callback as ``train(*args,
+    **{progress_kwarg: callback})``: in-process (``jobs == 1``) it is
+    ``show_progress(args)`` itself; in a worker it sends its arguments to this process,
+    which passes them to ``show_progress(args)`` (so the bar shows the steps of every run).
     With a ``journal``, runs whose ``run_key(args)`` it holds are not trained again and every
     newly finished run is recorded in it at once (``run_key`` is unused without one).
     ``jobs`` and ``threads`` must be ints >= 1 (a ValueError naming the argument otherwise).
@@ -139,11 +153,30 @@ def map_runs(
             torch.set_num_threads(torch_threads)
         return [done[i] for i in range(len(grid))]
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
-        futures = {pool.submit(_run_in_worker, (train, grid[i], threads)): i for i in todo}
-        for future in as_completed(futures):
-            finish(futures[future], future.result())
+    reporting = bool(progress_kwarg and show_progress)
+    manager = context.Manager() if reporting else None
+    queue = manager.Queue() if reporting else None
+
+    def relay_progress() -> None:
+        while queue is not None and not queue.empty():
+            index, args = queue.get()
+            show_progress(grid[index])(*args)
+
+    try:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=context) as pool:
+            futures = {
+                pool.submit(_run_in_worker, (train, grid[i], threads, progress_kwarg, queue, i)): i for i in todo
+            }
+            pending = set(futures)
+            while pending:
+                finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+                relay_progress()  # a worker's messages are queued before its run returns
+                for future in finished:
+                    finish(futures[future], future.result())
+    finally:
+        if manager is not None:
+            manager.shutdown()
     return [done[i] for i in range(len(grid))]
