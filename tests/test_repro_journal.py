@@ -185,3 +185,45 @@ def test_worker_runs_report_their_steps_to_the_parent():
     for (_, name, size, _), row in zip(grid, rows):
         # Every evaluation of every worker run reached the parent, in order, with its loss.
         assert [(s, loss) for n, k, s, loss in seen if (n, k) == (name, size)] == [tuple(c) for c in row["curve"]]
+
+
+def test_report_only_reports_the_recorded_runs_and_trains_nothing(tmp_path, monkeypatch):
+    config = fwp.TrainConfig(max_steps=20, eval_every=10, seed=1)
+    grid = dict(mechanisms=["softmax", "linear-elu"], config=config, command="test", progress=False)
+    with pytest.raises(ValueError, match="--report-only: .* holds none of this grid's runs"):
+        fwp.run_experiment(fwp.CAPACITY, sizes=[4, 6], out_dir=tmp_path, report_only=True, **grid)
+    first = fwp.run_experiment(fwp.CAPACITY, sizes=[4], out_dir=tmp_path, **grid)
+    journal = (tmp_path / JOURNAL_NAME).read_text()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("--report-only trained a run")
+
+    monkeypatch.setattr(fwp, "_train_named", no_training)
+    interim = fwp.run_experiment(fwp.CAPACITY, sizes=[4, 6], out_dir=tmp_path, report_only=True, **grid)
+    assert [(r["mechanism"], r["size"]) for r in interim["rows"]] == [("softmax", 4), ("linear-elu", 4)]
+    assert [r["final_eval_loss"] for r in interim["rows"]] == [r["final_eval_loss"] for r in first["rows"]]
+    assert interim["metadata"]["grid_runs"] == 4 and interim["metadata"]["report_only"] is True
+    text = (tmp_path / "results.md").read_text()
+    assert "Interim report (--report-only): 2 of the grid's 4 runs are recorded" in text
+    assert "| S=4 | S=6 |" not in text  # only the sizes with recorded runs get a column
+    assert (tmp_path / JOURNAL_NAME).read_text() == journal  # read, not rewritten
+    with pytest.raises(RuntimeError, match="read-only"):
+        RunJournal(tmp_path / JOURNAL_NAME, resume=True, read_only=True).record({"x": 1}, {})
+
+
+def test_report_only_flag_on_the_command_line(tmp_path, monkeypatch, capsys):
+    parser = argparse.ArgumentParser()
+    linattn.repro.cli.register(parser.add_subparsers(dest="command", required=True))
+    argv = ["repro", "fwp-update-rule", "--sizes", "4", "--mechanisms", "sum-dpfp-1", "--max-steps", "10",
+            "--eval-every", "10", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    args = parser.parse_args(argv)
+    assert args.handler(args) == 0
+
+    def fail(*args, **kwargs):
+        raise AssertionError("--report-only trained a run")
+
+    monkeypatch.setattr(fwp, "_train_named", fail)
+    capsys.readouterr()
+    args = parser.parse_args(argv[:3] + ["4", "5"] + argv[4:] + ["--report-only"])  # S = 5 never ran
+    assert args.handler(args) == 0
+    assert "1 of the grid's 2 runs are recorded" in capsys.readouterr().out

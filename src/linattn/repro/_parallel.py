@@ -35,16 +35,19 @@ class RunJournal:
     short by a crash) is ignored; that run is simply trained again.
     """
 
-    def __init__(self, path: str | Path, *, resume: bool):
+    def __init__(self, path: str | Path, *, resume: bool, read_only: bool = False):
         self.path = Path(path)
+        self.read_only = read_only
         self._rows: dict[str, dict] = {}
-        if resume and self.path.exists():
+        if (resume or read_only) and self.path.exists():
             for line in self.path.read_text(encoding="utf-8").splitlines():
                 try:
                     entry = json.loads(line)
                     self._rows[_canonical(entry["key"])] = entry["row"]
                 except (ValueError, KeyError, TypeError):
                     continue
+        if read_only:  # e.g. an interim report while the grid's own process still appends
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Rewrite what was loaded (drops a torn last line) or start empty.
         with open(self.path, "w", encoding="utf-8") as handle:
@@ -64,6 +67,8 @@ class RunJournal:
 
     def record(self, key: Any, row: dict) -> None:
         """Append one finished run and flush it to disk."""
+        if self.read_only:
+            raise RuntimeError(f"{self.path} was opened read-only")
         self._rows[_canonical(key)] = row
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"key": key, "row": row}) + "\n")
@@ -108,6 +113,7 @@ def map_runs(
     show_progress: Callable[[tuple], Callable] | None = None,
     journal: RunJournal | None = None,
     run_key: Callable[[tuple], Any] | None = None,
+    only_recorded: bool = False,
 ) -> list[dict]:
     """``[train(*args) for args in grid]`` in grid order, advancing the tqdm ``bar`` per run.
 
@@ -118,6 +124,7 @@ def map_runs(
     which passes them to ``show_progress(args)`` (so the bar shows the steps of every run).
     With a ``journal``, runs whose ``run_key(args)`` it holds are not trained again and every
     newly finished run is recorded in it at once (``run_key`` is unused without one).
+    ``only_recorded=True`` trains nothing and returns just the journal's rows, in grid order.
     ``jobs`` and ``threads`` must be ints >= 1 (a ValueError naming the argument otherwise).
     """
     for name, value in (("jobs", jobs), ("threads", threads)):
@@ -133,6 +140,10 @@ def map_runs(
                 done[i] = row
         if done:
             bar.update(len(done))
+    if only_recorded:
+        if journal is None:
+            raise ValueError("only_recorded needs a journal (the runs to report)")
+        return [done[i] for i in sorted(done)]
     todo = [i for i in range(len(grid)) if i not in done]
 
     def finish(i: int, row: dict) -> None:

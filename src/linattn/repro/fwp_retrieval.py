@@ -484,10 +484,12 @@ def run_grid(
     threads: int | None = None,
     progress: bool = True,
     journal: RunJournal | None = None,
+    only_recorded: bool = False,
 ) -> list[dict]:
     """Every (mechanism, S) run, mechanisms outer, with a tqdm bar over runs; ``jobs > 1``
     trains that many at once in worker processes with ``threads`` torch threads each.
-    With a ``journal``, runs recorded there are reused and new ones recorded."""
+    With a ``journal``, runs recorded there are reused and new ones recorded;
+    ``only_recorded=True`` returns just the recorded ones, training nothing."""
     from tqdm.auto import tqdm
 
     check_grid(mechanisms, sizes, config)
@@ -503,7 +505,7 @@ def run_grid(
     with tqdm(total=len(grid), desc=f"fwp {setting.name}", unit="run", disable=not progress) as bar:
         return map_runs(_train_named, grid, jobs=jobs, threads=torch.get_num_threads() if threads is None else threads, bar=bar,
                         describe=describe, progress_kwarg="on_eval", show_progress=show_evals,
-                        journal=journal, run_key=_run_key)
+                        journal=journal, run_key=_run_key, only_recorded=only_recorded)
 
 
 # --- summary and reports ------------------------------------------------------------
@@ -682,20 +684,26 @@ UPDATE_RULE = ExperimentSpec(
 
 def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Sequence[int], config: TrainConfig,
                    out_dir: Path, command: str, jobs: int = 1, threads: int | None = None,
-                   progress: bool = True, resume: bool = False) -> dict:
+                   progress: bool = True, resume: bool = False, report_only: bool = False) -> dict:
     """Run the grid and write ``results.json``, ``results.md`` and the PNG into ``out_dir``.
 
     Each finished run is recorded in ``out_dir/runs.jsonl`` at once; ``resume=True`` reuses
     the runs recorded there (same mechanism, S and configuration) instead of training them.
+    ``report_only=True`` trains nothing: the report covers the grid's runs recorded so far
+    (the journal is only read, so the grid's own process may still be appending to it).
     """
     setting = SETTINGS[spec.setting]
     check_grid(mechanisms, sizes, config)
     out_dir = Path(out_dir)
-    journal = RunJournal(out_dir / JOURNAL_NAME, resume=resume)
+    journal = RunJournal(out_dir / JOURNAL_NAME, resume=resume, read_only=report_only)
+    grid_runs = len(mechanisms) * len(sizes)
     reused = journal.count(_run_key((setting.name, m, s, config)) for m in mechanisms for s in sizes)
+    if report_only and not reused:
+        raise ValueError(f"--report-only: {journal.path} holds none of this grid's runs "
+                         "(same mechanisms, sizes and training settings)")
     started = time.perf_counter()
     rows = run_grid(setting, mechanisms, sizes, config, jobs=jobs, threads=threads, progress=progress,
-                    journal=journal)
+                    journal=journal, only_recorded=report_only)
     elapsed = time.perf_counter() - started
     cpu = sum(row["cpu_seconds"] for row in rows)  # each run's own process, workers included
     title = f"repro {spec.command}"
@@ -703,14 +711,17 @@ def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Se
               "key_dim": config.key_dim, "heads": 1}
     metadata = report.collect_metadata(device=config.device, command=command, shapes=shapes)
     metadata.update(config=asdict(config), mechanisms=list(mechanisms), wall_seconds=elapsed, cpu_seconds=cpu,
-                    jobs=jobs, threads=threads or metadata["threads"], reused_runs=reused,
+                    jobs=jobs, threads=threads or metadata["threads"], reused_runs=reused, grid_runs=grid_runs,
+                    report_only=report_only,
                     paper="Schlag, Irie & Schmidhuber 2021, Linear Transformers Are Secretly Fast Weight Programmers")
     summary = summarize(rows, target_loss=config.target_loss)
     files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
     markdown = markdown_report(rows, title=title, command=command, setting=setting, config=config, summary=summary)
     markdown += (f"\nWall time {elapsed:.0f} s, CPU time of the runs {cpu:.0f} s, on "
                  f"{metadata['device_name']} ({jobs} process(es) x {metadata['threads']} thread(s))."
-                 + (f" {reuse_note(reused, len(rows))}." if reused else "") + "\n")
+                 + (f" {reuse_note(reused, len(rows))}." if reused and not report_only else "")
+                 + (f" Interim report (--report-only): {len(rows)} of the grid's {grid_runs} runs are recorded;"
+                    " empty cells are not run yet." if report_only else "") + "\n")
     (out_dir / "results.md").write_text(markdown)
     files.append(out_dir / "results.md")
     files.append(write_plot(rows, out_dir / spec.plot_name, title=f"{setting.title}", target_loss=config.target_loss,
@@ -769,6 +780,9 @@ class ExperimentCommand:
         parser.add_argument("--resume", action="store_true",
                             help=f"reuse the runs recorded in --out/{JOURNAL_NAME} by an earlier (interrupted or "
                                  "partial) invocation with the same settings; without it the journal starts empty")
+        parser.add_argument("--report-only", action="store_true",
+                            help=f"train nothing: write the report of the grid's runs recorded in --out/{JOURNAL_NAME} "
+                                 "so far (an interim report; the journal is only read)")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     def run_command(self, args) -> int:
@@ -786,7 +800,7 @@ class ExperimentCommand:
         result = run_experiment(spec, mechanisms=mechanisms, sizes=sizes, config=config, out_dir=args.out,
                                 command=getattr(args, "command_line", f"linattn repro {spec.command}"),
                                 jobs=args.jobs, threads=args.threads, progress=not args.no_progress,
-                                resume=args.resume)
+                                resume=args.resume, report_only=args.report_only)
         print(result["markdown"])
         print("wrote " + ", ".join(str(p) for p in result["files"]))
         return 0
