@@ -145,6 +145,7 @@ def map_runs(
             raise ValueError("only_recorded needs a journal (the runs to report)")
         return [done[i] for i in sorted(done)]
     todo = [i for i in range(len(grid)) if i not in done]
+    reporting = bool(progress_kwarg and show_progress)
 
     def finish(i: int, row: dict) -> None:
         done[i] = row
@@ -158,7 +159,7 @@ def map_runs(
         torch.set_num_threads(threads)
         try:
             for i in todo:
-                kwargs = {progress_kwarg: show_progress(grid[i])} if progress_kwarg and show_progress else {}
+                kwargs = {progress_kwarg: show_progress(grid[i])} if reporting else {}
                 finish(i, train(*grid[i], **kwargs))
         finally:
             torch.set_num_threads(torch_threads)
@@ -167,7 +168,6 @@ def map_runs(
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
     context = multiprocessing.get_context("spawn")
-    reporting = bool(progress_kwarg and show_progress)
     manager = context.Manager() if reporting else None
     queue = manager.Queue() if reporting else None
 
