@@ -17,6 +17,7 @@ import torch
 
 from .. import __version__
 from .._files import write_text_atomic
+from .._malloc import malloc_settings
 
 _MIB = 2**20
 _PLOTS = (
@@ -49,6 +50,7 @@ def collect_metadata(*, device: torch.device | str, command: str, shapes: dict) 
         "device": str(torch.device(device)),
         "device_name": device_name(device),
         "threads": torch.get_num_threads(),
+        "malloc": malloc_settings(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": command,
         "shapes": shapes,
