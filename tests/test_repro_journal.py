@@ -119,6 +119,8 @@ def test_mqar_resume_reuses_recorded_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(mqar, "train_run", counted)
     again = mqar.run_experiment(*grid, out_dir=tmp_path, command="test", progress=False, resume=True)
     assert calls == [] and again["metadata"]["reused_runs"] == 2
+    text = (tmp_path / "results.md").read_text()
+    assert "Wall time" not in text and "2 of 2 runs were reused" in text
     assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in first["rows"]]
     mqar.run_experiment(*grid, out_dir=tmp_path, command="test", progress=False)
     assert calls == ["softmax", "local"]
@@ -168,6 +170,10 @@ def test_grid_split_by_mechanism_assembles_from_concatenated_journals(tmp_path, 
                                 out_dir=whole, command="test", progress=False, resume=True)
     assert [r["mechanism"] for r in result["rows"]] == ["softmax", "linear-elu"]
     assert result["metadata"]["reused_runs"] == 2
+    # Nothing was trained here: no wall time or process count of this invocation is reported.
+    last = result["markdown"].rstrip().splitlines()[-1]
+    assert "Wall time" not in last and "process(es)" not in last and "wall time" not in last
+    assert last.startswith("CPU time of the runs") and "2 of 2 runs were reused" in last
 
 
 def test_worker_runs_report_their_steps_to_the_parent():
@@ -205,6 +211,7 @@ def test_report_only_reports_the_recorded_runs_and_trains_nothing(tmp_path, monk
     assert interim["metadata"]["grid_runs"] == 4 and interim["metadata"]["report_only"] is True
     text = (tmp_path / "results.md").read_text()
     assert "Interim report (--report-only): 2 of the grid's 4 runs are recorded" in text
+    assert "Wall time" not in text  # this invocation trained nothing
     assert "| S=4 | S=6 |" not in text  # only the sizes with recorded runs get a column
     assert (tmp_path / JOURNAL_NAME).read_text() == journal  # read, not rewritten
     with pytest.raises(RuntimeError, match="read-only"):

@@ -80,8 +80,8 @@ def reuse_note(reused: int, total: int, unit: str = "runs") -> str:
     """The report's clause on runs taken from the journal ('' when there were none)."""
     if not reused:
         return ""
-    return (f"{reused} of {total} {unit} were reused from {JOURNAL_NAME} (--resume): their CPU time is included, "
-            "the wall time is this invocation's")
+    return (f"{reused} of {total} {unit} were reused from {JOURNAL_NAME} (--resume): their CPU time is included"
+            + (", the wall time is this invocation's" if reused < total else ""))
 
 
 class _ReportToParent:

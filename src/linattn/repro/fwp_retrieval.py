@@ -717,8 +717,11 @@ def run_experiment(spec: ExperimentSpec, *, mechanisms: Sequence[str], sizes: Se
     summary = summarize(rows, target_loss=config.target_loss)
     files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
     markdown = markdown_report(rows, title=title, command=command, setting=setting, config=config, summary=summary)
-    markdown += (f"\nWall time {elapsed:.0f} s, CPU time of the runs {cpu:.0f} s, on "
-                 f"{metadata['device_name']} ({jobs} process(es) x {metadata['threads']} thread(s))."
+    # The wall time and the processes describe this invocation: said only when it trained runs.
+    trained_here = len(rows) - reused if not report_only else 0
+    markdown += ((f"\nWall time {elapsed:.0f} s ({jobs} process(es) x {metadata['threads']} thread(s)), "
+                  if trained_here else "\n")
+                 + f"CPU time of the runs {cpu:.0f} s, on {metadata['device_name']}."
                  + (f" {reuse_note(reused, len(rows))}." if reused and not report_only else "")
                  + (f" Interim report (--report-only): {len(rows)} of the grid's {grid_runs} runs are recorded;"
                     " empty cells are not run yet." if report_only else "") + "\n")

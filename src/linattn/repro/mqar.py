@@ -477,8 +477,9 @@ def markdown_report(rows: Sequence[dict], *, command: str, config: MQARConfig, m
         )
     lines += [
         "",
-        f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
-        f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
+        (f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
+         f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
+         if metadata.get("reused_runs", 0) < len(rows) else f"Runs on {metadata['device_name']}.")
         + (f" {reuse_note(metadata['reused_runs'], len(rows))}." if metadata.get("reused_runs") else ""),
     ]
     return "\n".join(lines) + "\n"
