@@ -259,7 +259,10 @@ def test_command_writes_json_markdown_and_plot(tmp_path, capsys, command, plot, 
     markdown = (tmp_path / "results.md").read_text()
     assert markdown.startswith(f"# repro {command}") and "`test`" in markdown
     assert "| softmax | ∞ |" in markdown and "| linear-elu | 64 |" in markdown
-    assert (tmp_path / plot).read_bytes()[:8] == PNG
+    image = (tmp_path / plot).read_bytes()
+    assert image[:8] == PNG
+    width, height = int.from_bytes(image[16:20], "big"), int.from_bytes(image[20:24], "big")
+    assert width >= 2 * height  # two panels side by side: loss and accuracy against S
 
 
 def test_registry_lists_both_commands():

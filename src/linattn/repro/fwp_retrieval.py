@@ -609,29 +609,36 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
 
 
 def write_plot(rows: Sequence[dict], path: Path, *, title: str, target_loss: float, mark_d_dot: bool) -> Path:
-    """Final evaluation loss against S (log y), one line per mechanism, like the paper's figures."""
+    """Two panels against S, one line per mechanism: the final evaluation loss (log y, like the
+    paper's figures) and the final retrieval accuracy (where chance is 1/S)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(8, 5))
+    figure, (loss_axis, accuracy_axis) = plt.subplots(1, 2, figsize=(14, 5))
     for index, name in enumerate(dict.fromkeys(r["mechanism"] for r in rows)):
         mine = sorted((r for r in rows if r["mechanism"] == name), key=lambda r: r["size"])
         color = f"C{index % 10}"
         xs = [r["size"] for r in mine]
-        ys = [max(r["final_eval_loss"], 1e-8) if math.isfinite(r["final_eval_loss"]) else math.nan for r in mine]
-        axis.plot(xs, ys, marker="o", color=color, label=mine[0]["label"])
+        losses = [max(r["final_eval_loss"], 1e-8) if math.isfinite(r["final_eval_loss"]) else math.nan for r in mine]
+        accuracies = [100 * r["final_eval_accuracy"] for r in mine]
+        loss_axis.plot(xs, losses, marker="o", markersize=3, color=color, label=mine[0]["label"])
+        accuracy_axis.plot(xs, accuracies, marker="o", markersize=3, color=color, label=mine[0]["label"])
         d_dot = mine[0]["d_dot"]
         if mark_d_dot and d_dot is not None and min(xs) <= d_dot <= max(xs):
-            axis.axvline(d_dot, color=color, linestyle=":", alpha=0.6)
-    axis.axhline(target_loss, color="gray", linestyle="--", linewidth=0.8, label=f"stop criterion {target_loss:g}")
-    axis.set_yscale("log")
-    axis.set_xlabel("number of unique keys S")
-    axis.set_ylabel("final evaluation loss")
-    axis.set_title(title + (" (dotted: d_dot)" if mark_d_dot else ""))
-    axis.grid(True, which="both", alpha=0.3)
-    axis.legend(fontsize="small")
+            for axis in (loss_axis, accuracy_axis):
+                axis.axvline(d_dot, color=color, linestyle=":", alpha=0.6)
+    loss_axis.axhline(target_loss, color="gray", linestyle="--", linewidth=0.8, label=f"stop criterion {target_loss:g}")
+    loss_axis.set_yscale("log")
+    loss_axis.set_ylabel("final evaluation loss")
+    accuracy_axis.set_ylabel("final retrieval accuracy (%)")
+    accuracy_axis.set_ylim(-2, 102)
+    for axis in (loss_axis, accuracy_axis):
+        axis.set_xlabel("number of unique keys S")
+        axis.grid(True, which="both", alpha=0.3)
+    loss_axis.legend(fontsize="small")
+    figure.suptitle(title + (" (dotted: d_dot)" if mark_d_dot else ""))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
@@ -815,8 +822,8 @@ capacity_command = ExperimentCommand(
     "Reproduces Setting 1 of 'Linear Transformers Are Secretly Fast Weight Programmers' (seed 001): one "
     "attention layer (d_key 64) reads S one-to-one key/value pairs (L = S, without replacement) and retrieves "
     "the value of a queried key. Trains one model per (mechanism, S) with Adam until the evaluation loss is "
-    "<= 1e-3 or stops improving, and writes the final losses (results.json, results.md, fwp_capacity.png) to "
-    "--out. Expected: each kernel fails once S exceeds its d_dot; softmax holds far longer.",
+    "<= 1e-3 or stops improving, and writes the final losses and accuracies (results.json, results.md, and "
+    "fwp_capacity.png: both against S) to --out. Expected: each kernel fails once S exceeds its d_dot; softmax holds far longer.",
 )
 
 update_rule_command = ExperimentCommand(
