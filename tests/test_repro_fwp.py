@@ -313,18 +313,24 @@ def test_bad_jobs_or_threads_are_named(bad):
 
 
 def test_summary_names_the_capacity_and_a_mechanism_that_never_solves():
-    def row(mechanism, d_dot, size, loss):
+    def row(mechanism, d_dot, size, loss, accuracy=1.0):
         return {"mechanism": mechanism, "label": mechanism, "d_dot": d_dot, "size": size, "final_eval_loss": loss,
-                "final_eval_accuracy": 1.0, "steps": 100, "stop_reason": "target", "seq_len": size}
+                "final_eval_accuracy": accuracy, "steps": 100, "stop_reason": "target", "seq_len": size}
 
-    rows = [row("dpfp-1", 128, 40, 1e-4), row("dpfp-1", 128, 80, 5e-4), row("dpfp-1", 128, 160, 0.1),
-            row("linear-elu", 64, 40, 0.2), row("linear-elu", 64, 80, 0.3), row("linear-elu", 64, 160, 1e-4)]
+    rows = [row("dpfp-1", 128, 40, 1e-4), row("dpfp-1", 128, 80, 5e-4), row("dpfp-1", 128, 160, 0.1, 0.95),
+            row("linear-elu", 64, 40, 0.2, 0.6), row("linear-elu", 64, 80, 0.3, 0.4),
+            row("linear-elu", 64, 160, 1e-4, 1.0)]
     config = fwp.TrainConfig()
     summary = fwp.summarize(rows, target_loss=config.target_loss)
     assert summary["dpfp-1"]["largest_size_all_solved"] == 80 and summary["dpfp-1"]["solved_sizes"] == [40, 80]
     assert summary["linear-elu"]["largest_size_all_solved"] is None and summary["linear-elu"]["solved_sizes"] == [160]
+    # Accuracy levels count the unbroken run of sizes from the smallest: elu's late 100% does not.
+    assert summary["dpfp-1"]["largest_size_accuracy_at_least"] == {"0.99": 80, "0.9": 160, "0.5": 160}
+    assert summary["linear-elu"]["largest_size_accuracy_at_least"] == {"0.99": None, "0.9": None, "0.5": 40}
     text = fwp.markdown_report(rows, title="t", command="c", setting=fwp.SETTINGS["capacity"], config=config,
                                summary=summary)
+    assert "| mechanism | d_dot | loss <= 0.001 | accuracy >= 99% | accuracy >= 90% | accuracy >= 50% |" in text
+    assert "| dpfp-1 | 128 | 80 | 80 | 160 | 160 |" in text and "| linear-elu | 64 | — | — | — | 40 |" in text
     assert "- dpfp-1 (d_dot 128): every S up to 80 reached loss <= 0.001; reached at S = 40, 80" in text
     assert "- linear-elu (d_dot 64): the smallest S missed loss <= 0.001; reached at S = 160" in text
     never = fwp.summarize(rows[3:5], target_loss=config.target_loss)

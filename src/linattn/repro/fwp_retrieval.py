@@ -511,22 +511,34 @@ def run_grid(
 # --- summary and reports ------------------------------------------------------------
 
 
+ACCURACY_LEVELS = (0.99, 0.9, 0.5)
+
+
+def _largest_prefix_size(runs: Sequence[dict], holds) -> int | None:
+    """The largest S such that ``holds`` is true for every run up to it (runs sorted by S); None
+    when the smallest S already fails."""
+    largest = None
+    for r in runs:
+        if not holds(r):
+            break
+        largest = r["size"]
+    return largest
+
+
 def summarize(rows: Sequence[dict], *, target_loss: float) -> dict:
     """Per mechanism: d_dot, the sizes whose final loss reached ``target_loss``, the largest S
-    up to which every size reached it, and the final losses by S."""
+    up to which every size reached it, the largest S up to which every size's final accuracy is
+    at least each of ``ACCURACY_LEVELS``, and the final losses by S."""
     summary = {}
     for name in dict.fromkeys(r["mechanism"] for r in rows):
         mine = sorted((r for r in rows if r["mechanism"] == name), key=lambda r: r["size"])
-        solved = [r["size"] for r in mine if r["final_eval_loss"] <= target_loss]
-        capacity = None
-        for r in mine:
-            if not r["final_eval_loss"] <= target_loss:
-                break
-            capacity = r["size"]
         summary[name] = {
             "d_dot": mine[0]["d_dot"],
-            "solved_sizes": solved,
-            "largest_size_all_solved": capacity,
+            "solved_sizes": [r["size"] for r in mine if r["final_eval_loss"] <= target_loss],
+            "largest_size_all_solved": _largest_prefix_size(mine, lambda r: r["final_eval_loss"] <= target_loss),
+            "largest_size_accuracy_at_least": {
+                f"{level:g}": _largest_prefix_size(mine, lambda r, level=level: r["final_eval_accuracy"] >= level)
+                for level in ACCURACY_LEVELS},
             "final_eval_loss_by_size": {str(r["size"]): r["final_eval_loss"] for r in mine},
         }
     return summary
@@ -542,6 +554,10 @@ def _percent(value: float | None) -> str:
     if value is None or not math.isfinite(value):
         return "—"
     return f"{100 * value:.1f}%"
+
+
+def _size(value: int | None) -> str:
+    return "—" if value is None else str(value)
 
 
 _STOP = {"target": "t", "plateau": "p", "max_steps": "m", "non_finite": "nan"}
@@ -590,6 +606,15 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
         "## Training steps (t: reached the target loss, p: plateau, m: step cap)",
         "",
         *step_lines,
+        "",
+        "## Capacity: the largest S up to which every S met the criterion",
+        "",
+        "| mechanism | d_dot | loss <= " + f"{config.target_loss:g} | "
+        + " | ".join(f"accuracy >= {100 * level:g}%" for level in ACCURACY_LEVELS) + " |",
+        "|" + "|".join(" --- " for _ in range(len(ACCURACY_LEVELS) + 3)) + "|",
+        *(f"| {name} | {s['d_dot'] if s['d_dot'] is not None else '∞'} | {_size(s['largest_size_all_solved'])} | "
+          + " | ".join(_size(s["largest_size_accuracy_at_least"][f"{level:g}"]) for level in ACCURACY_LEVELS) + " |"
+          for name, s in summary.items()),
         "",
         "## Summary",
         "",
