@@ -848,7 +848,8 @@ capacity_command = ExperimentCommand(
     "attention layer (d_key 64) reads S one-to-one key/value pairs (L = S, without replacement) and retrieves "
     "the value of a queried key. Trains one model per (mechanism, S) with Adam until the evaluation loss is "
     "<= 1e-3 or stops improving, and writes the final losses and accuracies (results.json, results.md, and "
-    "fwp_capacity.png: both against S) to --out. Expected: each kernel fails once S exceeds its d_dot; softmax holds far longer.",
+    "fwp_capacity.png: both against S) to --out. Expected: each kernel fails once S exceeds its d_dot; "
+    "softmax holds far longer.",
 )
 
 update_rule_command = ExperimentCommand(
