@@ -312,6 +312,80 @@ def test_state_without_key_shift_holds_unshifted_sums(map_name):
     assert final.steps == 37
 
 
+# ----------------------------------------------------------------------------- float32 range
+
+
+def _wide_range_inputs():
+    """float64 q, k, v for the exp map whose query + key shifts sum to ~100: a late key
+    with log-feature 60 sets the key shift, and early queries with log-features up to 40
+    see only far weaker keys (true denominators far below eps). In float32 the shifted
+    eps term, exp(-100) * eps, is below the float range."""
+    g = torch.Generator().manual_seed(5)
+    T = 13
+    q = torch.randn(1, 2, T, 2, generator=g, dtype=F64)
+    k = torch.randn(1, 1, T, 2, generator=g, dtype=F64)
+    v = torch.randn(1, 1, T, 3, generator=g, dtype=F64)
+    k[0, 0, T - 2] = torch.tensor([60.0, 0.0])
+    q[0, :, 0] = torch.tensor([40.0, -200.0])
+    k[0, 0, 0] = torch.tensor([-200.0, 0.0])
+    q[0, :, 1] = torch.tensor([35.0, 0.0])
+    k[0, 0, 1] = torch.tensor([-110.0, -75.0])
+    return q, k, v
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_float32_wide_shifts_match_float64_formula(mode):
+    """float32 inputs whose shifts leave float32's range: output and gradients are finite
+    and equal the float64 formula; the output keeps the input dtype."""
+    q, k, v = _wide_range_inputs()
+    grad_out = torch.randn(1, 2, q.shape[2], 3, generator=torch.Generator().manual_seed(6), dtype=F64)
+    ref_inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    expected, _, _ = loop_reference(*ref_inputs, "exp", causal=True, normalize="attention")
+    expected_grads = torch.autograd.grad((expected * grad_out).sum(), ref_inputs)
+    inputs = [t.float().requires_grad_(True) for t in (q, k, v)]
+    out, _ = run(*inputs, "exp", mode=mode, chunk_size=4)
+    assert out.dtype == torch.float32
+    grads = torch.autograd.grad((out * grad_out.float()).sum(), inputs)
+    assert_close_rel(out, expected, rtol=1e-4, name="output")
+    for name, actual, wanted in zip("qkv", grads, expected_grads):
+        assert_close_rel(actual, wanted, rtol=1e-4, name=f"grad {name}")
+
+
+def test_float32_wide_shifts_state_carry():
+    """The same inputs in pieces with a carried state: the outputs equal the float64
+    formula, and the final state is float32 and holds the true sums."""
+    q, k, v = _wide_range_inputs()
+    expected, S_ref, z_ref = loop_reference(q, k, v, "exp", causal=True, normalize="attention")
+    qf, kf, vf = q.float(), k.float(), v.float()
+    outs, state, start = [], None, 0
+    for length, mode in [(3, "chunk"), (1, "recurrent"), (5, "parallel"), (4, "chunk")]:
+        sl = slice(start, start + length)
+        out, state = run(qf[:, :, sl], kf[:, :, sl], vf[:, :, sl], "exp", mode=mode, chunk_size=2,
+                         initial_state=state)
+        outs.append(out)
+        start += length
+    assert_close_rel(torch.cat(outs, dim=2), expected, rtol=1e-4, name="output")
+    assert state.kv.dtype == state.normalizer.dtype == state.key_shift.dtype == torch.float32
+    kv, normalizer = true_sums(state)
+    assert_close_rel(kv, S_ref, rtol=1e-4, name="kv")
+    assert_close_rel(normalizer, z_ref, rtol=1e-4, name="normalizer")
+
+
+@pytest.mark.parametrize("map_name", ["exp", "favor"])
+def test_float32_ordinary_shifts_stay_in_float32(map_name, monkeypatch):
+    """Inputs of ordinary scale never take the float64 recomputation."""
+    import linattn.ops.linear as linear_module
+
+    def fail(*args, **kwargs):
+        raise AssertionError("ordinary float32 inputs were recomputed in float64")
+
+    monkeypatch.setattr(linear_module, "_in_float64", fail)
+    q, k, v = (t.float() for t in inputs_for(map_name, B=2, H=4, Hkv=2, T=37, Dk=4, Dv=3))
+    for mode in MODES:
+        out, _ = run(q, k, v, MAPS[map_name](), mode=mode, chunk_size=8)
+        assert torch.isfinite(out).all()
+
+
 # ----------------------------------------------------------------------------- half precision
 
 

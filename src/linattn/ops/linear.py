@@ -14,6 +14,8 @@ the state of key/value head ``h // (H / Hkv)``, so the state is per key/value he
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..state import LinearAttentionState
@@ -29,6 +31,10 @@ from .feature_maps import FeatureMap, get_feature_map, normalized_features
 
 _MODES = ("parallel", "chunk", "recurrent")
 _NORMALIZE = ("attention", "sum", None)
+# Float32 exponential maps are recomputed in float64 once a row's query and key shifts
+# sum past log(eps) + this (see linear_attention's docstring): below it, the shifted eps
+# term and the backward's intermediate gradients stay at least 2^24 inside float32's range.
+_FLOAT32_SHIFT_LIMIT = -math.log(torch.finfo(torch.float32).tiny) - 17.0
 
 
 # The three forms share one layout: q [N, G, T, Dk], k [N, T, Dk], v [N, T, E]
@@ -196,6 +202,15 @@ def linear_attention(
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``. Sums and states are
         float32 (float64 for float64 inputs).
+
+    Exponential maps under ``"attention"`` compute ``phi(q).S / (phi(q).z + eps)`` with
+    max-subtraction shifts (per query row, and one per (batch, head) for the keys), so the
+    eps term becomes ``eps exp(-(q_shift + key_shift))``. In float32 that term and the
+    backward's intermediate gradients (up to ``exp(q_shift + key_shift) / eps``) leave
+    the float range once the two shifts sum past ``log(eps) + ~70`` (56 for eps = 1e-6):
+    rows that see only weak keys then get denormal denominators and NaN gradients. A call
+    whose shifts go past that is computed again in float64 (same output dtype, float32
+    state); below it, nothing changes.
     """
     check_bool("causal", causal)
     shapes = check_qkv(q, k, v, same_length=causal)
@@ -253,13 +268,16 @@ def linear_attention(
             rescale = torch.exp(old_shift - key_shift).unsqueeze(-1)
             S, z = S * rescale.unsqueeze(-1), z * rescale
     features = _Features(fmap, normalize, eps, key_shift, kf, key_logs)
+    shift_peaks = []  # per piece, the largest q_shift + key_shift of a row
 
     def finish(num, den, q_shift):
         if den is None:
             return num
         if q_shift is not None:
+            total_shift = q_shift + key_shift[:, None, None, None]
+            shift_peaks.append(total_shift.amax())
             # eps belongs to the unshifted denominator: scale it like the features.
-            return num / (den + eps * torch.exp(-(q_shift + key_shift[:, None, None, None])))
+            return num / (den + eps * torch.exp(-total_shift))
         return num / (den + eps)
 
     if mode == "parallel":
@@ -268,6 +286,12 @@ def linear_attention(
         out, S, z = _recurrent(qf, kf, values, S, z, causal, features, finish)
     else:
         out, S, z = _chunk(qf, kf, values, S, z, causal, chunk_size, features, finish)
+    if shift_peaks and dtype != torch.float64 and eps > 0:
+        peak = shift_peaks[0] if len(shift_peaks) == 1 else torch.stack(shift_peaks).amax()
+        if peak.item() > math.log(eps) + _FLOAT32_SHIFT_LIMIT:
+            return _in_float64(
+                q, k, v, fmap, causal, normalize, mode, chunk_size, initial_state, output_final_state, eps
+            )
     out = out.reshape(B, H, T, Dv).to(q.dtype)
 
     state = None
@@ -280,3 +304,15 @@ def linear_attention(
             steps=steps,
         )
     return out, state
+
+
+def _in_float64(q, k, v, fmap, causal, normalize, mode, chunk_size, initial_state, output_final_state, eps):
+    """The same call computed in float64; the output in q's dtype, the state in float32."""
+    if initial_state is not None:
+        initial_state = initial_state.to(torch.float64)
+    out, state = linear_attention(
+        q.double(), k.double(), v.double(), feature_map=fmap, causal=causal, normalize=normalize,
+        mode=mode, chunk_size=chunk_size, initial_state=initial_state,
+        output_final_state=output_final_state, eps=eps,
+    )
+    return out.to(q.dtype), None if state is None else state.to(torch.float32)
