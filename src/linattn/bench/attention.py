@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .._arguments import non_negative_int as _non_negative_int
-from .._arguments import positive_float as _positive_float, positive_int as _positive_int
+from .._checks import non_negative_int as _non_negative_int
+from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._arguments import add_command_group
+from .._command_group import add_command_group
 from . import attention, decode
 
 BENCHMARKS = {"attention": attention, "decode": decode}

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from .._checks import check_int
+
 _PROC_STATUS = Path("/proc/self/status")
 _PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
 
@@ -138,8 +140,7 @@ def profile_call(fn: Callable[[], object], *, device: torch.device | str, top: i
     with ``ops`` a list of ``{"op", "self_ms", "share", "calls"}`` sorted by ``self_ms``
     (``share`` = ``self_ms / total_ms``, the total over every operator of the call).
     """
-    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
-        raise ValueError(f"top must be a positive int, got {top!r}")
+    check_int("top", top)
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device(device)

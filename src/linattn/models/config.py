@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._config import check_int_fields, config_from_dict
+from .._checks import check_int_fields, config_from_dict
 
 # Layer kinds: a GAU pair (Transformer-VQ's layout, no feed-forward) or a pre-norm block
 # of multi-head attention + SwiGLU feed-forward.

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import check_int
 from ..nn.attention import Attention, truncate_cache
 from ..nn.delta_net import DeltaNet
 from ..nn.gau import GAU
@@ -233,8 +234,7 @@ class LM(nn.Module):
         single = ids.dim() == 1
         if single:
             ids = ids.unsqueeze(0)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens, minimum=0)
         generator = torch.Generator(device=ids.device)
         generator.manual_seed(torch.seed() if seed is None else seed)
         was_training = self.training

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_int, is_number
+
 
 def sample_next(
     logits: torch.Tensor,
@@ -19,10 +21,9 @@ def sample_next(
     temperature; ``top_k`` keeps the k largest; ``top_p`` keeps the smallest set of tokens
     whose probability mass reaches p (always at least the most likely one).
     """
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+    if not is_number(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    check_int("top_k", top_k, optional=True)
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
     logits = logits.float()

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import DeltaRuleState
-from ._validate import (
+from .._checks import (
     check_choice,
     check_positive_int,
     check_qkv,

@@ -16,6 +16,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._checks import check_int, check_positive_number
+
 
 class FeatureMap:
     """Base class. Subclasses implement ``dim_out`` and ``__call__`` (or ``log_features``)."""
@@ -98,8 +100,7 @@ class DPFP(FeatureMap):
     name = "dpfp"
 
     def __init__(self, nu: int = 1):
-        if isinstance(nu, bool) or not isinstance(nu, int) or nu < 1:
-            raise ValueError(f"DPFP nu must be a positive int, got {nu!r}")
+        check_int("DPFP nu", nu)
         self.nu = nu
 
     def dim_out(self, d: int) -> int:
@@ -150,8 +151,7 @@ class FAVOR(FeatureMap):
     exponential = True
 
     def __init__(self, num_features: int = 256, *, seed: int = 0, orthogonal: bool = True):
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"FAVOR num_features must be a positive int, got {num_features!r}")
+        check_int("FAVOR num_features", num_features)
         self.num_features = num_features
         self.orthogonal = orthogonal
         self.seed = int(seed)
@@ -214,8 +214,7 @@ class SoftVQ(FeatureMap):
     def __init__(self, codebook: torch.Tensor, temperature: float = 1.0):
         if not isinstance(codebook, torch.Tensor) or codebook.dim() != 2 or not codebook.is_floating_point():
             raise ValueError("SoftVQ codebook must be a floating-point tensor [S, d]")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"SoftVQ temperature must be a positive number, got {temperature!r}")
+        check_positive_number("SoftVQ temperature", temperature)
         self.codebook, self.temperature = codebook, float(temperature)
 
     def dim_out(self, d: int) -> int:

@@ -19,7 +19,7 @@ import math
 import torch
 
 from ..state import LinearAttentionState
-from ._validate import (
+from .._checks import (
     check_bool,
     check_choice,
     check_positive_int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_qkv, check_same_dtype_device, check_tensor, compute_dtype, resolve_scale
+from .._checks import check_qkv, check_same_dtype_device, check_tensor, compute_dtype, resolve_scale
 
 
 def linformer_attention(

@@ -17,15 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from ..state import KVCacheState
-from ._validate import check_bool, check_positive_int, check_qkv, check_state_tensor, compute_dtype, resolve_scale
+from .._checks import check_bool, check_int, check_positive_int, check_qkv, check_state_tensor, compute_dtype, resolve_scale
 
 _ROWS_PER_STEP = 1024  # query rows scored together
-
-
-def _non_negative_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    return value
 
 
 def local_attention(
@@ -59,7 +53,7 @@ def local_attention(
     shapes = check_qkv(q, k, v)
     window = check_positive_int("window", window)
     look_backward = check_positive_int("look_backward", look_backward)
-    look_forward = _non_negative_int("look_forward", look_forward)
+    look_forward = check_int("look_forward", look_forward, minimum=0)
     check_bool("causal", causal)
     if causal and look_forward:
         raise ValueError(f"causal=True needs look_forward=0 (a query cannot see later keys), got {look_forward}")

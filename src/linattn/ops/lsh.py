@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_bool, check_positive_int, check_same_dtype_device, check_tensor, compute_dtype
+from .._checks import check_bool, check_positive_int, check_same_dtype_device, check_tensor, compute_dtype
 
 SELF_SCORE = -1e5
 

@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ._bias import relative_bias_table
-from ._validate import (
+from .._checks import (
+    is_number,
     check_bool,
     AttentionShapes,
     check_choice,
@@ -48,7 +49,7 @@ def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, de
         else:
             visible = torch.full((shapes.length,), float(key_length), device=device, dtype=dtype)
         return (torch.log(visible) / math.log(512.0) / math.sqrt(Dk)).unsqueeze(-1)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+    if not is_number(scale) or not scale > 0:
         raise ValueError(f"scale must be None, a positive number or 'entropy'; got {scale!r}")
     return float(scale)
 

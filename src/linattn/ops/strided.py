@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._validate import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
+from .._checks import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype, resolve_scale
 
 _PATTERNS = ("strided", "fixed")
 

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from ..state import VQAttentionState
 from ._bias import relative_bias_table
-from ._validate import (
+from .._checks import (
+    check_positive_number,
     check_bool,
     check_choice,
     check_positive_int,
@@ -416,8 +417,7 @@ def soft_vq_attention(
     Shapes as in ``vq_attention``; the state stores soft assignments in its ``*_codes``
     fields (``[B, Hkv, p, S]``).
     """
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+    check_positive_number("temperature", temperature)
     shapes = check_qkv(q, k, v)
     codebook = check_tensor("codebook", codebook, ndim=3, layout="[kv_heads, codebook_size, key_dim]")
     check_same_dtype_device(q=q, codebook=codebook)

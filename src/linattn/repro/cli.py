@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .._arguments import add_command_group
+from .._command_group import add_command_group
 from .._malloc import retain_freed_memory
 from . import fwp_retrieval, lm_quality, mqar
 

@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .._arguments import int_at_least as _int_at_least, positive_float as _positive_float
+from .._checks import int_at_least as _int_at_least, positive_float as _positive_float
 from ..bench import report
 from ..feature_maps import FAVOR, FeatureMap, get_feature_map
 from ..ops.delta import delta_rule

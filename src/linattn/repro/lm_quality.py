@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .._arguments import int_at_least as _int_at_least, non_negative_int as _non_negative_int
-from .._arguments import positive_float as _positive_float
+from .._checks import int_at_least as _int_at_least, non_negative_int as _non_negative_int
+from .._checks import positive_float as _positive_float
 from ..bench import report
 from ..bench.harness import peak_memory
 from ..data import load_corpus

@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .._arguments import int_at_least as _int_at_least, positive_float as _positive_float
+from .._checks import int_at_least as _int_at_least, positive_float as _positive_float
 from ..bench import report
 from ..models import LM, LMConfig
 from ..train.schedule import learning_rate

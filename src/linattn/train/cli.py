@@ -14,8 +14,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-from .._arguments import non_negative_int as _non_negative_int
-from .._arguments import positive_float as _positive_float, positive_int as _positive_int
+from .._checks import non_negative_int as _non_negative_int
+from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..data import ByteTokenizer, load_corpus
 from ..models.config import LAYER_SPEC_HELP
 from .checkpoint import load_model

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._config import check_int_fields, check_number_fields, config_from_dict
+from .._checks import check_int_fields, check_number_fields, config_from_dict
 from ..models.config import LMConfig
 
 

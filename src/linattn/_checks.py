@@ -1,16 +1,53 @@
-"""Shared input checks: every public op validates through these, so errors read alike.
+"""Every input check of the package: tensors entering an op, config fields, CLI arguments.
 
-Each check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError``
-(wrong shape or value) with a message that names the argument, what was seen and what
-was expected.
+Each check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong
+shape or value) with a message that names the argument, what was seen and what was
+expected, so errors read alike wherever a value enters. The argparse types raise
+``argparse.ArgumentTypeError``, which the ``linattn`` command turns into exit code 2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+# -- scalars ---------------------------------------------------------------------------------
+
+
+def is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    """An ``int`` or ``float`` that is not a ``bool``."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: object, *, minimum: int = 1, optional: bool = False) -> Any:
+    """``value`` is an int ``>= minimum`` (or None when ``optional``); else ValueError naming ``name``."""
+    if optional and value is None:
+        return value
+    if not is_int(value) or value < minimum:
+        wanted = "a positive int" if minimum == 1 else ("a non-negative int" if minimum == 0 else f"an int >= {minimum}")
+        raise ValueError(f"{name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
+    return value
+
+
+def check_positive_number(name: str, value: object) -> float:
+    """``value`` is a number (not bool) greater than zero; else ValueError naming ``name``."""
+    if not is_number(value) or not value > 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return float(value)
+
+
+# -- tensors ---------------------------------------------------------------------------------
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -117,7 +154,7 @@ def check_bool(name: str, value: object) -> bool:
 
 def check_positive_int(name: str, value: object) -> int:
     """``value`` is an ``int`` (not bool) greater than zero."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be a positive int, got {type(value).__name__} {value!r}")
     if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value}")
@@ -139,7 +176,7 @@ def resolve_scale(scale: object, key_dim: int) -> float:
     """The score scale: ``None`` -> ``key_dim^-1/2``; a number -> itself; else TypeError."""
     if scale is None:
         return key_dim ** -0.5
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    if not is_number(scale):
         raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
     return float(scale)
 
@@ -147,3 +184,71 @@ def resolve_scale(scale: object, key_dim: int) -> float:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# -- config dataclasses ----------------------------------------------------------------------
+
+
+def check_int_fields(config: object, prefix: str, names: Iterable[str], *, minimum: int,
+                     optional: bool = False, note: str = "") -> None:
+    """Each field is an int ``>= minimum`` (or None when ``optional``); else ValueError."""
+    wanted = "a positive int" if minimum == 1 else f"an int >= {minimum}{note}"
+    for name in names:
+        value = getattr(config, name)
+        if optional and value is None:
+            continue
+        if not is_int(value) or value < minimum:
+            raise ValueError(f"{prefix}.{name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
+
+
+def check_number_fields(config: object, prefix: str, names: Iterable[str], *, low: float, high: float | None = None,
+                        low_inclusive: bool = True, high_inclusive: bool = True, wanted: str) -> None:
+    """Each field is a number (not bool) between ``low`` and ``high`` (None: unbounded), ends as flagged."""
+    for name in names:
+        value = getattr(config, name)
+        ok = is_number(value)
+        ok = ok and (value >= low if low_inclusive else value > low) and (high is None or (value <= high if high_inclusive else value < high))
+        if not ok:
+            raise ValueError(f"{prefix}.{name} must be {wanted}, got {value!r}")
+
+
+def config_from_dict(cls, values: dict[str, Any], what: str):
+    """``cls(**values)`` after rejecting keys that are not fields of the dataclass ``cls``."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown {what} config keys {unknown}; valid keys: {sorted(known)}")
+    return cls(**values)
+
+
+# -- command-line arguments ------------------------------------------------------------------
+
+
+def int_at_least(minimum: int, what: str = "a count") -> Callable[[str], int]:
+    """An argparse type accepting integers ``>= minimum``; ``what`` names the quantity in the error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what} (an integer >= {minimum}), got {text!r}")
+        return value
+
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type accepting finite numbers > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+positive_int = int_at_least(1, "a positive count")
+non_negative_int = int_at_least(0, "a count")
