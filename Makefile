@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench clean
+.PHONY: demo test test-slow bench mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,18 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/linattn bench attention --out results/bench
+
+# Mutation testing, not part of `make test`: each module of ops/, nn/ (the quantizer too), models/
+# and train/ against its own test files, within about an hour on 2 cores (docs/testing.md).
+# Options go through MUTATE_ARGS, e.g. make mutate MUTATE_ARGS="--only src/linattn/ops/local.py".
+MUTATE_STAMP := $(VENV)/.mutate-installed
+
+$(MUTATE_STAMP): $(STAMP) requirements-mutate.txt
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements-mutate.txt
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	$(BIN)/python tools/mutate.py $(MUTATE_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache runs

@@ -2,7 +2,7 @@
 
 import pytest
 
-import linattn.repro.cli
+import linattn.repro.framework
 
 
 @pytest.fixture(autouse=True)
@@ -11,5 +11,5 @@ def retained_memory_calls(monkeypatch) -> list:
     of changing the test process's malloc (tests/test_malloc.py checks the real effect in
     subprocesses)."""
     calls: list = []
-    monkeypatch.setattr(linattn.repro.cli, "retain_freed_memory", lambda: calls.append(True) or {})
+    monkeypatch.setattr(linattn.repro.framework, "retain_freed_memory", lambda: calls.append(True) or {})
     return calls

@@ -12,7 +12,8 @@ import torch
 
 from linattn import __version__
 from linattn.bench.attention import CASES
-from linattn.bench.harness import Case, peak_memory, profile_call, run_cases, time_call
+from linattn.bench.harness import Case, profile_call, run_cases, time_call
+from linattn.reporting import peak_memory
 from linattn.cli import main
 
 MIB = 2**20

@@ -26,10 +26,10 @@ def _layer(**kwargs):
 def test_decoding_token_by_token_equals_full_pass(kwargs):
     layer = _layer(**kwargs)
     x = torch.randn(2, 19, D_MODEL, dtype=torch.float64)
-    full, full_state = layer(x)
+    full, full_state, _ = layer(x)
     state, pieces = None, []
     for t in range(x.shape[1]):
-        y, state = layer(x[:, t : t + 1], state)
+        y, state, _ = layer(x[:, t : t + 1], state)
         pieces.append(y)
     torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(state.rule.memory, full_state.rule.memory, rtol=1e-10, atol=1e-12)
@@ -39,9 +39,9 @@ def test_decoding_token_by_token_equals_full_pass(kwargs):
 def test_pieces_with_state_equal_full_pass():
     layer = _layer(short_conv=4, n_kv_heads=2)
     x = torch.randn(1, 30, D_MODEL, dtype=torch.float64)
-    full, _ = layer(x)
-    first, state = layer(x[:, :13])
-    second, _ = layer(x[:, 13:], state.detach())
+    full, _, _ = layer(x)
+    first, state, _ = layer(x[:, :13])
+    second, _, _ = layer(x[:, 13:], state.detach())
     torch.testing.assert_close(torch.cat([first, second], 1), full, rtol=1e-10, atol=1e-12)
 
 

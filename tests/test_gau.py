@@ -183,3 +183,94 @@ def test_softmax_twin_rejects_a_vq_state():
 def test_bad_attention_name():
     with pytest.raises(ValueError, match="attention"):
         GAU(8, attention="linear")
+
+
+# ------------------------------------------------------------- relative positions, written out
+
+
+def _rms(x):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _set_relative_parameters(gau, seed):
+    """Random non-zero u, w and W_r, large enough that (w - u) and (w + u) give different outputs."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        gau.content_bias.copy_(torch.randn(gau.d_k, generator=g, dtype=F64))
+        gau.position_bias.copy_(torch.randn(gau.d_k, generator=g, dtype=F64))
+        gau.w_r.weight.copy_(torch.randn(gau.d_k, gau.d_k, generator=g, dtype=F64) / gau.d_k**0.5)
+
+
+def _nearest_codes(k, codebook):
+    """argmin_s |k_t - c_s|^2 for keys [B, T, d_k] and a codebook [S, d_k]."""
+    return torch.cdist(k, codebook.unsqueeze(0).expand(k.shape[0], -1, -1)).argmin(-1)
+
+
+def reference_gau(gau, x, *, codebook=None, window=True):
+    """The GAU by its formula, in float64, with explicit loops over query and key positions.
+
+    ``h = RMSNorm(x)``; ``q_i = RMS(W_q h_i) d_k^-1/4``, ``k_j = RMS(W_k h_j) d_k^-1/4``,
+    ``v_j = SiLU(W_v h_j)``, ``g_i = SiLU(W_g h_i)``. With ``P_d = W_r R_d`` (R the layer's
+    sinusoids, d = 0..L, L = block_size) the score of query i on key j <= i is
+
+        s_ij = (q_i + u).k_j + [0 <= i - j <= L] (q_i + w).P_{i-j}
+
+    so a key more than L positions back keeps the content term (with u) and loses the
+    position term; keys j > i are masked. Scale 1. ``y_i = W_o((sum_j softmax_j(s_ij) v_j) * g_i)``.
+    With ``codebook`` [S, d_k], every k_j is replaced by its nearest code ``c_{z_j}``
+    (Transformer-VQ). ``window=False`` applies the position term at every offset instead
+    (offsets past L use R_L), a contrast that shows the window matters.
+    """
+    B, T, _ = x.shape
+    L = gau.block_size
+    h = gau.norm(x)
+    q = _rms(h @ gau.w_q.weight.T) * gau.d_k**-0.25
+    k = _rms(h @ gau.w_k.weight.T) * gau.d_k**-0.25
+    v = torch.nn.functional.silu(h @ gau.w_v.weight.T)
+    gate = torch.nn.functional.silu(h @ gau.w_g.weight.T)
+    if codebook is not None:
+        k = codebook[_nearest_codes(k, codebook)]
+    u, w = gau.content_bias, gau.position_bias
+    R = gau.sinusoids.to(F64)
+    assert R.shape[0] == L + 1
+    out = torch.zeros(B, T, v.shape[-1], dtype=F64)
+    for b in range(B):
+        for i in range(T):
+            scores = torch.empty(i + 1, dtype=F64)
+            for j in range(i + 1):
+                scores[j] = (q[b, i] + u) @ k[b, j]
+                offset = i - j
+                if offset <= L or not window:
+                    P = gau.w_r.weight @ R[min(offset, L)]
+                    scores[j] += (q[b, i] + w) @ P
+            out[b, i] = torch.softmax(scores, dim=0) @ v[b, : i + 1]
+    return (out * gate) @ gau.w_o.weight.T
+
+
+def test_softmax_twin_equals_the_transformer_xl_formula():
+    gau = make_gau("softmax", block_size=4, seed=7)
+    _set_relative_parameters(gau, seed=8)
+    x = make_x(B=2, T=13, seed=9)
+    assert x.shape[1] > 2 * gau.block_size
+    with torch.no_grad():
+        y, _, _ = gau(x)
+        expected = reference_gau(gau, x)
+        without_window = reference_gau(gau, x, window=False)
+    close(y, expected, rtol=1e-10, name="softmax GAU vs formula")
+    assert (without_window - expected).abs().max() > 1e-4, "T is too short for the window to matter"
+
+
+def test_vq_gau_equals_the_transformer_xl_formula_on_quantized_keys():
+    gau = make_gau("vq", codebook_size=16, block_size=4, seed=10)
+    _set_relative_parameters(gau, seed=11)
+    x = make_x(B=2, T=15, seed=12)  # > 2 blocks: the cache of older blocks is used
+    codebook = gau.quantizer.codebook[0].to(F64)
+    with torch.no_grad():
+        y, _, aux = gau(x)
+        expected = reference_gau(gau, x, codebook=codebook)
+        exact_keys = reference_gau(gau, x)
+        k = _layer_keys(gau, x)
+    assert torch.equal(aux["codes"][:, 0], _nearest_codes(k, codebook))
+    assert aux["codes"].unique().numel() > 1
+    close(y, expected, rtol=1e-10, name="VQ GAU vs formula on quantized keys")
+    assert (exact_keys - expected).abs().max() > 1e-4, "quantization should change the output"

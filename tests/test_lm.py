@@ -249,7 +249,7 @@ def test_pattern_repeats_to_n_layers():
     config = LMConfig(n_layers=4, attention="local:4,vq", **TINY)
     specs = config.layer_specs()
     assert [(s.kind, s.option) for s in specs] == [("local", "4"), ("vq", None), ("local", "4"), ("vq", None)]
-    assert [s.is_gau for s in specs] == [False, True, False, True]
+    assert [type(layer).__name__ for layer in LM(config).layers] == ["PreNormBlock", "GAUPair"] * 2
     model = LM(config)
     assert [str(s) for s in model.specs] == ["local:4", "vq", "local:4", "vq"]
     assert LMConfig(n_layers=3, attention=["vq", "delta"], **TINY).layer_specs()[2].kind == "vq"
@@ -531,3 +531,67 @@ def test_bf16_autocast_training_step_and_decoding(kind):
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         step_logits, _, _ = model(ids[:, :1], state)
     assert torch.isfinite(step_logits).all()
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+
+
+def _final_hidden_and_logits(model, ids):
+    """The final-norm output h [B, T, d_model] (read with a hook) and the logits."""
+    captured = []
+    handle = model.norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        logits, _, _ = model(ids)
+    finally:
+        handle.remove()
+    (hidden,) = captured
+    return hidden, logits
+
+
+def test_tied_embeddings_project_with_the_embedding_matrix():
+    tied = make_model("vq", n_layers=1)
+    assert tied.config.tie_embeddings
+    names = [name for name, _ in tied.named_parameters()]
+    assert not any(name.startswith("head") for name in names), names
+    ids = random_ids(2, 9, seed=20)
+    with torch.no_grad():
+        hidden, logits = _final_hidden_and_logits(tied, ids)
+    torch.testing.assert_close(logits, hidden @ tied.embed.weight.T, atol=1e-12, rtol=0)
+
+    untied = make_model("vq", n_layers=1, tie_embeddings=False)
+    assert any(name.startswith("head") for name, _ in untied.named_parameters())
+    with torch.no_grad():
+        hidden, logits = _final_hidden_and_logits(untied, ids)
+    assert (logits - hidden @ untied.embed.weight.T).abs().max() > 1e-3  # the check above can fail
+
+
+def test_a_step_on_the_tied_embedding_moves_the_output_projection():
+    """A token absent from the input reaches the loss only through the output projection:
+    its embedding row gets a gradient, and stepping it changes exactly its logit column."""
+    model = make_model("vq", n_layers=1, vocab_size=64)
+    ids = random_ids(2, 9, vocab=32, seed=21)
+    absent = 40
+    assert not (ids == absent).any()
+    hidden, logits = _final_hidden_and_logits(model, ids)
+    logits[..., absent].sum().backward()
+    row_step = -0.5 * model.embed.weight.grad[absent]
+    assert row_step.abs().max() > 0, "the output projection does not use the embedding"
+    with torch.no_grad():
+        model.embed.weight[absent] += row_step
+        new_logits, _, _ = model(ids)
+    others = [t for t in range(64) if t != absent]
+    torch.testing.assert_close(new_logits[..., others], logits.detach()[..., others], atol=1e-12, rtol=0)
+    expected_change = hidden.detach() @ row_step
+    assert expected_change.abs().max() > 1e-6
+    torch.testing.assert_close(new_logits[..., absent] - logits.detach()[..., absent], expected_change,
+                               atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("vocab_size, d_model", [(256, 16), (97, 24)])
+def test_untying_adds_exactly_one_vocab_by_d_model_matrix(vocab_size, d_model):
+    tied = make_model("vq", n_layers=1, vocab_size=vocab_size, d_model=d_model)
+    untied = make_model("vq", n_layers=1, vocab_size=vocab_size, d_model=d_model, tie_embeddings=False)
+    assert untied.num_parameters() - tied.num_parameters() == vocab_size * d_model
+    assert sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters()) == (
+        vocab_size * d_model
+    )

@@ -110,7 +110,7 @@ def test_errors_name_the_argument():
 
 
 def test_peak_memory_at_64k_is_far_below_the_dense_reference():
-    from linattn.bench.harness import peak_memory
+    from linattn.reporting import peak_memory
 
     T, window = 65536, 256
     q, k, v = make_qkv(B=1, H=1, Hkv=1, T=T, Dk=16, Dv=16, dtype=torch.float32, seed=8)

@@ -330,3 +330,150 @@ def test_usage_perplexity():
     u = vq.usage()
     assert u["perplexity"][0].item() == pytest.approx(1.0, rel=1e-6)
     assert u["dead_codes"].tolist() == [3, 2]
+
+
+# ----------------------------------------------------------------------------- restart statistics, threshold
+
+
+def test_restart_moves_statistics_with_the_code():
+    # codes {25, 1000}, g = 1/2, threshold 0.6: keys 10..40 all go to code 0, code 1's count
+    # decays to 0.5 and it is restarted onto one of them, r. The next EMA step must start
+    # from r with count 1 (not from code 1's old sum 0.5 * 1000 and count 0.5).
+    torch.manual_seed(0)
+    g = 0.5
+    vq = tiny_quantizer([25.0, 1000.0], ema_decay=g, dead_code_threshold=0.6)
+    first = [10.0, 20.0, 30.0, 40.0]
+    vq(as_keys(first))
+    vq.update()
+    r = vq.codebook[0, 1].item()
+    assert r in first, f"code 1 was not restarted onto a key of the batch: {r}"
+    count0, sum0 = g * 1.0 + (1 - g) * 4, g * 25.0 + (1 - g) * sum(first)  # code 0 after step 1
+    # step 2: two keys near r (nearer to r than to code 0 at 25), one near code 0
+    second = [r + 1.0, r + 2.0, 25.5]
+    _, codes, _ = vq(as_keys(second))
+    assert codes.flatten().tolist() == [1, 1, 0]
+    vq.update()
+    count1 = g * 1.0 + (1 - g) * 2  # restarted: count 1, sum r
+    sum1 = g * r + (1 - g) * (second[0] + second[1])
+    expected_counts = [g * count0 + (1 - g) * 1, count1]
+    expected_codes = [(g * sum0 + (1 - g) * second[2]) / expected_counts[0], sum1 / count1]
+    assert vq.ema_counts.flatten().tolist() == pytest.approx(expected_counts, rel=1e-7)
+    assert vq.ema_sums[0, 1, 0].item() == pytest.approx(sum1, rel=1e-7)
+    assert vq.codebook.flatten().tolist() == pytest.approx(expected_codes, rel=1e-6)
+
+
+def test_restart_threshold_is_strict():
+    # g = 1/2 and threshold 1/2: unused code 1 (count 1) decays to exactly 0.5 and stays,
+    # unused code 2 (count just below 1) decays to just below 0.5 and is restarted.
+    torch.manual_seed(0)
+    below = torch.nextafter(torch.tensor(1.0), torch.tensor(0.0)).item()  # float32
+    vq = tiny_quantizer([0.0, 100.0, 200.0], ema_decay=0.5, dead_code_threshold=0.5)
+    with torch.no_grad():
+        vq.ema_counts.copy_(torch.tensor([[1.0, 1.0, below]]))
+        vq.ema_sums.copy_(vq.codebook * vq.ema_counts.unsqueeze(-1))
+    batch = [0.125, -0.25, 0.375, 0.0625]
+    vq(as_keys(batch))
+    vq.update()
+    assert vq.ema_counts[0, 1].item() == 0.5, "the boundary case must be exact"
+    assert vq.codebook[0, 1].item() == 100.0, "a count equal to the threshold is not restarted"
+    assert vq.codebook[0, 2].item() in batch, "a count below the threshold is restarted"
+    assert vq.ema_counts[0, 2].item() == 1.0
+    # usage() counts dead codes with the same strict comparison
+    with torch.no_grad():
+        vq.ema_counts.copy_(torch.tensor([[1.0, 0.5, 0.5 * below]]))
+    assert vq.usage()["dead_codes"].tolist() == [1]
+
+
+# ----------------------------------------------------------------------------- the sync hook
+
+
+class RecordingSync:
+    """A fake collective: records every call; ``"sum"`` adds another rank's tensors,
+    ``"broadcast"`` writes rank 0's tensors (None: this process is rank 0)."""
+
+    def __init__(self, other_rank=None, rank0=None):
+        self.calls, self.other_rank, self.rank0 = [], other_rank, rank0
+
+    def __call__(self, op, tensors):
+        self.calls.append((op, [t.clone() for t in tensors]))
+        source = self.other_rank if op == "sum" else self.rank0
+        if source is not None:
+            for tensor, value in zip(tensors, source):
+                if op == "sum":
+                    tensor += value
+                else:
+                    tensor.copy_(value)
+
+
+def test_update_sums_statistics_over_ranks_through_the_hook():
+    # this rank: keys 1, 2 -> code 0, key 9 -> code 1; the other rank: -1 -> code 0, 11 -> code 1
+    other = (torch.tensor([[1.0, 1.0]]), torch.tensor([[[-1.0], [11.0]]]))
+    sync = RecordingSync(other_rank=other)
+    vq = tiny_quantizer([0.0, 10.0], ema_decay=0.5, sync=sync)
+    vq(as_keys([1.0, 2.0, 9.0]))
+    assert sync.calls == [], "forward must not communicate"
+    vq.update()
+    assert [op for op, _ in sync.calls] == ["sum"], "one all-reduce per update"
+    (counts, sums), = [tensors for _, tensors in sync.calls]
+    assert counts.tolist() == [[2.0, 1.0]] and sums.flatten().tolist() == [3.0, 9.0]
+    # both ranks' keys: code 0 {1, 2, -1}, code 1 {9, 11}
+    counts64 = [0.5 * 1 + 0.5 * 3, 0.5 * 1 + 0.5 * 2]
+    sums64 = [0.5 * 0.0 + 0.5 * 2.0, 0.5 * 10.0 + 0.5 * 20.0]
+    assert vq.ema_counts.flatten().tolist() == counts64
+    assert vq.codebook.flatten().tolist() == [s / c for s, c in zip(sums64, counts64)]
+    sync.other_rank = None  # next step: no rank has statistics
+    vq.update()  # the collective still runs (every rank takes part), nothing changes
+    assert [op for op, _ in sync.calls] == ["sum", "sum"]
+    assert vq.ema_counts.flatten().tolist() == counts64
+
+
+@pytest.mark.parametrize("rank0_restarts", [True, False])
+def test_restart_takes_rank0_choice_through_the_hook(rank0_restarts):
+    # codes 1 and 2 die on this rank's update; rank 0 drew the keys 7 and 8 for them (or,
+    # without keys of its own, restarted nothing)
+    values = torch.tensor([[[0.0], [7.0], [8.0]]])
+    chosen = torch.tensor([[0.0, 1.0, 1.0]]) if rank0_restarts else torch.zeros(1, 3)
+    sync = RecordingSync(rank0=(values, chosen))
+    vq = tiny_quantizer([0.0, 100.0, 200.0], ema_decay=0.5, dead_code_threshold=0.6, sync=sync)
+    batch = [0.125, -0.25, 0.375, 0.0625]
+    vq(as_keys(batch))
+    vq.update()
+    assert [op for op, _ in sync.calls] == ["sum", "broadcast"]
+    local_values, local_chosen = sync.calls[1][1]
+    assert local_chosen.tolist() == [[0.0, 1.0, 1.0]]
+    assert all(v in batch for v in local_values[0, 1:, 0].tolist()), "this rank proposes its own keys"
+    code0 = (0.5 * 0.0 + 0.5 * sum(batch)) / (0.5 + 0.5 * 4)
+    if rank0_restarts:
+        assert vq.codebook.flatten().tolist() == pytest.approx([code0, 7.0, 8.0], rel=1e-7)
+        assert vq.ema_sums.flatten().tolist()[1:] == [7.0, 8.0]
+        assert vq.ema_counts.flatten().tolist()[1:] == [1.0, 1.0]
+    else:
+        assert vq.codebook.flatten().tolist() == pytest.approx([code0, 100.0, 200.0], rel=1e-7)
+        assert vq.ema_counts.flatten().tolist()[1:] == [0.5, 0.5]
+
+
+def test_kmeans_init_takes_rank0_centers_through_the_hook():
+    centers = torch.arange(16.0).reshape(2, 8, 1).expand(2, 8, 3).contiguous()
+    sync = RecordingSync(rank0=(centers, torch.ones(2, 8)))
+    vq = linattn.VectorQuantizer(2, 3, 8, kmeans_init=True, sync=sync)
+    vq(clustered())
+    assert [op for op, _ in sync.calls] == ["broadcast"]
+    assert bool(vq.initialized)
+    assert torch.equal(vq.codebook, centers) and torch.equal(vq.ema_sums, centers)
+    assert torch.equal(vq.ema_counts, torch.ones(2, 8))
+
+
+def test_default_sync_without_process_group_is_a_no_op():
+    from linattn.nn.codebook import distributed_sync
+
+    t = torch.tensor([1.0, 2.0])
+    distributed_sync("sum", [t])
+    distributed_sync("broadcast", [t])
+    assert t.tolist() == [1.0, 2.0]
+    with pytest.raises(ValueError, match="op"):
+        distributed_sync("max", [t])
+
+
+def test_state_dict_keys_are_those_of_earlier_checkpoints():
+    vq = linattn.VectorQuantizer(2, 4, 8, kmeans_init=True, dead_code_threshold=0.5)
+    assert sorted(vq.state_dict()) == ["codebook", "ema_counts", "ema_sums", "initialized"]

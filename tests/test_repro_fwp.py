@@ -112,7 +112,7 @@ def test_softmax_model_retrieves_with_orthogonal_keys():
     """Keys = scaled one-hot embeddings of the key, query = the same: softmax attention
     returns the paired one-hot value exactly."""
     S = 5
-    model = fwp.RetrievalModel(S, fwp.MECHANISMS["softmax"], key_dim=S, emb_dim=S)
+    model = fwp.RetrievalModel(S, fwp.RETRIEVAL_MECHANISMS["softmax"], key_dim=S, emb_dim=S)
     with torch.no_grad():
         model.embedding.weight.copy_(10.0 * torch.eye(S))
         model.write_key.weight.zero_()
@@ -152,19 +152,19 @@ def _reference_read(model: fwp.RetrievalModel, batch: fwp.RetrievalBatch) -> tor
 def test_kernel_models_match_the_papers_update_rules(name):
     torch.manual_seed(0)
     S = 6
-    model = fwp.RetrievalModel(S, fwp.MECHANISMS[name], key_dim=8)
+    model = fwp.RetrievalModel(S, fwp.RETRIEVAL_MECHANISMS[name], key_dim=8)
     batch = fwp.make_update_rule_batch(3, S, num_queries=None, generator=_gen(5))
     with torch.no_grad():
         pred = model(batch.keys, batch.values, batch.queries)
         torch.testing.assert_close(pred, _reference_read(model, batch), atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", list(fwp.MECHANISMS))
+@pytest.mark.parametrize("name", list(fwp.RETRIEVAL_MECHANISMS))
 def test_queries_read_the_final_memory_and_never_write(name):
     """Asking more queries changes no answer (queries do not write, nor see each other)."""
     torch.manual_seed(0)
     S = 7
-    model = fwp.RetrievalModel(S, fwp.MECHANISMS[name], key_dim=8)
+    model = fwp.RetrievalModel(S, fwp.RETRIEVAL_MECHANISMS[name], key_dim=8)
     batch = fwp.make_update_rule_batch(2, S, num_queries=None, generator=_gen(6))  # Q = S < L = 2S
     with torch.no_grad():
         every = model(batch.keys, batch.values, batch.queries)
@@ -179,7 +179,7 @@ def test_queries_read_the_final_memory_and_never_write(name):
 
 
 def test_favor_projection_is_fixed_within_a_run_and_seeded():
-    mech = fwp.MECHANISMS["favor-64"]
+    mech = fwp.RETRIEVAL_MECHANISMS["favor-64"]
     a, b = mech.make_feature_map(3), mech.make_feature_map(3)
     torch.testing.assert_close(a.projection(16), b.projection(16))
     assert not torch.equal(a.projection(16), mech.make_feature_map(4).projection(16))
@@ -191,7 +191,7 @@ def test_favor_projection_is_fixed_within_a_run_and_seeded():
 
 
 def test_d_dot_of_each_mechanism():
-    d = {name: m.d_dot(64) for name, m in fwp.MECHANISMS.items()}
+    d = {name: m.d_dot(64) for name, m in fwp.RETRIEVAL_MECHANISMS.items()}
     assert d["linear-elu"] == 64 and d["dpfp-1"] == 128 and d["dpfp-2"] == 256 and d["dpfp-3"] == 384
     assert d["favor-64"] == 64 and d["favor-512"] == 512 and d["softmax"] is None and d["delta-dpfp-2"] == 256
 
@@ -201,8 +201,8 @@ def test_d_dot_of_each_mechanism():
 
 def test_training_reaches_the_target_loss_on_a_small_problem():
     torch.set_num_threads(1)
-    config = fwp.TrainConfig(max_steps=1500, eval_every=50, seed=0)
-    row = fwp.train_run(fwp.SETTINGS["capacity"], fwp.MECHANISMS["softmax"], 4, config)
+    config = fwp.RetrievalTrainConfig(max_steps=1500, eval_every=50, seed=0)
+    row = fwp.train_run(fwp.SETTINGS["capacity"], fwp.RETRIEVAL_MECHANISMS["softmax"], 4, config)
     assert row["stop_reason"] == "target", row
     assert row["final_eval_loss"] <= 1e-3 and row["final_eval_accuracy"] == 1.0
     assert row["steps"] < 1500 and row["steps"] % 50 == 0
@@ -210,8 +210,8 @@ def test_training_reaches_the_target_loss_on_a_small_problem():
 
 
 def test_training_stops_on_a_plateau():
-    config = fwp.TrainConfig(max_steps=10_000, eval_every=1, patience=2, lr=1e-12, seed=0)
-    row = fwp.train_run(fwp.SETTINGS["update-rule"], fwp.MECHANISMS["sum-dpfp-1"], 4, config)
+    config = fwp.RetrievalTrainConfig(max_steps=10_000, eval_every=1, patience=2, lr=1e-12, seed=0)
+    row = fwp.train_run(fwp.SETTINGS["update-rule"], fwp.RETRIEVAL_MECHANISMS["sum-dpfp-1"], 4, config)
     assert row["stop_reason"] == "plateau" and row["steps"] < 200
 
 
@@ -285,17 +285,17 @@ def test_bad_arguments_exit_with_code_2(argv, capsys):
 
 
 def test_bad_values_raise_value_error(tmp_path):
-    setting, config = fwp.SETTINGS["capacity"], fwp.TrainConfig(max_steps=1)
+    setting, config = fwp.SETTINGS["capacity"], fwp.RetrievalTrainConfig(max_steps=1)
     with pytest.raises(ValueError, match="unknown mechanism"):
         fwp.run_grid(setting, ["nope"], [4], config, progress=False)
     with pytest.raises(ValueError, match=">= 2"):
         fwp.run_grid(setting, ["softmax"], [1], config, progress=False)
     with pytest.raises(ValueError, match="max_steps"):
-        fwp.run_grid(setting, ["softmax"], [4], fwp.TrainConfig(max_steps=0), progress=False)
+        fwp.run_grid(setting, ["softmax"], [4], fwp.RetrievalTrainConfig(max_steps=0), progress=False)
 
 
 def test_worker_processes_give_the_same_rows():
-    setting, config = fwp.SETTINGS["update-rule"], fwp.TrainConfig(max_steps=20, eval_every=10, seed=3)
+    setting, config = fwp.SETTINGS["update-rule"], fwp.RetrievalTrainConfig(max_steps=20, eval_every=10, seed=3)
     grid = dict(mechanisms=["sum-dpfp-1", "delta-linear"], sizes=[4, 6])
     serial = fwp.run_grid(setting, **grid, config=config, progress=False)
     parallel = fwp.run_grid(setting, **grid, config=config, jobs=2, threads=1, progress=False)
@@ -307,7 +307,7 @@ def test_worker_processes_give_the_same_rows():
 @pytest.mark.parametrize("bad", [{"jobs": 0}, {"jobs": 1.5}, {"threads": 0}, {"threads": True}])
 def test_bad_jobs_or_threads_are_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
-        fwp.run_grid(fwp.SETTINGS["capacity"], ["softmax"], [4], fwp.TrainConfig(max_steps=1), progress=False, **bad)
+        fwp.run_grid(fwp.SETTINGS["capacity"], ["softmax"], [4], fwp.RetrievalTrainConfig(max_steps=1), progress=False, **bad)
     with pytest.raises(ValueError, match=next(iter(bad))):
         mqar.run_grid(["softmax"], [16], [(32, 2)], mqar.MQARConfig(steps=1), progress=False, **bad)
 
@@ -320,7 +320,7 @@ def test_summary_names_the_capacity_and_a_mechanism_that_never_solves():
     rows = [row("dpfp-1", 128, 40, 1e-4), row("dpfp-1", 128, 80, 5e-4), row("dpfp-1", 128, 160, 0.1, 0.95),
             row("linear-elu", 64, 40, 0.2, 0.6), row("linear-elu", 64, 80, 0.3, 0.4),
             row("linear-elu", 64, 160, 1e-4, 1.0)]
-    config = fwp.TrainConfig()
+    config = fwp.RetrievalTrainConfig()
     summary = fwp.summarize(rows, target_loss=config.target_loss)
     assert summary["dpfp-1"]["largest_size_all_solved"] == 80 and summary["dpfp-1"]["solved_sizes"] == [40, 80]
     assert summary["linear-elu"]["largest_size_all_solved"] is None and summary["linear-elu"]["solved_sizes"] == [160]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
 import linattn.repro.cli
+from linattn.cli import main
 from linattn.repro import fwp_retrieval as fwp, mqar
-from linattn.repro._parallel import JOURNAL_NAME, RunJournal, map_runs
+from linattn.repro.framework import JOURNAL_NAME, RunJournal, map_runs
 
 
 class _Bar:
@@ -72,7 +75,7 @@ def _fwp_rows(out, monkeypatch, *, resume, max_steps=20, calls=None):
             return real(*args, **kwargs)
 
         monkeypatch.setattr(fwp, "_train_named", counted)
-    config = fwp.TrainConfig(max_steps=max_steps, eval_every=10, seed=1)
+    config = fwp.RetrievalTrainConfig(max_steps=max_steps, eval_every=10, seed=1)
     result = fwp.run_experiment(fwp.CAPACITY, mechanisms=["softmax", "linear-elu"], sizes=[4, 6], config=config,
                                 out_dir=out, command="test", progress=False, resume=resume)
     monkeypatch.undo()
@@ -153,7 +156,7 @@ def test_resume_flag_of_the_commands(tmp_path, monkeypatch, capsys, argv):
 
 
 def test_grid_split_by_mechanism_assembles_from_concatenated_journals(tmp_path, monkeypatch):
-    config = fwp.TrainConfig(max_steps=10, eval_every=10, seed=2)
+    config = fwp.RetrievalTrainConfig(max_steps=10, eval_every=10, seed=2)
     parts = {"a": ["softmax"], "b": ["linear-elu"]}
     for name, mechanisms in parts.items():
         fwp.run_experiment(fwp.CAPACITY, mechanisms=mechanisms, sizes=[4], config=config, out_dir=tmp_path / name,
@@ -177,7 +180,7 @@ def test_grid_split_by_mechanism_assembles_from_concatenated_journals(tmp_path, 
 
 
 def test_worker_runs_report_their_steps_to_the_parent():
-    config = fwp.TrainConfig(max_steps=30, eval_every=10, seed=1, target_loss=1e-12)
+    config = fwp.RetrievalTrainConfig(max_steps=30, eval_every=10, seed=1, target_loss=1e-12)
     grid = [("capacity", "softmax", 4, config), ("capacity", "linear-elu", 6, config)]
     seen = []
 
@@ -194,7 +197,7 @@ def test_worker_runs_report_their_steps_to_the_parent():
 
 
 def test_report_only_reports_the_recorded_runs_and_trains_nothing(tmp_path, monkeypatch):
-    config = fwp.TrainConfig(max_steps=20, eval_every=10, seed=1)
+    config = fwp.RetrievalTrainConfig(max_steps=20, eval_every=10, seed=1)
     grid = dict(mechanisms=["softmax", "linear-elu"], config=config, command="test", progress=False)
     with pytest.raises(ValueError, match="--report-only: .* holds none of this grid's runs"):
         fwp.run_experiment(fwp.CAPACITY, sizes=[4, 6], out_dir=tmp_path, report_only=True, **grid)
@@ -234,3 +237,33 @@ def test_report_only_flag_on_the_command_line(tmp_path, monkeypatch, capsys):
     args = parser.parse_args(argv[:3] + ["4", "5"] + argv[4:] + ["--report-only"])  # S = 5 never ran
     assert args.handler(args) == 0
     assert "1 of the grid's 2 runs are recorded" in capsys.readouterr().out
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+@pytest.mark.parametrize("name, argv, train", [
+    ("repro-fwp-update-rule", ["fwp-update-rule", "--max-steps", "3000"], (fwp, "_train_named")),
+    ("repro-mqar", ["mqar"], (mqar, "train_run")),
+])
+def test_report_only_regenerates_a_committed_report_from_its_journal(tmp_path, monkeypatch, name, argv, train):
+    """A journal committed under docs/results still reads: --report-only rebuilds its page and rows."""
+    committed = RESULTS / name
+    out = tmp_path / name
+    out.mkdir()
+    shutil.copy(committed / JOURNAL_NAME, out / JOURNAL_NAME)
+    journal = (out / JOURNAL_NAME).read_bytes()
+
+    def fail(*args, **kwargs):
+        raise AssertionError("--report-only trained a run")
+
+    monkeypatch.setattr(*train, fail)
+    assert main(["repro", *argv, "--report-only", "--no-progress", "--out", str(out)]) == 0
+    assert (out / JOURNAL_NAME).read_bytes() == journal
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows == json.loads((committed / "results.json").read_text())["rows"]
+    # The page is the committed one but for its command line (line 3) and closing line (this invocation).
+    new, old = ((path / "results.md").read_text().splitlines() for path in (out, committed))
+    assert new[:2] + new[3:-1] == old[:2] + old[3:-1]
+    assert "Interim report (--report-only)" in new[-1]
+

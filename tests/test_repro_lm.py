@@ -15,8 +15,8 @@ def _parser():
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="experiment", required=True)
     command = sub.add_parser("lm")
-    lm_quality.add_arguments(command)
-    command.set_defaults(handler=lm_quality.run_command)
+    lm_quality.command.add_arguments(command)
+    command.set_defaults(handler=lm_quality.command.run_command)
     return parser
 
 

@@ -22,9 +22,9 @@ def _gen(seed: int = 0) -> torch.Generator:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="x", required=True)
-    command = sub.add_parser("mqar", help=mqar.HELP, description=mqar.DESCRIPTION)
-    mqar.add_arguments(command)
-    command.set_defaults(handler=mqar.run_command)
+    command = sub.add_parser("mqar", help=mqar.command.HELP, description=mqar.command.DESCRIPTION)
+    mqar.command.add_arguments(command)
+    command.set_defaults(handler=mqar.command.run_command)
     return parser
 
 
@@ -130,7 +130,7 @@ def test_query_logits_equal_the_full_forward_at_the_query_positions(mechanism):
 
 def test_model_config_maps_the_mechanisms():
     config = mqar.MQARConfig(window=24)
-    specs = {name: mqar.model_config(name, 64, config).attention for name in mqar.MECHANISMS}
+    specs = {name: mqar.model_config(name, 64, config).attention for name in mqar.MQAR_LAYER_SPECS}
     assert specs == {"softmax": "softmax", "vq": "vq", "delta": "delta", "linear-elu": "linear:elu",
                      "favor": "favor", "local": "local:24"}
     vq = mqar.model_config("vq", 64, config)

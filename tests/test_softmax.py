@@ -292,3 +292,50 @@ def test_half_precision_large_scores(dtype, impl):
     assert torch.isfinite(out).all()
     tol = 1e-2 if dtype == torch.float16 else 4e-2
     assert (out.to(F64) - expected).abs().max().item() <= tol * v.abs().max().item()
+
+
+# ----------------------------------------------------------------------------- rows that see no key
+
+
+def _dead_row_cases():
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    keep[0, :, 3] = False  # batch 0: row 3 sees nothing
+    keep[1, :, 0] = False  # batch 1: row 0 sees nothing
+    return keep
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rows_that_see_no_key_give_zero_output_and_zero_gradient(impl, causal):
+    """One answer in every impl: a fully masked row is 0 and passes no gradient; the other
+    rows are the softmax over the keys they keep, written out here."""
+    q, k, v = make_qkv(B=2, H=2, Hkv=1, T=6, Dk=4, Dv=3, seed=11)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    keep = _dead_row_cases()
+    out = softmax_attention(q, k, v, causal=causal, bias=keep, impl=impl, block_size=4)
+    visible = keep & (torch.ones(6, 6, dtype=torch.bool).tril() if causal else True)
+    expected = torch.zeros_like(out)
+    for b in range(2):
+        for h in range(2):
+            for i in range(6):
+                cols = visible[b, 0, i].nonzero().flatten()
+                if cols.numel():
+                    weights = torch.softmax(q[b, h, i] @ k[b, 0, cols].T / 2.0, -1)
+                    expected[b, h, i] = weights @ v[b, 0, cols]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    for grad, want in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, want, rtol=1e-10, atol=1e-12)
+    assert grads[0][0, :, 3].abs().max() == 0 and grads[0][1, :, 0].abs().max() == 0
+
+
+def test_callable_bias_that_hides_a_row_gives_zero_in_both_impls():
+    q, k, v = make_qkv(B=1, H=1, Hkv=1, T=5, Dk=4, Dv=4, seed=12)
+
+    def hide_offset_zero_row(offsets):  # -inf everywhere: every row sees nothing
+        return torch.full(offsets.shape, float("-inf"), dtype=F64)
+
+    for impl in ("reference", "tiled"):
+        out = softmax_attention(q, k, v, bias=hide_offset_zero_row, impl=impl)
+        assert torch.equal(out, torch.zeros_like(out))

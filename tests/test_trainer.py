@@ -643,3 +643,59 @@ def test_training_resets_the_carried_state_every_carry_windows(tmp_path, monkeyp
         checkpoint_every=0, carry_windows=3, threads=1)
     trainer_module.train(model_config, train_config, progress=False, echo=lambda *a: None)
     assert seen == [True, False, False, True, False, False, True]
+
+
+# ------------------------------------------------------- resume with dead-code restarts on
+
+
+def _record_restart_draws(monkeypatch, interrupt_after: int | None = None) -> list[bool]:
+    """Wrap ``LM.update_codebooks`` (once per step) to record whether it drew from torch's
+    global RNG, which only dead-code restarts do; raise SIGINT after call ``interrupt_after``."""
+    draws: list[bool] = []
+    original = LM.update_codebooks
+
+    def update_codebooks(self):
+        before = torch.get_rng_state()
+        original(self)
+        draws.append(not torch.equal(before, torch.get_rng_state()))
+        if len(draws) == interrupt_after:
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(LM, "update_codebooks", update_codebooks)
+    return draws
+
+
+def test_resume_restores_the_rng_that_dead_code_restarts_draw_from(tmp_path, monkeypatch):
+    """With dead-code restarts drawing random keys at every step (a threshold above the EMA
+    count of a code left unused for one step), a run interrupted after step 4 and resumed
+    matches the uninterrupted run bit for bit, which needs the RNG state of step 4 back."""
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(3000, seed=2))
+    model_config = tiny_model("vq", n_layers=1, dead_code_threshold=1.0, ema_decay=0.99)
+    steps, stop_after = 8, 4
+
+    def run_config(name):
+        return TrainConfig(data=str(data), out=str(tmp_path / name), steps=steps, batch_size=4, context=32,
+                           lr=3e-3, warmup_steps=2, eval_every=0, log_every=1, checkpoint_every=0, threads=1)
+
+    draws = _record_restart_draws(monkeypatch)
+    reference = train(model_config, run_config("full"), progress=False, echo=quiet)
+    assert any(draws[:stop_after]) and any(draws[stop_after:]), f"no restarts before or after the stop: {draws}"
+
+    monkeypatch.undo()
+    _record_restart_draws(monkeypatch, interrupt_after=stop_after)
+    stopped = train(model_config, run_config("resumed"), progress=False, echo=quiet)
+    assert stopped["interrupted"] == "SIGINT" and stopped["step"] == stop_after
+    monkeypatch.undo()
+    draws = _record_restart_draws(monkeypatch)
+    resumed = train(None, None, resume=True, out=tmp_path / "resumed", progress=False, echo=quiet)
+    assert resumed["start_step"] == stop_after and resumed["step"] == steps
+    assert any(draws), "the resumed steps drew no restarts"
+
+    losses = [r["loss"] for r in train_records(read_metrics(tmp_path / "full"))]
+    resumed_losses = [r["loss"] for r in train_records(read_metrics(tmp_path / "resumed"))]
+    assert len(losses) == steps and resumed_losses == losses
+    final, resumed_final = reference["model"].state_dict(), resumed["model"].state_dict()
+    assert sorted(final) == sorted(resumed_final)
+    for name, value in final.items():
+        assert torch.equal(resumed_final[name], value), name

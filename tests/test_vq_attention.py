@@ -507,3 +507,25 @@ def test_bad_mode_and_state_type():
         linattn.vq_attention(q, k_hat, v, codes, codebook, initial_state=(1, 2))
     with pytest.raises(ValueError, match="temperature"):
         linattn.soft_vq_attention(q, k_hat, v, codebook, temperature=0.0)
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+@pytest.mark.parametrize("bad_code", [99, -1])
+def test_codes_out_of_range_are_a_clear_error(bad_code):
+    q, k_hat, v, codes, codebook = make_vq()
+    codes = codes.clone()
+    codes[1, 0, 3] = bad_code
+    with pytest.raises(ValueError, match=r"codes must lie in \[0, 8\)"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "block"])
+def test_keys_that_are_not_their_codes_are_a_clear_error(mode):
+    q, k_hat, v, codes, codebook = make_vq()
+    shifted = k_hat + 0.5
+    with pytest.raises(ValueError, match="k_hat must equal codebook"):
+        linattn.vq_attention(q, shifted, v, codes, codebook, block_size=4, mode=mode)
+    out, _ = linattn.vq_attention(q, shifted, v, codes, codebook, block_size=4, mode=mode, check_inputs=False)
+    assert out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[-1])

@@ -5,7 +5,7 @@ Functional ops follow the layout of ``torch.nn.functional.scaled_dot_product_att
 """
 
 from . import feature_maps, models, nn
-from .models import LM, LMConfig
+from .models import LM, LayerKind, LMConfig, register_layer_kind
 from .ops.delta import delta_rule
 from .ops.linear import linear_attention
 from .ops.linformer import linformer_attention
@@ -14,7 +14,7 @@ from .ops.lsh import lsh_attention
 from .ops.strided import strided_attention
 from .ops.softmax import softmax_attention
 from .ops.vq import soft_vq_attention, vq_attention
-from .quantize import VectorQuantizer
+from .nn import Codebook, VectorQuantizer
 from .state import DeltaNetState, DeltaRuleState, KVCacheState, LinearAttentionState, LMState, VQAttentionState
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "vq_attention",
     "soft_vq_attention",
     "VectorQuantizer",
+    "Codebook",
     "VQAttentionState",
     "KVCacheState",
     "LinearAttentionState",
@@ -38,6 +39,8 @@ __all__ = [
     "LMState",
     "LM",
     "LMConfig",
+    "LayerKind",
+    "register_layer_kind",
     "models",
     "feature_maps",
     "nn",

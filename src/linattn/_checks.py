@@ -40,10 +40,25 @@ def check_int(name: str, value: object, *, minimum: int = 1, optional: bool = Fa
     return value
 
 
-def check_positive_number(name: str, value: object) -> float:
-    """``value`` is a number (not bool) greater than zero; else ValueError naming ``name``."""
-    if not is_number(value) or not value > 0:
-        raise ValueError(f"{name} must be a positive number, got {value!r}")
+def check_positive_number(name: str, value: object, *, finite: bool = False) -> float:
+    """``value`` is a number (not bool) greater than zero, and finite when ``finite``; else
+    ValueError naming ``name``."""
+    if not is_number(value) or not value > 0 or (finite and not math.isfinite(value)):
+        raise ValueError(f"{name} must be a {'finite ' if finite else ''}positive number, got {value!r}")
+    return float(value)
+
+
+def check_fraction(name: str, value: object) -> float:
+    """``value`` is a number (not bool) in ``[0, 1]``; else ValueError naming ``name``."""
+    if not is_number(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_non_negative_number(name: str, value: object) -> float:
+    """``value`` is a finite number (not bool) ``>= 0``; else ValueError naming ``name``."""
+    if not is_number(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
 
 
@@ -224,19 +239,29 @@ def config_from_dict(cls, values: dict[str, Any], what: str):
 # -- command-line arguments ------------------------------------------------------------------
 
 
-def int_at_least(minimum: int, what: str = "a count") -> Callable[[str], int]:
-    """An argparse type accepting integers ``>= minimum``; ``what`` names the quantity in the error."""
+def _int_type(accepts: Callable[[int], bool], wanted: str) -> Callable[[str], int]:
+    """An argparse type: an integer for which ``accepts`` holds; the error says ``wanted``."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {what} (an integer >= {minimum}), got {text!r}")
+        if value is None or not accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
         return value
 
     return parse
+
+
+def int_at_least(minimum: int, what: str = "a count") -> Callable[[str], int]:
+    """An argparse type accepting integers ``>= minimum``; ``what`` names the quantity in the error."""
+    return _int_type(lambda value: value >= minimum, f"{what} (an integer >= {minimum})")
+
+
+def int_between(low: int, high: int, what: str = "a count") -> Callable[[str], int]:
+    """An argparse type accepting integers in ``[low, high]``; ``what`` names the quantity in the error."""
+    return _int_type(lambda value: low <= value <= high, f"{what} in [{low}, {high}]")
 
 
 def positive_float(text: str) -> float:
@@ -252,3 +277,22 @@ def positive_float(text: str) -> float:
 
 positive_int = int_at_least(1, "a positive count")
 non_negative_int = int_at_least(0, "a count")
+
+
+_DEVICE_HELP = "cpu, cuda or cuda:N"
+
+
+def check_device(name: str, value: object) -> str:
+    """``value`` names a device this package runs on: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``."""
+    kind, _, index = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if kind not in ("cpu", "cuda") or (index and (kind != "cuda" or not index.isdigit())):
+        raise ValueError(f"{name} must be {_DEVICE_HELP}, got {value!r}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """An argparse type for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    try:
+        return check_device("--device", text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a device ({_DEVICE_HELP}), got {text!r}") from None

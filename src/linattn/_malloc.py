@@ -4,9 +4,8 @@ A training step allocates the same large temporaries every time (one-hot value t
 feature maps, their gradients). glibc's malloc serves every block above its mmap
 threshold (at most 32 MiB) with a fresh ``mmap`` and returns it with ``munmap``, so each
 step page-faults its large tensors in again: the kernel zeroes every page before torch
-writes it. On this project's 2-core CPU a FAVOR+ (512) capacity run at S = 600 trains
-1.7-1.8x faster with freed memory kept (README, "Reproductions", with the command). Where
-memory comes from changes no arithmetic: results are bit-identical.
+writes it; keeping freed memory avoids those page faults (measured speed-ups:
+docs/results.md). Where memory comes from changes no arithmetic: results are bit-identical.
 
 ``retain_freed_memory()`` sets, through ``mallopt`` and in ``os.environ`` (so that spawned
 worker processes start with them), ``MALLOC_MMAP_MAX_=0`` (no mmap'd blocks: large blocks

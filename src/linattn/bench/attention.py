@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from .. import reporting
 from .._checks import non_negative_int as _non_negative_int
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
@@ -29,7 +30,7 @@ from ..ops.lsh import lsh_attention
 from ..ops.softmax import softmax_attention
 from ..ops.strided import strided_attention
 from ..ops.vq import vq_attention
-from ..quantize import VectorQuantizer
+from ..nn.quantizer import VectorQuantizer
 from . import report
 from .harness import Case, Inputs, run_cases
 
@@ -315,13 +316,13 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
         repeats=config.repeats, warmup=config.warmup, device=config.device, progress=progress,
         backward_max_length=config.backward_max_length, profile_top=config.profile_top,
     )
-    metadata = report.collect_metadata(device=config.device, command=command, shapes=config.shapes)
+    metadata = reporting.collect_metadata(device=config.device, command=command, shapes=config.shapes)
     metadata.update(repeats=config.repeats, warmup=config.warmup, baseline=BASELINE, seed=config.seed)
     summary = summarize(rows)
     table = report.markdown_table(rows, baseline=BASELINE)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
+    files = [reporting.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
     markdown = out_dir / "results.md"
     markdown.write_text(f"# bench attention\n\n`{command}`\n\n{table}\n```\n{format_summary(summary)}\n```\n")
     files.append(markdown)

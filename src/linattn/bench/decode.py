@@ -18,25 +18,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .. import reporting
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.vq import vq_attention
-from ..quantize import VectorQuantizer
-from . import report
+from ..nn.quantizer import VectorQuantizer
 from .harness import median
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
 
-# A mechanism: prefill(q, k, v) -> state; step(q1, k1, v1, state) -> state.
-Mechanism = tuple[Callable, Callable]
+# A decoding case: prefill(q, k, v) -> state; step(q1, k1, v1, state) -> state.
+DecodeCase = tuple[Callable, Callable]
 
 
-def _recurrent(run: Callable) -> Mechanism:
+def _recurrent(run: Callable) -> DecodeCase:
     """An op with a carried state: prefill is the same call from no state."""
     return (lambda q, k, v: run(q, k, v, None)), run
 
 
-def _vq(heads: int, dim: int, block_size: int = 128) -> Mechanism:
+def _vq(heads: int, dim: int, block_size: int = 128) -> DecodeCase:
     quantizer = VectorQuantizer(heads, dim, 512).eval()
 
     def run(q, k, v, state):
@@ -47,14 +47,14 @@ def _vq(heads: int, dim: int, block_size: int = 128) -> Mechanism:
     return _recurrent(run)
 
 
-def _linear(heads: int, dim: int) -> Mechanism:
+def _linear(heads: int, dim: int) -> DecodeCase:
     def run(q, k, v, state):
         return linear_attention(q, k, v, feature_map="elu", initial_state=state, output_final_state=True)[1]
 
     return _recurrent(run)
 
 
-def _delta(heads: int, dim: int) -> Mechanism:
+def _delta(heads: int, dim: int) -> DecodeCase:
     def run(q, k, v, state):
         beta = torch.full(k.shape[:3], 0.5)
         return delta_rule(q, k, v, beta, initial_state=state, output_final_state=True)[1]
@@ -62,7 +62,7 @@ def _delta(heads: int, dim: int) -> Mechanism:
     return _recurrent(run)
 
 
-def _kv_cache(heads: int, dim: int) -> Mechanism:
+def _kv_cache(heads: int, dim: int) -> DecodeCase:
     """Exact attention: the state is every key and value so far (the KV cache)."""
 
     def prefill(q, k, v):
@@ -76,7 +76,7 @@ def _kv_cache(heads: int, dim: int) -> Mechanism:
     return prefill, step
 
 
-MECHANISMS: dict[str, Callable[[int, int], Mechanism]] = {
+DECODE_CASES: dict[str, Callable[[int, int], DecodeCase]] = {
     "vq-b128": _vq,
     "linear-elu": _linear,
     "delta": _delta,
@@ -85,8 +85,8 @@ MECHANISMS: dict[str, Callable[[int, int], Mechanism]] = {
 
 
 def measure(name: str, contexts, *, heads: int, dim: int, tokens: int, seed: int = 0) -> list[dict]:
-    """Median seconds per decoded token of mechanism ``name`` at each context length."""
-    prefill, step = MECHANISMS[name](heads, dim)
+    """Median seconds per decoded token of the case ``name`` at each context length."""
+    prefill, step = DECODE_CASES[name](heads, dim)
     rows = []
     with torch.no_grad():
         for context in contexts:
@@ -110,7 +110,7 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``linattn bench decode``."""
     parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS), metavar="C")
-    parser.add_argument("--cases", nargs="+", choices=list(MECHANISMS), default=list(MECHANISMS), metavar="CASE")
+    parser.add_argument("--cases", nargs="+", choices=list(DECODE_CASES), default=list(DECODE_CASES), metavar="CASE")
     parser.add_argument("--tokens", type=int, default=32, help="timed decoding steps per context (median kept)")
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64)
@@ -137,8 +137,8 @@ def run_command(args: argparse.Namespace) -> int:
     table = "\n".join(lines)
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = {"batch": 1, "heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts}
-    metadata = report.collect_metadata(device="cpu", command=args.command_line, shapes=shapes)
-    report.write_json(args.out / "results.json", rows=rows, metadata=metadata, summary=summary)
+    metadata = reporting.collect_metadata(device="cpu", command=args.command_line, shapes=shapes)
+    reporting.write_json(args.out / "results.json", rows=rows, metadata=metadata, summary=summary)
     (args.out / "results.md").write_text(f"# bench decode\n\n`{args.command_line}`\n\nper-token time\n\n{table}\n")
     print(table)
     print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}")

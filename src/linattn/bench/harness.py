@@ -6,8 +6,8 @@ What is measured, per case and sequence length T:
 - forward+backward time: ``fn(q, k, v).backward(cotangent)`` with gradients on q, k, v
   and a fixed random cotangent (drawn once per length, outside the timed region);
 - peak memory of each: the largest amount of memory in use during one call, above what
-  was in use just before it (CPU: resident set size of the process; CUDA: the caching
-  allocator's allocated bytes).
+  was in use just before it (``linattn.reporting.peak_memory``; CPU: resident set size of
+  the process; CUDA: the caching allocator's allocated bytes).
 
 Times are medians of ``repeats`` calls after ``warmup`` untimed calls; on CUDA every
 call is bracketed by ``torch.cuda.synchronize``.
@@ -18,21 +18,17 @@ time goes, as the operators with the most self time (``profile_call``).
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from .._checks import check_int
-
-_PROC_STATUS = Path("/proc/self/status")
-_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+from ..reporting import peak_memory
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -77,59 +73,6 @@ def time_call(fn: Callable[[], object], *, repeats: int, warmup: int = 1, device
         _synchronize(device)
         times.append(time.perf_counter() - start)
     return times
-
-
-def _status_kib(field: str) -> int:
-    """A ``kB`` field (``VmRSS``, ``VmHWM``) of /proc/self/status, in KiB."""
-    for line in _PROC_STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(f"{field} not in {_PROC_STATUS}")
-
-
-def _cpu_peak_memory(fn: Callable[[], object]) -> int | None:
-    """Peak resident-set growth during ``fn()``: VmHWM after minus VmRSS before.
-
-    Freed heap memory is first handed back to the OS (``malloc_trim``) so it does not
-    hide in the baseline, and the high-water mark is reset (``clear_refs`` 5).
-    """
-    if not (_PROC_STATUS.exists() and _PROC_CLEAR_REFS.exists()):
-        return None
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:  # not glibc: the baseline may include freed-but-kept heap pages
-        pass
-    try:
-        _PROC_CLEAR_REFS.write_text("5")
-    except OSError:
-        return None
-    baseline = _status_kib("VmRSS")
-    fn()
-    return max(_status_kib("VmHWM") - baseline, 0) * 1024
-
-
-def _cuda_peak_memory(fn: Callable[[], object], device: torch.device) -> int:
-    """Peak allocated CUDA bytes during ``fn()`` above those allocated before it."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    baseline = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - baseline
-
-
-def peak_memory(fn: Callable[[], object], device: torch.device | str) -> int | None:
-    """Bytes of peak extra memory used while ``fn()`` runs; None where it cannot be measured.
-
-    CPU: process resident set (Linux /proc), so it counts every allocation, torch's or
-    not, that is touched. CUDA: ``max_memory_allocated - memory_allocated`` before.
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        return _cuda_peak_memory(fn, device)
-    if device.type == "cpu":
-        return _cpu_peak_memory(fn)
-    return None
 
 
 def profile_call(fn: Callable[[], object], *, device: torch.device | str, top: int) -> dict:

@@ -1,23 +1,16 @@
-"""Writers for benchmark results: JSON (rows + metadata), a Markdown table, PNG plots.
+"""Benchmark tables and plots: the timing table, the profile tables, log-log PNG plots.
 
-Rows are the dicts of ``harness.run_cases``. Speed ratios are ``baseline time / case
-time`` at the same length in the same run, so ``10.3x`` means the case is 10.3 times
-faster than the baseline.
+Rows are the dicts of ``harness.run_cases``; metadata and the JSON file are written by
+``linattn.reporting``. Speed ratios are ``baseline time / case time`` at the same length
+in the same run, so ``10.3x`` means the case is 10.3 times faster than the baseline.
 """
 
 from __future__ import annotations
 
-import json
-import platform
 from collections.abc import Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
-from .. import __version__
-from .._files import write_text_atomic
-from .._malloc import malloc_settings
+from ..reporting import pyplot, save_figure
 
 _MIB = 2**20
 _PLOTS = (
@@ -25,43 +18,6 @@ _PLOTS = (
     ("forward_backward_time.png", "forward_backward_s", "forward+backward time (s)", "forward + backward"),
 )
 _MEMORY_PANELS = (("forward_peak_bytes", "forward (no grad)"), ("forward_backward_peak_bytes", "forward + backward"))
-
-
-def device_name(device: torch.device | str) -> str:
-    """Human-readable name of the device: the GPU model, or the CPU model from /proc/cpuinfo."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def collect_metadata(*, device: torch.device | str, command: str, shapes: dict) -> dict:
-    """What a reader needs to reproduce or compare a run."""
-    return {
-        "linattn_version": __version__,
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "device": str(torch.device(device)),
-        "device_name": device_name(device),
-        "threads": torch.get_num_threads(),
-        "malloc": malloc_settings(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-        "shapes": shapes,
-    }
-
-
-def write_json(path: Path, *, rows: Sequence[dict], metadata: dict, summary: dict | None = None) -> Path:
-    """Write ``{"metadata", "rows", "summary"}`` as indented JSON (atomically)."""
-    path = Path(path)
-    write_text_atomic(path, json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n")
-    return path
 
 
 def find_row(rows: Sequence[dict], case: str, length: int) -> dict | None:
@@ -177,11 +133,7 @@ def _plot_lines(axis, rows: Sequence[dict], key: str, scale: float = 1.0) -> Non
 
 def write_plots(rows: Sequence[dict], out_dir: Path, *, title: str) -> list[Path]:
     """Log-log forward time, forward+backward time and peak memory against T, one line per case."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     out_dir = Path(out_dir)
     paths = []
     for filename, key, ylabel, subtitle in _PLOTS:
@@ -189,18 +141,12 @@ def write_plots(rows: Sequence[dict], out_dir: Path, *, title: str) -> list[Path
         _plot_lines(axis, rows, key)
         axis.set_ylabel(ylabel)
         axis.set_title(f"{title}: {subtitle}")
-        figure.tight_layout()
-        paths.append(out_dir / filename)
-        figure.savefig(paths[-1], dpi=120)
-        plt.close(figure)
+        paths.append(save_figure(figure, out_dir / filename))
     figure, axes = plt.subplots(1, 2, figsize=(12, 5))
     for axis, (key, subtitle) in zip(axes, _MEMORY_PANELS):
         _plot_lines(axis, rows, key, scale=1 / _MIB)
         axis.set_ylabel("peak extra memory (MiB)")
         axis.set_title(f"{title}: peak memory, {subtitle}")
-    figure.tight_layout()
-    paths.append(out_dir / "peak_memory.png")
-    figure.savefig(paths[-1], dpi=120)
-    plt.close(figure)
+    paths.append(save_figure(figure, out_dir / "peak_memory.png"))
     return paths
 

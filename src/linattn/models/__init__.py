@@ -1,7 +1,9 @@
 """Language models built from the attention layers: ``LMConfig`` and ``LM``."""
 
-from .config import LAYER_SPEC_HELP, LayerSpec, LMConfig, parse_layer_spec
+from .config import LMConfig
+from .layers import LayerKind, LayerSpec, layer_kinds, layer_spec_help, parse_layer_spec, register_layer_kind
 from .lm import LM
 from .sampling import sample_next
 
-__all__ = ["LM", "LMConfig", "LayerSpec", "parse_layer_spec", "sample_next", "LAYER_SPEC_HELP"]
+__all__ = ["LM", "LMConfig", "LayerKind", "LayerSpec", "layer_kinds", "layer_spec_help", "parse_layer_spec",
+           "register_layer_kind", "sample_next"]

@@ -8,62 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import check_int_fields, config_from_dict
-
-# Layer kinds: a GAU pair (Transformer-VQ's layout, no feed-forward) or a pre-norm block
-# of multi-head attention + SwiGLU feed-forward.
-GAU_KINDS = {"vq": "vq", "soft-vq": "soft-vq", "gau-softmax": "softmax"}
-BLOCK_KINDS = ("softmax", "linear", "favor", "delta", "local")
-LINEAR_FEATURE_MAPS = ("elu", "relu", "identity", "exp", "dpfp", "taylor")
-
-LAYER_SPEC_HELP = (
-    "layer attention specs: 'vq' (Transformer-VQ GAU pair), 'soft-vq', 'gau-softmax' (the GAU's quadratic twin), "
-    "'softmax', 'linear:elu' / 'linear:relu' / 'linear:dpfp' / 'linear:dpfp:NU' / 'linear:taylor', 'favor' / "
-    "'favor:M', 'delta' / 'delta:dpfp' / 'delta:elu', 'local' / 'local:WINDOW'"
-)
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One parsed layer spec: ``kind`` plus its option (feature map, window, ...)."""
-
-    kind: str
-    option: str | None = None
-
-    def __str__(self) -> str:
-        return self.kind if self.option is None else f"{self.kind}:{self.option}"
-
-    @property
-    def is_gau(self) -> bool:
-        return self.kind in GAU_KINDS
-
-
-def parse_layer_spec(spec: str) -> LayerSpec:
-    """Parse ``"vq"``, ``"linear:dpfp:2"``, ``"local:256"``, ... (see ``LAYER_SPEC_HELP``)."""
-    if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"a layer attention spec must be a non-empty string; got {spec!r}. {LAYER_SPEC_HELP}")
-    kind, _, option = spec.strip().partition(":")
-    option = option or None
-    bad = ValueError(f"unknown layer attention spec {spec!r}. {LAYER_SPEC_HELP}")
-    if kind in GAU_KINDS or kind == "softmax":
-        if option is not None:
-            raise bad
-    elif kind == "linear":
-        name, _, nu = (option or "").partition(":")
-        if name not in LINEAR_FEATURE_MAPS or (nu and (name != "dpfp" or not nu.isdigit() or int(nu) < 1)):
-            raise bad
-    elif kind == "favor":
-        if option is not None and (not option.isdigit() or int(option) < 1):
-            raise bad
-    elif kind == "delta":
-        if option is not None and option.partition(":")[0] not in LINEAR_FEATURE_MAPS:
-            raise bad
-    elif kind == "local":
-        if option is not None and (not option.isdigit() or int(option) < 1):
-            raise bad
-    else:
-        raise bad
-    return LayerSpec(kind, option)
-
+from .layers import LayerSpec, layer_kind, layer_spec_help, parse_layer_spec
 
 @dataclass
 class LMConfig:
@@ -115,13 +60,14 @@ class LMConfig:
         check_int_fields(self, "LMConfig", ("softmax_memory",), minimum=0)
         if self.n_heads % (self.n_kv_heads or self.n_heads):
             raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
-        self.layer_specs()  # validates the attention pattern
+        for spec in self.layer_specs():  # validates the attention pattern, then each kind its settings
+            layer_kind(spec).check_config(self, spec)
 
     def layer_specs(self) -> list[LayerSpec]:
         """The parsed spec of each of the ``n_layers`` layers."""
         pattern = self.attention.split(",") if isinstance(self.attention, str) else list(self.attention)
         if not pattern:
-            raise ValueError(f"LMConfig.attention is empty. {LAYER_SPEC_HELP}")
+            raise ValueError(f"LMConfig.attention is empty. {layer_spec_help()}")
         specs = [parse_layer_spec(spec) for spec in pattern]
         if len(specs) > self.n_layers:
             raise ValueError(f"LMConfig.attention lists {len(specs)} layers but n_layers={self.n_layers}")

@@ -6,92 +6,14 @@ import math
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_int
-from ..nn.attention import Attention, truncate_cache
-from ..nn.delta_net import DeltaNet
-from ..nn.gau import GAU
-from ..ops.feature_maps import FAVOR
-from ..state import KVCacheState, LMState
-from .config import GAU_KINDS, LayerSpec, LMConfig
+from ..nn.quantizer import VectorQuantizer
+from ..state import LMState
+from .config import LMConfig
+from .layers import layer_kind
 from .sampling import sample_next
-
-
-class _SwiGLU(nn.Module):
-    """``W_down(SiLU(W_gate x) * W_up x)``, no biases."""
-
-    def __init__(self, d_model: int, hidden: int):
-        super().__init__()
-        self.w_gate = nn.Linear(d_model, hidden, bias=False)
-        self.w_up = nn.Linear(d_model, hidden, bias=False)
-        self.w_down = nn.Linear(hidden, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-
-def _mixer(config: LMConfig, spec: LayerSpec, index: int) -> nn.Module:
-    """The token mixer of a pre-norm block for ``spec`` (every kind except the GAU pairs)."""
-    heads = dict(n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
-    if spec.kind == "delta":
-        feature_map = spec.option or "identity"
-        normalize = "l2" if feature_map == "identity" else "sum"
-        return DeltaNet(config.d_model, config.n_heads, feature_map=feature_map, normalize=normalize,
-                        short_conv=config.delta_short_conv, chunk_size=config.chunk_size, **heads)
-    common = dict(chunk_size=config.chunk_size, rotary_base=config.rotary_base, **heads)
-    if spec.kind == "linear":
-        return Attention(config.d_model, config.n_heads, mechanism="linear", feature_map=spec.option, **common)
-    if spec.kind == "favor":
-        features = FAVOR(int(spec.option or config.favor_features), seed=config.feature_seed + index)
-        return Attention(config.d_model, config.n_heads, mechanism="linear", feature_map=features, **common)
-    if spec.kind == "local":
-        window = int(spec.option or config.local_window)
-        return Attention(config.d_model, config.n_heads, mechanism="local", window=window, **common)
-    return Attention(config.d_model, config.n_heads, mechanism="softmax", **common)
-
-
-class _Block(nn.Module):
-    """Pre-norm block: ``x + mixer(norm(x))`` then ``x + SwiGLU(norm(x))``."""
-
-    def __init__(self, config: LMConfig, spec: LayerSpec, index: int):
-        super().__init__()
-        self.spec = spec
-        self.mixer_norm = nn.RMSNorm(config.d_model)
-        self.mixer = _mixer(config, spec, index)
-        self.ffn_norm = nn.RMSNorm(config.d_model)
-        self.ffn = _SwiGLU(config.d_model, config.ffn_width)
-
-    def forward(self, x, state):
-        mixed, state = self.mixer(self.mixer_norm(x), state)
-        x = x + mixed
-        return x + self.ffn(self.ffn_norm(x)), state, []
-
-
-class _GAUPair(nn.Module):
-    """Transformer-VQ's layer: two gated attention units, each ``x + GAU(x)`` (pre-norm inside)."""
-
-    def __init__(self, config: LMConfig, spec: LayerSpec):
-        super().__init__()
-        self.spec = spec
-        options = dict(
-            d_k=config.gau_d_k, d_v=config.gau_d_v, codebook_size=config.codebook_size,
-            block_size=config.block_size, attention=GAU_KINDS[spec.kind],
-            temperature=config.soft_vq_temperature, ema_decay=config.ema_decay,
-            commitment_weight=config.commitment_weight, kmeans_init=config.kmeans_init,
-            dead_code_threshold=config.dead_code_threshold,
-        )
-        self.units = nn.ModuleList([GAU(config.d_model, **options) for _ in range(2)])
-
-    def forward(self, x, state):
-        states, auxes = [], []
-        for unit, unit_state in zip(self.units, state or (None, None)):
-            y, unit_state, aux = unit(x, unit_state)
-            x = x + y
-            states.append(unit_state)
-            auxes.append(aux)
-        return x, tuple(states), auxes
 
 
 class LM(nn.Module):
@@ -112,19 +34,21 @@ class LM(nn.Module):
         self.config = config
         self.specs = config.layer_specs()
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
-        self.layers = nn.ModuleList(
-            _GAUPair(config, spec) if spec.is_gau else _Block(config, spec, i) for i, spec in enumerate(self.specs)
-        )
+        self.layers = nn.ModuleList(layer_kind(spec).build(config, spec, i) for i, spec in enumerate(self.specs))
         self.norm = nn.RMSNorm(config.d_model)
         self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self._init_weights()
 
     def _init_weights(self) -> None:
+        """Normal init of every linear and embedding weight with ``init_std``; the output
+        projections of each layer (as its ``LayerKind`` names them) with
+        ``init_std / sqrt(2 n_layers)`` (GPT-2's residual scaling)."""
         output_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
+        outputs = {f"layers.{i}.{name}" for i, spec in enumerate(self.specs)
+                   for name in layer_kind(spec).output_projections}
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                last = name.rsplit(".", 1)[-1]
-                std = output_std if last in ("o_proj", "w_o", "w_down") else self.config.init_std
+                std = output_std if name in outputs else self.config.init_std
                 nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def num_parameters(self) -> int:
@@ -163,8 +87,9 @@ class LM(nn.Module):
         commit = x.new_zeros((), dtype=torch.float32)
         perplexities = []
         for aux in unit_aux:
-            commit = commit + aux["commit_loss"].float()
-            if aux["codes"] is not None:
+            if "commit_loss" in aux:
+                commit = commit + aux["commit_loss"].float()
+            if aux.get("codes") is not None:
                 counts = torch.bincount(aux["codes"].flatten(), minlength=self.config.codebook_size).float()
                 probs = counts / counts.sum()
                 perplexities.append(torch.exp(-(probs * probs.clamp_min(1e-30).log()).sum()))
@@ -173,9 +98,9 @@ class LM(nn.Module):
 
     # -- training helpers ------------------------------------------------------------------
 
-    def quantizers(self) -> list[nn.Module]:
-        return [unit.quantizer for layer in self.layers if isinstance(layer, _GAUPair)
-                for unit in layer.units if unit.quantizer is not None]
+    def quantizers(self) -> list[VectorQuantizer]:
+        """Every VQ unit's quantizer, in layer order."""
+        return [module for module in self.modules() if isinstance(module, VectorQuantizer)]
 
     @torch.no_grad()
     def update_codebooks(self) -> None:
@@ -196,16 +121,17 @@ class LM(nn.Module):
 
     def carry(self, state: LMState) -> LMState:
         """The state to pass to the next training/eval window: detached (Transformer-XL),
-        exact-softmax caches (``softmax`` and ``gau-softmax`` layers) cut to the last
-        ``config.softmax_memory`` keys so memory and time per window stay bounded."""
-        layers = []
-        for spec, layer_state in zip(self.specs, state.detach().layers):
-            if spec.kind == "softmax":
-                layer_state = truncate_cache(layer_state, self.config.softmax_memory)
-            elif spec.kind == "gau-softmax":
-                layer_state = tuple(truncate_cache(unit, self.config.softmax_memory) for unit in layer_state)
-            layers.append(layer_state)
-        return LMState(layers=tuple(layers), steps=state.steps)
+        then each layer's ``LayerKind.carry`` (exact-softmax caches of ``softmax`` and
+        ``gau-softmax`` layers are cut to the last ``config.softmax_memory`` keys so memory
+        and time per window stay bounded)."""
+        layers = tuple(layer_kind(spec).carry(layer_state, self.config)
+                       for spec, layer_state in zip(self.specs, state.detach().layers))
+        return LMState(layers=layers, steps=state.steps)
+
+    @property
+    def has_growing_cache(self) -> bool:
+        """Whether some layer's decode state grows with the context (exact softmax)."""
+        return any(layer_kind(spec).growing_cache for spec in self.specs)
 
     # -- generation ------------------------------------------------------------------------
 

@@ -1,9 +1,13 @@
-"""Attention layers (``nn.Module``s) built on the functional ops."""
+"""Attention layers (``nn.Module``s) built on the functional ops, and the VQ quantizer."""
 
 from .attention import Attention
+from .codebook import Codebook, kmeans
 from .delta_net import DeltaNet
 from .gau import GAU
 from .linformer import LinformerAttention
+from .quantizer import VectorQuantizer
 from .short_conv import ShortConvolution
 
-__all__ = ["Attention", "DeltaNet", "GAU", "LinformerAttention", "ShortConvolution"]
+__all__ = [
+    "Attention", "Codebook", "DeltaNet", "GAU", "LinformerAttention", "ShortConvolution", "VectorQuantizer", "kmeans",
+]

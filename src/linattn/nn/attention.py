@@ -10,9 +10,10 @@ from ..ops.linear import linear_attention
 from ..ops.local import local_attention
 from ..ops.softmax import softmax_attention
 from ..state import KVCacheState, LinearAttentionState
+from .._checks import check_choice
 from .rotary import apply_rotary
 
-MECHANISMS = ("softmax", "linear", "local")
+_MECHANISMS = ("softmax", "linear", "local")
 
 
 class Attention(nn.Module):
@@ -29,8 +30,9 @@ class Attention(nn.Module):
     (``rotary=None`` = on for softmax/local, off for linear: causal kernel attention has
     no use for them). Heads: ``n_heads`` query heads sharing ``n_kv_heads`` key/value heads.
 
-    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], state)``; passing the
-    state back continues the sequence, so token-by-token decoding equals the full pass.
+    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], state, aux)`` (``aux`` is
+    empty: the layer interface of ``docs/design.md``); passing the state back continues the
+    sequence, so token-by-token decoding equals the full pass.
     """
 
     def __init__(
@@ -48,8 +50,7 @@ class Attention(nn.Module):
         rotary_base: float = 10000.0,
     ):
         super().__init__()
-        if mechanism not in MECHANISMS:
-            raise ValueError(f"mechanism must be one of {', '.join(MECHANISMS)}; got {mechanism!r}")
+        check_choice("mechanism", mechanism, _MECHANISMS)
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_kv_heads < 1 or n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
@@ -68,7 +69,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, state: KVCacheState | LinearAttentionState | None = None
-    ) -> tuple[torch.Tensor, KVCacheState | LinearAttentionState]:
+    ) -> tuple[torch.Tensor, KVCacheState | LinearAttentionState, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
         B, T, _ = x.shape
@@ -82,7 +83,7 @@ class Attention(nn.Module):
         # outside it, on the projections' dtype.
         with torch.autocast(x.device.type, enabled=False):
             out, state = self._attend(q, k.to(q.dtype), v.to(q.dtype), state)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state, {}
 
     def _attend(self, q, k, v, state):
         if self.mechanism == "linear":

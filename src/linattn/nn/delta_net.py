@@ -16,7 +16,7 @@ class DeltaNet(nn.Module):
     a causal depthwise short convolution + SiLU) and ``beta = sigmoid(W_beta x)`` per
     key/value head (``beta = 1`` with ``use_beta=False``). No projection biases.
 
-    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], DeltaNetState)``;
+    ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], DeltaNetState, aux={})``;
     passing the returned state back continues the sequence (token-by-token decoding
     equals the full pass).
     """
@@ -53,7 +53,7 @@ class DeltaNet(nn.Module):
             self.conv = ShortConvolution((n_heads + 2 * n_kv_heads) * head_dim, kernel_size=short_conv)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, state: DeltaNetState | None = None) -> tuple[torch.Tensor, DeltaNetState]:
+    def forward(self, x: torch.Tensor, state: DeltaNetState | None = None) -> tuple[torch.Tensor, DeltaNetState, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
         B, T, _ = x.shape
@@ -80,4 +80,4 @@ class DeltaNet(nn.Module):
                 output_final_state=True,
             )
         y = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-        return y, DeltaNetState(rule=rule_state, conv=conv_cache, steps=rule_state.steps)
+        return y, DeltaNetState(rule=rule_state, conv=conv_cache, steps=rule_state.steps), {}

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..ops.vq import windowed_softmax
 from ..ops.vq import soft_vq_attention, vq_attention
-from ..quantize import VectorQuantizer
+from .quantizer import VectorQuantizer
 from ..state import KVCacheState, VQAttentionState
 
 _ATTENTIONS = ("vq", "soft-vq", "softmax")
@@ -119,7 +119,7 @@ class GAU(nn.Module):
             aux["codes"] = codes
             out, state = vq_attention(
                 queries, k_hat, v, codes, self.quantizer.codebook.to(dtype),
-                initial_state=state, output_final_state=True, **common,
+                initial_state=state, output_final_state=True, check_inputs=False, **common,
             )
         elif self.attention == "soft-vq":
             wide = torch.float64 if dtype == torch.float64 else torch.float32  # soft keys are built in float32

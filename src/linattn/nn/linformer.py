@@ -12,8 +12,8 @@ class LinformerAttention(nn.Module):
     """``y = W_o linformer(W_q x, W_k x, W_v x; E, F)`` with learned length projections
     ``E, F [k, max_len]`` shared by all heads (the paper's head-wise sharing).
 
-    ``forward(x [B, T, d_model])`` with ``T <= max_len`` -> ``[B, T, d_model]``. Non-causal:
-    for encoders only.
+    ``forward(x [B, T, d_model], state=None)`` with ``T <= max_len`` -> ``(y [B, T, d_model], None, {})``
+    (the common layer interface; there is no state to carry). Non-causal: for encoders only.
     """
 
     def __init__(self, d_model: int, n_heads: int, max_len: int, k: int = 256):
@@ -28,12 +28,14 @@ class LinformerAttention(nn.Module):
         self.E = nn.Parameter(torch.randn(k, max_len) / k**0.5)
         self.F = nn.Parameter(torch.randn(k, max_len) / k**0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        if state is not None:
+            raise ValueError("LinformerAttention is non-causal and carries no state; state must be None")
         B, T, _ = x.shape
         heads = lambda t: t.reshape(B, T, self.n_heads, -1).transpose(1, 2)  # noqa: E731
         out = linformer_attention(
             heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)), self.E.to(x.dtype), self.F.to(x.dtype)
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.d_model))
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.d_model)), None, {}

@@ -26,3 +26,36 @@ def relative_bias_table(
             f"bias callable returned shape {list(table.shape)} for {n} offsets; expected [{n}] or [{heads}, {n}]"
         )
     return table.to(dtype)
+
+
+def diagonal_gather(values: torch.Tensor, columns: int) -> torch.Tensor:
+    """``M[..., a, c] = values[..., a, c - a + R - 1]``: ``values [..., R or 1, R + C - 1]`` -> ``[..., R, C]``.
+
+    Row a of the result reads ``values`` along a diagonal, so ``M[a, c]`` depends on
+    ``c - a`` (and on a when ``values`` has one row per a). Built from pad, reshape and
+    slice only: its backward adds each gradient into exactly one place, in a fixed order,
+    so gradients do not depend on the thread count (an index or gather backward with
+    repeated indices accumulates in a thread-dependent order).
+    """
+    R = values.shape[-1] - columns + 1
+    values = torch.nn.functional.pad(values, (0, 1)).expand(*values.shape[:-2], R, values.shape[-1] + 1)
+    # flat index of row a, column k is a (R + C) + k; M[a, c] sits at a (R + C - 1) + c + R - 1
+    width = R + columns - 1
+    flat = values.reshape(*values.shape[:-2], R * (width + 1))
+    return flat[..., R - 1 : R - 1 + R * width].unflatten(-1, (R, width))[..., :columns]
+
+
+def offset_rows(table: torch.Tensor, first_offset: int, rows: int, columns: int, low: int, high: int) -> torch.Tensor:
+    """``M[..., a, c] = table[..., o - low]`` with ``o = first_offset + a - c`` when ``low <= o <= high``, else 0.
+
+    ``table [..., 1 or rows, high - low + 1]`` holds one value per offset ``low..high``
+    (shared by all rows, or one row of values per a); the result is ``[..., rows, columns]``.
+    Deterministic backward (see ``diagonal_gather``).
+    """
+    lo, hi = first_offset - (columns - 1), first_offset + rows - 1  # offsets the result reads
+    left, right = max(0, low - lo), max(0, hi - high)
+    start, stop = max(lo, low) - low, min(hi, high) - low + 1
+    if start >= stop:
+        return table.new_zeros(*table.shape[:-2], rows, columns)
+    ext = torch.nn.functional.pad(table[..., start:stop], (left, right))  # offsets lo..hi
+    return diagonal_gather(ext.flip(-1), columns)

@@ -20,6 +20,7 @@ import torch
 
 from ..state import LinearAttentionState
 from .._checks import (
+    check_non_negative_number,
     check_bool,
     check_choice,
     check_positive_int,
@@ -218,6 +219,7 @@ def linear_attention(
     check_choice("normalize", normalize, _NORMALIZE)
     check_choice("mode", mode, (None,) + _MODES)
     check_positive_int("chunk_size", chunk_size)
+    check_non_negative_number("eps", eps)
     if mode is None:
         mode = "recurrent" if causal and shapes.length == 1 else "chunk"
 

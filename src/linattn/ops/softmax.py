@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ._bias import relative_bias_table
+from ._bias import offset_rows, relative_bias_table
 from .._checks import (
     is_number,
     check_bool,
@@ -82,10 +82,12 @@ def _dense_bias(bias: torch.Tensor, B: int, H: int, T: int, S: int, like: torch.
     return bias4.to(like.dtype)
 
 
-def _gather_table(table: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, key_length: int) -> torch.Tensor:
-    """``[Hb, len(rows), len(cols)]`` block of a relative-bias table."""
-    index = rows[:, None] - cols[None, :] + (key_length - 1)
-    return table[:, index]
+def _table_block(table: torch.Tensor, key_length: int, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    """Rows ``r0..r1-1`` and columns ``c0..c1-1`` of ``bias(i - j)`` from the table
+    ``[Hb, T + S - 1]`` over offsets ``-(S - 1)..T - 1``: ``[Hb, r1 - r0, c1 - c0]``
+    (deterministic backward, see ``_bias.offset_rows``)."""
+    high = table.shape[-1] - key_length
+    return offset_rows(table.unsqueeze(-2), r0 - c0, r1 - r0, c1 - c0, -(key_length - 1), high)
 
 
 def _reference(q, k, v, causal, bias):
@@ -100,7 +102,9 @@ def _reference(q, k, v, causal, bias):
         T, S = scores.shape[-2:]
         future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    masked_rows = scores.amax(-1, keepdim=True) == float("-inf")  # rows that see no key: output 0
+    probs = torch.softmax(scores.masked_fill(masked_rows, 0.0), dim=-1).masked_fill(masked_rows, 0.0)
+    return probs @ v
 
 
 def _sdpa(q, k, v, causal, bias):
@@ -135,9 +139,7 @@ class _TiledBias:
             cols = slice(c0, c1) if d.shape[3] > 1 else slice(None)
             return self._grouped(d[:, :, rows, cols])
         if self.table is not None:
-            rows = torch.arange(r0, r1, device=device)
-            cols = torch.arange(c0, c1, device=device)
-            return self._grouped(_gather_table(self.table, rows, cols, self.key_length).unsqueeze(0))
+            return self._grouped(_table_block(self.table, self.key_length, r0, r1, c0, c1).unsqueeze(0))
         return None
 
     def accumulate_grad(self, grad_dense, grad_table, ds, r0, r1, c0, c1):
@@ -214,8 +216,9 @@ class _TiledSoftmax(torch.autograd.Function):
                 l = l * alpha + p.sum(-1)
                 acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, c0:c1, :].unsqueeze(2)
                 m = m_new
-            out[..., r0:r1, :] = acc / l.unsqueeze(-1)
-            lse[..., r0:r1] = m + torch.log(l)
+            seen = l > 0  # a row that sees no key gets output 0 and, through lse = inf, zero gradients
+            out[..., r0:r1, :] = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1.0).unsqueeze(-1), 0.0)
+            lse[..., r0:r1] = torch.where(seen, m + torch.log(l), float("inf"))
         ctx.save_for_backward(q, k, v, dense, table, out, lse)
         ctx.causal, ctx.block_size = causal, block_size
         return out
@@ -282,6 +285,8 @@ def softmax_attention(
 
     Returns:
         ``[B, H, T, Dv]`` in q's dtype (computed in float32, float64 for float64 input).
+        A query row whose every score is -inf (a keep-mask row that is all False) gets
+        output 0 and passes zero gradient, in every ``impl`` (as torch's SDPA does).
     """
     check_bool("causal", causal)
     shapes = check_qkv(q, k, v, same_length=causal)
@@ -308,8 +313,6 @@ def softmax_attention(
         out = _TiledSoftmax.apply(qf.reshape(B, shapes.kv_heads, G, T, -1), kf, vf, dense, table, causal, block_size)
         return out.reshape(B, H, T, -1).to(q.dtype)
     if table is not None:
-        rows = torch.arange(T, device=q.device)
-        cols = torch.arange(S, device=q.device)
-        dense = _gather_table(table, rows, cols, S).unsqueeze(0)
+        dense = _table_block(table, S, 0, T, 0, S).unsqueeze(0)
     fn = _reference if impl == "reference" else _sdpa
     return fn(qf, kf, vf, causal, dense).to(q.dtype)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import VQAttentionState
-from ._bias import relative_bias_table
+from ._bias import offset_rows, relative_bias_table
 from .._checks import (
     check_positive_number,
     check_bool,
@@ -74,10 +74,10 @@ def _window_bias(bias, heads: int, kv_heads: int, block_size: int, device, dtype
     return table.reshape(1, 1, L + 1)
 
 
-def _offset_bias(table: torch.Tensor, offsets: torch.Tensor, L: int) -> torch.Tensor:
-    """``b[i - j]`` for a matrix of offsets, zero outside ``0 <= i - j <= L``: ``[h, g, *offsets]``."""
-    inside = (offsets >= 0) & (offsets <= L)
-    return table[..., offsets.clamp(0, L)] * inside
+def _offset_bias(table: torch.Tensor, first_offset: int, rows: int, columns: int, L: int) -> torch.Tensor:
+    """``b[i - j]`` with ``i - j = first_offset + a - c`` for row a and column c, zero outside
+    ``0 <= i - j <= L``: table ``[h, g, L + 1]`` -> ``[h, g, rows, columns]``."""
+    return offset_rows(table.unsqueeze(-2), first_offset, rows, columns, 0, L)
 
 
 def _position_keys(position_keys, heads: int, kv_heads: int, block_size: int, key_dim: int, like):
@@ -98,12 +98,11 @@ def _position_keys(position_keys, heads: int, kv_heads: int, block_size: int, ke
     return P.reshape(1, 1, n, key_dim)
 
 
-def _position_scores(q, position_keys, offsets, L):
-    """``q_i . P_{i-j}`` for ``0 <= i - j <= L``, else 0: q ``[..., r, D]``, offsets ``[r, c]``."""
+def _position_scores(q, position_keys, first_offset: int, columns: int, L: int):
+    """``q_i . P_{i-j}`` for ``0 <= i - j <= L``, else 0, with ``i - j = first_offset + a - c``:
+    q ``[..., r, D]`` -> ``[..., r, columns]``."""
     per_offset = q @ position_keys.transpose(-1, -2)  # [..., r, L + 1]
-    index = offsets.clamp(0, L).expand(*per_offset.shape[:-1], offsets.shape[-1])
-    inside = (offsets >= 0) & (offsets <= L)
-    return per_offset.gather(-1, index) * inside
+    return offset_rows(per_offset, first_offset, q.shape[-2], columns, 0, L)
 
 
 def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0):
@@ -114,9 +113,9 @@ def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0):
     rows = torch.arange(past, past + q.shape[-2], device=q.device)
     offsets = rows[:, None] - torch.arange(k.shape[-2], device=q.device)[None, :]
     if table is not None:
-        scores = scores + _offset_bias(table, offsets, L)
+        scores = scores + _offset_bias(table, past, q.shape[-2], k.shape[-2], L)
     if positions_k is not None:
-        scores = scores + _position_scores(q, positions_k.unsqueeze(0), offsets, L)
+        scores = scores + _position_scores(q, positions_k.unsqueeze(0), past, k.shape[-2], L)
     if causal:
         scores = scores.masked_fill(offsets < 0, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v.unsqueeze(2)
@@ -197,7 +196,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
     offsets = L + rows[:, None] - torch.arange(2 * L, device=q.device)[None, :]
     window = torch.zeros(L, 2 * L, dtype=dtype, device=q.device).masked_fill(offsets < 0, float("-inf"))
     if table is not None:
-        window = window + _offset_bias(table, offsets, L)
+        window = window + _offset_bias(table, L, L, 2 * L, L)
     window_without_prev = window.clone()
     window_without_prev[..., :L] = float("-inf")
     positions = positions_k.unsqueeze(0) if positions_k is not None else None
@@ -220,8 +219,8 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
         scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
         scores[..., : 2 * L] += window if with_prev else window_without_prev
         if positions is not None:
-            scores[..., : 2 * L] += _position_scores(q_r, positions, offsets, L)
-        scores[..., 2 * L :] += torch.log(run_counts)[:, :, None, None, :]
+            scores[..., : 2 * L] += _position_scores(q_r, positions, L, 2 * L, L)
+        scores[..., 2 * L :] += _log_counts(run_counts)[:, :, None, None, :]
         outs.append(torch.softmax(scores, dim=-1) @ values.unsqueeze(2))
         if with_prev:
             # Block r's previous block is two blocks behind block r + 1: it enters the cache.
@@ -242,9 +241,72 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
             if full_blocks >= 1
             else ((state.prev_keys, state.prev_values, state.prev_codes) if has_prev else (None, None, None))
         ),
-        "cache": final_cache,
+        "cache": (final_cache[0], _means(final_cache[1], final_cache[0])),
     }
     return out, new_state
+
+
+def _decode(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, dtype):
+    """The block form for T new positions that stay inside the current block (``p + T <= L``),
+    e.g. one generated token: only the new queries are scored, against the previous block,
+    the current block so far and the S cache slots, ``[T, L + p + T + S]`` scores instead of
+    the block form's ``[L, 2L + S]``, each group read in place (no concatenated copy of the
+    keys, values or cache). The cache (counts and means) is used as it is and changes only
+    when the block completes: then the previous block enters it and the completed block
+    becomes the previous one. Same arguments and result as ``_block``.
+    """
+    B, Hkv, G, T, D = q.shape
+    E, S = v.shape[-1], codebook.shape[1]
+    if state is None:
+        p, has_prev = 0, False
+        counts, means = q.new_zeros(B, Hkv, S), q.new_zeros(B, Hkv, S, E)
+    else:
+        p, has_prev = state.partial_keys.shape[2], state.prev_keys is not None
+        if p:
+            k = torch.cat([state.partial_keys.to(dtype), k], dim=2)
+            v = torch.cat([state.partial_values.to(dtype), v], dim=2)
+            codes = torch.cat([state.partial_codes.to(codes.dtype), codes], dim=2)
+        counts, means = state.cache_counts.to(dtype), state.cache_means.to(dtype)
+    rows = q.reshape(B, Hkv, G * T, D)
+    window = [rows @ k.transpose(-1, -2)]  # [B, Hkv, G T, p + T]
+    if has_prev:
+        prev = (state.prev_keys.to(dtype), state.prev_values.to(dtype), state.prev_codes)
+        window.insert(0, rows @ prev[0].transpose(-1, -2))
+    window = torch.cat(window, dim=-1).reshape(B, Hkv, G, T, -1)
+    first = (L if has_prev else 0) + p  # offset i - j of query 0 and window column 0
+    columns = first + T
+    if table is not None:
+        window = window + _offset_bias(table, first, T, columns, L)
+    if positions_k is not None:
+        window = window + _position_scores(q, positions_k.unsqueeze(0), first, columns, L)
+    if T > 1:
+        offsets = first + torch.arange(T, device=q.device)[:, None] - torch.arange(columns, device=q.device)
+        window = window.masked_fill(offsets < 0, float("-inf"))
+    cache = torch.einsum("bhqd,hsd->bhqs", rows, codebook) + _log_counts(counts).unsqueeze(2)
+    probs = torch.softmax(torch.cat([window.reshape(B, Hkv, G * T, columns), cache], dim=-1), dim=-1)
+    out = probs[..., first - p : columns] @ v + probs[..., columns:] @ means
+    if has_prev:
+        out = out + probs[..., :L] @ prev[1]
+    out = out.reshape(B, Hkv, G, T, E)
+
+    if p + T < L:
+        return out, {"partial": (k, v, codes),
+                     "prev": prev if has_prev else (None, None, None), "cache": (counts, means)}
+    if has_prev:  # the completed block pushes the previous one into the cache
+        entering = prev[1] if cache_grad else prev[1].detach()
+        new_counts, sums = _code_statistics(prev[2].unsqueeze(2), entering.unsqueeze(2), S)
+        if codes.is_floating_point() and not cache_grad:
+            new_counts = new_counts.detach()
+        sums = means * counts.unsqueeze(-1) + sums.squeeze(2)
+        counts = counts + new_counts.squeeze(2)
+        means = _means(sums, counts)
+    return out, {"partial": (k[:, :, :0], v[:, :, :0], codes[:, :, :0]), "prev": (k, v, codes),
+                 "cache": (counts, means)}
+
+
+def _log_counts(counts: torch.Tensor) -> torch.Tensor:
+    """``log n_s``, ``-inf`` where ``n_s = 0`` (computed on clamped counts: log(0) is slow)."""
+    return counts.clamp_min(torch.finfo(counts.dtype).tiny).log().masked_fill(counts == 0, float("-inf"))
 
 
 def _check_codes(codes, codebook, B, Hkv, T, like):
@@ -267,6 +329,22 @@ def _check_codes(codes, codebook, B, Hkv, T, like):
     return codes.long(), codebook
 
 
+def _check_codes_match_keys(codes: torch.Tensor, codebook: torch.Tensor, k_hat: torch.Tensor) -> None:
+    """Hard codes lie in ``[0, S)`` and ``k_hat[b, h, t] == codebook[h, codes[b, h, t]]``."""
+    S = codebook.shape[1]
+    low, high = torch.aminmax(codes)
+    if low < 0 or high >= S:
+        raise ValueError(f"codes must lie in [0, {S}) (codebook_size S = {S}), got values in [{int(low)}, {int(high)}]")
+    looked_up = torch.gather(codebook.unsqueeze(0).expand(codes.shape[0], -1, -1, -1), 2,
+                             codes.unsqueeze(-1).expand(*codes.shape, codebook.shape[-1]))
+    if not torch.equal(looked_up, k_hat.detach()):
+        gap = (looked_up - k_hat.detach()).abs().max().item()
+        raise ValueError(
+            f"k_hat must equal codebook[h, codes] (the quantized keys); they differ by up to {gap:.3g}. "
+            "Pass the keys VectorQuantizer returns, or check_inputs=False if they differ on purpose"
+        )
+
+
 def vq_attention(
     q: torch.Tensor,
     k_hat: torch.Tensor,
@@ -283,6 +361,7 @@ def vq_attention(
     cache_grad: bool = False,
     initial_state: VQAttentionState | None = None,
     output_final_state: bool = False,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, VQAttentionState | None]:
     """Softmax attention over vector-quantized keys (Transformer-VQ).
 
@@ -303,11 +382,17 @@ def vq_attention(
         mode: ``"parallel"`` (quadratic reference) or ``"block"`` (linear; default).
         cache_grad: let gradients flow through the cache into v (the paper stops them).
         initial_state / output_final_state: carry a ``VQAttentionState`` (block mode).
+        check_inputs: verify that every code lies in ``[0, S)`` and that ``k_hat`` equals
+            ``codebook[h, codes]`` exactly (the block form reads the codebook where the
+            reference reads ``k_hat``, so keys that are not their codes would give two
+            answers). Costs one gather, one comparison and one host sync per call; callers
+            whose keys come from a ``VectorQuantizer`` (the GAU layer) may switch it off.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
     """
     check_bool("causal", causal)
+    check_bool("check_inputs", check_inputs)
     shapes = check_qkv(q, k_hat, v, key_name="k_hat")
     check_choice("mode", mode, (None,) + _MODES)
     check_positive_int("block_size", block_size)
@@ -317,6 +402,8 @@ def vq_attention(
     if codebook.shape[0] != Hkv or codebook.shape[2] != Dk:
         raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}]")
     S = codebook.shape[1]
+    if check_inputs and not codes.is_floating_point():
+        _check_codes_match_keys(codes, codebook, k_hat)
     mode = mode or "block"
     scale = resolve_scale(scale, Dk)
     if not causal and (bias is not None or position_keys is not None):
@@ -358,11 +445,13 @@ def vq_attention(
         out = windowed_softmax(qf, kf, vf, table, positions_k, L, causal)
         return out.reshape(B, H, T, Dv).to(q.dtype), None
 
-    out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, cache_grad, initial_state, dtype)
+    filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
+    form = _decode if filled + T <= L else _block
+    out, pieces = form(qf, kf, vf, codes, cb, table, positions_k, L, cache_grad, initial_state, dtype)
     out = out.reshape(B, H, T, Dv).to(q.dtype)
     if not output_final_state:
         return out, None
-    counts, sums = pieces["cache"]
+    counts, means = pieces["cache"]
     partial_k, partial_v, partial_codes = pieces["partial"]
     prev_k, prev_v, prev_codes = pieces["prev"]
     state = VQAttentionState(
@@ -370,7 +459,7 @@ def vq_attention(
         partial_values=partial_v,
         partial_codes=partial_codes,
         cache_counts=counts,
-        cache_means=_means(sums, counts),
+        cache_means=means,
         prev_keys=prev_k,
         prev_values=prev_v,
         prev_codes=prev_codes,

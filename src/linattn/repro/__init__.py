@@ -1,6 +1,10 @@
 """Reproductions of the seed papers' experiments at CPU scale (``linattn repro ...``).
 
-``fwp_retrieval``: the synthetic associative-retrieval experiments of "Linear Transformers
-Are Secretly Fast Weight Programmers" (seed 001), Setting 1 (capacity) and Setting 2
-(update rules). ``cli``: the ``repro`` command group, one subcommand per module.
+``framework``: the experiment protocol every reproduction follows (spec, shared flags,
+seeded generators, run journal and worker pool, result files). The experiments:
+``fwp_retrieval`` (+ ``fwp_model``, ``fwp_report``): the synthetic associative-retrieval
+experiments of "Linear Transformers Are Secretly Fast Weight Programmers" (seed 001),
+Setting 1 (capacity) and Setting 2 (update rules); ``mqar`` (+ ``mqar_report``):
+multi-query associative recall (Zoology); ``lm_quality``: byte-level language-model quality
+per mechanism. ``cli``: the ``repro`` command group, one subcommand per experiment.
 """

@@ -15,26 +15,22 @@ import argparse
 import json
 import math
 import shutil
-import time
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from .._checks import int_at_least as _int_at_least, non_negative_int as _non_negative_int
-from .._checks import positive_float as _positive_float
-from ..bench import report
-from ..bench.harness import peak_memory
+from .._checks import int_at_least, non_negative_int, positive_float
 from ..data import load_corpus
 from ..models import LMConfig
+from ..reporting import markdown_table_lines, peak_memory, pyplot, save_figure
 from ..train import TrainConfig, evaluate_bpb, train
-from ._parallel import JOURNAL_NAME, RunJournal, map_runs, reuse_note
+from . import framework
+from .framework import Experiment, ExperimentSpec, Grid, reuse_note
 
-HELP = "byte-level LM quality per mechanism at equal budget (bpb, tokens/s, memory)"
-DESCRIPTION = __doc__.split("\n\n", 1)[1]
-
-MECHANISMS = {
+# CLI name -> LMConfig attention spec.
+LM_QUALITY_SPECS = {
     "softmax": "softmax",
     "vq": "vq",
     "delta": "delta",
@@ -80,7 +76,7 @@ def _step_memory(model, args: argparse.Namespace) -> int | None:
 
 
 def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:
-    config = model_config(MECHANISMS[name], args)
+    config = model_config(LM_QUALITY_SPECS[name], args)
     run_dir = out_dir / "runs" / name
     train_config = TrainConfig(
         data=args.data, out=str(run_dir), steps=args.steps, batch_size=args.batch_size, context=args.context,
@@ -103,7 +99,7 @@ def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_token
     schedule = evaluate_bpb(model, test_tokens, batch_size=1, reset_every=train_config.carry_windows, **evaluate)
     carried = evaluate_bpb(model, test_tokens, batch_size=1, carry_state=True, **evaluate)
     return {
-        "mechanism": name, "spec": MECHANISMS[name], "parameters": model.num_parameters(),
+        "mechanism": name, "spec": LM_QUALITY_SPECS[name], "parameters": model.num_parameters(),
         "validation_bpb": summary["final_bpb"], "test_bpb_reset": reset["bpb"],
         "test_bpb_schedule": schedule["bpb"], "test_bpb_carried": carried["bpb"], "carry_windows": train_config.carry_windows,
         "test_tokens": carried["tokens"], "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None,
@@ -113,40 +109,37 @@ def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_token
     }
 
 
-def markdown(rows: list[dict], metadata: dict) -> str:
+def markdown(rows: list[dict], metadata: dict, note: str = "") -> str:
+    """The results table; ``note`` (an interim report's sentence) replaces the clause on reused runs."""
     lines = [
         "# Byte-level LM quality per mechanism (equal budget)", "",
         f"Command: `{metadata['command']}`  ", f"Date: {metadata['date']}; device: {metadata['device_name']}, "
         f"{metadata['threads']} threads; torch {metadata['torch_version']}.", "",
-        "| mechanism | spec | parameters | validation bpb | test bpb, state reset every window | "
-        f"test bpb, state carried {rows[0]['carry_windows']} windows (as trained) | "
-        "test bpb, state carried across the whole stream | train tokens/s | step peak memory |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *markdown_table_lines(
+            ["mechanism", "spec", "parameters", "validation bpb", "test bpb, state reset every window",
+             f"test bpb, state carried {rows[0]['carry_windows']} windows (as trained)",
+             "test bpb, state carried across the whole stream", "train tokens/s", "step peak memory"],
+            [[r["mechanism"], f"`{r['spec']}`", f"{r['parameters']:,}", f"{r['validation_bpb']:.3f}",
+              f"{r['test_bpb_reset']:.3f}", f"{r['test_bpb_schedule']:.3f}", f"{r['test_bpb_carried']:.3f}",
+              f"{r['train_tokens_per_second']:,.0f}" if r["train_tokens_per_second"] else "—",
+              f"{r['step_peak_bytes'] / 2**20:,.0f} MiB" if r["step_peak_bytes"] else "—"] for r in rows]),
     ]
-    for r in rows:
-        speed = f"{r['train_tokens_per_second']:,.0f}" if r["train_tokens_per_second"] else "—"
-        memory = f"{r['step_peak_bytes'] / 2**20:,.0f} MiB" if r["step_peak_bytes"] else "—"
-        lines.append(f"| {r['mechanism']} | `{r['spec']}` | {r['parameters']:,} | {r['validation_bpb']:.3f} | "
-                     f"{r['test_bpb_reset']:.3f} | {r['test_bpb_schedule']:.3f} | {r['test_bpb_carried']:.3f} | "
-                     f"{speed} | {memory} |")
     lines += ["", "Test bpb is measured on the first "
               f"{rows[0]['test_tokens']:,} bytes of the test split read as one stream in windows of the training "
               "context. Training carries each window's recurrent state (detached) to the next for "
               f"{rows[0]['carry_windows']} windows, then resets it; the three columns reset it every window, on that "
               "schedule, or never. Exact softmax keeps no memory across windows (`softmax_memory = 0`), so its "
               "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, training schedule."]
-    if metadata.get("reused_runs"):
+    if note:
+        lines += ["", note]
+    elif metadata.get("reused_runs"):
         lines += ["", reuse_note(metadata["reused_runs"], len(rows), "mechanisms") + "."]
     return "\n".join(lines) + "\n"
 
 
 def write_plot(rows: list[dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    """Training loss (bits per byte) and validation bpb against the step, one line per mechanism."""
+    figure, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
     for r in rows:
         steps, losses = zip(*r["loss_curve"])
         left.plot(steps, [loss / math.log(2) for loss in losses], label=r["mechanism"])
@@ -158,40 +151,37 @@ def write_plot(rows: list[dict], path: Path) -> Path:
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    positive = _int_at_least(1, "a positive integer")
-    parser.add_argument("--mechanisms", nargs="+", choices=list(MECHANISMS), default=list(MECHANISMS))
+SPEC = ExperimentSpec(
+    name="lm",
+    help="byte-level LM quality per mechanism at equal budget (bpb, tokens/s, memory)",
+    description=__doc__.split("\n\n", 1)[1],
+    grid_axes=("mechanisms",),
+    unit="mechanisms",
+    quick_help="a few minutes: 60 steps, 8k-byte evaluations",
+    threads_help="torch CPU threads (default: torch's choice)",
+)
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    positive = int_at_least(1, "a positive integer")
+    parser.add_argument("--mechanisms", nargs="+", choices=list(LM_QUALITY_SPECS), default=list(LM_QUALITY_SPECS))
     parser.add_argument("--data", default="shakespeare")
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--steps", type=positive, default=300)
     parser.add_argument("--batch-size", type=positive, default=8)
     parser.add_argument("--context", type=positive, default=256)
-    parser.add_argument("--lr", type=_positive_float, default=3e-3)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--d-model", type=positive, default=128)
     parser.add_argument("--n-layers", type=positive, default=2)
-    parser.add_argument("--n-heads", type=positive, default=4)
-    parser.add_argument("--window", type=positive, default=64, help="local attention window")
-    parser.add_argument("--favor-features", type=positive, default=64)
-    parser.add_argument("--codebook-size", type=positive, default=64)
-    parser.add_argument("--block-size", type=positive, default=64)
-    parser.add_argument("--gau-d-k", type=positive, default=64)
+    framework.add_lm_arguments(parser, n_heads=4, window=64, favor_features=64, codebook_size=64, block_size=64,
+                               gau_d_k=64)
     parser.add_argument("--eval-every", type=positive, default=100)
     parser.add_argument("--eval-tokens", type=positive, default=32768, help="validation bytes per evaluation")
-    parser.add_argument("--test-tokens", type=_non_negative_int, default=131072,
+    parser.add_argument("--test-tokens", type=non_negative_int, default=131072,
                         help="test bytes evaluated as one stream (default 131072; 0 = the whole split)")
-    parser.add_argument("--threads", type=positive, default=None, help="torch CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a few minutes: 60 steps, 8k-byte evaluations")
-    parser.add_argument("--out", type=Path, default=Path("results/repro-lm"))
-    parser.add_argument("--resume", action="store_true",
-                        help=f"reuse the mechanisms recorded in --out/{JOURNAL_NAME} by an earlier (interrupted) "
-                             "invocation with the same settings; without it the journal starts empty")
 
 
 # What a finished mechanism's row depends on (the journal key besides its name).
@@ -205,36 +195,34 @@ def _run_key(run: tuple) -> dict:
     return {"mechanism": name, "settings": {key: getattr(args, key) for key in _RUN_SETTINGS}}
 
 
-def run_command(args: argparse.Namespace) -> int:
+def _describe(row: dict) -> str:
+    return f"{row['mechanism']} val {row['validation_bpb']:.3f} bpb"
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.quick:
         args.steps, args.eval_every, args.eval_tokens, args.test_tokens = 60, 30, 8192, 16384
     if args.test_tokens == 0:
         args.test_tokens = None
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    options = framework.run_options(args, SPEC)
     for name in ("steps", "batch_size", "context", "d_model", "n_layers", "n_heads", "window", "favor_features",
                  "codebook_size", "block_size", "gau_d_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    test_tokens = load_corpus(args.data, cache_dir=args.cache_dir).tokens("test")
-    metadata = report.collect_metadata(device="cpu", command=args.command_line, shapes={
+    out_dir, command = options.pop("out_dir"), options.pop("command")
+    test_tokens = None if args.report_only else load_corpus(args.data, cache_dir=args.cache_dir).tokens("test")
+    metadata = framework.experiment_metadata(device="cpu", command=command, shapes={
         "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context,
         "batch_size": args.batch_size, "steps": args.steps, "data": args.data})
-    journal = RunJournal(args.out / JOURNAL_NAME, resume=getattr(args, "resume", False))
-    grid = [(name, args, args.out, test_tokens) for name in args.mechanisms]
-    reused = journal.count(_run_key(run) for run in grid)
-    started = time.perf_counter()
-    with tqdm(total=len(grid), desc="repro lm", unit="mechanism") as bar:
-        rows = map_runs(run_mechanism, grid, jobs=1, threads=torch.get_num_threads(), bar=bar,
-                        describe=lambda row: f"{row['mechanism']} val {row['validation_bpb']:.3f} bpb",
-                        journal=journal, run_key=_run_key)
-    metadata["seconds"] = time.perf_counter() - started
-    metadata["reused_runs"] = reused
-    report.write_json(args.out / "results.json", rows=rows, metadata=metadata)
-    text = markdown(rows, metadata)
-    (args.out / "results.md").write_text(text)
-    write_plot(rows, args.out / "loss_curves.png")
-    print(text)
-    print(f"wrote {args.out}/results.json, results.md, loss_curves.png")
-    return 0
+    grid = Grid(train=run_mechanism, runs=[(name, args, out_dir, test_tokens) for name in args.mechanisms],
+                run_key=_run_key, describe=_describe, label="repro lm", unit="mechanism")
+    outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
+    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
+    note = framework.interim_note(len(outcome.rows), outcome.total, "mechanisms") if args.report_only else ""
+    text = markdown(outcome.rows, metadata, note=note)
+    files = framework.write_results(out_dir, rows=outcome.rows, metadata=metadata, markdown=text,
+                                    plot=partial(write_plot, outcome.rows), plot_name="loss_curves.png")
+    return framework.print_result({"markdown": text, "files": files})
+
+
+command = Experiment(SPEC, add_arguments=_add_arguments, run=_run)

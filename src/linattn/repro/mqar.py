@@ -27,27 +27,19 @@ position are still computed by ``LM.forward``) -- the full ``[B, T, V]`` logits 
 more than the rest of the model.
 
 **Training.** One model per (mechanism, d_model, (T, N)): AdamW (peak lr 1e-2, weight decay
-0.1 on matrices, betas 0.9/0.98), batch 64, a fixed number of steps (default 3000) with linear
-warm-up over the first 10 % and cosine decay to 10 % of the peak, gradient clipping at 1.0,
-a fresh batch every step from a generator seeded by (seed, T, N) -- every mechanism and
-width sees the same data at the same (T, N). Loss: cross-entropy over the query positions
-plus the VQ commitment loss; ``update_codebooks()`` after every optimizer step. Evaluation:
-accuracy (argmax over the whole vocabulary) on the query positions of fresh held-out
-batches from a differently seeded generator. Chance is about 1 / (V/2). The lr is one
-documented choice, not a sweep: on softmax, d_model 64, (T, N) = (64, 4), lr 3e-3 reached
-loss 7.0 after 400 steps, 1e-2 reached 6.1, and 1e-2 over 2000 steps went through the
-induction-style phase transition (near step 1700) to 57 % accuracy; 3e-2 was no faster.
+0.1 on matrices and the embedding, betas 0.9/0.98), batch 64, a fixed number of steps
+(default 3000) with linear warm-up over the first 10 % and cosine decay to 10 % of the peak,
+gradient clipping at 1.0, a fresh batch every step from a generator seeded by (seed, T, N) --
+every mechanism and width sees the same data at the same (T, N). Loss: cross-entropy over
+the query positions plus the VQ commitment loss; ``update_codebooks()`` after every optimizer
+step. Evaluation: accuracy (argmax over the whole vocabulary) on the query positions of fresh
+held-out batches from a differently seeded generator. Chance is about 1 / (V/2). The lr is
+one documented choice, not a sweep (docs/results.md).
 
-**Budget.** MQAR at V = 8192 is learned late: softmax at d_model 64, (64, 4) needs about
-1500-2000 steps of 64 sequences before its accuracy leaves the ~10-25 % plateau of
-"answer with some value of the context". The default grid is the CPU-sized one whose
-results are published (docs/results.md): d_model 64, (T, N) in {(64, 4), (128, 8)},
-3000 steps, past the transition -- about 1.3 CPU-hours for the six mechanisms at
-(64, 4) and roughly twice that at (128, 8), i.e. ~2 h with ``--jobs 2`` on 2 cores
-(``--resume`` continues an interrupted grid). ``--quick`` is d_model 64, (64, 4), 300
-steps (~480 CPU-seconds), a smoke test that stops before any mechanism has learned the
-task. The Zoology-sized grid ``--d-models 64 128 --lengths 64 128 256`` costs about 32
-CPU-seconds per step for all six mechanisms: ~27 CPU-hours at 3000 steps.
+**Grids.** The default grid is the one whose results are published (docs/results.md):
+d_model 64, (T, N) in {(64, 4), (128, 8)}, 3000 steps. ``--quick`` is d_model 64, (64, 4),
+300 steps, a smoke test. ``--resume`` continues an interrupted grid; the Zoology-sized grid
+is ``--d-models 64 128 --lengths 64 128 256``. Report: ``mqar_report``.
 """
 
 from __future__ import annotations
@@ -57,24 +49,25 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .._checks import int_at_least as _int_at_least, positive_float as _positive_float
-from ..bench import report
+from .._checks import check_fraction, check_int, check_positive_number, int_at_least, int_between, is_int
+from .._checks import positive_float
 from ..models import LM, LMConfig
+from ..train.optim import parameter_groups
 from ..train.schedule import learning_rate
-from ._parallel import JOURNAL_NAME, RunJournal, map_runs, reuse_note
-
-HELP = "multi-query associative recall (Zoology): accuracy per mechanism, width and sequence length"
-DESCRIPTION = __doc__.split("\n\n", 1)[1]
+from . import framework
+from .framework import Experiment, ExperimentSpec, Grid, RunJournal, seeded_generator
+from .mqar_report import markdown_report, write_plot
 
 IGNORE = -100
 
 # CLI name -> LMConfig attention spec ("local" gets its window appended).
-MECHANISMS = {
+MQAR_LAYER_SPECS = {
     "softmax": "softmax",
     "vq": "vq",
     "delta": "delta",
@@ -87,16 +80,11 @@ DEFAULT_LENGTHS = (64, 128)
 DEFAULT_D_MODELS = (64,)
 QUICK_LENGTHS = (64,)
 QUICK_D_MODELS = (64,)
+QUICK_STEPS = 300
 D_MODEL_RANGE = (16, 256)  # the documented grid uses 64..256; smaller widths are for smoke tests
 
 
-# --- data ---------------------------------------------------------------------------
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
+# --- task ---------------------------------------------------------------------------
 
 
 def make_mqar_batch(
@@ -113,10 +101,10 @@ def make_mqar_batch(
     the ``num_pairs`` query positions of each row, where it is the value paired with the key
     at that position. ``generator`` (a CPU ``torch.Generator``) makes it reproducible.
     """
-    _check_int("batch_size", batch_size, 1)
-    _check_int("num_pairs", num_pairs, 1)
-    _check_int("seq_len", seq_len, 4)
-    _check_int("vocab_size", vocab_size, 4)
+    check_int("batch_size", batch_size)
+    check_int("num_pairs", num_pairs)
+    check_int("seq_len", seq_len, minimum=4)
+    check_int("vocab_size", vocab_size, minimum=4)
     if seq_len < 4 * num_pairs:
         raise ValueError(f"seq_len must be >= 4 * num_pairs (the pairs, and a query slot for each key at an even "
                          f"offset after them); got seq_len={seq_len}, num_pairs={num_pairs} "
@@ -125,9 +113,7 @@ def make_mqar_batch(
     if num_pairs > min(half - 1, vocab_size - half):
         raise ValueError(f"vocab_size={vocab_size} has {half - 1} key ids [1, {half}) and {vocab_size - half} value "
                          f"ids [{half}, {vocab_size}); too few for {num_pairs} distinct pairs")
-    if not (isinstance(power_a, (int, float)) and not isinstance(power_a, bool) and math.isfinite(power_a)
-            and power_a > 0):
-        raise ValueError(f"power_a must be a positive number, got {power_a!r}")
+    check_positive_number("power_a", power_a, finite=True)
 
     B, T, N = batch_size, seq_len, num_pairs
     # Distinct keys in [1, half) and distinct values in [half, V) per row.
@@ -205,28 +191,24 @@ class MQARConfig:
     def validate(self) -> None:
         for name in ("steps", "batch_size", "eval_batches", "vocab_size", "n_heads", "window", "favor_features",
                      "codebook_size", "block_size", "gau_d_k"):
-            _check_int(name, getattr(self, name), 1)
+            check_int(name, getattr(self, name))
         for name in ("lr", "power_a", "grad_clip"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            check_positive_number(name, getattr(self, name), finite=True)
         for name in ("weight_decay", "warmup_fraction", "min_lr_ratio"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and 0 <= value <= 1):
-                raise ValueError(f"{name} must be a number in [0, 1], got {value!r}")
+            check_fraction(name, getattr(self, name))
 
 
 def attention_spec(mechanism: str, config: MQARConfig) -> str:
     """The ``LMConfig.attention`` spec of a mechanism name (``local`` -> ``local:WINDOW``)."""
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"unknown mechanism {mechanism!r}; choose from {', '.join(MECHANISMS)}")
-    spec = MECHANISMS[mechanism]
+    if mechanism not in MQAR_LAYER_SPECS:
+        raise ValueError(f"unknown mechanism {mechanism!r}; choose from {', '.join(MQAR_LAYER_SPECS)}")
+    spec = MQAR_LAYER_SPECS[mechanism]
     return f"local:{config.window}" if spec == "local" else spec
 
 
 def model_config(mechanism: str, d_model: int, config: MQARConfig) -> LMConfig:
     """The 2-layer LM of one run."""
-    _check_int("d_model", d_model, 1)
+    check_int("d_model", d_model)
     if d_model % config.n_heads:
         raise ValueError(f"d_model={d_model} must be divisible by n_heads={config.n_heads}")
     return LMConfig(
@@ -235,13 +217,6 @@ def model_config(mechanism: str, d_model: int, config: MQARConfig) -> LMConfig:
         codebook_size=config.codebook_size, block_size=config.block_size, gau_d_k=config.gau_d_k,
         kmeans_init=True, dead_code_threshold=0.5, chunk_size=32,
     )
-
-
-def _generator(*parts: int) -> torch.Generator:
-    seed = 0
-    for part in parts:
-        seed = (seed * 1_000_003 + int(part)) % (2**63 - 1)
-    return torch.Generator().manual_seed(seed)
 
 
 def default_pairs(seq_len: int) -> int:
@@ -283,17 +258,14 @@ def train_run(
     """Train one model for ``config.steps`` steps, evaluate it, return its result row."""
     model_cfg = model_config(mechanism, d_model, config)
     make_mqar_batch(1, seq_len, num_pairs, config.vocab_size, config.power_a)  # validate the sizes up front
-    torch.manual_seed(_generator(config.seed, d_model, seq_len, num_pairs, 1).initial_seed())
+    torch.manual_seed(seeded_generator(config.seed, d_model, seq_len, num_pairs, 1).initial_seed())
     model = LM(model_cfg)
     model.train()
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices and embeddings
-    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms, biases
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=config.lr, betas=(0.9, 0.98),
-    )
-    train_data = _generator(config.seed, seq_len, num_pairs, 2)
-    eval_data = _generator(config.seed, seq_len, num_pairs, 3)
+    # Matrices and the embedding decay (the published MQAR runs were trained so); norms, biases not.
+    groups = parameter_groups(model, config.weight_decay, decay_embeddings=True)
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98))
+    train_data = seeded_generator(config.seed, seq_len, num_pairs, 2)
+    eval_data = seeded_generator(config.seed, seq_len, num_pairs, 3)
     warmup = max(1, round(config.warmup_fraction * config.steps))
     log_every = max(1, config.steps // 50)
     curve: list[list[float]] = []
@@ -356,41 +328,7 @@ def train_run(
     }
 
 
-def run_grid(
-    mechanisms: Sequence[str],
-    d_models: Sequence[int],
-    tasks: Sequence[tuple[int, int]],
-    config: MQARConfig,
-    *,
-    jobs: int = 1,
-    threads: int = 1,
-    progress: bool = True,
-    journal: RunJournal | None = None,
-) -> list[dict]:
-    """Every (mechanism, d_model, (T, N)) run, in grid order, with a tqdm bar over runs.
-
-    ``jobs > 1`` trains that many runs at once in worker processes (spawned, ``threads``
-    torch threads each). Runs are independent and seeded, so the rows do not depend on
-    ``jobs``. With a ``journal``, runs recorded there are reused and new ones recorded.
-    """
-    from tqdm.auto import tqdm
-
-    check_grid(mechanisms, d_models, tasks, config)
-    grid = [(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks]
-
-    def show_steps(run: tuple):
-        name, d_model, seq_len, num_pairs, _ = run
-        return lambda step, loss: bar.set_postfix_str(f"{name} d={d_model} T={seq_len} N={num_pairs} "
-                                                      f"step {step} loss {loss:.3f}")
-
-    def describe(row: dict) -> str:
-        return (f"{row['mechanism']} d={row['d_model']} T={row['seq_len']} N={row['num_pairs']} "
-                f"acc {row['accuracy']:.3f}")
-
-    with tqdm(total=len(grid), desc="repro mqar", unit="run", disable=not progress) as bar:
-        return map_runs(train_run, grid, jobs=jobs, threads=threads, bar=bar, describe=describe,
-                        progress_kwarg="on_step", show_progress=show_steps,
-                        journal=journal, run_key=_run_key)
+# --- grids --------------------------------------------------------------------------
 
 
 def _run_key(run: tuple) -> dict:
@@ -400,18 +338,28 @@ def _run_key(run: tuple) -> dict:
             "config": asdict(config)}
 
 
+def _describe(row: dict) -> str:
+    return f"{row['mechanism']} d={row['d_model']} T={row['seq_len']} N={row['num_pairs']} acc {row['accuracy']:.3f}"
+
+
+def _step_text(run: tuple, step: int, loss: float) -> str:
+    name, d_model, seq_len, num_pairs, _ = run
+    return f"{name} d={d_model} T={seq_len} N={num_pairs} step {step} loss {loss:.3f}"
+
+
 def check_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
                config: MQARConfig) -> None:
     """Every value of the grid, before anything is trained: a clear ValueError otherwise."""
     if not mechanisms or not d_models or not tasks:
         raise ValueError("need at least one mechanism, one d_model and one sequence length")
-    unknown = [m for m in mechanisms if m not in MECHANISMS]
+    unknown = [m for m in mechanisms if m not in MQAR_LAYER_SPECS]
     if unknown:
-        raise ValueError(f"unknown mechanism(s) {', '.join(map(repr, unknown))}; choose from {', '.join(MECHANISMS)}")
+        raise ValueError(f"unknown mechanism(s) {', '.join(map(repr, unknown))}; "
+                         f"choose from {', '.join(MQAR_LAYER_SPECS)}")
     config.validate()
     low, high = D_MODEL_RANGE
     for d in d_models:
-        if isinstance(d, bool) or not isinstance(d, int) or not low <= d <= high:
+        if not is_int(d) or not low <= d <= high:
             raise ValueError(f"d_model must be an int in [{low}, {high}], got {d!r}")
         if d % config.n_heads:
             raise ValueError(f"d_model={d} must be divisible by n_heads={config.n_heads}")
@@ -419,209 +367,93 @@ def check_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequen
         make_mqar_batch(1, seq_len, num_pairs, config.vocab_size, config.power_a)
 
 
-# --- reports ------------------------------------------------------------------------
+def _grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
+          config: MQARConfig) -> Grid:
+    """Every (mechanism, d_model, (T, N)) run, in that nesting order."""
+    return Grid(train=train_run, runs=[(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks],
+                run_key=_run_key, describe=_describe, label="repro mqar", progress_kwarg="on_step",
+                step_text=_step_text)
 
 
-def _number(value: float | None) -> str:
-    return "—" if value is None or not math.isfinite(value) else f"{value:.3f}"
+def run_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]], config: MQARConfig,
+             *, jobs: int = 1, threads: int = 1, progress: bool = True, journal: RunJournal | None = None) -> list[dict]:
+    """Every (mechanism, d_model, (T, N)) run, in grid order, with a tqdm bar over runs.
 
-
-def _task_label(seq_len: int, num_pairs: int) -> str:
-    return f"T={seq_len}, {num_pairs} pairs"
-
-
-def markdown_report(rows: Sequence[dict], *, command: str, config: MQARConfig, metadata: dict) -> str:
-    """Accuracy table (rows: mechanism; columns: (T, pairs) per d_model) and per-run details."""
-    names = list(dict.fromkeys(r["mechanism"] for r in rows))
-    d_models = sorted({r["d_model"] for r in rows})
-    tasks = sorted({(r["seq_len"], r["num_pairs"]) for r in rows})
-    find = {(r["mechanism"], r["d_model"], r["seq_len"], r["num_pairs"]): r for r in rows}
-    columns = [(d, t) for d in d_models for t in tasks]
-    head = "| mechanism | " + " | ".join(f"d={d}, {_task_label(*t)}" for d, t in columns) + " |"
-    lines = [
-        "# repro mqar: multi-query associative recall (Zoology)",
-        "",
-        f"`{command}`",
-        "",
-        f"2-layer LM, vocab {config.vocab_size}, {config.n_heads} heads; AdamW lr {config.lr:g} (warm-up "
-        f"{config.warmup_fraction:.0%}, cosine to {config.min_lr_ratio:g}x), weight decay {config.weight_decay:g}, "
-        f"batch {config.batch_size}, {config.steps} steps; power-law query gaps a = {config.power_a:g}; local window "
-        f"{config.window}; FAVOR+ {config.favor_features} features; VQ codebook {config.codebook_size}, block "
-        f"{config.block_size}, d_k {config.gau_d_k}; seed {config.seed}. Accuracy on the query positions of "
-        f"{config.eval_batches} x {config.batch_size} held-out sequences (chance ~ {2 / config.vocab_size:.1e}).",
-        "",
-        "## Accuracy",
-        "",
-        head,
-        "|" + "|".join(" --- " for _ in range(len(columns) + 1)) + "|",
-    ]
-    for name in names:
-        cells = []
-        for d, (t, n) in columns:
-            r = find.get((name, d, t, n))
-            cells.append("" if r is None else f"{r['accuracy']:.3f}" + ("" if r["status"] == "ok" else " (diverged)"))
-        lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "## Runs",
-        "",
-        "| mechanism | spec | d_model | T | pairs | parameters | accuracy | eval loss | final train loss | steps | "
-        "seconds |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['mechanism']} | `{r['spec']}` | {r['d_model']} | {r['seq_len']} | {r['num_pairs']} | "
-            f"{r['parameters']:,} | {r['accuracy']:.3f} | {_number(r['eval_loss'])} | {_number(r['final_loss'])} | "
-            f"{r['steps']} | {r['seconds']:.0f} |"
-        )
-    lines += [
-        "",
-        (f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
-         f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
-         if metadata.get("reused_runs", 0) < len(rows) else f"Runs on {metadata['device_name']}.")
-        + (f" {reuse_note(metadata['reused_runs'], len(rows))}." if metadata.get("reused_runs") else ""),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def write_plot(rows: Sequence[dict], path: Path) -> Path:
-    """Accuracy against sequence length, one line per mechanism, one panel per d_model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    d_models = sorted({r["d_model"] for r in rows})
-    names = list(dict.fromkeys(r["mechanism"] for r in rows))
-    figure, axes = plt.subplots(1, len(d_models), figsize=(5.5 * len(d_models), 4.5), squeeze=False, sharey=True)
-    for axis, d in zip(axes[0], d_models):
-        lengths = sorted({r["seq_len"] for r in rows if r["d_model"] == d})
-        for index, name in enumerate(names):
-            mine = sorted((r for r in rows if r["mechanism"] == name and r["d_model"] == d),
-                          key=lambda r: (r["seq_len"], r["num_pairs"]))
-            if mine:
-                axis.plot([r["seq_len"] for r in mine], [r["accuracy"] for r in mine], marker="o",
-                          color=f"C{index % 10}", label=name)
-        if len(lengths) > 1:
-            axis.set_xscale("log", base=2)
-        pairs = {t: sorted({r["num_pairs"] for r in rows if r["d_model"] == d and r["seq_len"] == t}) for t in lengths}
-        axis.set_xticks(lengths, [f"{t}\n({'/'.join(map(str, pairs[t]))} pairs)" for t in lengths])
-        axis.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
-        axis.set_ylim(-0.03, 1.03)
-        axis.set_xlabel("sequence length T")
-        axis.set_title(f"d_model = {d}")
-        axis.grid(True, alpha=0.3)
-        axis.legend(fontsize="small")
-    axes[0][0].set_ylabel("query accuracy")
-    figure.suptitle("MQAR: accuracy vs sequence length")
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    ``jobs > 1`` trains that many runs at once in worker processes (spawned, ``threads``
+    torch threads each). Runs are independent and seeded, so the rows do not depend on
+    ``jobs``. With a ``journal``, runs recorded there are reused and new ones recorded.
+    """
+    check_grid(mechanisms, d_models, tasks, config)
+    return framework.run_grid(_grid(mechanisms, d_models, tasks, config), jobs=jobs, threads=threads,
+                              progress=progress, journal=journal)
 
 
 def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
                    config: MQARConfig, *, out_dir: Path, command: str, jobs: int = 1, threads: int = 1,
-                   progress: bool = True, resume: bool = False) -> dict:
+                   progress: bool = True, resume: bool = False, report_only: bool = False) -> dict:
     """Run the grid and write ``results.json``, ``results.md`` and ``mqar_accuracy.png`` into ``out_dir``.
 
     Each finished run is recorded in ``out_dir/runs.jsonl`` at once; ``resume=True`` reuses
-    the runs recorded there (same mechanism, d_model, task and configuration).
+    the runs recorded there (same mechanism, d_model, task and configuration);
+    ``report_only=True`` trains nothing and reports the grid's runs recorded so far.
     """
     check_grid(mechanisms, d_models, tasks, config)
-    out_dir = Path(out_dir)
-    journal = RunJournal(out_dir / JOURNAL_NAME, resume=resume)
-    reused = journal.count(_run_key((m, d, t, n, config)) for m in mechanisms for d in d_models for t, n in tasks)
-    started = time.perf_counter()
-    rows = run_grid(mechanisms, d_models, tasks, config, jobs=jobs, threads=threads, progress=progress,
-                    journal=journal)
+    outcome = framework.run_journaled(_grid(mechanisms, d_models, tasks, config), out_dir, spec=SPEC, jobs=jobs,
+                                      threads=threads, progress=progress, resume=resume, report_only=report_only)
     shapes = {"n_layers": 2, "vocab_size": config.vocab_size, "d_models": list(d_models),
               "tasks": [{"seq_len": t, "num_pairs": n} for t, n in tasks]}
-    metadata = report.collect_metadata(device="cpu", command=command, shapes=shapes)
-    metadata.update(seconds=time.perf_counter() - started, config=asdict(config), mechanisms=list(mechanisms),
-                    jobs=jobs, threads=threads, reused_runs=reused,
-                    paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient Language Models")
-    files = [report.write_json(out_dir / "results.json", rows=rows, metadata=metadata)]
-    markdown = markdown_report(rows, command=command, config=config, metadata=metadata)
-    (out_dir / "results.md").write_text(markdown)
-    files.append(out_dir / "results.md")
-    files.append(write_plot(rows, out_dir / "mqar_accuracy.png"))
-    return {"metadata": metadata, "rows": rows, "markdown": markdown, "files": files}
+    metadata = framework.experiment_metadata(
+        device="cpu", command=command, shapes=shapes, seconds=outcome.seconds, config=asdict(config),
+        mechanisms=list(mechanisms), jobs=jobs, threads=threads, reused_runs=outcome.reused,
+        paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient Language Models")
+    note = framework.interim_note(len(outcome.rows), outcome.total) if report_only else ""
+    markdown = markdown_report(outcome.rows, command=command, config=config, metadata=metadata, note=note)
+    files = framework.write_results(out_dir, rows=outcome.rows, metadata=metadata, markdown=markdown,
+                                    plot=partial(write_plot, outcome.rows), plot_name="mqar_accuracy.png")
+    return {"metadata": metadata, "rows": outcome.rows, "markdown": markdown, "files": files}
 
 
 # --- command line -------------------------------------------------------------------
 
 
-
-def _d_model(text: str) -> int:
-    low, high = D_MODEL_RANGE
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not low <= value <= high:
-        raise argparse.ArgumentTypeError(f"expected a d_model in [{low}, {high}], got {text!r}")
-    return value
-
-
-
-QUICK_STEPS = 300
-DEFAULT_STEPS = MQARConfig().steps
+SPEC = ExperimentSpec(
+    name="mqar",
+    help="multi-query associative recall (Zoology): accuracy per mechanism, width and sequence length",
+    description=__doc__.split("\n\n", 1)[1],
+    grid_axes=("mechanisms", "widths", "(T, N) tasks"),
+    quick_help=(f"a few minutes: d_model {' '.join(map(str, QUICK_D_MODELS))}, T "
+                f"{' '.join(map(str, QUICK_LENGTHS))}, {QUICK_STEPS} steps (unless given explicitly)"),
+    seed_help="seed of data, initialisation and features (default %(default)s)",
+    default_threads=1,
+    threads_help="torch intra-op CPU threads per run (default %(default)s)",
+)
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
     d = MQARConfig()
-    parser.add_argument("--mechanisms", nargs="+", choices=list(MECHANISMS), metavar="NAME",
-                        help=f"mechanisms (default all: {' '.join(MECHANISMS)})")
-    parser.add_argument("--d-models", nargs="+", type=_d_model, metavar="D",
+    parser.add_argument("--mechanisms", nargs="+", choices=list(MQAR_LAYER_SPECS), metavar="NAME",
+                        help=f"mechanisms (default all: {' '.join(MQAR_LAYER_SPECS)})")
+    parser.add_argument("--d-models", nargs="+", type=int_between(*D_MODEL_RANGE, "a d_model"), metavar="D",
                         help=f"model widths (default {' '.join(map(str, DEFAULT_D_MODELS))}; --quick "
                              f"{' '.join(map(str, QUICK_D_MODELS))})")
-    parser.add_argument("--lengths", nargs="+", type=_int_at_least(4, "a sequence length"), metavar="T",
+    parser.add_argument("--lengths", nargs="+", type=int_at_least(4, "a sequence length"), metavar="T",
                         help=f"sequence lengths (default {' '.join(map(str, DEFAULT_LENGTHS))}; --quick "
                              f"{' '.join(map(str, QUICK_LENGTHS))})")
-    parser.add_argument("--pairs", nargs="+", type=_int_at_least(1, "a number of pairs"), metavar="N",
+    parser.add_argument("--pairs", nargs="+", type=int_at_least(1, "a number of pairs"), metavar="N",
                         help="key-value pairs per length (one per --lengths entry, or one for all; default T/16)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"a few minutes: d_model {' '.join(map(str, QUICK_D_MODELS))}, T "
-                             f"{' '.join(map(str, QUICK_LENGTHS))}, {QUICK_STEPS} steps (unless given explicitly)")
-    parser.add_argument("--steps", type=_int_at_least(1, "a step count"),
-                        help=f"training steps per run (default {DEFAULT_STEPS}; --quick {QUICK_STEPS})")
-    parser.add_argument("--batch-size", type=_int_at_least(1, "a batch size"), default=d.batch_size,
+    parser.add_argument("--steps", type=int_at_least(1, "a step count"),
+                        help=f"training steps per run (default {d.steps}; --quick {QUICK_STEPS})")
+    parser.add_argument("--batch-size", type=int_at_least(1, "a batch size"), default=d.batch_size,
                         help="sequences per training step (default %(default)s)")
-    parser.add_argument("--lr", type=_positive_float, default=d.lr,
-                        help="peak AdamW learning rate (default %(default)s)")
-    parser.add_argument("--eval-batches", type=_int_at_least(1, "a count"), default=d.eval_batches,
+    parser.add_argument("--lr", type=positive_float, default=d.lr, help="peak AdamW learning rate (default %(default)s)")
+    parser.add_argument("--eval-batches", type=int_at_least(1, "a count"), default=d.eval_batches,
                         help="held-out batches (of --batch-size sequences) for the accuracy (default %(default)s)")
-    parser.add_argument("--vocab-size", type=_int_at_least(4, "a vocabulary size"), default=d.vocab_size,
+    parser.add_argument("--vocab-size", type=int_at_least(4, "a vocabulary size"), default=d.vocab_size,
                         help="keys from [1, V/2), values from [V/2, V) (default %(default)s, as Zoology)")
-    parser.add_argument("--power-a", type=_positive_float, default=d.power_a,
+    parser.add_argument("--power-a", type=positive_float, default=d.power_a,
                         help="power-law exponent a of the query gaps (p ∝ gap^(a-1); default %(default)s)")
-    parser.add_argument("--n-heads", type=_int_at_least(1, "a head count"), default=d.n_heads,
-                        help="heads of the attention blocks (default %(default)s)")
-    parser.add_argument("--window", type=_int_at_least(1, "a window"), default=d.window,
-                        help="window of the local mechanism (default %(default)s)")
-    parser.add_argument("--favor-features", type=_int_at_least(1, "a feature count"), default=d.favor_features,
-                        help="FAVOR+ random features (default %(default)s)")
-    parser.add_argument("--codebook-size", type=_int_at_least(1, "a codebook size"), default=d.codebook_size,
-                        help="VQ codes per layer (default %(default)s)")
-    parser.add_argument("--block-size", type=_int_at_least(1, "a block size"), default=d.block_size,
-                        help="VQ block length L (default %(default)s)")
-    parser.add_argument("--gau-d-k", type=_int_at_least(1, "a dimension"), default=d.gau_d_k,
-                        help="key width of the VQ layers' gated attention units (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=d.seed,
-                        help="seed of data, initialisation and features (default %(default)s)")
-    parser.add_argument("--jobs", type=_int_at_least(1, "a process count"), default=1,
-                        help="runs trained at once in worker processes (default 1; use 2 on a 2-core machine)")
-    parser.add_argument("--threads", type=_int_at_least(1, "a thread count"), default=1,
-                        help="torch intra-op CPU threads per run (default 1: at these sizes more threads gain "
-                             "little and stall badly on a busy machine)")
-    parser.add_argument("--out", type=Path, default=Path("results/repro-mqar"),
-                        help="output directory (default %(default)s)")
-    parser.add_argument("--resume", action="store_true",
-                        help=f"reuse the runs recorded in --out/{JOURNAL_NAME} by an earlier (interrupted or "
-                             "partial) invocation with the same settings; without it the journal starts empty")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    framework.add_lm_arguments(parser, n_heads=d.n_heads, window=d.window, favor_features=d.favor_features,
+                               codebook_size=d.codebook_size, block_size=d.block_size, gau_d_k=d.gau_d_k)
 
 
 def resolve_tasks(lengths: Sequence[int], pairs: Sequence[int] | None) -> list[tuple[int, int]]:
@@ -635,21 +467,18 @@ def resolve_tasks(lengths: Sequence[int], pairs: Sequence[int] | None) -> list[t
     return list(dict.fromkeys(zip(lengths, pairs)))
 
 
-def run_command(args: argparse.Namespace) -> int:
-    torch.set_num_threads(args.threads)
-    mechanisms = list(dict.fromkeys(args.mechanisms or MECHANISMS))
+def _run(args: argparse.Namespace) -> int:
+    options = framework.run_options(args, SPEC)
+    mechanisms = list(dict.fromkeys(args.mechanisms or MQAR_LAYER_SPECS))
     d_models = list(dict.fromkeys(args.d_models or (QUICK_D_MODELS if args.quick else DEFAULT_D_MODELS)))
-    lengths = list(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
-    tasks = resolve_tasks(lengths, args.pairs)
+    tasks = resolve_tasks(list(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)), args.pairs)
     config = MQARConfig(
-        steps=args.steps or (QUICK_STEPS if args.quick else DEFAULT_STEPS), batch_size=args.batch_size, lr=args.lr,
-        eval_batches=args.eval_batches, vocab_size=args.vocab_size, power_a=args.power_a, n_heads=args.n_heads,
-        window=args.window, favor_features=args.favor_features, codebook_size=args.codebook_size,
-        block_size=args.block_size, gau_d_k=args.gau_d_k, seed=args.seed,
+        steps=args.steps or (QUICK_STEPS if args.quick else MQARConfig().steps), batch_size=args.batch_size,
+        lr=args.lr, eval_batches=args.eval_batches, vocab_size=args.vocab_size, power_a=args.power_a,
+        n_heads=args.n_heads, window=args.window, favor_features=args.favor_features,
+        codebook_size=args.codebook_size, block_size=args.block_size, gau_d_k=args.gau_d_k, seed=args.seed,
     )
-    result = run_experiment(mechanisms, d_models, tasks, config, out_dir=args.out,
-                            command=getattr(args, "command_line", "linattn repro mqar"), jobs=args.jobs,
-                            threads=args.threads, progress=not args.no_progress, resume=args.resume)
-    print(result["markdown"])
-    print("wrote " + ", ".join(str(p) for p in result["files"]))
-    return 0
+    return framework.print_result(run_experiment(mechanisms, d_models, tasks, config, **options))
+
+
+command = Experiment(SPEC, add_arguments=_add_arguments, run=_run)

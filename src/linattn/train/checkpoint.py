@@ -10,8 +10,10 @@ A checkpoint is a folder ``<run>/checkpoints/step-00000100/`` holding
 
 It is written into a temporary folder and renamed into place, then ``checkpoints/latest``
 is replaced atomically, so a crash leaves either the old or the new checkpoint, never a
-half one. Loading never unpickles: it checks sizes and hashes first, so a truncated or
-foreign file is a ``CheckpointError`` that says what is wrong.
+half one; ``latest`` never names a folder that is not complete (a step saved again is
+swapped in while ``latest`` names a hard-linked copy of the old one). Loading never
+unpickles: it checks sizes and hashes first, so a truncated or foreign file is a
+``CheckpointError`` that says what is wrong.
 """
 
 from __future__ import annotations
@@ -157,22 +159,46 @@ def save_checkpoint(
     (temporary / "meta.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
     fsync_file(temporary / "meta.json")
 
-    if final.exists():  # the same step saved again (e.g. on interrupt): swap it out
-        stale = root / f".old-{step_name(step)}-{os.getpid()}"
-        os.rename(final, stale)
-        os.rename(temporary, final)
-        shutil.rmtree(stale, ignore_errors=True)
-    else:
-        os.rename(temporary, final)
+    if final.exists():  # the same step saved again (e.g. on interrupt)
+        _remove_keeping_latest_complete(root, final)
+    os.rename(temporary, final)
     write_text_atomic(root / "latest", final.name + "\n")
     _prune(root, keep)
     return final
 
 
+def _latest_name(root: Path) -> str | None:
+    pointer = root / "latest"
+    return pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
+
+
+def _link_or_copy(source: str, destination: str) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
+
+
+def _remove_keeping_latest_complete(root: Path, folder: Path) -> None:
+    """Remove the step folder ``folder``; if ``latest`` names it, first point ``latest`` at a
+    hard-linked copy (``.old-*``), so it never names a missing folder while the new one moves in."""
+    if _latest_name(root) == folder.name:
+        backup = root / f".old-{folder.name}-{os.getpid()}"
+        shutil.rmtree(backup, ignore_errors=True)
+        shutil.copytree(folder, backup, copy_function=_link_or_copy)
+        write_text_atomic(root / "latest", backup.name + "\n")
+    shutil.rmtree(folder)
+
+
 def _prune(root: Path, keep: int) -> None:
+    """Keep the newest ``keep`` step folders, and no ``.old-*`` copy that ``latest`` does not name."""
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
     for old in steps[: max(len(steps) - keep, 0)]:
         shutil.rmtree(old, ignore_errors=True)
+    latest = _latest_name(root)
+    for backup in root.glob(".old-step-*"):
+        if backup.name != latest:
+            shutil.rmtree(backup, ignore_errors=True)
 
 
 # -- reading --------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ import torch
 from tqdm import tqdm
 
 from .._checks import non_negative_int as _non_negative_int
+from .._checks import device_name
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..data import ByteTokenizer, load_corpus
-from ..models.config import LAYER_SPEC_HELP
+from ..models.layers import layer_spec_help
 from .checkpoint import load_model
 from .config import build_configs, load_run_file, parse_override
 from .evaluate import evaluate_bpb
@@ -46,7 +47,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     """Add ``train``, ``eval`` and ``generate`` to the top-level subcommands."""
     p = commands.add_parser(
         "train", help="train a language model",
-        description="Train a byte-level LM (default: Transformer-VQ on Shakespeare). " + LAYER_SPEC_HELP + ".",
+        description="Train a byte-level LM (default: Transformer-VQ on Shakespeare). " + layer_spec_help() + ".",
         epilog="Multi-process: torchrun --nproc_per_node N $(which linattn) train ... (gloo on CPU, nccl on GPU).")
     p.add_argument("--config", metavar="FILE.toml", help="run file with [model] and [train] tables")
     p.add_argument("--attention", metavar="SPEC", help="layer attention spec or comma-separated pattern")
@@ -63,7 +64,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", dest="eval_every", type=_non_negative_int, help="steps between evaluations (0: never)")
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=_non_negative_int)
     p.add_argument("--log-every", dest="log_every", type=_positive_int)
-    p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N")
     p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                    help="any [model]/[train] setting, e.g. --set model.codebook_size=256 (repeatable)")
@@ -85,7 +86,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                    help="reset the state every N windows (default 0: carry across the whole split)")
     p.add_argument("--data", help="corpus (default: the one the model was trained on)")
     p.add_argument("--cache-dir", metavar="DIR")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     _add_runtime(p)
     p.set_defaults(handler=run_eval)
@@ -99,7 +100,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=_positive_int)
     p.add_argument("--top-p", type=_positive_float)
     p.add_argument("--seed", type=_non_negative_int, default=0)
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     _add_runtime(p)
     p.set_defaults(handler=run_generate)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_int_fields, check_number_fields, config_from_dict
+from .._checks import check_device, check_int_fields, check_number_fields, config_from_dict
 from ..models.config import LMConfig
 
 
@@ -63,6 +63,7 @@ class TrainConfig:
         check_number_fields(self, "train", ("min_lr_ratio",), low=0, high=1, wanted="in [0, 1]")
         check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
+        check_device("train.device", self.device)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

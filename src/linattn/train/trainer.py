@@ -23,6 +23,7 @@ from . import distributed
 from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate_bpb
+from .optim import parameter_groups
 from .schedule import learning_rate
 
 
@@ -47,17 +48,6 @@ class _StopRequest:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-
-
-def _parameter_groups(model: LM, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: not on embeddings, norms, biases or codebooks."""
-    decay, no_decay = [], []
-    for name, parameter in model.named_parameters():
-        if parameter.dim() >= 2 and not name.startswith("embed.") and "codebook" not in name:
-            decay.append(parameter)
-        else:
-            no_decay.append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class _Metrics:
@@ -155,7 +145,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
 
     torch.manual_seed(cfg.seed)
     model = LM(model_config).to(device)
-    optimizer = torch.optim.AdamW(_parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2))
     start_step, carry = 0, None
     if checkpoint is not None:

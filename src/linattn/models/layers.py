@@ -1,0 +1,271 @@
+"""Layer kinds of the language model: one registry from a spec string to a built layer.
+
+A layer spec is ``KIND`` or ``KIND:OPTION`` (``"vq"``, ``"linear:dpfp:2"``, ``"local:128"``).
+Each kind is one ``LayerKind`` entry that says everything the model needs to know about it:
+how its option is checked, how the layer is built from an ``LMConfig``, which of its linear
+maps are output projections (initialised with the smaller residual std), how its decode
+state is carried between training windows, and whether that state grows with the context.
+``LM`` never matches kind names; adding a mechanism is one ``register_layer_kind`` call.
+
+Every built layer has the same interface as every mixer in ``linattn.nn``:
+``forward(x [B, T, d_model], state=None) -> (x_out [B, T, d_model], state, aux)``, where
+``aux`` is a list of the mixers' aux dicts (``commit_loss``, ``codes`` for VQ units).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..nn.attention import Attention, truncate_cache
+from ..nn.delta_net import DeltaNet
+from ..nn.gau import GAU
+from ..ops.feature_maps import FAVOR
+
+if TYPE_CHECKING:
+    from .config import LMConfig
+
+LINEAR_FEATURE_MAPS = ("elu", "relu", "identity", "exp", "dpfp", "taylor")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One parsed layer spec: ``kind`` plus its option (feature map, window, ...)."""
+
+    kind: str
+    option: str | None = None
+
+    def __str__(self) -> str:
+        return self.kind if self.option is None else f"{self.kind}:{self.option}"
+
+
+def _no_option(option: str | None) -> bool:
+    return option is None
+
+
+def _optional_count(option: str | None) -> bool:
+    return option is None or (option.isdigit() and int(option) >= 1)
+
+
+def _linear_option(option: str | None) -> bool:
+    name, _, nu = (option or "").partition(":")
+    return name in LINEAR_FEATURE_MAPS and (not nu or (name == "dpfp" and nu.isdigit() and int(nu) >= 1))
+
+
+def _delta_option(option: str | None) -> bool:
+    return option is None or option.partition(":")[0] in LINEAR_FEATURE_MAPS
+
+
+def _unchanged(state: Any, config: LMConfig) -> Any:
+    return state
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """Everything the model knows about one kind of layer.
+
+    - ``name``: the spec's kind (before the first ``:``).
+    - ``build(config, spec, index) -> nn.Module``: the layer (``index``: its position, for
+      per-layer seeds).
+    - ``usage``: the spec forms, shown in error messages and ``--help``.
+    - ``check_option(option) -> bool``: whether the text after ``:`` (None if absent) is valid.
+    - ``output_projections``: dotted names, inside the built layer, of the linear maps that
+      write into the residual stream; they are initialised with ``init_std / sqrt(2 n_layers)``.
+    - ``carry(state, config) -> state``: the detached state a training window passes to the
+      next (e.g. a softmax cache cut to ``config.softmax_memory`` keys).
+    - ``growing_cache``: the decode state grows with the context (exact softmax's KV cache).
+    - ``check_config(config, spec)``: raises ValueError, at ``LMConfig`` construction, for
+      settings the layer cannot be built with (e.g. an odd head dimension under rotary).
+    """
+
+    name: str
+    build: Callable[[LMConfig, LayerSpec, int], nn.Module]
+    usage: str
+    check_option: Callable[[str | None], bool] = _no_option
+    output_projections: tuple[str, ...] = ()
+    carry: Callable[[Any, LMConfig], Any] = _unchanged
+    growing_cache: bool = False
+    check_config: Callable[[LMConfig, LayerSpec], None] = lambda config, spec: None
+
+
+_LAYER_KINDS: dict[str, LayerKind] = {}
+
+
+def register_layer_kind(kind: LayerKind) -> LayerKind:
+    """Make ``kind`` available to ``LMConfig.attention`` specs; a name is registered once."""
+    if not isinstance(kind, LayerKind):
+        raise TypeError(f"kind must be a LayerKind, got {type(kind).__name__}")
+    if kind.name in _LAYER_KINDS:
+        raise ValueError(f"layer kind {kind.name!r} is already registered")
+    if not kind.name or ":" in kind.name or "," in kind.name:
+        raise ValueError(f"layer kind name must be non-empty without ':' or ',', got {kind.name!r}")
+    _LAYER_KINDS[kind.name] = kind
+    return kind
+
+
+def layer_kinds() -> dict[str, LayerKind]:
+    """The registered kinds by name (a copy)."""
+    return dict(_LAYER_KINDS)
+
+
+def layer_spec_help() -> str:
+    """One line listing every registered spec form."""
+    return "layer attention specs: " + ", ".join(kind.usage for kind in _LAYER_KINDS.values())
+
+
+def parse_layer_spec(spec: str) -> LayerSpec:
+    """Parse ``"vq"``, ``"linear:dpfp:2"``, ``"local:256"``, ... against the registry."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"a layer attention spec must be a non-empty string; got {spec!r}. {layer_spec_help()}")
+    name, _, option = spec.strip().partition(":")
+    kind = _LAYER_KINDS.get(name)
+    if kind is None or not kind.check_option(option or None):
+        raise ValueError(f"unknown layer attention spec {spec!r}. {layer_spec_help()}")
+    return LayerSpec(name, option or None)
+
+
+def layer_kind(spec: LayerSpec | str) -> LayerKind:
+    """The registered kind of a parsed spec (or of a kind name)."""
+    return _LAYER_KINDS[spec.kind if isinstance(spec, LayerSpec) else spec]
+
+
+# -- the layers ------------------------------------------------------------------------------
+
+
+class SwiGLU(nn.Module):
+    """``W_down(SiLU(W_gate x) * W_up x)``, no biases."""
+
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, hidden, bias=False)
+        self.w_up = nn.Linear(d_model, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class PreNormBlock(nn.Module):
+    """``x + mixer(norm(x))`` then ``x + SwiGLU(norm(x))``; ``mixer`` is any ``linattn.nn`` layer."""
+
+    def __init__(self, config: LMConfig, mixer: nn.Module):
+        super().__init__()
+        self.mixer_norm = nn.RMSNorm(config.d_model)
+        self.mixer = mixer
+        self.ffn_norm = nn.RMSNorm(config.d_model)
+        self.ffn = SwiGLU(config.d_model, config.ffn_width)
+
+    def forward(self, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any, list[dict]]:
+        mixed, state, aux = self.mixer(self.mixer_norm(x), state)
+        x = x + mixed
+        return x + self.ffn(self.ffn_norm(x)), state, [aux]
+
+
+class GAUPair(nn.Module):
+    """Transformer-VQ's layer: two gated attention units, each ``x + GAU(x)`` (pre-norm inside),
+    no feed-forward. The state is a pair of unit states."""
+
+    def __init__(self, config: LMConfig, attention: str):
+        super().__init__()
+        options = dict(
+            d_k=config.gau_d_k, d_v=config.gau_d_v, codebook_size=config.codebook_size,
+            block_size=config.block_size, attention=attention,
+            temperature=config.soft_vq_temperature, ema_decay=config.ema_decay,
+            commitment_weight=config.commitment_weight, kmeans_init=config.kmeans_init,
+            dead_code_threshold=config.dead_code_threshold,
+        )
+        self.units = nn.ModuleList([GAU(config.d_model, **options) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor, state: tuple | None = None) -> tuple[torch.Tensor, tuple, list[dict]]:
+        states, auxes = [], []
+        for unit, unit_state in zip(self.units, state or (None, None)):
+            y, unit_state, aux = unit(x, unit_state)
+            x = x + y
+            states.append(unit_state)
+            auxes.append(aux)
+        return x, tuple(states), auxes
+
+
+# -- the built-in kinds ----------------------------------------------------------------------
+
+
+def _heads(config: LMConfig) -> dict:
+    return dict(n_kv_heads=config.n_kv_heads, head_dim=config.head_dim)
+
+
+def _attention_block(config: LMConfig, **options) -> PreNormBlock:
+    mixer = Attention(config.d_model, config.n_heads, chunk_size=config.chunk_size,
+                      rotary_base=config.rotary_base, **_heads(config), **options)
+    return PreNormBlock(config, mixer)
+
+
+def _delta_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    feature_map = spec.option or "identity"
+    normalize = "l2" if feature_map == "identity" else "sum"
+    mixer = DeltaNet(config.d_model, config.n_heads, feature_map=feature_map, normalize=normalize,
+                     short_conv=config.delta_short_conv, chunk_size=config.chunk_size, **_heads(config))
+    return PreNormBlock(config, mixer)
+
+
+def _favor_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    features = FAVOR(int(spec.option or config.favor_features), seed=config.feature_seed + index)
+    return _attention_block(config, mechanism="linear", feature_map=features)
+
+
+def _check_head_dim(config: LMConfig, spec: LayerSpec) -> None:
+    head_dim = config.head_dim or config.d_model // config.n_heads
+    if head_dim < 1:
+        raise ValueError(f"LMConfig: layer {str(spec)!r} needs d_model >= n_heads (head_dim = d_model // n_heads), "
+                         f"got d_model={config.d_model}, n_heads={config.n_heads}")
+
+
+def _check_rotary_head_dim(config: LMConfig, spec: LayerSpec) -> None:
+    _check_head_dim(config, spec)
+    head_dim = config.head_dim or config.d_model // config.n_heads
+    if head_dim % 2:
+        raise ValueError(f"LMConfig: layer {str(spec)!r} uses rotary positions, which need an even head dimension; "
+                         f"got head_dim={head_dim} (d_model={config.d_model}, n_heads={config.n_heads}): "
+                         "set head_dim or change n_heads")
+
+
+def _truncated_cache(state: Any, config: LMConfig) -> Any:
+    return truncate_cache(state, config.softmax_memory)
+
+
+def _truncated_unit_caches(state: tuple, config: LMConfig) -> tuple:
+    return tuple(truncate_cache(unit, config.softmax_memory) for unit in state)
+
+
+_BLOCK_OUTPUTS = ("mixer.o_proj", "ffn.w_down")
+_PAIR_OUTPUTS = ("units.0.w_o", "units.1.w_o")
+
+for _kind in (
+    LayerKind("vq", lambda config, spec, index: GAUPair(config, "vq"),
+              "'vq' (Transformer-VQ GAU pair)", output_projections=_PAIR_OUTPUTS),
+    LayerKind("soft-vq", lambda config, spec, index: GAUPair(config, "soft-vq"), "'soft-vq'",
+              output_projections=_PAIR_OUTPUTS),
+    LayerKind("gau-softmax", lambda config, spec, index: GAUPair(config, "softmax"),
+              "'gau-softmax' (the GAU's quadratic twin)", output_projections=_PAIR_OUTPUTS,
+              carry=_truncated_unit_caches, growing_cache=True),
+    LayerKind("softmax", lambda config, spec, index: _attention_block(config, mechanism="softmax"), "'softmax'",
+              output_projections=_BLOCK_OUTPUTS, carry=_truncated_cache, growing_cache=True,
+              check_config=_check_rotary_head_dim),
+    LayerKind("linear", lambda config, spec, index: _attention_block(config, mechanism="linear",
+                                                                     feature_map=spec.option),
+              "'linear:elu' / 'linear:relu' / 'linear:dpfp' / 'linear:dpfp:NU' / 'linear:taylor'",
+              check_option=_linear_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+    LayerKind("favor", _favor_block, "'favor' / 'favor:M'", check_option=_optional_count,
+              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+    LayerKind("delta", _delta_block, "'delta' / 'delta:dpfp' / 'delta:elu'", check_option=_delta_option,
+              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+    LayerKind("local", lambda config, spec, index: _attention_block(
+        config, mechanism="local", window=int(spec.option or config.local_window)),
+              "'local' / 'local:WINDOW'", check_option=_optional_count, output_projections=_BLOCK_OUTPUTS,
+              check_config=_check_rotary_head_dim),
+):
+    register_layer_kind(_kind)

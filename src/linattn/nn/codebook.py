@@ -1,0 +1,230 @@
+"""Codebook: the EMA-learned codes of a vector quantizer, with their statistics.
+
+A ``Codebook`` holds, per head h and code s, the codes ``codebook [H, S, Dk]``, the EMA
+assignment counts ``ema_counts [H, S]`` and key sums ``ema_sums [H, S, Dk]`` (all float32
+buffers, whatever the module is cast to), and the statistics gathered since the last
+update. ``accumulate`` adds the counts ``n [H, S]`` and key sums ``s [H, S, Dk]`` of a
+batch's assignments; ``update()`` applies
+
+    counts <- g counts + (1 - g) n,   sums <- g sums + (1 - g) s,   c = sums / max(counts, 0.01)
+
+with n and s summed over ranks first, then restarts dead codes. Codes can be initialised by
+k-means (``kmeans``) on a first batch of keys.
+
+Every collective goes through one hook, ``sync(op, tensors)``, which works in place on a
+list of tensors: ``op="sum"`` all-reduces them (``update()``: the counts and sums), and
+``op="broadcast"`` replaces them with rank 0's values (``_replace_codes``: which codes
+change and their new values, for a k-means initialisation or a restart, drawn by each rank
+from its own keys). The default, ``distributed_sync``, uses the default torch.distributed process group and does
+nothing without one.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._checks import check_int, check_non_negative_number, check_positive_number, is_number
+
+SyncHook = Callable[[str, Sequence[torch.Tensor]], None]
+
+_SYNC_OPS = ("sum", "broadcast")
+
+
+def distributed_sync(op: str, tensors: Sequence[torch.Tensor]) -> None:
+    """In place over the default process group: ``"sum"`` all-reduces each tensor,
+    ``"broadcast"`` copies rank 0's values to every rank. Without torch.distributed
+    initialised this does nothing (one process is the whole world)."""
+    if op not in _SYNC_OPS:
+        raise ValueError(f"sync op must be one of {_SYNC_OPS}, got {op!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for tensor in tensors:
+        if op == "sum":
+            dist.all_reduce(tensor)
+        else:
+            dist.broadcast(tensor, src=0)
+
+
+@torch.no_grad()
+def kmeans(
+    keys: torch.Tensor, n_codes: int, iters: int = 10, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Lloyd's k-means per head: ``keys [H, N, D]`` -> centers ``[H, n_codes, D]``.
+
+    Seeds: ``n_codes`` distinct keys drawn at random (with repetition when ``N < n_codes``),
+    the same draw for every head. Each iteration assigns every key to its nearest center
+    (Euclidean) and moves each center to the mean of its keys; a center without keys stays.
+    """
+    if keys.dim() != 3 or keys.shape[1] == 0:
+        raise ValueError(f"keys must have shape [H, N, D] with N > 0, got {list(keys.shape)}")
+    H, n, _ = keys.shape
+    if n < n_codes:
+        pick = torch.randint(n, (n_codes,), device=keys.device, generator=generator)
+    else:
+        pick = torch.randperm(n, device=keys.device, generator=generator)[:n_codes]
+    centers = keys[:, pick].clone()
+    for _ in range(iters):
+        assign = torch.cdist(keys, centers).argmin(-1)  # [H, N]
+        counts = keys.new_zeros(H, n_codes).scatter_add_(1, assign, keys.new_ones(assign.shape))
+        sums = torch.zeros_like(centers).scatter_add_(1, assign.unsqueeze(-1).expand_as(keys), keys)
+        centers = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1.0).unsqueeze(-1), centers)
+    return centers
+
+
+class Codebook(nn.Module):
+    """Per-head codes ``[H, S, Dk]`` learned by EMA of the keys assigned to them.
+
+    Args:
+        n_heads, head_dim, codebook_size: H, Dk and S.
+        ema_decay: g of the EMA update, in [0, 1).
+        kmeans_init: start uninitialised (``initialized`` False) so that the owner sets the
+            codes by ``initialize(keys)``; otherwise start from the random codes.
+        kmeans_iters: Lloyd iterations of that initialisation.
+        dead_code_threshold: in ``update()``, codes whose EMA count is strictly below this
+            are restarted on random keys of the latest batch with real tokens (0 disables).
+        init_scale: standard deviation of the random initial codes.
+        sync: the collective hook ``sync(op, tensors)`` (module docstring); default
+            ``distributed_sync``.
+
+    Buffers (state dict): ``codebook``, ``ema_counts`` (initially 1), ``ema_sums``
+    (initially the codes) and ``initialized``.
+    """
+
+    _FLOAT32_BUFFERS = ("codebook", "ema_counts", "ema_sums", "_pending_counts", "_pending_sums")
+
+    def __init__(
+        self,
+        n_heads: int,
+        head_dim: int,
+        codebook_size: int,
+        *,
+        ema_decay: float = 0.99,
+        kmeans_init: bool = False,
+        kmeans_iters: int = 10,
+        dead_code_threshold: float = 0.0,
+        init_scale: float = 1.0,
+        sync: SyncHook | None = None,
+    ):
+        super().__init__()
+        for name, value in (("n_heads", n_heads), ("head_dim", head_dim), ("codebook_size", codebook_size),
+                            ("kmeans_iters", kmeans_iters)):
+            check_int(name, value)
+        if not is_number(ema_decay) or not 0.0 <= ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in [0, 1), got {ema_decay!r}")
+        check_non_negative_number("dead_code_threshold", dead_code_threshold)
+        check_positive_number("init_scale", init_scale)
+        self.n_heads, self.head_dim, self.codebook_size = n_heads, head_dim, codebook_size
+        self.ema_decay, self.dead_code_threshold = ema_decay, dead_code_threshold
+        self.kmeans_init, self.kmeans_iters = kmeans_init, kmeans_iters
+        self.sync: SyncHook = distributed_sync if sync is None else sync
+        initial = torch.randn(n_heads, codebook_size, head_dim) * init_scale
+        self.register_buffer("codebook", initial.clone())
+        self.register_buffer("ema_counts", torch.ones(n_heads, codebook_size))
+        self.register_buffer("ema_sums", initial.clone())
+        self.register_buffer("initialized", torch.tensor(not kmeans_init))
+        self.register_buffer("_pending_counts", torch.zeros(n_heads, codebook_size), persistent=False)
+        self.register_buffer("_pending_sums", torch.zeros(n_heads, codebook_size, head_dim), persistent=False)
+        self._recent_keys: torch.Tensor | None = None  # [H, N, Dk], restart candidates
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.double()``, ``.half()`` move the codes and statistics but keep them float32."""
+        super()._apply(fn, recurse)
+        for name in self._FLOAT32_BUFFERS:
+            buffer = self._buffers[name]
+            if buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
+
+    @staticmethod
+    def _unmasked(k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``k [B, H, T, Dk]`` -> float32 keys ``[H, N, Dk]`` of the N real tokens."""
+        keys = k.detach().float().transpose(0, 1)  # [H, B, T, Dk]
+        if mask is not None:
+            keys = keys[:, mask]
+        return keys.reshape(k.shape[1], -1, k.shape[3])
+
+    # -- statistics and the EMA update ---------------------------------------------------
+
+    @torch.no_grad()
+    def accumulate(self, k: torch.Tensor, codes: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Add the assignments ``codes [B, H, T]`` of keys ``k [B, H, T, Dk]`` to the pending
+        statistics: ``n[h, s] += #{j : codes_hj = s}``, ``s[h, s] += sum_{j : codes_hj = s} k_hj``,
+        over the tokens with ``mask [B, T]`` True (all without a mask)."""
+        keys = self._unmasked(k, mask)  # [H, N, Dk]
+        flat = codes.transpose(0, 1)
+        flat = (flat[:, mask] if mask is not None else flat).reshape(self.n_heads, -1)  # [H, N]
+        self._pending_counts.scatter_add_(1, flat, keys.new_ones(flat.shape))
+        self._pending_sums.scatter_add_(1, flat.unsqueeze(-1).expand_as(keys), keys)
+        if self.dead_code_threshold > 0 and keys.shape[1] > 0:
+            self._recent_keys = keys
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """Apply the EMA update with the statistics gathered since the last call, summed over
+        ranks by ``sync("sum", ...)``, then restart dead codes. Without statistics on any rank
+        this changes nothing."""
+        counts, sums = self._pending_counts.clone(), self._pending_sums.clone()
+        self._pending_counts.zero_()
+        self._pending_sums.zero_()
+        self.sync("sum", [counts, sums])
+        if counts.sum() == 0:
+            return
+        g = self.ema_decay
+        self.ema_counts.mul_(g).add_(counts, alpha=1.0 - g)
+        self.ema_sums.mul_(g).add_(sums, alpha=1.0 - g)
+        self.codebook.copy_(self.ema_sums / self.ema_counts.clamp_min(0.01).unsqueeze(-1))
+        if self.dead_code_threshold > 0:
+            self._restart_dead_codes()
+
+    @torch.no_grad()
+    def _restart_dead_codes(self) -> None:
+        """Move every code with ``ema_counts < dead_code_threshold`` onto a random recent key
+        (rank 0's draw), restarting its statistics there (count 1, sum = key)."""
+        dead = self.ema_counts < self.dead_code_threshold  # [H, S], equal on all ranks
+        if not bool(dead.any()):
+            return
+        values, chosen = self.codebook.clone(), torch.zeros_like(dead)
+        recent = self._recent_keys
+        if recent is not None:
+            for h in range(self.n_heads):
+                idx = dead[h].nonzero().flatten()
+                if idx.numel():
+                    pick = torch.randint(recent.shape[1], (idx.numel(),), device=recent.device)
+                    values[h, idx] = recent[h, pick]
+            chosen = dead
+        self._replace_codes(chosen, values)
+
+    @torch.no_grad()
+    def _replace_codes(self, where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Set the codes ``where [H, S]`` to ``values [H, S, Dk]`` and restart their statistics
+        there: ``codebook = ema_sums = values``, ``ema_counts = 1``. Both come from rank 0
+        (``sync("broadcast", ...)``); returns the ``where`` that was applied."""
+        chosen = where.float()
+        self.sync("broadcast", [values, chosen])
+        where = chosen > 0
+        self.codebook[where] = values[where]
+        self.ema_sums[where] = values[where]
+        self.ema_counts[where] = 1.0
+        return where
+
+    # -- k-means initialisation ----------------------------------------------------------
+
+    @torch.no_grad()
+    def initialize(self, k: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Set every code by ``kmeans`` on the real tokens of ``k [B, H, T, Dk]`` (rank 0's
+        centers on every rank) and mark the codebook initialized. Without real tokens (on
+        rank 0) nothing changes and the codebook stays uninitialised."""
+        keys = self._unmasked(k, mask)
+        where = torch.full((self.n_heads, self.codebook_size), keys.shape[1] > 0, device=self.codebook.device)
+        centers = kmeans(keys, self.codebook_size, self.kmeans_iters) if keys.shape[1] > 0 else self.codebook.clone()
+        self.initialized.fill_(bool(self._replace_codes(where, centers).any()))
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_heads={self.n_heads}, head_dim={self.head_dim}, codebook_size={self.codebook_size}, "
+            f"ema_decay={self.ema_decay}"
+        )

@@ -1,0 +1,165 @@
+"""VectorQuantizer: per-head nearest-code quantization of Transformer-VQ keys.
+
+Forward: ``z_j = argmin_s |k_j - c_s|^2`` (in float32), ``k_hat = sg(c_z) + (k - sg(k))``
+(the straight-through estimator: in the forward pass ``k_hat`` *is* ``c_z``, in the backward
+pass the gradient reaches k unchanged), and the commitment loss
+``beta_c * mean_tokens sum_d (k - sg(c_z))^2``.
+
+The codes are a ``Codebook`` (``nn/codebook.py``), learned by EMA, not a parameter: no
+optimizer, weight decay, clipping or LR schedule touches them. Each training forward hands
+the assignment counts and key sums of its (unpadded) tokens to the codebook's pending
+statistics; ``update()``, called once per optimizer step, sums them over ranks and moves
+
+    counts <- g counts + (1 - g) batch_counts,   sums <- g sums + (1 - g) batch_sums,
+    c = sums / max(counts, 0.01)
+
+Every training-mode forward outside a backward pass is counted (use ``.eval()`` for
+evaluation); a forward recomputed by activation checkpointing runs inside the backward
+pass and adds nothing, so the statistics of a step are counted once. The codes and the
+statistics stay float32 whatever the module is cast to.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_non_negative_number
+from .codebook import Codebook, SyncHook
+
+
+def _inside_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread.
+
+    A forward recomputed by activation checkpointing (reentrant or not) runs inside the
+    backward pass, the original forward never does, so this tells the two apart. PyTorch
+    has no public query for it; ``torch._C._current_graph_task_id`` (-1 outside backward)
+    is what ``torch.utils.checkpoint`` and ``torch.autograd.graph.register_multi_grad_hook``
+    use for the same question.
+    """
+    return torch._C._current_graph_task_id() != -1
+
+
+class VectorQuantizer(Codebook):
+    """Per-head nearest-code quantizer with an EMA codebook ``[H, S, Dk]``.
+
+    The quantizer is its own ``Codebook`` (a subclass), so the EMA buffers ``codebook``,
+    ``ema_counts``, ``ema_sums`` and ``initialized`` are the quantizer's buffers and its state
+    dict keeps those names.
+
+    Args:
+        n_heads, head_dim: H and Dk of the keys ``[B, H, T, Dk]``.
+        codebook_size: S codes per head.
+        ema_decay: g of the EMA update.
+        commitment_weight: beta_c, the weight of the returned commitment loss.
+        kmeans_init: initialise the codebook by k-means on the first training batch.
+        dead_code_threshold: in ``update()``, codes whose EMA count is strictly below this
+            are restarted from keys of the latest batch (0 disables).
+        init_scale: standard deviation of the random initial codebook.
+        kmeans_iters: Lloyd iterations of the k-means initialisation.
+        sync: the collective hook of the ``Codebook`` (default: torch.distributed when
+            initialised, else nothing).
+    """
+
+    def __init__(
+        self,
+        n_heads: int,
+        head_dim: int,
+        codebook_size: int = 512,
+        *,
+        ema_decay: float = 0.99,
+        commitment_weight: float = 1e-4,
+        kmeans_init: bool = False,
+        dead_code_threshold: float = 0.0,
+        init_scale: float = 1.0,
+        kmeans_iters: int = 10,
+        sync: SyncHook | None = None,
+    ):
+        super().__init__(
+            n_heads, head_dim, codebook_size, ema_decay=ema_decay, kmeans_init=kmeans_init,
+            kmeans_iters=kmeans_iters, dead_code_threshold=dead_code_threshold, init_scale=init_scale, sync=sync,
+        )
+        self.commitment_weight = check_non_negative_number("commitment_weight", commitment_weight)
+
+    # -- forward -----------------------------------------------------------------------
+
+    def _check(self, k: torch.Tensor, mask: torch.Tensor | None) -> None:
+        if not isinstance(k, torch.Tensor) or not k.is_floating_point():
+            raise TypeError(f"k must be a floating-point tensor [B, {self.n_heads}, T, {self.head_dim}]")
+        if k.dim() != 4 or k.shape[1] != self.n_heads or k.shape[3] != self.head_dim:
+            raise ValueError(f"k has shape {list(k.shape)}, expected [B, {self.n_heads}, T, {self.head_dim}]")
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (k.shape[0], k.shape[2])):
+            raise ValueError(f"mask must be a bool tensor [{k.shape[0]}, {k.shape[2]}], got {mask.dtype} {list(mask.shape)}")
+
+    def nearest_codes(self, k: torch.Tensor) -> torch.Tensor:
+        """``[B, H, T]`` index of the nearest code by squared L2 distance, computed in float32.
+
+        ``argmin_s |k - c_s|^2 = argmin_s (|c_s|^2 - 2 k.c_s)``, evaluated 1024 positions at a time.
+        """
+        keys = k.detach().float()
+        codebook, code_norms = self.codebook.float(), self._code_norms()
+        if keys.shape[2] <= 1024:
+            return _nearest(keys, codebook, code_norms)
+        return torch.cat([_nearest(chunk, codebook, code_norms) for chunk in keys.split(1024, dim=2)], dim=2)
+
+    def _code_norms(self) -> torch.Tensor:
+        """``|c_s|^2`` per head, ``[H, S]``, recomputed only when the codebook changes (its
+        storage or version), so decoding one token does not pay for all S norms each step."""
+        key = (self.codebook.data_ptr(), self.codebook._version)
+        if getattr(self, "_norms_key", None) != key:
+            self._norms, self._norms_key = self.codebook.float().pow(2).sum(-1), key
+        return self._norms
+
+    def lookup(self, codes: torch.Tensor) -> torch.Tensor:
+        """``codebook[h, codes[b, h, t]]`` -> ``[B, H, T, Dk]``."""
+        B, H, T = codes.shape
+        index = codes.unsqueeze(-1).expand(B, H, T, self.head_dim)
+        return torch.gather(self.codebook.unsqueeze(0).expand(B, -1, -1, -1), 2, index)
+
+    def forward(
+        self, k: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Quantize keys ``k [B, H, T, Dk]`` (``mask [B, T]``: True for real tokens).
+
+        Returns ``(k_hat, codes [B, H, T], commit_loss)``; ``k_hat`` equals the chosen codes
+        exactly (in k's dtype) with the straight-through gradient to k. In training mode,
+        outside a backward pass, the assignments go to the codebook's pending statistics
+        (and the first such forward runs the k-means initialisation if it is pending).
+        """
+        self._check(k, mask)
+        counted = self.training and not _inside_backward()
+        if counted and not bool(self.initialized):
+            self.initialize(k, mask)
+        codes = self.nearest_codes(k)
+        chosen = self.lookup(codes).to(k.dtype)
+        k_hat = chosen + (k - k.detach())
+        squared = (k.float() - chosen.float()).pow(2).sum(-1)  # [B, H, T]
+        if mask is None:
+            commit = squared.mean()
+        else:
+            weights = mask.unsqueeze(1).to(torch.float32)  # [B, 1, T]
+            commit = (squared * weights).sum() / (weights.sum() * self.n_heads).clamp_min(1.0)
+        if counted:
+            self.accumulate(k, codes, mask)
+        return k_hat, codes, self.commitment_weight * commit
+
+    # -- logging -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def usage(self) -> dict[str, torch.Tensor]:
+        """Codebook use per head from the EMA counts: ``perplexity`` = exp(entropy of the
+        code distribution) (S when all codes are used equally, 1 when one code takes all)
+        and ``dead_codes`` = codes with EMA count strictly below ``max(dead_code_threshold, 1e-3)``."""
+        probs = self.ema_counts / self.ema_counts.sum(-1, keepdim=True)
+        entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(-1)
+        threshold = max(self.dead_code_threshold, 1e-3)
+        return {"perplexity": torch.exp(entropy), "dead_codes": (self.ema_counts < threshold).sum(-1)}
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, commitment_weight={self.commitment_weight}"
+
+
+def _nearest(keys: torch.Tensor, codebook: torch.Tensor, code_norms: torch.Tensor) -> torch.Tensor:
+    """``argmin_s (|c_s|^2 - 2 k.c_s)``: keys ``[B, H, t, Dk]``, codebook ``[H, S, Dk]``,
+    code_norms ``[H, S]`` -> ``[B, H, t]`` (the codebook is read in place, never copied per batch)."""
+    scores = torch.einsum("bhtd,hsd->bhts", keys, codebook)
+    return scores.mul_(-2.0).add_(code_norms[None, :, None, :]).argmin(-1)

@@ -1,0 +1,156 @@
+"""Result files shared by benchmarks (``linattn bench``) and reproductions (``linattn repro``).
+
+- metadata: ``collect_metadata`` (versions, platform, device, threads, malloc settings, date,
+  command, shapes) -- what a reader needs to reproduce or compare a result;
+- writers: ``write_json`` (``{"metadata", "rows", "summary"}``), ``write_markdown``,
+  ``markdown_table_lines`` (a GitHub table), ``pyplot`` / ``save_figure`` (PNG plots, Agg backend);
+- ``peak_memory(fn, device)``: the largest extra memory in use while ``fn()`` runs (CPU:
+  resident set of the process; CUDA: the caching allocator's allocated bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import platform
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from ._files import write_text_atomic
+from ._malloc import malloc_settings
+
+# --- metadata ---------------------------------------------------------------------------
+
+
+def device_name(device: torch.device | str) -> str:
+    """Human-readable name of the device: the GPU model, or the CPU model from /proc/cpuinfo."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def collect_metadata(*, device: torch.device | str, command: str, shapes: dict) -> dict:
+    """What a reader needs to reproduce or compare a run."""
+    return {
+        "linattn_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(torch.device(device)),
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "malloc": malloc_settings(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "shapes": shapes,
+    }
+
+
+# --- writers ----------------------------------------------------------------------------
+
+
+def write_json(path: Path, *, rows: Sequence[dict], metadata: dict, summary: dict | None = None) -> Path:
+    """Write ``{"metadata", "rows", "summary"}`` as indented JSON (atomically)."""
+    path = Path(path)
+    write_text_atomic(path, json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n")
+    return path
+
+
+def write_markdown(path: Path, text: str) -> Path:
+    """Write a Markdown page (atomically)."""
+    path = Path(path)
+    write_text_atomic(path, text)
+    return path
+
+
+def markdown_table_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """The lines of a GitHub table: ``header``, the ``---`` rule, one line per row of cells."""
+    return (["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+            + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+def pyplot():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(figure, path: Path, *, dpi: int = 120) -> Path:
+    """Lay out ``figure``, save it to ``path`` (PNG by its name) and close it."""
+    figure.tight_layout()
+    figure.savefig(path, dpi=dpi)
+    pyplot().close(figure)
+    return Path(path)
+
+
+# --- peak memory ------------------------------------------------------------------------
+
+_PROC_STATUS = Path("/proc/self/status")
+_PROC_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_kib(field: str) -> int:
+    """A ``kB`` field (``VmRSS``, ``VmHWM``) of /proc/self/status, in KiB."""
+    for line in _PROC_STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"{field} not in {_PROC_STATUS}")
+
+
+def _cpu_peak_memory(fn: Callable[[], object]) -> int | None:
+    """Peak resident-set growth during ``fn()``: VmHWM after minus VmRSS before.
+
+    Freed heap memory is first handed back to the OS (``malloc_trim``) so it does not
+    hide in the baseline, and the high-water mark is reset (``clear_refs`` 5).
+    """
+    if not (_PROC_STATUS.exists() and _PROC_CLEAR_REFS.exists()):
+        return None
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the baseline may include freed-but-kept heap pages
+        pass
+    try:
+        _PROC_CLEAR_REFS.write_text("5")
+    except OSError:
+        return None
+    baseline = _status_kib("VmRSS")
+    fn()
+    return max(_status_kib("VmHWM") - baseline, 0) * 1024
+
+
+def _cuda_peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak allocated CUDA bytes during ``fn()`` above those allocated before it."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    baseline = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - baseline
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device | str) -> int | None:
+    """Bytes of peak extra memory used while ``fn()`` runs; None where it cannot be measured.
+
+    CPU: process resident set (Linux /proc), so it counts every allocation, torch's or
+    not, that is touched. CUDA: ``max_memory_allocated - memory_allocated`` before.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return _cuda_peak_memory(fn, device)
+    if device.type == "cpu":
+        return _cpu_peak_memory(fn)
+    return None

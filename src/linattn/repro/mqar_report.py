@@ -1,0 +1,107 @@
+"""The report of ``linattn repro mqar``: accuracy table, per-run table and plot.
+
+Rows are ``mqar.train_run``'s: one per (mechanism, d_model, (T, N)).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..reporting import markdown_table_lines, pyplot, save_figure
+from .framework import reuse_note
+
+if TYPE_CHECKING:
+    from .mqar import MQARConfig
+
+
+def _number(value: float | None) -> str:
+    return "—" if value is None or not math.isfinite(value) else f"{value:.3f}"
+
+
+def _task_label(seq_len: int, num_pairs: int) -> str:
+    return f"T={seq_len}, {num_pairs} pairs"
+
+
+def markdown_report(rows: Sequence[dict], *, command: str, config: MQARConfig, metadata: dict,
+                    note: str = "") -> str:
+    """Accuracy table (rows: mechanism; columns: (T, pairs) per d_model) and per-run details;
+    ``note`` (an interim report's sentence) replaces the clause on reused runs."""
+    names = list(dict.fromkeys(r["mechanism"] for r in rows))
+    d_models = sorted({r["d_model"] for r in rows})
+    tasks = sorted({(r["seq_len"], r["num_pairs"]) for r in rows})
+    find = {(r["mechanism"], r["d_model"], r["seq_len"], r["num_pairs"]): r for r in rows}
+    columns = [(d, t) for d in d_models for t in tasks]
+    header = ["mechanism", *(f"d={d}, {_task_label(*t)}" for d, t in columns)]
+    accuracy_rows = []
+    for name in names:
+        cells = [name]
+        for d, (t, n) in columns:
+            r = find.get((name, d, t, n))
+            cells.append("" if r is None else f"{r['accuracy']:.3f}" + ("" if r["status"] == "ok" else " (diverged)"))
+        accuracy_rows.append(cells)
+    lines = [
+        "# repro mqar: multi-query associative recall (Zoology)",
+        "",
+        f"`{command}`",
+        "",
+        f"2-layer LM, vocab {config.vocab_size}, {config.n_heads} heads; AdamW lr {config.lr:g} (warm-up "
+        f"{config.warmup_fraction:.0%}, cosine to {config.min_lr_ratio:g}x), weight decay {config.weight_decay:g}, "
+        f"batch {config.batch_size}, {config.steps} steps; power-law query gaps a = {config.power_a:g}; local window "
+        f"{config.window}; FAVOR+ {config.favor_features} features; VQ codebook {config.codebook_size}, block "
+        f"{config.block_size}, d_k {config.gau_d_k}; seed {config.seed}. Accuracy on the query positions of "
+        f"{config.eval_batches} x {config.batch_size} held-out sequences (chance ~ {2 / config.vocab_size:.1e}).",
+        "",
+        "## Accuracy",
+        "",
+        *markdown_table_lines(header, accuracy_rows),
+        "",
+        "## Runs",
+        "",
+        *markdown_table_lines(
+            ["mechanism", "spec", "d_model", "T", "pairs", "parameters", "accuracy", "eval loss", "final train loss",
+             "steps", "seconds"],
+            [[r["mechanism"], f"`{r['spec']}`", str(r["d_model"]), str(r["seq_len"]), str(r["num_pairs"]),
+              f"{r['parameters']:,}", f"{r['accuracy']:.3f}", _number(r["eval_loss"]), _number(r["final_loss"]),
+              str(r["steps"]), f"{r['seconds']:.0f}"] for r in rows]),
+    ]
+    reused = metadata.get("reused_runs", 0)
+    closing = (f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
+               f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
+               if reused < len(rows) else f"Runs on {metadata['device_name']}.")
+    if note:
+        closing += f" {note}"
+    elif reused:
+        closing += f" {reuse_note(reused, len(rows))}."
+    lines += ["", closing]
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(rows: Sequence[dict], path: Path) -> Path:
+    """Accuracy against sequence length, one line per mechanism, one panel per d_model."""
+    d_models = sorted({r["d_model"] for r in rows})
+    names = list(dict.fromkeys(r["mechanism"] for r in rows))
+    figure, axes = pyplot().subplots(1, len(d_models), figsize=(5.5 * len(d_models), 4.5), squeeze=False, sharey=True)
+    for axis, d in zip(axes[0], d_models):
+        lengths = sorted({r["seq_len"] for r in rows if r["d_model"] == d})
+        for index, name in enumerate(names):
+            mine = sorted((r for r in rows if r["mechanism"] == name and r["d_model"] == d),
+                          key=lambda r: (r["seq_len"], r["num_pairs"]))
+            if mine:
+                axis.plot([r["seq_len"] for r in mine], [r["accuracy"] for r in mine], marker="o",
+                          color=f"C{index % 10}", label=name)
+        if len(lengths) > 1:
+            axis.set_xscale("log", base=2)
+        pairs = {t: sorted({r["num_pairs"] for r in rows if r["d_model"] == d and r["seq_len"] == t}) for t in lengths}
+        axis.set_xticks(lengths, [f"{t}\n({'/'.join(map(str, pairs[t]))} pairs)" for t in lengths])
+        axis.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+        axis.set_ylim(-0.03, 1.03)
+        axis.set_xlabel("sequence length T")
+        axis.set_title(f"d_model = {d}")
+        axis.grid(True, alpha=0.3)
+        axis.legend(fontsize="small")
+    axes[0][0].set_ylabel("query accuracy")
+    figure.suptitle("MQAR: accuracy vs sequence length")
+    return save_figure(figure, path)

@@ -1,0 +1,104 @@
+"""The layer interface and the layer-kind registry (docs/design.md, "Layers")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import linattn
+from linattn.models import layers as layer_registry
+from linattn.models.layers import LayerKind, PreNormBlock
+
+F64 = torch.float64
+TINY = dict(d_model=16, n_heads=2, gau_d_k=8, codebook_size=8, block_size=4, local_window=4, chunk_size=4)
+
+
+class _CausalMean(nn.Module):
+    """A test mixer: ``y_t = W_o mean_{j <= t} x_j`` with the running sum and count as state."""
+
+    def __init__(self, d_model: int):
+        super().__init__()
+        self.o_proj = nn.Linear(d_model, d_model, bias=False)
+
+    def forward(self, x, state=None):
+        total, count = (torch.zeros_like(x[:, 0]), 0) if state is None else state
+        sums = total.unsqueeze(1) + x.cumsum(1)
+        counts = count + torch.arange(1, x.shape[1] + 1, dtype=x.dtype).view(1, -1, 1)
+        return self.o_proj(sums / counts), (sums[:, -1], count + x.shape[1]), {}
+
+
+@pytest.fixture
+def causal_mean_kind():
+    kind = LayerKind("causal-mean", lambda config, spec, index: PreNormBlock(config, _CausalMean(config.d_model)),
+                     "'causal-mean'", output_projections=("mixer.o_proj", "ffn.w_down"))
+    linattn.register_layer_kind(kind)
+    yield kind
+    layer_registry._LAYER_KINDS.pop("causal-mean")
+
+
+def test_registered_kind_builds_trains_and_decodes(causal_mean_kind):
+    config = linattn.LMConfig(n_layers=2, attention="causal-mean,vq", **TINY)
+    torch.manual_seed(0)
+    model = linattn.LM(config).double().eval()
+    assert isinstance(model.layers[0].mixer, _CausalMean)
+    assert "'causal-mean'" in linattn.models.layer_spec_help()
+    ids = torch.randint(0, 256, (2, 9))
+    full, _, _ = model(ids)
+    state, pieces = None, []
+    for t in range(ids.shape[1]):
+        logits, state, _ = model(ids[:, t : t + 1], state)
+        pieces.append(logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_output_projections_follow_the_kind(causal_mean_kind):
+    config = linattn.LMConfig(n_layers=4, attention="causal-mean", init_std=0.5, **TINY)
+    torch.manual_seed(0)
+    model = linattn.LM(config)
+    output_std = 0.5 / (2 * 4) ** 0.5
+    for layer in model.layers:
+        assert layer.mixer.o_proj.weight.std().item() == pytest.approx(output_std, rel=0.25)
+        assert layer.ffn.w_down.weight.std().item() == pytest.approx(output_std, rel=0.25)
+        assert layer.ffn.w_up.weight.std().item() == pytest.approx(0.5, rel=0.25)
+
+
+def test_carry_policy_comes_from_the_kind():
+    config = linattn.LMConfig(n_layers=2, attention="softmax,local:4", softmax_memory=3, **TINY)
+    model = linattn.LM(config)
+    _, state, _ = model(torch.randint(0, 256, (1, 10)))
+    carried = model.carry(state)
+    assert carried.layers[0].keys.shape[2] == 3  # softmax cache cut to softmax_memory
+    assert carried.layers[1].keys.shape[2] == state.layers[1].keys.shape[2]  # local window kept whole
+    assert not carried.layers[0].keys.requires_grad
+    assert model.has_growing_cache
+    assert not linattn.LM(linattn.LMConfig(n_layers=1, attention="local:4", **TINY)).has_growing_cache
+
+
+def test_every_builtin_mixer_has_the_common_interface():
+    x = torch.randn(2, 5, 16, dtype=F64)
+    config = linattn.LMConfig(n_layers=8, attention="vq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,local",
+                              **TINY)
+    model = linattn.LM(config).double()
+    mixers = [m for m in model.modules() if isinstance(m, (linattn.nn.Attention, linattn.nn.DeltaNet,
+                                                           linattn.nn.GAU))]
+    mixers.append(linattn.nn.LinformerAttention(16, 2, max_len=8, k=4).double())
+    assert len(mixers) == 12
+    for mixer in mixers:
+        y, state, aux = mixer(x)
+        assert y.shape == x.shape and isinstance(aux, dict)
+
+
+def test_registry_rejects_duplicates_and_bad_names():
+    with pytest.raises(ValueError, match="already registered"):
+        linattn.register_layer_kind(LayerKind("vq", lambda *a: None, "'vq'"))
+    with pytest.raises(ValueError, match="without ':'"):
+        linattn.register_layer_kind(LayerKind("a:b", lambda *a: None, "'a:b'"))
+    with pytest.raises(TypeError, match="LayerKind"):
+        linattn.register_layer_kind("vq")
+
+
+def test_linformer_refuses_a_state():
+    layer = linattn.nn.LinformerAttention(8, 2, max_len=4, k=2)
+    with pytest.raises(ValueError, match="state must be None"):
+        layer(torch.randn(1, 3, 8), object())

@@ -1,0 +1,130 @@
+"""Transformer-VQ decoding (``vq_attention`` with a carried state and few new positions): the
+decode form scores only the new queries, and equals the parallel reference and the block
+form in float64 — outputs, every field of the final state, gradients — across block
+boundaries, with relative bias and position keys, GQA, batch > 1 and soft codes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import linattn
+from _helpers import F64, OpRecorder, assert_close_rel
+from test_vq_attention import gather_codes, make_bias, make_position_keys, make_vq
+
+H, L, DK = 4, 4, 4
+
+
+def _relative(kind):
+    if kind == "none":
+        return {}
+    return dict(bias=make_bias(H, L), position_keys=make_position_keys(H, L, DK))
+
+
+def _pieces(q, k_hat, v, codes, codebook, sizes, **kw):
+    outs, state, start = [], None, 0
+    for n in sizes:
+        sl = slice(start, start + n)
+        out, state = linattn.vq_attention(q[:, :, sl], k_hat[:, :, sl], v[:, :, sl], codes[:, :, sl], codebook,
+                                          block_size=L, initial_state=state, output_final_state=True, **kw)
+        outs.append(out)
+        start += n
+    return torch.cat(outs, dim=2), state
+
+
+def _assert_same_state(actual, expected):
+    assert actual.steps == expected.steps
+    for name, value in vars(expected).items():
+        if isinstance(value, torch.Tensor):
+            got = getattr(actual, name)
+            assert got.shape == value.shape, name
+            if value.is_floating_point():
+                torch.testing.assert_close(got, value, rtol=1e-10, atol=1e-12, msg=name)
+            else:
+                assert torch.equal(got, value), name
+        elif value is None:
+            assert getattr(actual, name) is None, name
+
+
+@pytest.mark.parametrize("relative", ["none", "bias+positions"])
+@pytest.mark.parametrize("prefill", [0, 3, 4, 9])
+def test_prefill_then_token_by_token_equals_one_call(prefill, relative):
+    """A prompt read by one call (block form), then one token at a time (decode form):
+    outputs equal the parallel reference, the final state equals one call's."""
+    T = 19
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=DK, seed=31 + prefill)
+    kw = _relative(relative)
+    reference, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, mode="parallel", **kw)
+    _, one_call = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, output_final_state=True, **kw)
+    sizes = ([prefill] if prefill else []) + [1] * (T - prefill)
+    out, state = _pieces(q, k_hat, v, codes, codebook, sizes, **kw)
+    assert_close_rel(out, reference, rtol=1e-10, name="decode vs parallel")
+    _assert_same_state(state, one_call)
+
+
+@pytest.mark.parametrize("sizes", [[2, 2, 1, 3, 4, 1, 2], [3, 1, 4, 4, 2, 3], [1, 3, 2, 2, 2, 2, 1, 4]])
+def test_small_pieces_that_end_exactly_on_block_boundaries(sizes):
+    T = sum(sizes)
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=DK, seed=T)
+    kw = _relative("bias+positions")
+    reference, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, mode="parallel", **kw)
+    _, one_call = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, output_final_state=True, **kw)
+    out, state = _pieces(q, k_hat, v, codes, codebook, sizes, **kw)
+    assert_close_rel(out, reference, rtol=1e-10, name="pieces vs parallel")
+    _assert_same_state(state, one_call)
+
+
+def test_decode_gradients_equal_the_reference():
+    """With the state carried undetached and ``cache_grad=True``, token-wise gradients w.r.t.
+    q, v, the codebook, bias and position keys equal the parallel reference's."""
+    T = 13
+    q, _, v, codes, codebook = make_vq(T=T, Dk=DK, seed=41)
+    leaves = [t.clone().requires_grad_(True) for t in (q, v, codebook, make_bias(H, L),
+                                                        make_position_keys(H, L, DK))]
+    weights = torch.randn(q.shape[0], H, T, v.shape[-1], generator=torch.Generator().manual_seed(5), dtype=F64)
+
+    def grads(token_wise):
+        qq, vv, cb, bias, pos = leaves
+        k_hat = gather_codes(cb, codes)
+        kw = dict(bias=bias, position_keys=pos, cache_grad=True)
+        if token_wise:
+            out, _ = _pieces(qq, k_hat, vv, codes, cb, [5] + [1] * (T - 5), **kw)
+        else:
+            out, _ = linattn.vq_attention(qq, k_hat, vv, codes, cb, block_size=L, mode="parallel",
+                                          bias=bias, position_keys=pos)
+        return torch.autograd.grad((out * weights).sum(), leaves)
+
+    for name, got, want in zip(["q", "v", "codebook", "bias", "position_keys"], grads(True), grads(False)):
+        assert want.abs().sum() > 0, name
+        assert_close_rel(got, want, rtol=1e-9, name=f"grad {name}")
+
+
+def test_soft_codes_decode_equals_one_call():
+    B, Hkv, T, S = 2, 2, 11, 6
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(B, H, T, DK, generator=g, dtype=F64)
+    k = torch.randn(B, Hkv, T, DK, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, T, 3, generator=g, dtype=F64)
+    codebook = torch.randn(Hkv, S, DK, generator=g, dtype=F64)
+    kw = dict(temperature=0.7, block_size=L, bias=make_bias(H, L))
+    full, full_state = linattn.soft_vq_attention(q, k, v, codebook, output_final_state=True, **kw)
+    outs, state = [], None
+    for t in range(T):
+        out, state = linattn.soft_vq_attention(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], codebook,
+                                               initial_state=state, output_final_state=True, **kw)
+        outs.append(out)
+    assert_close_rel(torch.cat(outs, 2), full, rtol=1e-10, name="soft decode")
+    _assert_same_state(state, full_state)
+
+
+def test_one_token_scores_only_its_own_row():
+    """A decode step builds no tensor as large as the block form's ``[L, 2L + S]`` scores
+    per head: its largest tensor is O(L + S) per head (here the codebook itself)."""
+    L_big, S = 64, 16
+    q, k_hat, v, codes, codebook = make_vq(B=1, H=2, Hkv=1, T=3 * L_big + 5, Dk=8, S=S, unused=0, seed=3)
+    _, state = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L_big, output_final_state=True)
+    step = [t[:, :, -1:] for t in (q, k_hat, v, codes)]
+    with OpRecorder() as recorder:
+        linattn.vq_attention(*step[:4], codebook, block_size=L_big, initial_state=state, check_inputs=False)
+    block_scores = 2 * L_big * (2 * L_big + S)
+    assert recorder.max_numel < block_scores // 8, recorder.max_numel

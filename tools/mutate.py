@@ -1,0 +1,411 @@
+"""Mutation testing, one module at a time, each against its own test files (`make mutate`).
+
+Every target module gets its own copy of the tree under ``build/mutate/<name>/`` (cosmic-ray
+edits the module in place, so the working tree is never touched, and two modules can run at
+once). In that copy cosmic-ray lists the mutants of the module; those of the operators in
+``KEPT_OPERATORS`` are kept, except on the lines ``LinesLeftOut`` names. The module's tests
+run once unmutated (the baseline), then once per mutant, in random order, until the module's
+share of the time budget is spent. Sessions are kept: running again continues with the mutants not yet tested,
+and starts the module afresh when the module, its tests or this selection changed.
+
+The summary (score per module, surviving mutants with their diffs) goes to
+``results/mutation/summary.md`` and ``summary.json``. See docs/testing.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import hashlib
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "mutate"
+RESULTS = ROOT / "results" / "mutation"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A module to mutate, the test files that judge it, and optionally a ``pytest -k`` filter."""
+
+    module: str
+    tests: tuple[str, ...]
+    select: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.module.removeprefix("src/linattn/").removesuffix(".py").replace("/", ".")
+
+
+def _targets(modules: list[str], tests: list[str], select: str | None = None) -> list[Target]:
+    return [Target(module, tuple(tests), select) for module in modules]
+
+
+OPS = [
+    Target("src/linattn/ops/vq.py", ("tests/test_vq_attention.py",)),
+    Target("src/linattn/ops/local.py", ("tests/test_local_attention.py",)),
+    Target("src/linattn/ops/linear.py", ("tests/test_linear_attention.py", "tests/test_state.py")),
+    Target("src/linattn/ops/softmax.py", ("tests/test_softmax.py",)),
+    Target("src/linattn/ops/delta.py", ("tests/test_delta_rule.py",)),
+    Target("src/linattn/ops/lsh.py", ("tests/test_lsh_attention.py",)),
+    Target("src/linattn/ops/strided.py", ("tests/test_strided_attention.py",)),
+    Target("src/linattn/ops/linformer.py", ("tests/test_linformer.py",)),
+    Target("src/linattn/ops/feature_maps.py", ("tests/test_feature_maps.py",)),
+    Target("src/linattn/ops/_bias.py", ("tests/test_softmax.py", "tests/test_vq_attention.py")),
+]
+QUANTIZER = _targets(["src/linattn/nn/codebook.py", "src/linattn/nn/quantizer.py"], ["tests/test_quantizer.py"])
+NN = [
+    Target("src/linattn/nn/gau.py", ("tests/test_gau.py",)),
+    Target("src/linattn/nn/attention.py", ("tests/test_layers.py", "tests/test_lm.py")),
+    Target("src/linattn/nn/rotary.py", ("tests/test_layers.py", "tests/test_lm.py")),
+    *_targets(["src/linattn/nn/delta_net.py", "src/linattn/nn/short_conv.py"], ["tests/test_delta_net.py"]),
+    Target("src/linattn/nn/linformer.py", ("tests/test_linformer.py",)),
+]
+MODELS = [
+    *_targets(["src/linattn/models/lm.py", "src/linattn/models/config.py", "src/linattn/models/sampling.py"],
+              ["tests/test_lm.py"]),
+    Target("src/linattn/models/layers.py", ("tests/test_layers.py", "tests/test_lm.py")),
+]
+# test_trainer.py's subprocess and two-process runs take minutes each; only its in-process tests judge train/.
+TRAIN = [
+    Target("src/linattn/train/checkpoint.py", ("tests/test_checkpoint_ordering.py", "tests/test_trainer.py"),
+           "checkpoint or corrupt or foreign or pickle or leftover or same_step or flatten or rng_that"),
+    Target("src/linattn/train/schedule.py", ("tests/test_trainer.py",), "learning_rate"),
+    *_targets(["src/linattn/train/trainer.py", "src/linattn/train/optim.py"], ["tests/test_trainer.py"],
+              "tiny_run_learns or rng_that or resets_the_carried"),
+    Target("src/linattn/train/evaluate.py", ("tests/test_trainer.py",), "evaluate or tiny_run_learns"),
+    *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"], ["tests/test_train_cli.py"]),
+]
+TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN
+
+# cosmic-ray operators kept (regular expressions on its operator names; `cosmic-ray operators`
+# lists them all). Left out: every other operator pair, number +-1 (mostly dims and indices),
+# `|` (it also stands in type annotations), exception, decorator and variable replacement.
+KEPT_OPERATORS = [
+    r"core/ReplaceBinaryOperator_(Add_Sub|Sub_Add|Mul_Div|Div_Mul|FloorDiv_Div|Pow_Mul|Mod_FloorDiv|BitAnd_BitOr)",
+    r"core/ReplaceComparisonOperator_(Lt_LtE|LtE_Lt|Gt_GtE|GtE_Gt|Eq_NotEq|NotEq_Eq|Is_IsNot|IsNot_Is)",
+    r"core/ReplaceUnaryOperator_(Delete_USub|Delete_Not)",
+    r"core/(ReplaceTrueWithFalse|ReplaceFalseWithTrue|ReplaceAndWithOr|ReplaceOrWithAnd|AddNot)",
+    r"core/(ZeroIterationForLoop|ReplaceBreakWithContinue|ReplaceContinueWithBreak)",
+]
+HARNESS_VERSION = "2"  # bump when the selection of mutants changes
+
+
+# -- the copy of the tree a module is mutated in ------------------------------------------
+
+
+def sync_stage(stage: Path) -> None:
+    """Refresh ``stage`` with the working tree's src/, tests/ and pyproject.toml."""
+    stage.mkdir(parents=True, exist_ok=True)
+    for folder in ("src", "tests"):
+        shutil.rmtree(stage / folder, ignore_errors=True)
+        shutil.copytree(ROOT / folder, stage / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    shutil.copy2(ROOT / "pyproject.toml", stage / "pyproject.toml")
+
+
+def pytest_command(target: Target, stage: Path) -> str:
+    args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+    args += [str(stage / test) for test in target.tests]
+    if target.select:
+        args += ["-k", target.select]
+    return shlex.join(args)
+
+
+def pytest_environment(stage: Path) -> dict[str, str]:
+    """The staged (mutated) sources come first on the path, ahead of the editable install."""
+    return {**os.environ, "PYTHONPATH": str(stage / "src"), "PYTHONDONTWRITEBYTECODE": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def fingerprint(target: Target) -> str:
+    digest = hashlib.sha256(HARNESS_VERSION.encode())
+    for path in (target.module, *target.tests):
+        digest.update((ROOT / path).read_bytes())
+    digest.update(json.dumps([target.select, KEPT_OPERATORS]).encode())
+    return digest.hexdigest()
+
+
+# -- the session: every mutant, then the selection ----------------------------------------
+
+
+@dataclass(frozen=True)
+class LinesLeftOut:
+    """Lines whose mutants are not worth a test run."""
+
+    raising: frozenset[int]  # raise statements: messages and exception types
+    signatures: frozenset[int]  # def lines up to the body: the '*' and '/' markers are not operators
+
+    @classmethod
+    def of(cls, source: str) -> "LinesLeftOut":
+        raising, signatures = set(), set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Raise):
+                raising.update(range(node.lineno, node.end_lineno + 1))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                signatures.update(range(node.lineno, node.body[0].lineno))
+        return cls(frozenset(raising), frozenset(signatures))
+
+
+def skip_reason(mutation, kept: re.Pattern, left_out: LinesLeftOut) -> str | None:
+    line = mutation.start_pos[0]
+    if not kept.fullmatch(mutation.operator_name):
+        return "operator not selected"
+    if line in left_out.raising:
+        return "inside a raise statement"
+    if line in left_out.signatures and "BinaryOperator" in mutation.operator_name:
+        return "binary operator in a signature"
+    return None
+
+
+def create_session(target: Target, stage: Path, session: Path) -> None:
+    from cosmic_ray.commands import init
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import WorkerOutcome, WorkResult
+
+    module = stage / target.module
+    kept = re.compile("|".join(f"(?:{pattern})" for pattern in KEPT_OPERATORS))
+    left_out = LinesLeftOut.of(module.read_text(encoding="utf-8"))
+    session.unlink(missing_ok=True)
+    with use_db(str(session), WorkDB.Mode.create) as db:
+        init([module], db, {})
+        skipped: dict[str, list[str]] = {}
+        for item in db.pending_work_items:
+            reason = skip_reason(item.mutations[0], kept, left_out)
+            if reason:
+                skipped.setdefault(reason, []).append(item.job_id)
+        for reason, job_ids in skipped.items():
+            db.set_multiple_results(job_ids, WorkResult(worker_outcome=WorkerOutcome.SKIPPED, output=reason))
+
+
+def open_session(target: Target, stage: Path) -> Path:
+    """The module's session, created again when the module, its tests or the selection changed."""
+    session, stamp = stage / "session.sqlite", stage / "fingerprint"
+    current = fingerprint(target)
+    if not session.exists() or not stamp.exists() or stamp.read_text() != current:
+        create_session(target, stage, session)
+        stamp.write_text(current)
+    return session
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+def run_baseline(command: str, stage: Path) -> tuple[bool, float, str]:
+    start = time.monotonic()
+    done = subprocess.run(shlex.split(command), cwd=stage, env=pytest_environment(stage), capture_output=True,
+                          text=True)
+    return done.returncode == 0, time.monotonic() - start, (done.stdout + done.stderr)[-3000:]
+
+
+def run_mutants(session: Path, command: str, timeout: float, until: float, seed: str) -> int:
+    """Test pending mutants in a seeded random order until the wall-clock time ``until``."""
+    from cosmic_ray.mutating import mutate_and_test
+    from cosmic_ray.work_db import WorkDB, use_db
+
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        pending = sorted(db.pending_work_items, key=lambda item: (item.mutations[0].start_pos,
+                                                                 item.mutations[0].operator_name,
+                                                                 item.mutations[0].occurrence))
+        random.Random(seed).shuffle(pending)
+        tested = 0
+        for item in pending:
+            if time.time() >= until:
+                break
+            db.set_result(item.job_id, mutate_and_test(item.mutations, command, timeout))
+            tested += 1
+    return tested
+
+
+def summarise_session(session: Path) -> dict:
+    """Outcome counts and the surviving mutants (diffs with paths relative to the stage)."""
+    from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome, WorkerOutcome
+
+    counts = {"killed": 0, "timeout": 0, "survived": 0, "incompetent": 0, "not_reached": 0, "left_out": 0}
+    survivors = []
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        counts["not_reached"] = len(db.pending_work_items)
+        for item, result in db.completed_work_items:
+            mutation = item.mutations[0]
+            if result.worker_outcome == WorkerOutcome.SKIPPED:
+                counts["left_out"] += 1
+            elif result.test_outcome == TestOutcome.SURVIVED:
+                counts["survived"] += 1
+                diff = result.diff.replace(f"{session.parent}/", "").replace("--- mutation diff ---\n", "")
+                survivors.append({"line": mutation.start_pos[0], "operator": mutation.operator_name,
+                                  "occurrence": mutation.occurrence, "diff": diff})
+            elif result.test_outcome == TestOutcome.KILLED:
+                counts["timeout" if result.output == "timeout" else "killed"] += 1
+            else:
+                counts["incompetent"] += 1
+    survivors.sort(key=lambda s: (s["line"], s["operator"], s["occurrence"]))
+    return {"counts": counts, "survivors": survivors}
+
+
+def run_target(target: Target, until: float) -> dict:
+    """Mutate one module until ``until`` (epoch seconds); the result also lands in its stage."""
+    stage = WORK / target.name
+    stage.mkdir(parents=True, exist_ok=True)
+    (stage / "result.json").unlink(missing_ok=True)
+    result = {"module": target.module, "tests": list(target.tests), "select": target.select}
+    missing = [path for path in (target.module, *target.tests) if not (ROOT / path).is_file()]
+    if missing:
+        result["status"] = f"skipped: missing {', '.join(missing)}"
+    else:
+        result.update(mutate_staged(target, stage, until))
+    (stage / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def mutate_staged(target: Target, stage: Path, until: float) -> dict:
+    started = time.monotonic()
+    sync_stage(stage)
+    session = open_session(target, stage)
+    command = pytest_command(target, stage)
+    passed, baseline, output = run_baseline(command, stage)
+    result = {"baseline_seconds": round(baseline, 1), "command": command}
+    if not passed:
+        result.update(status="baseline failed: the unmutated tests do not pass", output=output)
+    else:
+        os.chdir(stage)
+        os.environ.update(pytest_environment(stage))
+        tested = run_mutants(session, command, max(60.0, 4 * baseline), until, seed=target.module)
+        result.update(status="ok", tested_this_run=tested)
+    return {**result, **summarise_session(session), "seconds": round(time.monotonic() - started, 1)}
+
+
+def count_mutants(target: Target) -> dict:
+    stage = WORK / target.name
+    sync_stage(stage)
+    return summarise_session(open_session(target, stage))["counts"]
+
+
+# -- the summary ---------------------------------------------------------------------------
+
+
+def score(counts: dict) -> float | None:
+    killed = counts["killed"] + counts["timeout"]
+    judged = killed + counts["survived"]
+    return killed / judged if judged else None
+
+
+def markdown_summary(results: list[dict], elapsed: float) -> str:
+    lines = [
+        "# Mutation testing summary", "",
+        f"Written by `tools/mutate.py` in {elapsed / 60:.1f} minutes. Score = killed / (killed + survived); "
+        "timeouts count as killed; 'not reached' mutants were left for the next run by the time budget.", "",
+        "| module | tests | mutants | tested | killed | survived | not reached | score | status |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results:
+        c = r.get("counts")
+        if c is None:
+            lines.append(f"| {r['module']} | {', '.join(r['tests'])} | | | | | | | {r['status']} |")
+            continue
+        mutants = sum(v for k, v in c.items() if k != "left_out")
+        tested = mutants - c["not_reached"]
+        value = score(c)
+        shown = "-" if value is None else f"{100 * value:.0f}%"
+        tests = ", ".join(r["tests"]) + (f" (-k {r['select']})" if r.get("select") else "")
+        lines.append(f"| {r['module']} | {tests} | {mutants} | {tested} | {c['killed'] + c['timeout']} | "
+                     f"{c['survived']} | {c['not_reached']} | {shown} | {r['status']} |")
+    lines += ["", "## Surviving mutants", ""]
+    for r in results:
+        for survivor in r.get("survivors", []):
+            lines += [f"### {r['module']}:{survivor['line']} ({survivor['operator']})", "", "```diff",
+                      survivor["diff"].strip(), "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(results: list[dict], elapsed: float) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "summary.json").write_text(json.dumps({"seconds": round(elapsed, 1), "modules": results}, indent=1))
+    path = RESULTS / "summary.md"
+    path.write_text(markdown_summary(results, elapsed))
+    return path
+
+
+# -- scheduling: modules share the budget, `--jobs` at a time, each in its own process ----
+
+
+def share_until(deadline: float, remaining: int, jobs: int) -> float:
+    """A fair share of the time left for the next module (time a module leaves unused rolls over)."""
+    now = time.time()
+    return now + (deadline - now) * min(1.0, jobs / remaining)
+
+
+def run_all(targets: list[Target], budget_minutes: float, jobs: int) -> list[dict]:
+    deadline = time.time() + 60 * budget_minutes
+    queue = list(targets)
+    running: dict[str, subprocess.Popen] = {}
+    while queue or running:
+        while queue and len(running) < jobs:
+            target = queue.pop(0)
+            until = share_until(deadline, len(queue) + 1 + len(running), jobs)
+            print(f"mutating {target.module} until {time.strftime('%H:%M:%S', time.localtime(until))}", flush=True)
+            running[target.name] = subprocess.Popen(
+                [sys.executable, __file__, "--one", target.module, "--until", str(until)], cwd=ROOT)
+        time.sleep(1)
+        for name, process in list(running.items()):
+            if process.poll() is not None:
+                del running[name]
+    results = []
+    for target in targets:
+        stored = WORK / target.name / "result.json"
+        results.append(json.loads(stored.read_text()) if stored.exists() else
+                       {"module": target.module, "tests": list(target.tests), "status": "no result"})
+    return results
+
+
+def select_targets(only: list[str]) -> list[Target]:
+    if not only:
+        return TARGETS
+    chosen = [t for t in TARGETS if any(t.module == o or t.module.startswith(o.rstrip("/") + "/") for o in only)]
+    if not chosen:
+        sys.exit(f"no target matches {only}; targets: {', '.join(t.module for t in TARGETS)}")
+    return chosen
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", default=[], metavar="PATH",
+                        help="mutate only these modules or folders (as listed in TARGETS)")
+    parser.add_argument("--budget-minutes", type=float, default=55.0,
+                        help="wall-clock budget for the whole run (default 55)")
+    parser.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default 2)")
+    parser.add_argument("--count", action="store_true", help="count the mutants of each module; run no test")
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--until", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.one:
+        (target,) = [t for t in TARGETS if t.module == args.one]
+        run_target(target, args.until)
+        return 0
+    targets = select_targets(args.only)
+    if args.count:
+        for target in targets:
+            if (ROOT / target.module).is_file():
+                counts = count_mutants(target)
+                print(f"{sum(v for k, v in counts.items() if k != 'left_out'):5d}  {target.module}")
+        return 0
+    started = time.time()
+    results = run_all(targets, args.budget_minutes, args.jobs)
+    path = write_summary(results, time.time() - started)
+    print(f"summary: {path.relative_to(ROOT)}")
+    print(path.read_text().split("## Surviving mutants")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
