@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow bench mutate clean
+.PHONY: demo test bench mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +21,8 @@ demo: $(STAMP)
 	$(BIN)/linattn generate --ckpt runs/demo --prompt "ROMEO." --max-new-tokens 300 --seed 0
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
-
-test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/ruff check src tests tools
+	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/linattn bench attention --out results/bench

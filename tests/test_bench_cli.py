@@ -35,8 +35,10 @@ def test_bench_attention_writes_json_markdown_and_plots(tmp_path, capsys):
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "| case | T |" in printed and "targets:" in printed
+    assert "warning: --warmup 0" in printed  # cold first calls are flagged
 
     result = _load(tmp_path)
+    assert result["summary"]["warning"].startswith("--warmup 0")
     assert set(result) == {"metadata", "rows", "summary"}
     meta = result["metadata"]
     for key in ("torch_version", "device", "threads", "date", "command", "shapes"):

@@ -512,7 +512,9 @@ def test_bad_initial_state():
 def test_bad_qkv_shapes():
     q, k, v, beta = _good()
     with pytest.raises(ValueError, match="k has 3 heads"):
-        delta_rule(q, torch.zeros(2, 3, 5, 8, dtype=F64), torch.zeros(2, 3, 5, 6, dtype=F64), torch.zeros(2, 3, 5, dtype=F64))
+        delta_rule(
+            q, torch.zeros(2, 3, 5, 8, dtype=F64), torch.zeros(2, 3, 5, 6, dtype=F64), torch.zeros(2, 3, 5, dtype=F64)
+        )
     with pytest.raises(ValueError, match=r"k has length"):
         delta_rule(q, k[:, :, :4], v[:, :, :4], beta[:, :, :4])
     with pytest.raises(TypeError, match="scale"):

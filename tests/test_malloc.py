@@ -53,7 +53,8 @@ def test_settings_reach_child_processes_and_user_values_win():
         import json, os
         from linattn._malloc import retain_freed_memory
         settings = retain_freed_memory()
-        print(json.dumps({"settings": settings, "env": {k: os.environ[k] for k in os.environ if k.startswith("MALLOC_")}}))
+        print(json.dumps({"settings": settings,
+                          "env": {k: os.environ[k] for k in os.environ if k.startswith("MALLOC_")}}))
     """)
     done = subprocess.run([sys.executable, "-c", script], env=_clean_env(MALLOC_TOP_PAD_="131072"),
                           capture_output=True, text=True, check=True)

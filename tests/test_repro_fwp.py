@@ -175,7 +175,9 @@ def test_queries_read_the_final_memory_and_never_write(name):
         short = batch.keys[:, :3], batch.values[:, :3]
         many = model(*short, batch.queries)
         for j in range(S):
-            torch.testing.assert_close(many[:, j], model(*short, batch.queries[:, j : j + 1])[:, 0], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                many[:, j], model(*short, batch.queries[:, j : j + 1])[:, 0], atol=1e-5, rtol=1e-5
+            )
 
 
 def test_favor_projection_is_fixed_within_a_run_and_seeded():
@@ -307,7 +309,9 @@ def test_worker_processes_give_the_same_rows():
 @pytest.mark.parametrize("bad", [{"jobs": 0}, {"jobs": 1.5}, {"threads": 0}, {"threads": True}])
 def test_bad_jobs_or_threads_are_named(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
-        fwp.run_grid(fwp.SETTINGS["capacity"], ["softmax"], [4], fwp.RetrievalTrainConfig(max_steps=1), progress=False, **bad)
+        fwp.run_grid(
+            fwp.SETTINGS["capacity"], ["softmax"], [4], fwp.RetrievalTrainConfig(max_steps=1), progress=False, **bad
+        )
     with pytest.raises(ValueError, match=next(iter(bad))):
         mqar.run_grid(["softmax"], [16], [(32, 2)], mqar.MQARConfig(steps=1), progress=False, **bad)
 

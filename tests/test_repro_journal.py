@@ -266,4 +266,3 @@ def test_report_only_regenerates_a_committed_report_from_its_journal(tmp_path, m
     new, old = ((path / "results.md").read_text().splitlines() for path in (out, committed))
     assert new[:2] + new[3:-1] == old[:2] + old[3:-1]
     assert "Interim report (--report-only)" in new[-1]
-

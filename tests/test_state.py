@@ -29,7 +29,9 @@ def test_detach_cuts_graph_keeps_values():
 
 
 def test_to_casts_every_tensor_and_keeps_missing_fields():
-    state = LinearAttentionState(kv=torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0), dtype=F64), steps=7)
+    state = LinearAttentionState(
+        kv=torch.randn(1, 2, 3, 4, generator=torch.Generator().manual_seed(0), dtype=F64), steps=7
+    )
     cast = state.to(torch.float32)
     assert cast.kv.dtype == torch.float32 and torch.equal(cast.kv, state.kv.float())
     assert cast.normalizer is None and cast.key_shift is None and cast.steps == 7

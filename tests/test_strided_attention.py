@@ -73,4 +73,6 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="summary"):
         strided_attention(q, k, v, pattern="fixed", block=2, summary=3)
     with pytest.raises(ValueError, match="H % Hkv|must divide"):
-        strided_attention(q, k[:, :1].expand(2, 3, 8, 4).contiguous(), v[:, :1].expand(2, 3, 8, 3).contiguous(), block=2)
+        strided_attention(
+            q, k[:, :1].expand(2, 3, 8, 4).contiguous(), v[:, :1].expand(2, 3, 8, 3).contiguous(), block=2
+        )

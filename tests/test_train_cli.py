@@ -244,7 +244,8 @@ def test_resume_with_no_checkpoint(tmp_path, capsys):
 def test_resume_with_steps(trained, capsys):
     out, code, _, stderr = trained
     assert code == 0, stderr
-    _fails(capsys, ["train", "--resume", "--out", str(out), "--steps", "20", "--no-progress"], "--steps")
+    _fails(capsys, ["train", "--resume", "--out", str(out), "--steps", "12", "--no-progress"], "--steps must be larger")
+    _fails(capsys, ["train", "--resume", "--out", str(out), "--lr", "1.0", "--no-progress"], "--lr")
     _fails(capsys, ["train", "--resume", "--out", str(out), "--set", "train.lr=1.0", "--no-progress"], "--set")
     assert load_checkpoint(out).step == 12  # untouched
 

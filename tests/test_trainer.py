@@ -472,7 +472,8 @@ def test_flatten_unflatten_round_trip_of_a_hybrid_state(tmp_path):
     assert isinstance(restored, LMState)
     _assert_same_state(restored, state)
     # through a real checkpoint file as well
-    save_checkpoint(tmp_path, step=1, model_tensors=model.state_dict(), optimizer_state={"state": {}, "param_groups": []},
+    save_checkpoint(tmp_path, step=1, model_tensors=model.state_dict(),
+                    optimizer_state={"state": {}, "param_groups": []},
                     rng={"torch": torch.get_rng_state()}, carries=[state, None], meta={})
     checkpoint = load_checkpoint(tmp_path)
     _assert_same_state(checkpoint.carry(0), state)

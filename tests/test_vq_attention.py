@@ -464,7 +464,9 @@ def test_bad_bias_shape():
     with pytest.raises(ValueError, match="bias"):
         linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=torch.zeros(3, L + 1, dtype=F64))
     with pytest.raises(ValueError, match="bias"):
-        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=lambda o: torch.zeros(3, o.numel(), dtype=F64))
+        linattn.vq_attention(
+            q, k_hat, v, codes, codebook, block_size=L, bias=lambda o: torch.zeros(3, o.numel(), dtype=F64)
+        )
 
 
 def test_bad_position_keys_shape():

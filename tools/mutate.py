@@ -52,7 +52,7 @@ def _targets(modules: list[str], tests: list[str], select: str | None = None) ->
 
 
 OPS = [
-    Target("src/linattn/ops/vq.py", ("tests/test_vq_attention.py",)),
+    Target("src/linattn/ops/vq.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
     Target("src/linattn/ops/local.py", ("tests/test_local_attention.py",)),
     Target("src/linattn/ops/linear.py", ("tests/test_linear_attention.py", "tests/test_state.py")),
     Target("src/linattn/ops/softmax.py", ("tests/test_softmax.py",)),
@@ -114,7 +114,7 @@ def sync_stage(stage: Path) -> None:
 
 
 def pytest_command(target: Target, stage: Path) -> str:
-    args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+    args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
     args += [str(stage / test) for test in target.tests]
     if target.select:
         args += ["-k", target.select]

@@ -35,7 +35,9 @@ def check_int(name: str, value: object, *, minimum: int = 1, optional: bool = Fa
     if optional and value is None:
         return value
     if not is_int(value) or value < minimum:
-        wanted = "a positive int" if minimum == 1 else ("a non-negative int" if minimum == 0 else f"an int >= {minimum}")
+        wanted = (
+            "a positive int" if minimum == 1 else ("a non-negative int" if minimum == 0 else f"an int >= {minimum}")
+        )
         raise ValueError(f"{name} must be {wanted}{' or None' if optional else ''}, got {value!r}")
     return value
 
@@ -130,7 +132,9 @@ def check_qkv(
     if Dk == 0 or v.shape[-1] == 0:
         raise ValueError(f"q, k and v need a non-empty feature dimension, got q {_shape(q)}, v {_shape(v)}")
     if k.shape[0] != B:
-        raise ValueError(f"{key_name} has batch size {k.shape[0]} (shape {_shape(k)}) but q has {B}; expected [{B}, Hkv, T, {Dk}]")
+        raise ValueError(
+            f"{key_name} has batch size {k.shape[0]} (shape {_shape(k)}) but q has {B}; expected [{B}, Hkv, T, {Dk}]"
+        )
     if v.shape[0] != B:
         raise ValueError(f"v has batch size {v.shape[0]} (shape {_shape(v)}) but q has {B}; expected [{B}, Hkv, T, Dv]")
     Hkv = k.shape[1]
@@ -142,14 +146,19 @@ def check_qkv(
             f"(expected Hkv in {{d : {H} % d == 0}})"
         )
     if k.shape[-1] != Dk:
-        raise ValueError(f"{key_name} has key dimension {k.shape[-1]} (shape {_shape(k)}) but q has {Dk}; expected [{B}, {Hkv}, T, {Dk}]")
+        raise ValueError(
+            f"{key_name} has key dimension {k.shape[-1]} (shape {_shape(k)}) but q has {Dk}; "
+            f"expected [{B}, {Hkv}, T, {Dk}]"
+        )
     S = k.shape[2]
     if S == 0:
         raise ValueError(f"{key_name} has length 0 (shape {_shape(k)}); at least one key is required")
     if v.shape[2] != S:
         raise ValueError(f"v has length {v.shape[2]} (shape {_shape(v)}) but {key_name} has {S}; they must match")
     if same_length and S != T:
-        raise ValueError(f"{key_name} has length {S} (shape {_shape(k)}) but q has {T}; expected [{B}, {Hkv}, {T}, {Dk}]")
+        raise ValueError(
+            f"{key_name} has length {S} (shape {_shape(k)}) but q has {T}; expected [{B}, {Hkv}, {T}, {Dk}]"
+        )
     return AttentionShapes(B, H, Hkv, T, Dk, v.shape[-1])
 
 
@@ -222,7 +231,9 @@ def check_number_fields(config: object, prefix: str, names: Iterable[str], *, lo
     for name in names:
         value = getattr(config, name)
         ok = is_number(value)
-        ok = ok and (value >= low if low_inclusive else value > low) and (high is None or (value <= high if high_inclusive else value < high))
+        ok = ok and (value >= low if low_inclusive else value > low) and (
+            high is None or (value <= high if high_inclusive else value < high)
+        )
         if not ok:
             raise ValueError(f"{prefix}.{name} must be {wanted}, got {value!r}")
 

@@ -13,4 +13,6 @@ from .ops.feature_maps import (
     get_feature_map,
 )
 
-__all__ = ["FeatureMap", "EluPlusOne", "ReLU", "Identity", "Exp", "FAVOR", "DPFP", "Taylor", "SoftVQ", "get_feature_map"]
+__all__ = [
+    "FeatureMap", "EluPlusOne", "ReLU", "Identity", "Exp", "FAVOR", "DPFP", "Taylor", "SoftVQ", "get_feature_map",
+]

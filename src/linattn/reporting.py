@@ -62,7 +62,10 @@ def collect_metadata(*, device: torch.device | str, command: str, shapes: dict) 
 def write_json(path: Path, *, rows: Sequence[dict], metadata: dict, summary: dict | None = None) -> Path:
     """Write ``{"metadata", "rows", "summary"}`` as indented JSON (atomically)."""
     path = Path(path)
-    write_text_atomic(path, json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n")
+    write_text_atomic(
+        path,
+        json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n",
+    )
     return path
 
 

@@ -226,7 +226,9 @@ def summarize(rows: Sequence[dict]) -> dict:
             summary[key] = _speedup(rows, case, baseline, length)
     for case in ("vq-b128", "vq-b256"):
         lengths = sorted({r["length"] for r in rows})
-        common = [t for t in lengths if _measured(rows, case, t, "forward_s") and _measured(rows, BASELINE, t, "forward_s")]
+        common = [
+            t for t in lengths if _measured(rows, case, t, "forward_s") and _measured(rows, BASELINE, t, "forward_s")
+        ]
         if common:
             summary[f"{case}_vs_sdpa"] = [_speedup(rows, case, BASELINE, t) for t in common]
     for case in _GROWTH_CASES:
@@ -292,10 +294,18 @@ def format_summary(summary: dict) -> str:
         )
     if len(lines) == 1:
         lines.append("  (not enough cases/lengths measured for a summary)")
+    if "warning" in summary:
+        lines.append(f"  warning: {summary['warning']}")
     return "\n".join(lines)
 
 
 # --- running and the command line ---------------------------------------------------
+
+
+COLD_START_WARNING = (
+    "--warmup 0: each case's first timed call includes one-time costs (allocation, lazy initialisation), so "
+    "times at the first lengths, and the growth ratios and speed-ups computed from them, are inflated"
+)
 
 
 def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: bool = True) -> dict:
@@ -319,6 +329,8 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     metadata = reporting.collect_metadata(device=config.device, command=command, shapes=config.shapes)
     metadata.update(repeats=config.repeats, warmup=config.warmup, baseline=BASELINE, seed=config.seed)
     summary = summarize(rows)
+    if config.warmup == 0:
+        summary["warning"] = COLD_START_WARNING
     table = report.markdown_table(rows, baseline=BASELINE)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -332,10 +344,6 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
         profile.write_text(f"# bench attention: where the time goes\n\n`{command}`\n\n{report.profile_markdown(rows)}")
         files.append(profile)
     return {"metadata": metadata, "rows": rows, "summary": summary, "table": table, "files": files}
-
-
-
-
 
 
 HELP = "causal attention: forward / forward+backward time and peak memory vs sequence length"

@@ -149,4 +149,3 @@ def write_plots(rows: Sequence[dict], out_dir: Path, *, title: str) -> list[Path
         axis.set_title(f"{title}: peak memory, {subtitle}")
     paths.append(save_figure(figure, out_dir / "peak_memory.png"))
     return paths
-

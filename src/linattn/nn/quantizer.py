@@ -88,7 +88,9 @@ class VectorQuantizer(Codebook):
         if k.dim() != 4 or k.shape[1] != self.n_heads or k.shape[3] != self.head_dim:
             raise ValueError(f"k has shape {list(k.shape)}, expected [B, {self.n_heads}, T, {self.head_dim}]")
         if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (k.shape[0], k.shape[2])):
-            raise ValueError(f"mask must be a bool tensor [{k.shape[0]}, {k.shape[2]}], got {mask.dtype} {list(mask.shape)}")
+            raise ValueError(
+                f"mask must be a bool tensor [{k.shape[0]}, {k.shape[2]}], got {mask.dtype} {list(mask.shape)}"
+            )
 
     def nearest_codes(self, k: torch.Tensor) -> torch.Tensor:
         """``[B, H, T]`` index of the nearest code by squared L2 distance, computed in float32.

@@ -222,10 +222,14 @@ def delta_rule(
     beta = check_tensor("beta", beta, ndim=3, layout="[batch, kv_heads, length]")
     check_same_dtype_device(q=q, beta=beta)
     if tuple(beta.shape) != (B, Hkv, T):
-        raise ValueError(f"beta has shape {list(beta.shape)}, expected [{B}, {Hkv}, {T}] (one value per key/value head)")
+        raise ValueError(
+            f"beta has shape {list(beta.shape)}, expected [{B}, {Hkv}, {T}] (one value per key/value head)"
+        )
     low, high = torch.aminmax(beta.detach())
     if not (0 <= low and high <= 1):  # also false for NaN
-        raise ValueError(f"beta must lie in [0, 1] (write strengths), got values in [{float(low):.4g}, {float(high):.4g}]")
+        raise ValueError(
+            f"beta must lie in [0, 1] (write strengths), got values in [{float(low):.4g}, {float(high):.4g}]"
+        )
     check_non_negative_number("eps", eps)
     if mode is None:
         mode = "recurrent" if T == 1 else "chunk"

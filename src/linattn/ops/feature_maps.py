@@ -271,7 +271,9 @@ def get_feature_map(spec: str | FeatureMap) -> FeatureMap:
         raise TypeError(f"feature_map must be a name or a FeatureMap, got {type(spec).__name__}")
     name, _, arg = spec.lower().partition(":")
     if name not in _BY_NAME:
-        raise ValueError(f"feature_map must be one of {', '.join(sorted(_BY_NAME))} (FAVOR and DPFP take ':N'); got {spec!r}")
+        raise ValueError(
+            f"feature_map must be one of {', '.join(sorted(_BY_NAME))} (FAVOR and DPFP take ':N'); got {spec!r}"
+        )
     if ":" not in spec:
         return _BY_NAME[name]()
     if name not in ("favor", "dpfp") or not arg.isdigit() or int(arg) < 1:

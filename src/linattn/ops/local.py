@@ -17,7 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from ..state import KVCacheState
-from .._checks import check_bool, check_int, check_positive_int, check_qkv, check_state_tensor, compute_dtype, resolve_scale
+from .._checks import (
+    check_bool,
+    check_int,
+    check_positive_int,
+    check_qkv,
+    check_state_tensor,
+    compute_dtype,
+    resolve_scale,
+)
 
 _ROWS_PER_STEP = 1024  # query rows scored together
 

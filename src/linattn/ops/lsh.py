@@ -50,7 +50,6 @@ def lsh_attention(
     C = check_positive_int("bucket_size", bucket_size)
     check_bool("causal", causal)
     dtype = compute_dtype(qk.dtype)
-    E = v.shape[-1]
     n_chunks = -(-T // C)
     Tp = n_chunks * C
     n_buckets = max(2, n_chunks + n_chunks % 2)

@@ -205,7 +205,7 @@ class _TiledSoftmax(torch.autograd.Function):
         for r0, r1 in _query_blocks(T, block_size):
             q_block = q[..., r0:r1, :]
             m = q.new_full((B, Hkv, G, r1 - r0), float("-inf"))
-            l = torch.zeros_like(m)
+            denominator = torch.zeros_like(m)
             acc = q.new_zeros(B, Hkv, G, r1 - r0, Dv)
             for c0, c1 in _key_blocks(causal, r1, S, block_size):
                 s = _block_scores(q_block, k, bias, causal, r0, r1, c0, c1)
@@ -213,12 +213,12 @@ class _TiledSoftmax(torch.autograd.Function):
                 m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                 p = torch.exp(s - m_safe.unsqueeze(-1))
                 alpha = torch.exp(m - m_safe)
-                l = l * alpha + p.sum(-1)
+                denominator = denominator * alpha + p.sum(-1)
                 acc = acc * alpha.unsqueeze(-1) + p @ v[:, :, c0:c1, :].unsqueeze(2)
                 m = m_new
-            seen = l > 0  # a row that sees no key gets output 0 and, through lse = inf, zero gradients
-            out[..., r0:r1, :] = torch.where(seen.unsqueeze(-1), acc / l.clamp_min(1.0).unsqueeze(-1), 0.0)
-            lse[..., r0:r1] = torch.where(seen, m + torch.log(l), float("inf"))
+            seen = denominator > 0  # a row that sees no key gets output 0 and, through lse = inf, zero gradients
+            out[..., r0:r1, :] = torch.where(seen.unsqueeze(-1), acc / denominator.clamp_min(1.0).unsqueeze(-1), 0.0)
+            lse[..., r0:r1] = torch.where(seen, m + torch.log(denominator), float("inf"))
         ctx.save_for_backward(q, k, v, dense, table, out, lse)
         ctx.causal, ctx.block_size = causal, block_size
         return out

@@ -15,7 +15,8 @@ equal ``c_s`` and carry no bias,
 
     sum_{j in blocks <= r-2} exp(scale q.k_hat_j) v_j = exp(scale q.c_s + log n_s) m_s   (summed over s)
 
-so one softmax over (own block, previous block, S cache slots) equals the reference exactly at O(T (2L + S)) cost. ``causal=False``:
+so one softmax over (own block, previous block, S cache slots) equals the reference exactly
+at O(T (2L + S)) cost. ``causal=False``:
 ``softmax over s of (scale q.c_s + log n_s)`` applied to ``m_s`` (the encoder form
 ``exp(Q C^T)(Delta^T V)``, normalised).
 
@@ -91,7 +92,8 @@ def _position_keys(position_keys, heads: int, kv_heads: int, block_size: int, ke
         P = P.unsqueeze(0)
     if P.dim() != 3 or P.shape[0] not in (1, heads) or P.shape[1:] != (n, key_dim):
         raise ValueError(
-            f"position_keys has shape {list(position_keys.shape)}, expected [{n}, {key_dim}] or [{heads}, {n}, {key_dim}]"
+            f"position_keys has shape {list(position_keys.shape)}, expected [{n}, {key_dim}] "
+            f"or [{heads}, {n}, {key_dim}]"
         )
     if P.shape[0] == heads:
         return P.reshape(kv_heads, heads // kv_heads, n, key_dim)
@@ -178,7 +180,9 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
     if has_prev:
         first_prev = (state.prev_keys.to(dtype), state.prev_values.to(dtype), state.prev_codes)
     else:
-        first_prev = (k.new_zeros(B, Hkv, L, D), v.new_zeros(B, Hkv, L, E), codes.new_zeros(B, Hkv, L, *codes.shape[3:]))
+        first_prev = (
+            k.new_zeros(B, Hkv, L, D), v.new_zeros(B, Hkv, L, E), codes.new_zeros(B, Hkv, L, *codes.shape[3:])
+        )
     # Block r's previous block: the state's for r = 0, else block r - 1.
     prev_k = torch.cat([first_prev[0].unsqueeze(2), k_blocks[:, :, :-1]], dim=2)
     prev_v = torch.cat([first_prev[1].unsqueeze(2), v_blocks[:, :, :-1]], dim=2)
@@ -511,7 +515,9 @@ def soft_vq_attention(
     codebook = check_tensor("codebook", codebook, ndim=3, layout="[kv_heads, codebook_size, key_dim]")
     check_same_dtype_device(q=q, codebook=codebook)
     if codebook.shape[0] != shapes.kv_heads or codebook.shape[2] != shapes.key_dim:
-        raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{shapes.kv_heads}, S, {shapes.key_dim}]")
+        raise ValueError(
+            f"codebook has shape {list(codebook.shape)}, expected [{shapes.kv_heads}, S, {shapes.key_dim}]"
+        )
     dtype = compute_dtype(q.dtype)
     weights = soft_assignments(k.to(dtype), codebook.to(dtype), float(temperature))
     soft_keys = weights @ codebook.to(dtype).unsqueeze(0)

@@ -117,7 +117,8 @@ def add_lm_arguments(parser: argparse.ArgumentParser, *, n_heads: int, window: i
         ("--block-size", block_size, "a block size", "VQ block length L"),
         ("--gau-d-k", gau_d_k, "a dimension", "key width of the VQ layers' gated attention units"),
     ):
-        parser.add_argument(flag, type=int_at_least(1, what), default=default, help=f"{help_text} (default %(default)s)")
+        parser.add_argument(flag, type=int_at_least(1, what), default=default,
+                            help=f"{help_text} (default %(default)s)")
 
 
 class Experiment:
@@ -375,7 +376,8 @@ def run_grid(grid: Grid, *, jobs: int = 1, threads: int | None = None, progress:
             def show_progress(run: tuple) -> Callable:
                 return lambda *args: bar.set_postfix_str(grid.step_text(run, *args))
 
-        return map_runs(grid.train, grid.runs, jobs=jobs, threads=torch.get_num_threads() if threads is None else threads,
+        return map_runs(grid.train, grid.runs, jobs=jobs,
+                        threads=torch.get_num_threads() if threads is None else threads,
                         bar=bar, describe=grid.describe, progress_kwarg=grid.progress_kwarg,
                         show_progress=show_progress, journal=journal, run_key=grid.run_key,
                         only_recorded=only_recorded)

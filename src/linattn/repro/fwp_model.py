@@ -26,7 +26,8 @@ write: softmax and the sum rule read it as a non-causal call whose keys/values a
 takes whichever of ``linear_attention``'s orders is cheaper, ``(phi(Q) phi(K)^T) V`` for the
 single training query, ``phi(Q) (phi(K)^T V)`` when many queries share the pairs); the
 delta rule writes the pairs with ``output_final_state=True``, then reads the state by a
-second ``delta_rule`` call over the queries with ``beta = 0`` (no writes). This is exactly the query at position L+1 of a causal sequence, and lets the evaluation ask
+second ``delta_rule`` call over the queries with ``beta = 0`` (no writes). This is exactly
+the query at position L+1 of a causal sequence, and lets the evaluation ask
 every key of a sequence at once. Training asks one random query per sequence (batch 32),
 as in the paper.
 """

@@ -445,7 +445,8 @@ def run_experiment(spec: RetrievalSpec, *, mechanisms: Sequence[str], sizes: Seq
     markdown += ((f"\nWall time {outcome.seconds:.0f} s ({jobs} process(es) x {metadata['threads']} thread(s)), "
                   if trained_here else "\n")
                  + f"CPU time of the runs {cpu:.0f} s, on {metadata['device_name']}."
-                 + (f" {framework.reuse_note(outcome.reused, len(rows))}." if outcome.reused and not report_only else "")
+                 + (f" {framework.reuse_note(outcome.reused, len(rows))}."
+                    if outcome.reused and not report_only else "")
                  + (f" {framework.interim_note(len(rows), outcome.total)}" if report_only else "") + "\n")
     plot = partial(write_plot, rows, title=setting.title, target_loss=config.target_loss, mark_d_dot=spec.mark_d_dot)
     files = framework.write_results(out_dir, rows=rows, metadata=metadata, summary=summary, markdown=markdown,

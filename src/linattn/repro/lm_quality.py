@@ -101,7 +101,8 @@ def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_token
     return {
         "mechanism": name, "spec": LM_QUALITY_SPECS[name], "parameters": model.num_parameters(),
         "validation_bpb": summary["final_bpb"], "test_bpb_reset": reset["bpb"],
-        "test_bpb_schedule": schedule["bpb"], "test_bpb_carried": carried["bpb"], "carry_windows": train_config.carry_windows,
+        "test_bpb_schedule": schedule["bpb"], "test_bpb_carried": carried["bpb"],
+        "carry_windows": train_config.carry_windows,
         "test_tokens": carried["tokens"], "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None,
         "step_peak_bytes": _step_memory(model, args), "train_seconds": summary["elapsed"],
         "loss_curve": losses, "validation_curve": curve,
@@ -129,7 +130,8 @@ def markdown(rows: list[dict], metadata: dict, note: str = "") -> str:
               "context. Training carries each window's recurrent state (detached) to the next for "
               f"{rows[0]['carry_windows']} windows, then resets it; the three columns reset it every window, on that "
               "schedule, or never. Exact softmax keeps no memory across windows (`softmax_memory = 0`), so its "
-              "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, training schedule."]
+              "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, "
+              "training schedule."]
     if note:
         lines += ["", note]
     elif metadata.get("reused_runs"):

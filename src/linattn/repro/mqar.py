@@ -370,13 +370,15 @@ def check_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequen
 def _grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
           config: MQARConfig) -> Grid:
     """Every (mechanism, d_model, (T, N)) run, in that nesting order."""
-    return Grid(train=train_run, runs=[(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks],
+    return Grid(train=train_run,
+                runs=[(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks],
                 run_key=_run_key, describe=_describe, label="repro mqar", progress_kwarg="on_step",
                 step_text=_step_text)
 
 
-def run_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]], config: MQARConfig,
-             *, jobs: int = 1, threads: int = 1, progress: bool = True, journal: RunJournal | None = None) -> list[dict]:
+def run_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
+             config: MQARConfig, *, jobs: int = 1, threads: int = 1, progress: bool = True,
+             journal: RunJournal | None = None) -> list[dict]:
     """Every (mechanism, d_model, (T, N)) run, in grid order, with a tqdm bar over runs.
 
     ``jobs > 1`` trains that many runs at once in worker processes (spawned, ``threads``
@@ -445,7 +447,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"training steps per run (default {d.steps}; --quick {QUICK_STEPS})")
     parser.add_argument("--batch-size", type=int_at_least(1, "a batch size"), default=d.batch_size,
                         help="sequences per training step (default %(default)s)")
-    parser.add_argument("--lr", type=positive_float, default=d.lr, help="peak AdamW learning rate (default %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=d.lr,
+                        help="peak AdamW learning rate (default %(default)s)")
     parser.add_argument("--eval-batches", type=int_at_least(1, "a count"), default=d.eval_batches,
                         help="held-out batches (of --batch-size sequences) for the accuracy (default %(default)s)")
     parser.add_argument("--vocab-size", type=int_at_least(4, "a vocabulary size"), default=d.vocab_size,

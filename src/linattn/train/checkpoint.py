@@ -25,7 +25,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
@@ -255,7 +255,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     try:
         meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise CheckpointError(f"{folder / 'meta.json'} is not valid JSON ({error}); the checkpoint is corrupt") from None
+        raise CheckpointError(
+            f"{folder / 'meta.json'} is not valid JSON ({error}); the checkpoint is corrupt"
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{folder} is not a linattn checkpoint (meta.json has no format={FORMAT!r})")
     if meta.get("version") != VERSION:
@@ -279,6 +281,59 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     except (SafetensorError, OSError) as error:
         raise CheckpointError(f"{folder}: cannot read the tensor files ({error})") from None
     return Checkpoint(path=folder, meta=meta, model=model, training=training)
+
+
+def _usable_checkpoints(root: Path, skip: Path | None = None) -> list[Checkpoint]:
+    """The complete, verified ``step-*`` checkpoints under ``root``, newest first."""
+    usable = []
+    for folder in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+        if skip is not None and folder.resolve() == skip.resolve():
+            continue
+        try:
+            usable.append(load_checkpoint(folder))
+        except CheckpointError:
+            continue
+    return usable
+
+
+def find_resume_checkpoint(run_dir: str | Path, select: int | str | Path | None = None, *,
+                           echo: Callable[[str], None] = print) -> Checkpoint:
+    """The checkpoint ``linattn train --resume`` continues from, in the run folder ``run_dir``.
+
+    ``select``: a step number (``run_dir/checkpoints/step-N``) or a checkpoint folder; None
+    takes the one ``checkpoints/latest`` names. If ``latest`` is missing, the newest
+    complete checkpoint is taken (and ``echo`` says so). If it names a corrupt or incomplete
+    checkpoint, the ``CheckpointError`` lists the usable earlier ones and the command that
+    resumes from the newest of them.
+    """
+    run_dir = Path(run_dir)
+    root = run_dir / "checkpoints"
+    if select is not None:
+        if isinstance(select, int) and not isinstance(select, bool):
+            folder = root / step_name(select)
+            if not folder.is_dir():
+                steps = ", ".join(str(c.step) for c in reversed(_usable_checkpoints(root))) or "none"
+                raise CheckpointError(f"{folder} does not exist; the usable checkpoints of {run_dir} are at steps "
+                                      f"{steps}")
+            return load_checkpoint(folder)
+        return load_checkpoint(select)
+    if not (root / "latest").is_file():
+        usable = _usable_checkpoints(root) if root.is_dir() else []
+        if not usable:
+            raise CheckpointError(f"{run_dir} holds no checkpoint to resume (no {root / 'latest'} and no complete "
+                                  "step-* folder)")
+        echo(f"{root / 'latest'} is missing; resuming from the newest complete checkpoint, {usable[0].path.name}")
+        return usable[0]
+    try:
+        return load_checkpoint(root)
+    except CheckpointError as error:
+        named = root / (root / "latest").read_text(encoding="utf-8").strip()
+        usable = _usable_checkpoints(root, skip=named)
+        if not usable:
+            raise
+        steps = ", ".join(f"{c.path.name} (step {c.step})" for c in usable)
+        raise CheckpointError(f"{error}. Usable earlier checkpoints: {steps}. Resume from the newest with: "
+                              f"linattn train --resume --out {run_dir} --from {usable[0].step}") from None
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import torch
@@ -35,9 +36,6 @@ _TRAIN_FLAGS = {
 }
 
 
-
-
-
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -54,14 +52,17 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--d-model", dest="d_model", type=_positive_int)
     p.add_argument("--n-layers", dest="n_layers", type=_positive_int)
     p.add_argument("--n-heads", dest="n_heads", type=_positive_int)
-    p.add_argument("--data", metavar="PATH", help="'shakespeare', a text file, a folder of .txt files or an enwik8-style .zip")
-    p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR", help="corpus cache (default $LINATTN_CACHE or ~/.cache/linattn)")
+    p.add_argument("--data", metavar="PATH",
+                   help="'shakespeare', a text file, a folder of .txt files or an enwik8-style .zip")
+    p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR",
+                   help="corpus cache (default $LINATTN_CACHE or ~/.cache/linattn)")
     p.add_argument("--steps", type=_positive_int)
     p.add_argument("--batch-size", dest="batch_size", type=_positive_int, help="streams per process")
     p.add_argument("--context", type=_positive_int, help="tokens per training window")
     p.add_argument("--lr", type=_positive_float)
     p.add_argument("--seed", type=_non_negative_int)
-    p.add_argument("--eval-every", dest="eval_every", type=_non_negative_int, help="steps between evaluations (0: never)")
+    p.add_argument("--eval-every", dest="eval_every", type=_non_negative_int,
+                   help="steps between evaluations (0: never)")
     p.add_argument("--checkpoint-every", dest="checkpoint_every", type=_non_negative_int)
     p.add_argument("--log-every", dest="log_every", type=_positive_int)
     p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N")
@@ -69,14 +70,20 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                    help="any [model]/[train] setting, e.g. --set model.codebook_size=256 (repeatable)")
     p.add_argument("--out", required=False, metavar="DIR", help="run folder (checkpoints, metrics.jsonl)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint (with --steps N: to N steps, e.g. to "
+                        "extend a finished run; the extra steps train at the schedule's floor learning rate)")
+    p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
+                   help="with --resume: the checkpoint to continue from, a step number or a checkpoint folder "
+                        "(default: the latest)")
     _add_runtime(p)
     p.set_defaults(handler=run_train)
 
     p = commands.add_parser("eval", help="bits per byte of a checkpoint on a split",
                             description="Evaluate a checkpoint in bits per byte, carrying the state across the split.")
     p.add_argument("--ckpt", required=True, metavar="DIR", help="run folder or checkpoint folder")
-    p.add_argument("--split", choices=("train", "validation", "test"), default="test")
+    p.add_argument("--split", choices=("train", "validation", "test"), default="test",
+                   help="split to evaluate (default: %(default)s)")
     p.add_argument("--context", type=_positive_int, help="window length (default: the training context)")
     p.add_argument("--batch-size", type=_positive_int, default=1,
                    help="parallel streams (1 = the whole split as one stream, state carried throughout)")
@@ -123,23 +130,35 @@ def _train_values(args: argparse.Namespace) -> tuple[dict, dict]:
 def run_train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     if args.resume:
-        given = [f"--{flag.replace('_', '-')}" for flag in _TRAIN_FLAGS if getattr(args, flag) is not None]
+        given = [f"--{flag.replace('_', '-')}" for flag in _TRAIN_FLAGS
+                 if flag != "steps" and getattr(args, flag) is not None]
         given += ["--config"] if args.config else []
         given += ["--set"] if args.overrides else []
         if not args.out:
             raise ValueError("--resume needs --out DIR, the run folder to continue")
         if given:
-            raise ValueError(f"--resume takes the configuration from the checkpoint; drop {', '.join(given)}")
+            raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps may change); "
+                             f"drop {', '.join(given)}")
         if args.threads is not None:
             torch.set_num_threads(args.threads)
-        summary = train(None, None, resume=True, out=args.out, progress=progress, command=args.command_line)
+        resume_from = int(args.resume_from) if args.resume_from and args.resume_from.isdigit() else args.resume_from
+        summary = train(None, None, resume=True, resume_from=resume_from, steps=args.steps, out=args.out,
+                        progress=progress, command=args.command_line)
     else:
+        if args.resume_from is not None:
+            raise ValueError("--from selects the checkpoint of --resume; add --resume")
         model_config, train_config = build_configs(*_train_values(args))
         summary = train(model_config, train_config, out=args.out, progress=progress, command=args.command_line)
+    if summary.get("finished"):
+        return 0
+    trained = f"{summary['step']} steps trained, {summary['elapsed']:.0f} s this session"
     if summary.get("final_bpb") is not None:
         before = f"{summary['initial_bpb']:.3f} before -> " if summary.get("initial_bpb") is not None else ""
-        print(f"validation bpb: {before}{summary['final_bpb']:.3f} at step {summary['final_bpb_step']} "
-              f"({summary['step']} steps trained, {summary['elapsed']:.0f} s this session)")
+        print(f"validation bpb: {before}{summary['final_bpb']:.3f} at step {summary['final_bpb_step']} ({trained})")
+    elif summary["step"] > summary["start_step"]:
+        loss = summary["last_loss"]
+        print(f"last training loss: {loss:.4f} ({loss / math.log(2):.3f} bpb) at step {summary['step']} ({trained}; "
+              "no validation: --eval-every 0)")
     return 0
 
 

@@ -17,7 +17,9 @@ class TrainConfig:
     """How to train: data, batch, optimiser, schedule, evaluation, checkpoints.
 
     The learning rate warms up linearly over ``warmup_steps`` to ``lr`` and decays by a
-    cosine to ``lr * min_lr_ratio`` at ``steps``. Each optimizer step reads one window of
+    cosine to ``lr * min_lr_ratio`` at ``decay_steps`` (None: ``steps``); steps past it train
+    at that floor (a finished run extended by ``linattn train --resume --steps N`` keeps its
+    schedule and continues at the floor). Each optimizer step reads one window of
     ``context`` tokens from each of ``batch_size`` streams per process; the windows of a
     stream are consecutive, and the model's recurrent state is carried (detached) from one
     window to the next (Transformer-XL style) for ``carry_windows`` windows, then reset, so
@@ -30,6 +32,7 @@ class TrainConfig:
     data: str = "shakespeare"
     out: str = "runs/latest"
     steps: int = 1000
+    decay_steps: int | None = None  # end of the cosine decay (None: steps)
     batch_size: int = 16
     context: int = 256
     lr: float = 2e-3
@@ -58,7 +61,7 @@ class TrainConfig:
                                          "keep_checkpoints"), minimum=1)
         check_int_fields(self, "train", ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows"),
                          minimum=0, note=" (0 = never/none)")
-        check_int_fields(self, "train", ("eval_tokens", "threads"), minimum=1, optional=True)
+        check_int_fields(self, "train", ("eval_tokens", "threads", "decay_steps"), minimum=1, optional=True)
         check_number_fields(self, "train", ("lr", "grad_clip"), low=0, low_inclusive=False, wanted="a positive number")
         check_number_fields(self, "train", ("min_lr_ratio",), low=0, high=1, wanted="in [0, 1]")
         check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")

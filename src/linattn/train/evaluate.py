@@ -50,7 +50,9 @@ def evaluate_bpb(
                 state = None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits, state, _ = model(inputs.to(device), state)
-            totals[0] += F.cross_entropy(logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum").item()
+            totals[0] += F.cross_entropy(
+                logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum"
+            ).item()
             totals[1] += targets.numel()
             state = model.carry(state) if carry_state else None
             if progress is not None:

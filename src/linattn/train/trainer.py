@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from .. import __version__
 from ..data import TokenStreams, load_corpus
 from ..models import LM, LMConfig
 from . import distributed
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from .checkpoint import find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate_bpb
 from .optim import parameter_groups
@@ -94,11 +95,17 @@ def _load_data(train_config: TrainConfig, context: distributed.Context):
     return corpus
 
 
+def _silent(*args) -> None:
+    pass
+
+
 def train(
     model_config: LMConfig | None,
     train_config: TrainConfig | None,
     *,
     resume: bool = False,
+    resume_from: int | str | Path | None = None,
+    steps: int | None = None,
     out: str | Path | None = None,
     progress: bool = True,
     command: str = "",
@@ -106,18 +113,32 @@ def train(
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
-    trained ``model``).
+    trained ``model``; ``finished=True`` when a resumed run had nothing left to train).
 
-    ``resume`` reads the latest checkpoint under ``out/checkpoints`` and takes both configs
-    from it (pass None for them); the loss curve then continues exactly as if the run had
-    never stopped. Under ``torchrun`` every process calls this; rank 0 alone writes.
+    ``resume`` reads a checkpoint of the run in ``out`` (the latest, or ``resume_from``: a
+    step number or a checkpoint folder; see ``find_resume_checkpoint`` for the fallbacks)
+    and takes both configs from it (pass None for them); the loss curve then continues
+    exactly as if the run had never stopped. ``steps`` (with ``resume``) sets a new total,
+    e.g. to extend a finished run: the original schedule is kept and the extra steps train
+    at its floor learning rate. Under ``torchrun`` every process calls this; rank 0 alone
+    writes.
     """
     if resume:
         if out is None:
             raise ValueError("resume needs the run folder (--out)")
-        checkpoint = load_checkpoint(Path(out) / "checkpoints")
+        if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone speaks
+            echo = _silent
+        checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
         model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
-        train_config = TrainConfig.from_dict({**checkpoint.meta["train_config"], "out": str(out)})
+        train_values = {**checkpoint.meta["train_config"], "out": str(out)}
+        if steps is not None:
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps <= checkpoint.step:
+                raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
+                                 f"further, got {steps!r}")
+            train_values.update(decay_steps=train_values.get("decay_steps") or train_values["steps"], steps=steps)
+        train_config = TrainConfig.from_dict(train_values)
+        if checkpoint.step < train_config.steps:
+            echo(f"resuming {out} at step {checkpoint.step} of {train_config.steps} from {checkpoint.path}")
     else:
         checkpoint = None
         if out is not None:
@@ -142,6 +163,12 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     if checkpoint is not None and checkpoint.meta.get("world_size", 1) != context.world_size:
         raise ValueError(f"the checkpoint was written by {checkpoint.meta.get('world_size')} processes; resume it "
                          f"with the same number (this run has {context.world_size}) so the data streams match")
+    if checkpoint is not None and checkpoint.step >= cfg.steps:
+        if context.is_main:
+            echo(f"the run in {run_dir} is finished (step {checkpoint.step} of {cfg.steps}); nothing to train. "
+                 f"Extend it with: linattn train --resume --out {run_dir} --steps N (N > {cfg.steps})")
+        return {"out": str(run_dir), "start_step": checkpoint.step, "step": checkpoint.step, "finished": True,
+                "interrupted": None, "final_bpb": None}
 
     torch.manual_seed(cfg.seed)
     model = LM(model_config).to(device)
@@ -208,8 +235,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             window = step % len(streams)
             if window == 0 or not cfg.carry_state or (cfg.carry_windows and window % cfg.carry_windows == 0):
                 carry = None
-            lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
-                               min_ratio=cfg.min_lr_ratio)
+            lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.decay_steps or cfg.steps,
+                               warmup_steps=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             inputs, targets = (t.to(device) for t in streams.window(window))
@@ -241,12 +268,12 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                     record["codebook_perplexity"] = float(aux["codebook_perplexity"])
                 metrics.write(record)
                 postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{speed:,.0f}"}
-                if last_bpb is not None:
-                    postfix["val_bpb"] = f"{last_bpb:.3f}"
+                if last_bpb is not None:  # the latest evaluation, labelled with its step (0: before training)
+                    postfix[f"val_bpb@{last_bpb_step}"] = f"{last_bpb:.3f}"
                 bar.set_postfix(postfix, refresh=False)
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 last_bpb, last_bpb_step = evaluate(step), step
-                bar.set_postfix({"loss": f"{loss_value:.3f}", "val_bpb": f"{last_bpb:.3f}"}, refresh=True)
+                bar.set_postfix({"loss": f"{loss_value:.3f}", f"val_bpb@{step}": f"{last_bpb:.3f}"}, refresh=True)
 
             stopping = distributed.broadcast_flag(stop.signal_name is not None, context)
             if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
