@@ -164,13 +164,31 @@ def test_runner_skips_over_max_length_and_after_out_of_memory():
 
 
 def test_bench_decode_writes_rows_and_growth(tmp_path):
-    assert main(["bench", "decode", "--contexts", "32", "64", "--tokens", "2", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "decode", "--contexts", "32", "64", "--tokens", "2", "--models", "--out",
+                 str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     cases = {row["case"] for row in result["rows"]}
     assert cases == {"vq-b128", "linear-elu", "delta", "sdpa-kvcache"}
     assert all(row["per_token_s"] > 0 and len(row["times_s"]) == 2 for row in result["rows"])
-    assert set(result["summary"]) == cases and all(s["growth"] > 0 for s in result["summary"].values())
+    ops = result["summary"]["ops"]
+    assert set(ops) == cases and all(s["growth"] > 0 for s in ops.values())
     assert "per-token time" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_decode_models_at_equal_size(tmp_path):
+    """Every model generates the asked tokens at every prompt and batch; sizes are matched."""
+    assert main(["bench", "decode", "--cases", "--prompts", "8", "40", "--batches", "1", "2", "--new-tokens", "3",
+                 "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = result["rows"]
+    assert {(r["case"], r["prompt"], r["batch"]) for r in rows} == {
+        (m, p, b) for m in ("vq", "softmax", "delta", "linear-elu", "local") for p in (8, 40) for b in (1, 2)}
+    assert all(r["tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["new_tokens"] == 3 for r in rows)
+    sizes = {r["case"]: r["parameters"] for r in rows}
+    assert max(sizes.values()) / min(sizes.values()) < 1.05, sizes
+    assert set(result["summary"]["models"]) == {"vq_over_softmax_batch1", "vq_over_softmax_batch2"}
+    assert (tmp_path / "generation.png").stat().st_size > 0
+    assert "generated tokens/s" in (tmp_path / "results.md").read_text()
 
 
 def test_profile_call_names_the_operators_that_take_the_time():

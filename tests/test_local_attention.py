@@ -121,3 +121,19 @@ def test_peak_memory_at_64k_is_far_below_the_dense_reference():
     assert rec.max_numel * 20 < dense_scores
     peak = peak_memory(lambda: local_attention(q, k, v, window=window), "cpu")
     assert peak is not None and peak * 20 < dense_scores * 4, f"peak {peak} bytes"
+
+
+def test_decode_step_scores_one_row_and_the_state_owns_its_memory():
+    """A one-token step scores the new query against the carried keys only (no block of W
+    padded queries), and the state is a copy of the last keys, not a view of the prompt."""
+    window, T = 64, 1000
+    q, k, v = make_qkv(B=1, H=2, Hkv=2, T=T + 1, Dk=8, Dv=8, seed=9)
+    _, state = local_attention(q[:, :, :T], k[:, :, :T], v[:, :, :T], window=window, output_final_state=True)
+    for tensor in (state.keys, state.values):
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    step = [t[:, :, T:].clone() for t in (q, k, v)]
+    with OpRecorder() as recorder:
+        out, _ = local_attention(*step, window=window, initial_state=state)
+    assert recorder.max_numel <= 2 * 2 * window * 8  # the keys themselves, not W x 2W scores
+    full, _ = local_attention(q, k, v, window=window)
+    assert_close_rel(out, full[:, :, T:], rtol=1e-10)

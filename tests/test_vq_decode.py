@@ -128,3 +128,78 @@ def test_one_token_scores_only_its_own_row():
         linattn.vq_attention(*step[:4], codebook, block_size=L_big, initial_state=state, check_inputs=False)
     block_scores = 2 * L_big * (2 * L_big + S)
     assert recorder.max_numel < block_scores // 8, recorder.max_numel
+
+
+def test_state_after_a_long_prefill_owns_small_tensors():
+    """The carried state holds copies of the last blocks, not views that keep the whole
+    prompt (or the padded work buffers) alive: its memory is constant in the prompt length."""
+    q, k_hat, v, codes, codebook = make_vq(T=203, Dk=DK, seed=9)
+    _, state = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L, output_final_state=True)
+    for name, value in vars(state).items():
+        if isinstance(value, torch.Tensor):
+            assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), name
+    step = [t[:, :, :1].clone() for t in (q, k_hat, v, codes)]
+    _, state = linattn.vq_attention(*step, codebook, block_size=L, initial_state=state, output_final_state=True)
+    for name in ("partial_keys", "partial_values", "prev_keys"):
+        value = getattr(state, name)
+        assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), name
+
+
+@pytest.mark.parametrize("attention", ["vq", "soft-vq", "local:4,vq"])
+def test_lm_prefill_then_token_wise_equals_one_pass(attention):
+    """A model reads a prompt in one call (block form), then one token per call (decode form):
+    the logits equal one pass over the whole sequence, for every block boundary on the way."""
+    config = linattn.LMConfig(d_model=16, n_layers=2, attention=attention, n_heads=2, gau_d_k=8, codebook_size=8,
+                              block_size=4, chunk_size=4)
+    torch.manual_seed(0)
+    model = linattn.LM(config).double().eval()
+    ids = torch.randint(0, 256, (2, 23))
+    full, _, _ = model(ids)
+    logits, state, _ = model(ids[:, :9])
+    pieces = [logits]
+    for t in range(9, 23):
+        logits, state, _ = model(ids[:, t : t + 1], state)
+        pieces.append(logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-12)
+
+
+def test_generate_equals_greedy_decoding_by_full_passes():
+    """``LM.generate`` (prefill + one-token steps, cached GAU terms, unchecked steps) picks the
+    same greedy tokens as re-running the whole sequence for every token."""
+    config = linattn.LMConfig(d_model=16, n_layers=1, attention="vq", gau_d_k=8, codebook_size=8, block_size=4)
+    torch.manual_seed(1)
+    model = linattn.LM(config).double().eval()
+    prompt = torch.randint(0, 256, (1, 6))
+    generated = list(model.generate(prompt[0], 11, temperature=0))
+    sequence = prompt[0].tolist()
+    with torch.no_grad():
+        for _ in range(11):
+            logits, _, _ = model(torch.tensor([sequence]))
+            sequence.append(int(logits[0, -1].argmax()))
+    assert generated == sequence[6:]
+
+
+@pytest.mark.parametrize("change", ["in_place", "load_state_dict", "optimizer"])
+def test_no_grad_caches_follow_parameter_updates(change):
+    """Without gradients the GAU reuses its stacked input weights and relative terms; any
+    change of a parameter (in place, by load_state_dict, by an optimizer step) is seen."""
+    torch.manual_seed(2)
+    gau = linattn.nn.GAU(8, d_k=8, codebook_size=8, block_size=4, attention="vq").double().eval()
+    x = torch.randn(2, 7, 8, dtype=F64)
+    with torch.no_grad():
+        gau(x)  # fills the caches
+    if change == "in_place":
+        with torch.no_grad():
+            for p in (gau.w_q.weight, gau.w_r.weight, gau.content_bias, gau.w_g.weight):
+                p.add_(0.1)
+    elif change == "load_state_dict":
+        other = linattn.nn.GAU(8, d_k=8, codebook_size=8, block_size=4, attention="vq").double()
+        gau.load_state_dict(other.state_dict())
+    else:
+        optimizer = torch.optim.SGD(gau.parameters(), lr=0.5)
+        gau(x)[0].square().sum().backward()
+        optimizer.step()
+    with torch.no_grad():
+        cached, _, _ = gau(x)
+    expected, _, _ = gau(x)  # with gradients: nothing cached
+    torch.testing.assert_close(cached, expected.detach(), rtol=1e-12, atol=1e-12)

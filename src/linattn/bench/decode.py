@@ -1,11 +1,17 @@
-"""``linattn bench decode``: time per generated token against the context length.
+"""``linattn bench decode``: generation speed against the context length, per op and per model.
 
-For each mechanism and context length C: the state after C random tokens is built in one
-call (not timed), then ``--tokens`` single-token steps are timed one by one, each feeding
-the state of the previous; the median step time is reported. Mechanisms with a constant-size
-state (Transformer-VQ, kernel attention, the delta rule) should be flat in C; exact
-attention with a KV cache (``sdpa-kvcache``: one query against all cached keys) grows
+Ops: for each mechanism and context length C, the state after C random tokens is built in
+one call (not timed), then ``--tokens`` single-token steps are timed one by one, each
+feeding the state of the previous; the median step time is reported. Mechanisms with a
+constant-size state (Transformer-VQ, kernel attention, the delta rule) should be flat in C;
+exact attention with a KV cache (``sdpa-kvcache``: one query against all cached keys) grows
 linearly. B=1, H=8, D=64, float32 by default.
+
+Models: demo-sized language models (d_model 128, 2 layers, equal parameter counts: the VQ
+layers' value width is matched to an attention + SwiGLU block) of each mechanism read a
+random prompt of P tokens (prefill, timed) and then generate ``--new-tokens`` tokens with
+``LM.generate`` (greedy, timed): prefill and generation tokens/s for every prompt length
+and batch size.
 """
 
 from __future__ import annotations
@@ -19,10 +25,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import reporting
+from ..models import LM, LMConfig
+from ..models.config import matched_gau_value_width
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.vq import vq_attention
 from ..nn.quantizer import VectorQuantizer
+from .._checks import positive_int
 from .harness import median
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
@@ -39,10 +48,10 @@ def _recurrent(run: Callable) -> DecodeCase:
 def _vq(heads: int, dim: int, block_size: int = 128) -> DecodeCase:
     quantizer = VectorQuantizer(heads, dim, 512).eval()
 
-    def run(q, k, v, state):
+    def run(q, k, v, state):  # as the GAU layer calls it: the quantizer's keys need no checks
         k_hat, codes, _ = quantizer(k)
         return vq_attention(q, k_hat, v, codes, quantizer.codebook, block_size=block_size,
-                            initial_state=state, output_final_state=True)[1]
+                            initial_state=state, output_final_state=True, check_inputs=False)[1]
 
     return _recurrent(run)
 
@@ -91,55 +100,154 @@ def measure(name: str, contexts, *, heads: int, dim: int, tokens: int, seed: int
     with torch.no_grad():
         for context in contexts:
             generator = torch.Generator().manual_seed(seed + context)
-            q, k, v = (torch.randn(1, heads, context + tokens, dim, generator=generator) for _ in range(3))
-            state = prefill(q[:, :, :context], k[:, :, :context], v[:, :, :context])
+            state = prefill(*(torch.randn(1, heads, context, dim, generator=generator) for _ in range(3)))
+            # each step's inputs are their own small tensors, as in generation (a slice of one long
+            # tensor would put the heads' rows megabytes apart and slow every step as C grows)
+            steps = [[torch.randn(1, heads, 1, dim, generator=generator) for _ in range(3)] for _ in range(tokens)]
             times = []
-            for t in range(context, context + tokens):
-                one = (q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1])
+            for one in steps:
                 start = time.perf_counter()
                 state = step(*one, state)
                 times.append(time.perf_counter() - start)
-            rows.append({"case": name, "context": context, "per_token_s": median(times), "times_s": times})
+            rows.append({"kind": "op", "case": name, "context": context, "per_token_s": median(times),
+                         "times_s": times})
     return rows
 
 
-HELP = "decoding: time per generated token vs context length (constant-memory states vs a KV cache)"
+# Whole models: CLI name -> layer spec; demo-sized (configs/demo.toml), equal parameter counts.
+MODEL_SPECS = {"vq": "vq", "softmax": "softmax", "delta": "delta", "linear-elu": "linear:elu", "local": "local"}
+DEFAULT_PROMPTS = (1024, 16384, 65536)
+
+
+def model_config(name: str) -> LMConfig:
+    """The demo-sized model of ``name`` (a ``MODEL_SPECS`` key)."""
+    d_model, gau_d_k = 128, 64
+    return LMConfig(d_model=d_model, n_layers=2, n_heads=4, attention=MODEL_SPECS[name], gau_d_k=gau_d_k,
+                    gau_d_v=matched_gau_value_width(d_model, gau_d_k), codebook_size=128, block_size=64)
+
+
+def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: int = 0) -> list[dict]:
+    """Prefill and generation throughput of the ``name`` model for every prompt length and batch."""
+    torch.manual_seed(seed)
+    model = LM(model_config(name)).eval()
+    rows = []
+    for batch in batches:
+        for prompt in prompts:
+            generator = torch.Generator().manual_seed(seed + prompt + batch)
+            ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=generator)
+            with torch.no_grad():
+                start = time.perf_counter()
+                _, state, _ = model(ids[:, :-1])
+                prefill_s = time.perf_counter() - start
+            start = time.perf_counter()
+            for _ in model.generate(ids[:, -1:], new_tokens, temperature=0, state=state):
+                pass
+            generate_s = time.perf_counter() - start
+            rows.append({"kind": "model", "case": name, "prompt": prompt, "batch": batch,
+                         "parameters": model.num_parameters(), "prefill_s": prefill_s,
+                         "prefill_tokens_per_s": batch * (prompt - 1) / prefill_s, "new_tokens": new_tokens,
+                         "generate_s": generate_s, "tokens_per_s": batch * new_tokens / generate_s,
+                         "ms_per_step": generate_s / new_tokens * 1e3})
+            del state
+    return rows
+
+
+HELP = "decoding: time per generated token vs context length (ops) and generation throughput (whole models)"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``linattn bench decode``."""
-    parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS), metavar="C")
-    parser.add_argument("--cases", nargs="+", choices=list(DECODE_CASES), default=list(DECODE_CASES), metavar="CASE")
-    parser.add_argument("--tokens", type=int, default=32, help="timed decoding steps per context (median kept)")
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--dim", type=int, default=64)
+    ops = parser.add_argument_group("ops (one attention op, one token per step)")
+    ops.add_argument("--contexts", nargs="+", type=positive_int, default=list(DEFAULT_CONTEXTS), metavar="C")
+    ops.add_argument("--cases", nargs="*", choices=list(DECODE_CASES), default=list(DECODE_CASES), metavar="CASE",
+                     help="op cases (none: skip the op table)")
+    ops.add_argument("--tokens", type=positive_int, default=32, help="timed decoding steps per context (median kept)")
+    ops.add_argument("--heads", type=positive_int, default=8)
+    ops.add_argument("--dim", type=positive_int, default=64)
+    models = parser.add_argument_group("models (LM.generate of demo-sized models, equal parameter counts)")
+    models.add_argument("--models", nargs="*", choices=list(MODEL_SPECS), default=list(MODEL_SPECS), metavar="MODEL",
+                        help=f"models, from {', '.join(MODEL_SPECS)} (none: skip the model table)")
+    models.add_argument("--prompts", nargs="+", type=positive_int, default=list(DEFAULT_PROMPTS), metavar="P",
+                        help="prompt lengths")
+    models.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
+    models.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated after each prompt")
+    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=Path("results/bench-decode"), help="output directory")
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """Measure every case, write results.json and results.md, print the table."""
-    if any(c < 1 for c in args.contexts) or args.tokens < 1:
-        raise ValueError("--contexts and --tokens must be positive")
-    contexts = sorted(set(args.contexts))
-    rows = []
-    for name in args.cases:
-        rows += measure(name, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens)
+def _op_table(rows: list[dict], cases, contexts) -> tuple[str, dict]:
     lines = ["| case | " + " | ".join(f"C={c}" for c in contexts) + f" | C={contexts[-1]} / C={contexts[0]} |",
              "| --- |" + " --- |" * (len(contexts) + 1)]
     summary = {}
-    for name in args.cases:
+    for name in cases:
         times = {r["context"]: r["per_token_s"] for r in rows if r["case"] == name}
         growth = times[contexts[-1]] / times[contexts[0]]
         summary[name] = {"growth": growth, "first_context": contexts[0], "last_context": contexts[-1]}
         cells = " | ".join(f"{times[c] * 1e3:.3g} ms" for c in contexts)
         lines.append(f"| {name} | {cells} | {growth:.2f}x |")
-    table = "\n".join(lines)
+    return "\n".join(lines), summary
+
+
+def _model_table(rows: list[dict], models, prompts, batches) -> tuple[str, dict]:
+    header = ["model", "parameters", "batch"] + [f"P={p} gen tok/s" for p in prompts] + [
+        f"P={p} prefill tok/s" for p in prompts]
+    cells, summary = [], {}
+    for batch in batches:
+        for name in models:
+            found = {r["prompt"]: r for r in rows if r["case"] == name and r["batch"] == batch}
+            cells.append([name, f"{next(iter(found.values()))['parameters']:,}", str(batch)]
+                         + [f"{found[p]['tokens_per_s']:,.0f}" for p in prompts]
+                         + [f"{found[p]['prefill_tokens_per_s']:,.0f}" for p in prompts])
+        if "vq" in models and "softmax" in models:
+            speed = {(r["case"], r["prompt"]): r["tokens_per_s"] for r in rows if r["batch"] == batch}
+            summary[f"vq_over_softmax_batch{batch}"] = {
+                str(p): speed["vq", p] / speed["softmax", p] for p in prompts}
+    return "\n".join(reporting.markdown_table_lines(header, cells)), summary
+
+
+def _model_plot(rows: list[dict], models, prompts, batches, path: Path) -> Path:
+    plt = reporting.pyplot()
+    figure, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for axis, batch in zip(axes[0], batches):
+        for name in models:
+            speed = {r["prompt"]: r["tokens_per_s"] for r in rows if r["case"] == name and r["batch"] == batch}
+            axis.plot(prompts, [speed[p] for p in prompts], marker="o", label=name)
+        axis.set(xscale="log", yscale="log", xlabel="prompt length", ylabel="generated tokens/s",
+                 title=f"LM.generate, batch {batch}")
+        axis.grid(True, which="both", alpha=0.3)
+        axis.legend()
+    return reporting.save_figure(figure, path)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Measure the op cases and the models, write results.json, results.md and a plot, print the tables."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    contexts, prompts, batches = sorted(set(args.contexts)), sorted(set(args.prompts)), sorted(set(args.batches))
+    if any(p < 2 for p in prompts):
+        raise ValueError(f"--prompts must be at least 2 tokens (one is read with the state), got {prompts}")
+    op_rows, model_rows = [], []
+    for name in args.cases:
+        op_rows += measure(name, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens)
+    for name in args.models:
+        model_rows += measure_generation(name, prompts, batches, new_tokens=args.new_tokens)
     args.out.mkdir(parents=True, exist_ok=True)
-    shapes = {"batch": 1, "heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts}
+    text = f"# bench decode\n\n`{args.command_line}`\n"
+    summary, files = {"ops": {}, "models": {}}, [args.out / "results.json", args.out / "results.md"]
+    if op_rows:
+        table, summary["ops"] = _op_table(op_rows, args.cases, contexts)
+        text += f"\nper-token time of one op (B=1, H={args.heads}, D={args.dim})\n\n{table}\n"
+    if model_rows:
+        table, summary["models"] = _model_table(model_rows, args.models, prompts, batches)
+        text += (f"\nwhole models: generated tokens/s (greedy, {args.new_tokens} tokens after the prompt) and "
+                 f"prefill tokens/s\n\n{table}\n")
+        files.append(_model_plot(model_rows, args.models, prompts, batches, args.out / "generation.png"))
+    shapes = {"heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts, "prompts": prompts,
+              "batches": batches, "models": {name: model_config(name).to_dict() for name in args.models}}
     metadata = reporting.collect_metadata(device="cpu", command=args.command_line, shapes=shapes)
-    reporting.write_json(args.out / "results.json", rows=rows, metadata=metadata, summary=summary)
-    (args.out / "results.md").write_text(f"# bench decode\n\n`{args.command_line}`\n\nper-token time\n\n{table}\n")
-    print(table)
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'results.md'}")
+    reporting.write_json(args.out / "results.json", rows=op_rows + model_rows, metadata=metadata, summary=summary)
+    reporting.write_markdown(args.out / "results.md", text)
+    print(text)
+    print("wrote " + ", ".join(str(f) for f in files))
     return 0

@@ -86,3 +86,13 @@ class LMConfig:
     def from_dict(cls, values: dict[str, Any]) -> "LMConfig":
         """Build from a dict (a checkpoint's JSON, a TOML ``[model]`` table); unknown keys are an error."""
         return config_from_dict(cls, values, "model")
+
+
+def matched_gau_value_width(d_model: int, gau_d_k: int) -> int:
+    """The GAU value width ``d_v`` (a multiple of 8) that makes a Transformer-VQ layer (two
+    GAUs: ``2 d_model d_k + 3 d_model d_v + d_k^2`` weights each) about as large as one
+    pre-norm attention + SwiGLU block of the same ``d_model`` (``4 d^2 + 3 d ffn_width``),
+    so models that mix or compare the two have equal parameter counts."""
+    block_params = 4 * d_model * d_model + 3 * d_model * LMConfig(d_model=d_model).ffn_width
+    per_unit = block_params / 2 - 2 * d_model * gau_d_k - gau_d_k * gau_d_k
+    return max(8, int(round(per_unit / (3 * d_model) / 8)) * 8)

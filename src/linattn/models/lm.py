@@ -69,6 +69,12 @@ class LM(nn.Module):
         if state is not None and (not isinstance(state, LMState) or len(state.layers) != len(self.layers)):
             raise ValueError(f"state must be the LMState this model returned ({len(self.layers)} layers), "
                              f"got {type(state).__name__}")
+        return self._run(ids, state)
+
+    def _run(self, ids: torch.Tensor, state: LMState | None, with_aux: bool = True
+             ) -> tuple[torch.Tensor, LMState, dict]:
+        """``forward`` without the argument checks (for ids and states the model made itself);
+        ``with_aux=False`` skips the batch statistics of ``aux`` (returns it empty)."""
         x = self.embed(ids.long())
         layer_states = state.layers if state is not None else (None,) * len(self.layers)
         new_states, unit_aux = [], []
@@ -81,7 +87,8 @@ class LM(nn.Module):
         steps = ids.shape[1] + (state.steps if state is not None else 0)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
-        return logits, LMState(layers=tuple(new_states), steps=steps), self._aux(x, unit_aux)
+        aux = self._aux(x, unit_aux) if with_aux else {}
+        return logits, LMState(layers=tuple(new_states), steps=steps), aux
 
     def _aux(self, x: torch.Tensor, unit_aux: list[dict]) -> dict:
         commit = x.new_zeros((), dtype=torch.float32)
@@ -167,10 +174,11 @@ class LM(nn.Module):
         self.eval()
         try:
             logits, state, _ = self(ids, state)
-            for _ in range(max_new_tokens):
+            for produced in range(1, max_new_tokens + 1):
                 token = sample_next(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p,
                                     generator=generator)
                 yield int(token[0]) if single else token
-                logits, state, _ = self(token.unsqueeze(1), state)
+                if produced < max_new_tokens:  # the last token's logits would go unused
+                    logits, state, _ = self._run(token.unsqueeze(1), state, with_aux=False)
         finally:
             self.train(was_training)

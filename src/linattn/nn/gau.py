@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.vq import windowed_softmax
-from ..ops.vq import soft_vq_attention, vq_attention
-from .quantizer import VectorQuantizer
+from ..ops.vq import soft_vq_attention, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
+from .quantizer import VectorQuantizer
 
 _ATTENTIONS = ("vq", "soft-vq", "softmax")
 
@@ -23,7 +21,19 @@ def _sinusoids(length: int, dim: int) -> torch.Tensor:
 
 
 def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    """``x / sqrt(mean(x^2) + eps)`` over the last dimension (no gain)."""
+    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+
+
+def _fused_input_weight(*projections: nn.Linear) -> torch.Tensor:
+    """The weights of several linear maps of one input stacked: one matmul for all of them."""
+    return torch.cat([projection.weight for projection in projections], dim=0)
+
+
+def _relative_terms(unit: "GAU", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``P_delta = W_r R_delta`` ``[L + 1, d_k]`` and the bias ``(w - u).P_delta`` ``[L + 1]``."""
+    position_keys = unit.w_r(unit.sinusoids.to(dtype))
+    return position_keys, (unit.position_bias - unit.content_bias) @ position_keys.T
 
 
 class GAU(nn.Module):
@@ -92,12 +102,19 @@ class GAU(nn.Module):
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
         h = self.norm(x)
         scale = self.d_k ** -0.25
-        q = (_rms(self.w_q(h)) * scale).unsqueeze(1)  # [B, 1, T, d_k]
-        k = (_rms(self.w_k(h)) * scale).unsqueeze(1)
-        v = F.silu(self.w_v(h)).unsqueeze(1)
-        gate = F.silu(self.w_g(h))
-        position_keys = self.w_r(self.sinusoids.to(x.dtype))  # P_delta = W_r R_delta, [L + 1, d_k]
-        bias = (self.position_bias - self.content_bias) @ position_keys.T  # (w - u).P_delta
+        if torch.is_grad_enabled():
+            q, k, v, gate = self.w_q(h), self.w_k(h), self.w_v(h), self.w_g(h)
+            q, k, v, gate = _rms(q) * scale, _rms(k) * scale, F.silu(v), F.silu(gate)
+        else:  # one matmul and one normalisation per pair: decoding pays per operation
+            maps = (self.w_q, self.w_k, self.w_v, self.w_g)
+            weight = self._cached("input", lambda: _fused_input_weight(*maps), tuple(m.weight for m in maps))
+            projected = F.linear(h, weight)
+            qk, vg = projected.split([2 * self.d_k, 2 * self.d_v], dim=-1)
+            qk = _rms(qk.unflatten(-1, (2, self.d_k))) * scale
+            q, k = qk.unbind(-2)
+            v, gate = F.silu(vg).split(self.d_v, dim=-1)
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [B, 1, T, .]
+        position_keys, bias = self._relative_terms(x.dtype)
         # The attention ops keep their own precision (float32 sums and softmax); under
         # autocast they run outside it, on one dtype (that of the projected keys).
         dtype = k.dtype
@@ -107,6 +124,27 @@ class GAU(nn.Module):
             out, state, aux = self._attend(queries, k, v, bias, position_keys, state, x.new_zeros(()))
         y = self.w_o(out.squeeze(1) * gate)
         return y, state, aux
+
+    def _relative_terms(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``P_delta = W_r R_delta`` ``[L + 1, d_k]`` and the bias ``(w - u).P_delta`` ``[L + 1]``.
+
+        They depend on the parameters only, so while gradients are off (decoding, evaluation)
+        they are computed once and reused until a parameter changes (its storage or version).
+        """
+        if torch.is_grad_enabled():
+            return _relative_terms(self, dtype)
+        depends = (self.w_r.weight, self.content_bias, self.position_bias)
+        return self._cached("relative", lambda: _relative_terms(self, dtype), depends, dtype)
+
+    def _cached(self, name: str, compute, depends: tuple[torch.Tensor, ...], *extra):
+        """``compute()``, remembered under ``name`` while gradients are off, until one of the
+        tensors it ``depends`` on changes (storage or version: the optimizer and
+        ``load_state_dict`` write in place and bump the version) or ``extra`` differs."""
+        key = (*extra, *((t.data_ptr(), t._version) for t in depends))
+        cache = self.__dict__.setdefault("_no_grad_cache", {})
+        if name not in cache or cache[name][0] != key:
+            cache[name] = (key, compute())
+        return cache[name][1]
 
     def _attend(self, queries, k, v, bias, position_keys, state, zero):
         """VQ / soft-VQ / exact windowed softmax over ``[B, 1, T, .]`` inputs -> (out, state, aux)."""

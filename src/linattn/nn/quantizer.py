@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_non_negative_number
+from ..ops._codebook import codebook_scores
 from .codebook import Codebook, SyncHook
 
 
@@ -133,7 +134,7 @@ class VectorQuantizer(Codebook):
             self.initialize(k, mask)
         codes = self.nearest_codes(k)
         chosen = self.lookup(codes).to(k.dtype)
-        k_hat = chosen + (k - k.detach())
+        k_hat = chosen + (k - k.detach()) if k.requires_grad else chosen
         squared = (k.float() - chosen.float()).pow(2).sum(-1)  # [B, H, T]
         if mask is None:
             commit = squared.mean()
@@ -163,5 +164,5 @@ class VectorQuantizer(Codebook):
 def _nearest(keys: torch.Tensor, codebook: torch.Tensor, code_norms: torch.Tensor) -> torch.Tensor:
     """``argmin_s (|c_s|^2 - 2 k.c_s)``: keys ``[B, H, t, Dk]``, codebook ``[H, S, Dk]``,
     code_norms ``[H, S]`` -> ``[B, H, t]`` (the codebook is read in place, never copied per batch)."""
-    scores = torch.einsum("bhtd,hsd->bhts", keys, codebook)
+    scores = codebook_scores(keys, codebook)
     return scores.mul_(-2.0).add_(code_norms[None, :, None, :]).argmin(-1)

@@ -38,6 +38,8 @@ def diagonal_gather(values: torch.Tensor, columns: int) -> torch.Tensor:
     repeated indices accumulates in a thread-dependent order).
     """
     R = values.shape[-1] - columns + 1
+    if R == 1:
+        return values
     values = torch.nn.functional.pad(values, (0, 1)).expand(*values.shape[:-2], R, values.shape[-1] + 1)
     # flat index of row a, column k is a (R + C) + k; M[a, c] sits at a (R + C - 1) + c + R - 1
     width = R + columns - 1

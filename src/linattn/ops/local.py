@@ -85,21 +85,54 @@ def local_attention(
         check_state_tensor("initial_state.values", initial_state.values, (B, Hkv, past, Dv), q)
         kf = torch.cat([initial_state.keys.to(dtype), kf], dim=2)
         vf = torch.cat([initial_state.values.to(dtype), vf], dim=2)
-        qf = F.pad(qf, (0, 0, past, 0))
     total = past + T
+    if causal and T <= W:
+        out = _recent(qf, kf, vf, past, back)
+    else:
+        out = _blocked(qf, kf, vf, past, W, look_backward, look_forward)
+    out = out.reshape(B, H, T, Dv).to(q.dtype)
+
+    state = None
+    if output_final_state:
+        keep = min(back - 1, total)
+        steps = (initial_state.steps if initial_state is not None else 0) + T
+        # copies: a slice of a long input would keep all of it alive
+        state = KVCacheState(keys=kf[:, :, total - keep :].clone(memory_format=torch.contiguous_format),
+                             values=vf[:, :, total - keep :].clone(memory_format=torch.contiguous_format),
+                             steps=steps)
+    return out, state
+
+
+def _recent(qf, kf, vf, past, back):
+    """Causal form for a few queries (decoding): the T new queries (positions ``past..past+T-1``
+    of ``kf``) against every carried and new key, ``[T, past + T]`` scores, keys outside
+    ``0 <= i - j < back`` masked. Same result as ``_blocked`` without padding T up to a block."""
+    T, total = qf.shape[-2], kf.shape[2]
+    scores = qf @ kf.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, total]
+    offsets = past + torch.arange(T, device=qf.device)[:, None] - torch.arange(total, device=qf.device)[None, :]
+    scores = scores.masked_fill((offsets < 0) | (offsets >= back), float("-inf"))
+    return torch.softmax(scores, dim=-1) @ vf.unsqueeze(2)
+
+
+def _blocked(qf, kf, vf, past, W, look_backward, look_forward):
+    """Blocks of W queries against the (look_backward + 1 + look_forward) key blocks around them."""
+    B, Hkv, G, T, Dk = qf.shape
+    Dv = vf.shape[-1]
+    total = past + T
+    back = look_backward * W
     blocks = -(-total // W)
     tail = blocks * W - total
-    qf = F.pad(qf, (0, 0, 0, tail))
+    qf = F.pad(qf, (0, 0, past, tail))
     # Keys padded by look_backward blocks in front and look_forward blocks (+ tail) behind;
     # block b's keys are the (look_backward + 1 + look_forward) blocks starting at block b.
     span = (look_backward + 1 + look_forward) * W
     front, back_pad = look_backward * W, look_forward * W + tail
     keys = F.pad(kf, (0, 0, front, back_pad)).unfold(2, span, W).transpose(-1, -2)  # [B, Hkv, R, span, Dk]
     values = F.pad(vf, (0, 0, front, back_pad)).unfold(2, span, W).transpose(-1, -2)
-    rows = torch.arange(W, device=q.device)
-    cols = torch.arange(span, device=q.device)
+    rows = torch.arange(W, device=qf.device)
+    cols = torch.arange(span, device=qf.device)
     offsets = front + rows[:, None] - cols[None, :]  # i - j inside a block
-    key_index = torch.arange(blocks, device=q.device)[:, None] * W - front + cols[None, :]  # [R, span]
+    key_index = torch.arange(blocks, device=qf.device)[:, None] * W - front + cols[None, :]  # [R, span]
     visible = (offsets >= -look_forward * W) & (offsets < back)
     visible = visible & ((key_index >= 0) & (key_index < total))[:, None, :]  # [R, W, span]
     step = max(1, _ROWS_PER_STEP // W)  # blocks per step: keeps each temporary small
@@ -113,11 +146,4 @@ def local_attention(
         scores.masked_fill_(~visible_g, float("-inf"))
         outs.append(torch.softmax(scores, dim=-1) @ v_g.unsqueeze(2))
     out = torch.cat(outs, dim=3)
-    out = out.reshape(B, Hkv, G, blocks * W, Dv)[:, :, :, past:total].reshape(B, H, T, Dv).to(q.dtype)
-
-    state = None
-    if output_final_state:
-        keep = min(back - 1, total)
-        steps = (initial_state.steps if initial_state is not None else 0) + T
-        state = KVCacheState(keys=kf[:, :, total - keep :], values=vf[:, :, total - keep :], steps=steps)
-    return out, state
+    return out.reshape(B, Hkv, G, blocks * W, Dv)[:, :, :, past:total]

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from ..state import VQAttentionState
 from ._bias import offset_rows, relative_bias_table
+from ._codebook import codebook_scores
 from .._checks import (
     check_positive_number,
     check_bool,
@@ -69,7 +70,7 @@ def _window_bias(bias, heads: int, kv_heads: int, block_size: int, device, dtype
             )
         if table.device != device:
             raise ValueError(f"bias is on {table.device} but q is on {device}")
-        table = table.to(dtype)
+        table = _as(table, dtype)
     if table.shape[0] == heads:
         return table.reshape(kv_heads, heads // kv_heads, L + 1)
     return table.reshape(1, 1, L + 1)
@@ -239,9 +240,9 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
 
     start = full_blocks * L
     new_state = {
-        "partial": (k[:, :, start:P], v[:, :, start:P], codes[:, :, start:P]),
+        "partial": _owned(k[:, :, start:P], v[:, :, start:P], codes[:, :, start:P]),
         "prev": (
-            (k_blocks[:, :, full_blocks - 1], v_blocks[:, :, full_blocks - 1], code_blocks[:, :, full_blocks - 1])
+            _owned(k_blocks[:, :, full_blocks - 1], v_blocks[:, :, full_blocks - 1], code_blocks[:, :, full_blocks - 1])
             if full_blocks >= 1
             else ((state.prev_keys, state.prev_values, state.prev_codes) if has_prev else (None, None, None))
         ),
@@ -264,29 +265,35 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, 
     if state is None:
         p, has_prev = 0, False
         counts, means = q.new_zeros(B, Hkv, S), q.new_zeros(B, Hkv, S, E)
+        k, v, codes = _owned(k, v, codes)
     else:
         p, has_prev = state.partial_keys.shape[2], state.prev_keys is not None
         if p:
-            k = torch.cat([state.partial_keys.to(dtype), k], dim=2)
-            v = torch.cat([state.partial_values.to(dtype), v], dim=2)
-            codes = torch.cat([state.partial_codes.to(codes.dtype), codes], dim=2)
-        counts, means = state.cache_counts.to(dtype), state.cache_means.to(dtype)
+            k = torch.cat([_as(state.partial_keys, dtype), k], dim=2)
+            v = torch.cat([_as(state.partial_values, dtype), v], dim=2)
+            codes = torch.cat([_as(state.partial_codes, codes.dtype), codes], dim=2)
+        else:
+            k, v, codes = _owned(k, v, codes)
+        counts, means = _as(state.cache_counts, dtype), _as(state.cache_means, dtype)
     rows = q.reshape(B, Hkv, G * T, D)
     window = [rows @ k.transpose(-1, -2)]  # [B, Hkv, G T, p + T]
     if has_prev:
-        prev = (state.prev_keys.to(dtype), state.prev_values.to(dtype), state.prev_codes)
+        prev = (_as(state.prev_keys, dtype), _as(state.prev_values, dtype), state.prev_codes)
         window.insert(0, rows @ prev[0].transpose(-1, -2))
     window = torch.cat(window, dim=-1).reshape(B, Hkv, G, T, -1)
     first = (L if has_prev else 0) + p  # offset i - j of query 0 and window column 0
     columns = first + T
-    if table is not None:
-        window = window + _offset_bias(table, first, T, columns, L)
+    relative = None  # per query row and offset 0..L: b_delta + q.P_delta
     if positions_k is not None:
-        window = window + _position_scores(q, positions_k.unsqueeze(0), first, columns, L)
+        relative = q @ positions_k.unsqueeze(0).transpose(-1, -2)  # [B, Hkv, G, T, L + 1]
+    if table is not None:
+        relative = table.unsqueeze(-2) if relative is None else relative + table.unsqueeze(-2)
+    if relative is not None:
+        window = window + offset_rows(relative, first, T, columns, 0, L)
     if T > 1:
         offsets = first + torch.arange(T, device=q.device)[:, None] - torch.arange(columns, device=q.device)
         window = window.masked_fill(offsets < 0, float("-inf"))
-    cache = torch.einsum("bhqd,hsd->bhqs", rows, codebook) + _log_counts(counts).unsqueeze(2)
+    cache = codebook_scores(rows, codebook) + _log_counts(counts).unsqueeze(2)
     probs = torch.softmax(torch.cat([window.reshape(B, Hkv, G * T, columns), cache], dim=-1), dim=-1)
     out = probs[..., first - p : columns] @ v + probs[..., columns:] @ means
     if has_prev:
@@ -304,8 +311,19 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, 
         sums = means * counts.unsqueeze(-1) + sums.squeeze(2)
         counts = counts + new_counts.squeeze(2)
         means = _means(sums, counts)
-    return out, {"partial": (k[:, :, :0], v[:, :, :0], codes[:, :, :0]), "prev": (k, v, codes),
+    return out, {"partial": _owned(k[:, :, :0], v[:, :, :0], codes[:, :, :0]), "prev": (k, v, codes),
                  "cache": (counts, means)}
+
+
+def _owned(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copies for the state: a slice of a long input or padded buffer would keep all of it
+    alive (and strided), so the state would not be constant-size in memory."""
+    return tuple(t.clone(memory_format=torch.contiguous_format) for t in tensors)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` in ``dtype``, without the cost of a call when it already is."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _log_counts(counts: torch.Tensor) -> torch.Tensor:
@@ -349,6 +367,45 @@ def _check_codes_match_keys(codes: torch.Tensor, codebook: torch.Tensor, k_hat: 
         )
 
 
+def _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias, position_keys, initial_state,
+                     output_final_state):
+    """Every check of ``vq_attention``'s arguments; returns the normalised ``(codes, codebook)``."""
+    check_bool("causal", causal)
+    shapes = check_qkv(q, k_hat, v, key_name="k_hat")
+    check_choice("mode", mode, (None,) + _MODES)
+    check_positive_int("block_size", block_size)
+    B, Hkv, T = shapes.batch, shapes.kv_heads, shapes.length
+    Dk, Dv, L = shapes.key_dim, shapes.value_dim, block_size
+    codes, codebook = _check_codes(codes, codebook, B, Hkv, T, q)
+    if codebook.shape[0] != Hkv or codebook.shape[2] != Dk:
+        raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}]")
+    S = codebook.shape[1]
+    if not codes.is_floating_point():
+        _check_codes_match_keys(codes, codebook, k_hat)
+    if not causal and (bias is not None or position_keys is not None):
+        raise ValueError(
+            "bias and position_keys act on the causal window 0 <= i - j <= block_size; not defined for causal=False"
+        )
+    if (mode or "block") == "parallel" and (initial_state is not None or output_final_state):
+        raise ValueError("mode='parallel' is the stateless reference; use mode='block' to carry a state")
+    if initial_state is None:
+        return codes, codebook
+    if not isinstance(initial_state, VQAttentionState):
+        raise TypeError(f"initial_state must be a VQAttentionState, got {type(initial_state).__name__}")
+    s = initial_state
+    check_state_tensor("initial_state.cache_counts", s.cache_counts, (B, Hkv, S), q)
+    check_state_tensor("initial_state.cache_means", s.cache_means, (B, Hkv, S, Dv), q)
+    p = s.partial_keys.shape[2] if isinstance(s.partial_keys, torch.Tensor) else -1
+    if not 0 <= p < L:
+        raise ValueError(f"initial_state.partial_keys must hold 0..{L - 1} positions for block_size={L}")
+    check_state_tensor("initial_state.partial_keys", s.partial_keys, (B, Hkv, p, Dk), q)
+    check_state_tensor("initial_state.partial_values", s.partial_values, (B, Hkv, p, Dv), q)
+    if s.prev_keys is not None:
+        check_state_tensor("initial_state.prev_keys", s.prev_keys, (B, Hkv, L, Dk), q)
+        check_state_tensor("initial_state.prev_values", s.prev_values, (B, Hkv, L, Dv), q)
+    return codes, codebook
+
+
 def vq_attention(
     q: torch.Tensor,
     k_hat: torch.Tensor,
@@ -386,73 +443,47 @@ def vq_attention(
         mode: ``"parallel"`` (quadratic reference) or ``"block"`` (linear; default).
         cache_grad: let gradients flow through the cache into v (the paper stops them).
         initial_state / output_final_state: carry a ``VQAttentionState`` (block mode).
-        check_inputs: verify that every code lies in ``[0, S)`` and that ``k_hat`` equals
-            ``codebook[h, codes]`` exactly (the block form reads the codebook where the
-            reference reads ``k_hat``, so keys that are not their codes would give two
-            answers). Costs one gather, one comparison and one host sync per call; callers
-            whose keys come from a ``VectorQuantizer`` (the GAU layer) may switch it off.
+        check_inputs: check every argument (types, shapes, the carried state) and that every
+            code lies in ``[0, S)`` and ``k_hat`` equals ``codebook[h, codes]`` exactly (the
+            block form reads the codebook where the reference reads ``k_hat``, so keys that
+            are not their codes would give two answers). ``False`` skips all of it, for callers
+            whose inputs are valid by construction: the GAU layer, whose keys come from its
+            ``VectorQuantizer``, decodes a token in less time than the checks take.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
     """
-    check_bool("causal", causal)
     check_bool("check_inputs", check_inputs)
-    shapes = check_qkv(q, k_hat, v, key_name="k_hat")
-    check_choice("mode", mode, (None,) + _MODES)
-    check_positive_int("block_size", block_size)
-    B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
-    G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
-    codes, codebook = _check_codes(codes, codebook, B, Hkv, T, q)
-    if codebook.shape[0] != Hkv or codebook.shape[2] != Dk:
-        raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}]")
-    S = codebook.shape[1]
-    if check_inputs and not codes.is_floating_point():
-        _check_codes_match_keys(codes, codebook, k_hat)
+    if check_inputs:
+        codes, codebook = _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias,
+                                           position_keys, initial_state, output_final_state)
+    B, H, T, Dk = q.shape
+    Hkv, Dv = k_hat.shape[1], v.shape[-1]
+    G = H // Hkv
     mode = mode or "block"
     scale = resolve_scale(scale, Dk)
-    if not causal and (bias is not None or position_keys is not None):
-        raise ValueError(
-            "bias and position_keys act on the causal window 0 <= i - j <= block_size; not defined for causal=False"
-        )
-    if mode == "parallel" and (initial_state is not None or output_final_state):
-        raise ValueError("mode='parallel' is the stateless reference; use mode='block' to carry a state")
-    if initial_state is not None and not isinstance(initial_state, VQAttentionState):
-        raise TypeError(f"initial_state must be a VQAttentionState, got {type(initial_state).__name__}")
-
     dtype = compute_dtype(q.dtype)
     L = block_size
-    qf = q.to(dtype).reshape(B, Hkv, G, T, Dk) * scale
-    kf, vf, cb = k_hat.to(dtype), v.to(dtype), codebook.to(dtype)
+    qf = _as(q, dtype).reshape(B, Hkv, G, T, Dk)
+    qf = qf * scale if scale != 1.0 else qf
+    kf, vf, cb = _as(k_hat, dtype), _as(v, dtype), _as(codebook, dtype)
     table = _window_bias(bias, H, Hkv, L, q.device, dtype)
     positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
-    positions_k = positions_k.to(dtype) if positions_k is not None else None
-
-    if initial_state is not None:
-        s = initial_state
-        check_state_tensor("initial_state.cache_counts", s.cache_counts, (B, Hkv, S), q)
-        check_state_tensor("initial_state.cache_means", s.cache_means, (B, Hkv, S, Dv), q)
-        p = s.partial_keys.shape[2] if isinstance(s.partial_keys, torch.Tensor) else -1
-        if not 0 <= p < L:
-            raise ValueError(f"initial_state.partial_keys must hold 0..{L - 1} positions for block_size={L}")
-        check_state_tensor("initial_state.partial_keys", s.partial_keys, (B, Hkv, p, Dk), q)
-        check_state_tensor("initial_state.partial_values", s.partial_values, (B, Hkv, p, Dv), q)
-        if s.prev_keys is not None:
-            check_state_tensor("initial_state.prev_keys", s.prev_keys, (B, Hkv, L, Dk), q)
-            check_state_tensor("initial_state.prev_values", s.prev_values, (B, Hkv, L, Dv), q)
+    positions_k = _as(positions_k, dtype) if positions_k is not None else None
 
     if not causal:
         if initial_state is not None:
             raise ValueError("causal=False takes no state (the encoder form sees the whole sequence)")
         out = _noncausal(qf, codes, vf, cb)
-        return out.reshape(B, H, T, Dv).to(q.dtype), None
+        return _as(out.reshape(B, H, T, Dv), q.dtype), None
     if mode == "parallel":
         out = windowed_softmax(qf, kf, vf, table, positions_k, L, causal)
-        return out.reshape(B, H, T, Dv).to(q.dtype), None
+        return _as(out.reshape(B, H, T, Dv), q.dtype), None
 
     filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
     form = _decode if filled + T <= L else _block
     out, pieces = form(qf, kf, vf, codes, cb, table, positions_k, L, cache_grad, initial_state, dtype)
-    out = out.reshape(B, H, T, Dv).to(q.dtype)
+    out = _as(out.reshape(B, H, T, Dv), q.dtype)
     if not output_final_state:
         return out, None
     counts, means = pieces["cache"]

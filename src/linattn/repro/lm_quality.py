@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from .._checks import int_at_least, non_negative_int, positive_float
 from ..data import load_corpus
 from ..models import LMConfig
+from ..models.config import matched_gau_value_width
 from ..reporting import markdown_table_lines, peak_memory, pyplot, save_figure
 from ..train import TrainConfig, evaluate_bpb, train
 from . import framework
@@ -41,19 +42,12 @@ LM_QUALITY_SPECS = {
 }
 
 
-def _gau_value_width(d_model: int, d_k: int, block_params: int) -> int:
-    """d_v such that two GAUs (2 d_model d_k + 3 d_model d_v + d_k^2 weights each) match a block."""
-    per_unit = block_params / 2 - 2 * d_model * d_k - d_k * d_k
-    return max(8, int(round(per_unit / (3 * d_model) / 8)) * 8)
-
-
 def model_config(spec: str, args: argparse.Namespace) -> LMConfig:
     d = args.d_model
     common = dict(d_model=d, n_layers=args.n_layers, n_heads=args.n_heads, local_window=args.window,
                   favor_features=args.favor_features, codebook_size=args.codebook_size,
                   block_size=args.block_size, gau_d_k=args.gau_d_k, kmeans_init=True)
-    block_params = 4 * d * d + 3 * d * LMConfig(d_model=d).ffn_width
-    return LMConfig(attention=spec, gau_d_v=_gau_value_width(d, args.gau_d_k, block_params), **common)
+    return LMConfig(attention=spec, gau_d_v=matched_gau_value_width(d, args.gau_d_k), **common)
 
 
 def _step_memory(model, args: argparse.Namespace) -> int | None:
