@@ -49,7 +49,7 @@ def assert_close_rel(actual, expected, rtol=1e-9, name="tensor"):
 
 
 # ----------------------------------------------------------------------------- feature maps
-# The formulas of DESIGN.md section 3, written without the library's code paths. FAVOR's
+# The formulas of docs/design.md section 4, written without the library's code paths. FAVOR's
 # projection is random, so it is read from the map; everything after it is recomputed.
 
 

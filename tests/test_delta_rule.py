@@ -1,6 +1,6 @@
 """Tests of the delta rule op (``linattn.ops.delta.delta_rule``).
 
-Recurrence per key/value head (DESIGN.md section 3, Schlag et al. 2021, seed 001):
+Recurrence per key/value head (docs/design.md section 4, Schlag et al. 2021, seed 001):
 ``v_old = S^T k_t``; ``S <- S + k_t (beta_t (v_t - v_old))^T``; ``out_t = scale S^T q_t``
 (read after the write), with q_t, k_t the feature-mapped, normalised inputs.
 """

@@ -1,4 +1,4 @@
-"""The GAU layer of Transformer-VQ (DESIGN.md section 3): decoding equals the full pass,
+"""The GAU layer of Transformer-VQ (docs/design.md, section 4): decoding equals the full pass,
 the softmax twin equals VQ when the codebook holds every key, causality, shapes, no
 projection biases, the auxiliary commitment loss, input validation."""
 

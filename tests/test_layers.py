@@ -1,4 +1,4 @@
-"""The layer interface and the layer-kind registry (docs/design.md, "Layers")."""
+"""The layer interface and the layer-kind registry (docs/design.md, section 5)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""VectorQuantizer (DESIGN.md section 3): exact lookup, nearest codes, straight-through
+"""VectorQuantizer (docs/design.md, section 4): exact lookup, nearest codes, straight-through
 gradient, commitment loss, the EMA update (once per step, padding excluded, also under
 activation checkpointing), buffers, eval mode, k-means init, dead-code restart, usage."""
 

@@ -1,5 +1,5 @@
 """Input validation of the public ops: every bad call raises ValueError/TypeError whose
-message names the argument and what was seen (DESIGN.md section 2), never an opaque
+message names the argument and what was seen (docs/design.md, section 2), never an opaque
 einsum/matmul error. Each case runs against every implementation/mode."""
 
 from __future__ import annotations

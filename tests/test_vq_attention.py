@@ -1,4 +1,4 @@
-"""Transformer-VQ attention (DESIGN.md section 3): the block (linear) form against the
+"""Transformer-VQ attention (docs/design.md, section 4): the block (linear) form against the
 parallel reference and an independent loop, gradients, causality, decode state, the
 non-causal form, soft VQ, and input validation."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import linattn
-from linattn.ops.vq import soft_assignments
+from linattn.ops.soft_vq import soft_assignments
 
 from _helpers import assert_causal_jacobian, assert_close_rel
 

@@ -62,6 +62,8 @@ OPS = [
     Target("src/linattn/ops/linformer.py", ("tests/test_linformer.py",)),
     Target("src/linattn/ops/feature_maps.py", ("tests/test_feature_maps.py",)),
     Target("src/linattn/ops/_bias.py", ("tests/test_softmax.py", "tests/test_vq_attention.py")),
+    Target("src/linattn/ops/soft_vq.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
+    Target("src/linattn/ops/_codebook.py", ("tests/test_quantizer.py", "tests/test_vq_decode.py")),
 ]
 QUANTIZER = _targets(["src/linattn/nn/codebook.py", "src/linattn/nn/quantizer.py"], ["tests/test_quantizer.py"])
 NN = [
@@ -84,7 +86,8 @@ TRAIN = [
     *_targets(["src/linattn/train/trainer.py", "src/linattn/train/optim.py"], ["tests/test_trainer.py"],
               "tiny_run_learns or rng_that or resets_the_carried"),
     Target("src/linattn/train/evaluate.py", ("tests/test_trainer.py",), "evaluate or tiny_run_learns"),
-    *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"], ["tests/test_train_cli.py"]),
+    *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"],
+              ["tests/test_train_cli.py", "tests/test_train_resume.py"]),
 ]
 TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN
 

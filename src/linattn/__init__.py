@@ -13,7 +13,8 @@ from .ops.local import local_attention
 from .ops.lsh import lsh_attention
 from .ops.strided import strided_attention
 from .ops.softmax import softmax_attention
-from .ops.vq import soft_vq_attention, vq_attention
+from .ops.soft_vq import soft_vq_attention
+from .ops.vq import vq_attention
 from .nn import Codebook, VectorQuantizer
 from .state import DeltaNetState, DeltaRuleState, KVCacheState, LinearAttentionState, LMState, VQAttentionState
 

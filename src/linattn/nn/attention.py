@@ -31,7 +31,7 @@ class Attention(nn.Module):
     no use for them). Heads: ``n_heads`` query heads sharing ``n_kv_heads`` key/value heads.
 
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], state, aux)`` (``aux`` is
-    empty: the layer interface of ``docs/design.md``); passing the state back continues the
+    empty: the layer interface of docs/design.md, section 5); passing the state back continues the
     sequence, so token-by-token decoding equals the full pass.
     """
 

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops.vq import soft_vq_attention, vq_attention, windowed_softmax
+from ..ops.soft_vq import soft_vq_attention
+from ..ops.vq import vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
 from .quantizer import VectorQuantizer
 
