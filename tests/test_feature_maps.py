@@ -13,6 +13,7 @@ import torch
 
 from _helpers import F64, independent_features
 from linattn import feature_maps as fm
+from linattn.ops.feature_maps import normalized_features
 
 D = 16
 SEEDS = range(400)
@@ -224,3 +225,43 @@ def test_get_feature_map_rejects_unknown(spec):
 def test_get_feature_map_rejects_non_strings():
     with pytest.raises(TypeError, match="feature_map.*int"):
         fm.get_feature_map(3)
+
+
+# ----------------------------------------------------------------------------- soft VQ and normalisation
+
+
+def test_soft_vq_features_equal_their_formulas():
+    """phi_q(q)_y = exp(q.c_y - max_y q.c_y); phi_k(k)_y = softmax_y(-|k - c_y|^2 / 2 tau),
+    written out per row; as tau -> 0 their product picks the nearest code of k."""
+    g = torch.Generator().manual_seed(3)
+    codebook = torch.randn(5, 4, generator=g, dtype=F64)
+    q, k = torch.randn(2, 3, 7, 4, generator=g, dtype=F64), torch.randn(2, 3, 6, 4, generator=g, dtype=F64)
+    soft = fm.SoftVQ(codebook, temperature=0.7)
+    assert soft.dim_out(4) == 5
+    phi_q, phi_k = soft(q, is_query=True), soft(k, is_query=False)
+    logits = torch.einsum("bhtd,sd->bhts", q, codebook)
+    torch.testing.assert_close(phi_q, torch.exp(logits - logits.max(-1, keepdim=True).values))
+    distances = torch.stack([((k - c) ** 2).sum(-1) for c in codebook], dim=-1)
+    torch.testing.assert_close(phi_k, torch.softmax(-distances / 1.4, dim=-1))
+    hard = fm.SoftVQ(codebook, temperature=1e-6)(k, is_query=False)
+    assert torch.equal(hard.argmax(-1), distances.argmin(-1)) and torch.allclose(hard.max(-1).values,
+                                                                                  torch.ones(()).to(F64))
+
+
+@pytest.mark.parametrize("name", ["elu", "favor-24", "dpfp-1"])
+@pytest.mark.parametrize("normalize", ["sum", "l2", None])
+def test_normalized_features_formulas(name, normalize):
+    """"sum": phi / (sum phi + eps) (exponential maps: the same ratio computed as a softmax of
+    the log-features, no eps); "l2": phi / max(|phi|, eps); None: phi. A large eps shows it."""
+    fmap = ALL_MAPS[name][0]()
+    x = torch.randn(2, 3, 5, D, generator=torch.Generator().manual_seed(4), dtype=F64)
+    for is_query in (True, False):
+        phi = fmap(x, is_query=is_query)
+        got = normalized_features(fmap, x, is_query=is_query, normalize=normalize, eps=0.5)
+        if normalize == "sum":
+            expected = phi / phi.sum(-1, keepdim=True) if fmap.exponential else phi / (phi.sum(-1, keepdim=True) + 0.5)
+        elif normalize == "l2":
+            expected = phi / phi.norm(dim=-1, keepdim=True).clamp_min(0.5)
+        else:
+            expected = phi
+        torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)

@@ -274,3 +274,27 @@ def test_vq_gau_equals_the_transformer_xl_formula_on_quantized_keys():
     assert aux["codes"].unique().numel() > 1
     close(y, expected, rtol=1e-10, name="VQ GAU vs formula on quantized keys")
     assert (exact_keys - expected).abs().max() > 1e-4, "quantization should change the output"
+
+
+@pytest.mark.parametrize("attention", ["vq", "soft-vq", "softmax"])
+def test_the_no_grad_path_equals_the_autograd_path(attention):
+    """Without gradients the unit stacks its input maps into one matmul and caches its
+    relative terms; with gradients it runs each map on its own. Both must give the same
+    outputs (float64), in one pass and token by token, so that the formula tests, which run
+    under no_grad, speak for training too."""
+    torch.manual_seed(5)
+    gau = GAU(8, d_k=8, codebook_size=16, block_size=4, attention=attention).double().eval()
+    with torch.no_grad():
+        gau.content_bias.normal_()
+        gau.position_bias.normal_()
+    x = torch.randn(2, 11, 8, dtype=F64)
+    trained, _, _ = gau(x)
+    assert trained.requires_grad
+    with torch.no_grad():
+        fast, _, _ = gau(x)
+        state, steps = None, []
+        for t in range(11):
+            y, state, _ = gau(x[:, t : t + 1], state)
+            steps.append(y)
+    torch.testing.assert_close(fast, trained.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat(steps, 1), trained.detach(), rtol=1e-10, atol=1e-12)

@@ -102,3 +102,69 @@ def test_linformer_refuses_a_state():
     layer = linattn.nn.LinformerAttention(8, 2, max_len=4, k=2)
     with pytest.raises(ValueError, match="state must be None"):
         layer(torch.randn(1, 3, 8), object())
+
+
+def test_mixers_have_no_projection_biases():
+    config = linattn.LMConfig(n_layers=8, attention="vq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,local",
+                              **TINY)
+    model = linattn.LM(config)
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert len(linears) > 30
+    assert all(m.bias is None for _, m in linears), [name for name, m in linears if m.bias is not None]
+
+
+@pytest.mark.parametrize("mechanism", ["softmax", "local"])
+def test_softmax_mechanisms_use_rotary_positions_by_default(mechanism):
+    torch.manual_seed(0)
+    default = linattn.nn.Attention(16, 2, mechanism=mechanism, window=4).double()
+    plain = linattn.nn.Attention(16, 2, mechanism=mechanism, window=4, rotary=False).double()
+    plain.load_state_dict(default.state_dict())
+    with_rotary = linattn.nn.Attention(16, 2, mechanism=mechanism, window=4, rotary=True).double()
+    with_rotary.load_state_dict(default.state_dict())
+    x = torch.randn(1, 6, 16, dtype=F64)
+    assert torch.equal(default(x)[0], with_rotary(x)[0])
+    assert not torch.allclose(default(x)[0], plain(x)[0])
+
+
+def test_attention_head_layouts_and_state_steps():
+    """MQA (one key/value head) and one-wide heads are valid; the KV cache counts positions."""
+    mqa = linattn.nn.Attention(16, 4, n_kv_heads=1).double()
+    narrow = linattn.nn.Attention(16, 2, mechanism="linear", head_dim=1).double()
+    x = torch.randn(2, 5, 16, dtype=F64)
+    assert narrow(x)[0].shape == x.shape
+    state = None
+    for t in range(5):
+        _, state, _ = mqa(x[:, t : t + 1], state)
+        assert state.steps == t + 1 and state.keys.shape[2] == t + 1
+
+
+def test_rotary_is_a_complex_rotation_by_position_times_frequency():
+    """RoPE written as complex numbers: pair m of position p is multiplied by
+    exp(i p base^(-2m/D)); dot products then depend on the offset between positions only."""
+    from linattn.nn.rotary import apply_rotary
+
+    x = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(3), dtype=F64)
+    rotated = apply_rotary(x, offset=3, base=100.0)
+    pairs = torch.view_as_complex(x.unflatten(-1, (4, 2)).contiguous())
+    frequencies = 100.0 ** (-torch.arange(0, 8, 2, dtype=F64) / 8)
+    angles = torch.arange(3, 8, dtype=F64)[:, None] * frequencies[None, :]
+    expected = torch.view_as_real(pairs * torch.polar(torch.ones_like(angles), angles)).flatten(-2)
+    torch.testing.assert_close(rotated, expected, rtol=1e-12, atol=1e-12)
+    q, k = x[:, :, :1], x[:, :, 1:2]
+    near = (apply_rotary(q, 7) * apply_rotary(k, 4)).sum()
+    far = (apply_rotary(q, 107) * apply_rotary(k, 104)).sum()
+    torch.testing.assert_close(near, far, rtol=1e-10, atol=1e-12)
+    assert apply_rotary(x.float(), 2).dtype == torch.float32
+
+
+def test_short_convolution_and_linformer_initial_scales():
+    torch.manual_seed(0)
+    conv = linattn.nn.ShortConvolution(64, kernel_size=4)
+    bound = 1 / 4**0.5
+    for tensor in (conv.weight, conv.bias):
+        assert tensor.abs().max() <= bound and tensor.std() > bound / 4
+    layer = linattn.nn.LinformerAttention(16, 2, max_len=256, k=64)
+    for tensor in (layer.E, layer.F):
+        assert abs(tensor.std().item() - 64**-0.5) < 0.1 * 64**-0.5
+    assert all(m.bias is None for m in layer.modules() if isinstance(m, nn.Linear))
+    assert linattn.nn.DeltaNet(16, 2, head_dim=1)(torch.randn(1, 3, 16))[0].shape == (1, 3, 16)

@@ -595,3 +595,18 @@ def test_untying_adds_exactly_one_vocab_by_d_model_matrix(vocab_size, d_model):
     assert sum(p.numel() for p in untied.parameters()) - sum(p.numel() for p in tied.parameters()) == (
         vocab_size * d_model
     )
+
+
+def test_default_ffn_width_and_matched_gau_width():
+    """SwiGLU width 8/3 d_model rounded up to a multiple of 32; the matched GAU value width
+    makes a VQ layer the size of an attention + SwiGLU block (within 2%)."""
+    from linattn.models.config import matched_gau_value_width
+
+    assert LMConfig(d_model=128).ffn_width == 352 and LMConfig(d_model=96).ffn_width == 256
+    assert LMConfig(d_model=96, ffn_hidden=50).ffn_width == 50
+    for d_model, d_k in ((128, 64), (256, 128)):
+        block = LM(LMConfig(d_model=d_model, n_layers=1, attention="softmax", n_heads=4)).num_parameters()
+        width = matched_gau_value_width(d_model, d_k)
+        gau = LM(LMConfig(d_model=d_model, n_layers=1, attention="vq", gau_d_k=d_k, gau_d_v=width,
+                          codebook_size=8)).num_parameters()
+        assert width % 8 == 0 and abs(gau - block) / block < 0.02, (d_model, width, gau, block)

@@ -69,3 +69,50 @@ def test_errors_name_the_argument():
         lsh_attention(qk[0], v)
     with pytest.raises(TypeError, match="qk"):
         lsh_attention(qk.long(), v)
+
+
+def lsh_reference(qk, v, *, n_hashes, bucket_size, causal, seed):
+    """The Reformer's algorithm written out with loops, one (batch, head) at a time: the same
+    seeded rotations; per round, buckets argmax([xR; -xR]) (padding last), positions sorted by
+    (bucket, position), chunks of ``bucket_size``, each query attending to its own chunk and the
+    previous one (wrapping, when there are several), own key at -1e5, padding and (causal)
+    later keys hidden; rounds combined by softmax over their log-sum-exps."""
+    B, H, T, D = qk.shape
+    C = bucket_size
+    n_chunks = -(-T // C)
+    Tp = n_chunks * C
+    n_buckets = max(2, n_chunks + n_chunks % 2)
+    rotations = torch.randn(n_hashes, D, n_buckets // 2, generator=torch.Generator().manual_seed(seed),
+                            dtype=torch.float64)
+    out = torch.zeros(B, H, T, v.shape[-1], dtype=F64)
+    for b in range(B):
+        for h in range(H):
+            x = torch.cat([qk[b, h], qk.new_zeros(Tp - T, D)])
+            keys = torch.nn.functional.normalize(x, dim=-1)
+            rounds = []
+            for rotation in rotations:
+                rotated = keys @ rotation
+                bucket = [int(torch.cat([rotated[i], -rotated[i]]).argmax()) if i < T else n_buckets
+                          for i in range(Tp)]
+                order = sorted(range(Tp), key=lambda i: (bucket[i], i))
+                chunk_of = {position: slot // C for slot, position in enumerate(order)}
+                outputs, lses = torch.zeros(T, v.shape[-1], dtype=F64), torch.zeros(T, dtype=F64)
+                for i in range(T):
+                    chunks = {chunk_of[i], (chunk_of[i] - 1) % n_chunks}
+                    seen = [j for j in order if chunk_of[j] in chunks and j < T and not (causal and j > i)]
+                    scores = torch.stack([x[i] @ keys[j] * D**-0.5 if j != i else torch.tensor(-1e5, dtype=F64)
+                                          for j in seen])
+                    lses[i] = torch.logsumexp(scores, 0)
+                    outputs[i] = torch.softmax(scores, 0) @ v[b, h, seen]
+                rounds.append((outputs, lses))
+            weights = torch.softmax(torch.stack([lse for _, lse in rounds]), dim=0)
+            out[b, h] = sum(w[:, None] * o for w, (o, _) in zip(weights, rounds))
+    return out
+
+
+@pytest.mark.parametrize("T, bucket_size, causal", [(20, 4, True), (23, 4, False), (13, 8, True)])
+def test_several_chunks_equal_the_written_out_algorithm(T, bucket_size, causal):
+    qk, v = make(B=1, H=2, T=T, D=6, E=3, seed=T)
+    out = lsh_attention(qk, v, n_hashes=2, bucket_size=bucket_size, causal=causal, seed=4)
+    expected = lsh_reference(qk, v, n_hashes=2, bucket_size=bucket_size, causal=causal, seed=4)
+    assert_close_rel(out, expected, rtol=1e-9)

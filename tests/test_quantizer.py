@@ -477,3 +477,23 @@ def test_default_sync_without_process_group_is_a_no_op():
 def test_state_dict_keys_are_those_of_earlier_checkpoints():
     vq = linattn.VectorQuantizer(2, 4, 8, kmeans_init=True, dead_code_threshold=0.5)
     assert sorted(vq.state_dict()) == ["codebook", "ema_counts", "ema_sums", "initialized"]
+
+
+def test_kmeans_keeps_a_center_that_gets_no_keys():
+    """Fewer keys than codes: the seeds repeat keys, the repeated centers draw no keys (ties
+    go to the first), and a center without keys stays where it is (it is not moved to 0)."""
+    keys = torch.tensor([[[1.0, 2.0], [3.0, -1.0]]])  # one head, 2 keys, 4 codes
+    centers = linattn.nn.kmeans(keys, 4, iters=3, generator=torch.Generator().manual_seed(0))
+    for center in centers[0]:
+        assert any(torch.equal(center, key) for key in keys[0]), centers
+
+
+def test_distinct_keys_as_many_as_codes_become_the_codes():
+    keys = torch.tensor([[[0.0, 0.0], [5.0, 5.0], [-5.0, 5.0]]])
+    centers = linattn.nn.kmeans(keys, 3, iters=2, generator=torch.Generator().manual_seed(1))
+    assert sorted(map(tuple, centers[0].tolist())) == sorted(map(tuple, keys[0].tolist()))
+
+
+def test_an_ema_decay_of_zero_is_allowed():
+    vq = linattn.VectorQuantizer(1, 2, 4, ema_decay=0.0)
+    assert vq.ema_decay == 0.0

@@ -339,3 +339,19 @@ def test_callable_bias_that_hides_a_row_gives_zero_in_both_impls():
     for impl in ("reference", "tiled"):
         out = softmax_attention(q, k, v, bias=hide_offset_zero_row, impl=impl)
         assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("shape", ["3d", "n+1", "heads+1", "int"])
+def test_bias_callable_of_the_wrong_shape_is_a_clear_error(shape):
+    """A callable bias must return ``[n]`` or ``[H, n]`` floats for n offsets; anything else is
+    refused by name (here through the tiled impl, which reads the table block by block)."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=2, T=4, Dk=4, Dv=3)
+
+    def bias(offsets):
+        n = offsets.numel()
+        return {"3d": torch.zeros(1, 2, n, dtype=F64), "n+1": torch.zeros(n + 1, dtype=F64),
+                "heads+1": torch.zeros(3, n, dtype=F64), "int": torch.zeros(n, dtype=torch.long)}[shape]
+
+    error = TypeError if shape == "int" else ValueError
+    with pytest.raises(error, match="bias callable"):
+        softmax_attention(q, k, v, causal=True, bias=bias, impl="tiled")

@@ -157,3 +157,14 @@ def test_summary_line_without_validation(finished, capsys):
 def test_eval_help_states_the_default_split(capsys):
     assert main(["eval", "--help"]) == 0
     assert "default: test" in capsys.readouterr().out
+
+
+def test_progress_bar_labels_validation_bpb_with_its_step(tmp_path, capsys):
+    """The bar never shows the pre-training evaluation as if it were current: every validation
+    bpb it prints names the step it was measured at."""
+    capsys.readouterr()
+    argv = [a for a in _train(tmp_path, "bar", 6, "--eval-every", "3") if a != "--no-progress"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "val_bpb@6=" in err
+    assert "val_bpb=" not in err

@@ -514,7 +514,7 @@ def test_bad_mode_and_state_type():
 # ----------------------------------------------------------------------------- input checks
 
 
-@pytest.mark.parametrize("bad_code", [99, -1])
+@pytest.mark.parametrize("bad_code", [99, -1, 8])  # 8 = S: the first code past the end
 def test_codes_out_of_range_are_a_clear_error(bad_code):
     q, k_hat, v, codes, codebook = make_vq()
     codes = codes.clone()
@@ -527,7 +527,7 @@ def test_codes_out_of_range_are_a_clear_error(bad_code):
 def test_keys_that_are_not_their_codes_are_a_clear_error(mode):
     q, k_hat, v, codes, codebook = make_vq()
     shifted = k_hat + 0.5
-    with pytest.raises(ValueError, match="k_hat must equal codebook"):
+    with pytest.raises(ValueError, match="k_hat must equal codebook.*differ by up to 0.5"):
         linattn.vq_attention(q, shifted, v, codes, codebook, block_size=4, mode=mode)
     out, _ = linattn.vq_attention(q, shifted, v, codes, codebook, block_size=4, mode=mode, check_inputs=False)
     assert out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[-1])

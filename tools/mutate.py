@@ -75,7 +75,7 @@ NN = [
 ]
 MODELS = [
     *_targets(["src/linattn/models/lm.py", "src/linattn/models/config.py", "src/linattn/models/sampling.py"],
-              ["tests/test_lm.py"]),
+              ["tests/test_lm.py", "tests/test_layers.py"]),
     Target("src/linattn/models/layers.py", ("tests/test_layers.py", "tests/test_lm.py")),
 ]
 # test_trainer.py's subprocess and two-process runs take minutes each; only its in-process tests judge train/.
