@@ -168,3 +168,11 @@ def test_short_convolution_and_linformer_initial_scales():
         assert abs(tensor.std().item() - 64**-0.5) < 0.1 * 64**-0.5
     assert all(m.bias is None for m in layer.modules() if isinstance(m, nn.Linear))
     assert linattn.nn.DeltaNet(16, 2, head_dim=1)(torch.randn(1, 3, 16))[0].shape == (1, 3, 16)
+
+
+def test_one_tap_convolution_and_linformer_input_checks():
+    conv = linattn.nn.ShortConvolution(4, kernel_size=1)
+    assert conv(torch.randn(1, 3, 4))[0].shape == (1, 3, 4)
+    layer = linattn.nn.LinformerAttention(8, 2, max_len=4, k=2)
+    with pytest.raises(ValueError, match=r"\[batch, length, 8\]"):
+        layer(torch.randn(1, 3, 6))  # three dimensions, the wrong width

@@ -70,8 +70,9 @@ NN = [
     Target("src/linattn/nn/gau.py", ("tests/test_gau.py",)),
     Target("src/linattn/nn/attention.py", ("tests/test_layers.py", "tests/test_lm.py")),
     Target("src/linattn/nn/rotary.py", ("tests/test_layers.py", "tests/test_lm.py")),
-    *_targets(["src/linattn/nn/delta_net.py", "src/linattn/nn/short_conv.py"], ["tests/test_delta_net.py"]),
-    Target("src/linattn/nn/linformer.py", ("tests/test_linformer.py",)),
+    *_targets(["src/linattn/nn/delta_net.py", "src/linattn/nn/short_conv.py"],
+              ["tests/test_delta_net.py", "tests/test_layers.py"]),
+    Target("src/linattn/nn/linformer.py", ("tests/test_linformer.py", "tests/test_layers.py")),
 ]
 MODELS = [
     *_targets(["src/linattn/models/lm.py", "src/linattn/models/config.py", "src/linattn/models/sampling.py"],
@@ -83,8 +84,9 @@ TRAIN = [
     Target("src/linattn/train/checkpoint.py", ("tests/test_checkpoint_ordering.py", "tests/test_trainer.py"),
            "checkpoint or corrupt or foreign or pickle or leftover or same_step or flatten or rng_that"),
     Target("src/linattn/train/schedule.py", ("tests/test_trainer.py",), "learning_rate"),
-    *_targets(["src/linattn/train/trainer.py", "src/linattn/train/optim.py"], ["tests/test_trainer.py"],
-              "tiny_run_learns or rng_that or resets_the_carried"),
+    Target("src/linattn/train/trainer.py", ("tests/test_trainer.py",),
+           "tiny_run_learns or rng_that or resets_the_carried"),
+    Target("src/linattn/train/optim.py", ("tests/test_optim.py",)),
     Target("src/linattn/train/evaluate.py", ("tests/test_trainer.py",), "evaluate or tiny_run_learns"),
     *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"],
               ["tests/test_train_cli.py", "tests/test_train_resume.py"]),
