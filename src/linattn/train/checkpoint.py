@@ -32,6 +32,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .. import state as state_module
+from .._checks import is_int
 from .._files import fsync_file, write_text_atomic
 
 FORMAT = "linattn-checkpoint"
@@ -309,7 +310,7 @@ def find_resume_checkpoint(run_dir: str | Path, select: int | str | Path | None 
     run_dir = Path(run_dir)
     root = run_dir / "checkpoints"
     if select is not None:
-        if isinstance(select, int) and not isinstance(select, bool):
+        if is_int(select):
             folder = root / step_name(select)
             if not folder.is_dir():
                 steps = ", ".join(str(c.step) for c in reversed(_usable_checkpoints(root))) or "none"

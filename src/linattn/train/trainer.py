@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .. import __version__
+from .._checks import is_int
 from ..data import TokenStreams, load_corpus
 from ..models import LM, LMConfig
 from . import distributed
@@ -132,7 +133,7 @@ def train(
         model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
         train_values = {**checkpoint.meta["train_config"], "out": str(out)}
         if steps is not None:
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps <= checkpoint.step:
+            if not is_int(steps) or steps <= checkpoint.step:
                 raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
                                  f"further, got {steps!r}")
             train_values.update(decay_steps=train_values.get("decay_steps") or train_values["steps"], steps=steps)
