@@ -148,7 +148,6 @@ def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: in
                          "prefill_tokens_per_s": batch * (prompt - 1) / prefill_s, "new_tokens": new_tokens,
                          "generate_s": generate_s, "tokens_per_s": batch * new_tokens / generate_s,
                          "ms_per_step": generate_s / new_tokens * 1e3})
-            del state
     return rows
 
 

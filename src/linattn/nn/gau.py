@@ -31,7 +31,7 @@ def _fused_input_weight(*projections: nn.Linear) -> torch.Tensor:
     return torch.cat([projection.weight for projection in projections], dim=0)
 
 
-def _relative_terms(unit: "GAU", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _compute_relative_terms(unit: "GAU", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``P_delta = W_r R_delta`` ``[L + 1, d_k]`` and the bias ``(w - u).P_delta`` ``[L + 1]``."""
     position_keys = unit.w_r(unit.sinusoids.to(dtype))
     return position_keys, (unit.position_bias - unit.content_bias) @ position_keys.T
@@ -133,9 +133,9 @@ class GAU(nn.Module):
         they are computed once and reused until a parameter changes (its storage or version).
         """
         if torch.is_grad_enabled():
-            return _relative_terms(self, dtype)
+            return _compute_relative_terms(self, dtype)
         depends = (self.w_r.weight, self.content_bias, self.position_bias)
-        return self._cached("relative", lambda: _relative_terms(self, dtype), depends, dtype)
+        return self._cached("relative", lambda: _compute_relative_terms(self, dtype), depends, dtype)
 
     def _cached(self, name: str, compute, depends: tuple[torch.Tensor, ...], *extra):
         """``compute()``, remembered under ``name`` while gradients are off, until one of the

@@ -132,7 +132,7 @@ class _TiledBias:
             return block.reshape(b, self.kv_heads, self.heads // self.kv_heads, r, c)
         return block.reshape(b, 1, 1, r, c)
 
-    def block(self, r0, r1, c0, c1, device):
+    def block(self, r0, r1, c0, c1):
         if self.dense is not None:
             d = self.dense
             rows = slice(r0, r1) if d.shape[2] > 1 else slice(None)
@@ -179,7 +179,7 @@ def _key_blocks(causal, r1, S, block_size):
 def _block_scores(q_block, k, bias: _TiledBias, causal, r0, r1, c0, c1):
     """Scores of query rows r0:r1 on keys c0:c1, bias added, future keys at -inf."""
     s = q_block @ k[:, :, c0:c1, :].unsqueeze(2).transpose(-1, -2)
-    b = bias.block(r0, r1, c0, c1, s.device)
+    b = bias.block(r0, r1, c0, c1)
     if b is not None:
         s = s + b
     if causal and c1 - 1 > r0:

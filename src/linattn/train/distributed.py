@@ -28,11 +28,16 @@ class Context:
         return self.world_size > 1
 
 
+def env_rank() -> int:
+    """This process's rank as ``torchrun`` sets it in the environment (0 for a plain run)."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def setup(device: str = "cpu") -> Context:
     """Join the process group that ``torchrun`` describes in the environment (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``); a plain run is rank 0 of 1."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
+    rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     target = torch.device(device)
     if target.type == "cuda":

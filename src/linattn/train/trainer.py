@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import time
 from contextlib import contextmanager
@@ -127,7 +126,7 @@ def train(
     if resume:
         if out is None:
             raise ValueError("resume needs the run folder (--out)")
-        if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 alone speaks
+        if distributed.env_rank() != 0:  # under torchrun, rank 0 alone speaks
             echo = _silent
         checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
         model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
