@@ -42,6 +42,11 @@ class _State:
         """The same state with every tensor cut from the autograd graph."""
         return self._map(lambda t: t.detach())
 
+    def select_batch(self, index: torch.Tensor) -> "_State":
+        """The state of batch rows ``index`` (``[N]`` int64, repeats allowed), in that order:
+        every tensor is index-selected along its first (batch) dimension (beam search)."""
+        return self._map(lambda t: t.index_select(0, index.to(t.device)))
+
     def to(self, *args, **kwargs) -> "_State":
         """Move/cast every tensor, with the arguments of ``torch.Tensor.to``."""
         return self._map(lambda t: t.to(*args, **kwargs))

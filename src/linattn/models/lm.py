@@ -75,20 +75,35 @@ class LM(nn.Module):
              ) -> tuple[torch.Tensor, LMState, dict]:
         """``forward`` without the argument checks (for ids and states the model made itself);
         ``with_aux=False`` skips the batch statistics of ``aux`` (returns it empty)."""
-        x = self.embed(ids.long())
+        h, new_state, unit_aux, x = self._trunk(self.embed(ids.long()), state)
+        aux = self._aux(x, unit_aux) if with_aux else {}
+        return self.logits(h), new_state, aux
+
+    def _trunk(self, x: torch.Tensor, state: LMState | None, hidden: list | None = None
+               ) -> tuple[torch.Tensor, LMState, list[dict], torch.Tensor]:
+        """Layers and final norm on embedded tokens ``x [B, T, d_model]`` -> ``(normed
+        [B, T, d_model], state, per-unit aux, last residual stream)``; ``hidden``, when a
+        list, receives ``x`` and each layer's output (before the final norm)."""
+        if hidden is not None:
+            hidden.append(x)
         layer_states = state.layers if state is not None else (None,) * len(self.layers)
         new_states, unit_aux = [], []
         for layer, layer_state in zip(self.layers, layer_states):
             x, layer_state, aux = layer(x, layer_state)
             new_states.append(layer_state)
             unit_aux.extend(aux)
-        h = self.norm(x)
+            if hidden is not None:
+                hidden.append(x)
+        steps = x.shape[1] + (state.steps if state is not None else 0)
+        return self.norm(x), LMState(layers=tuple(new_states), steps=steps), unit_aux, x
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Output head on normed hidden states ``[..., d_model] -> [..., vocab]`` (the tied
+        embedding by default); half-precision logits are returned in float32."""
         logits = h @ self.embed.weight.T if self.head is None else self.head(h)
-        steps = ids.shape[1] + (state.steps if state is not None else 0)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
-        aux = self._aux(x, unit_aux) if with_aux else {}
-        return logits, LMState(layers=tuple(new_states), steps=steps), aux
+        return logits
 
     def _aux(self, x: torch.Tensor, unit_aux: list[dict]) -> dict:
         commit = x.new_zeros((), dtype=torch.float32)

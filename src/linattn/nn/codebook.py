@@ -130,6 +130,14 @@ class Codebook(nn.Module):
         self.register_buffer("_pending_sums", torch.zeros(n_heads, codebook_size, head_dim), persistent=False)
         self._recent_keys: torch.Tensor | None = None  # [H, N, Dk], restart candidates
 
+    @torch.no_grad()
+    def _reset_buffers(self) -> None:
+        """Empty the non-persistent statistics pending the next update, for codebooks
+        materialised without them (Hugging Face ``from_pretrained``)."""
+        self._pending_counts.zero_()
+        self._pending_sums.zero_()
+        self._recent_keys = None
+
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.double()``, ``.half()`` move the codes and statistics but keep them float32."""
         super()._apply(fn, recurse)

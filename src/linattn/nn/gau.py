@@ -96,6 +96,12 @@ class GAU(nn.Module):
         elif attention == "soft-vq":
             self.codebook = nn.Parameter(torch.randn(1, codebook_size, d_k) * d_k ** -0.25)
 
+    @torch.no_grad()
+    def _reset_buffers(self) -> None:
+        """Recompute the non-persistent ``sinusoids`` (a function of the block size and d_k),
+        for models materialised without them (Hugging Face ``from_pretrained``)."""
+        self.sinusoids.copy_(_sinusoids(self.block_size + 1, self.d_k))
+
     def forward(
         self, x: torch.Tensor, state: VQAttentionState | KVCacheState | None = None
     ) -> tuple[torch.Tensor, VQAttentionState | KVCacheState, dict]:

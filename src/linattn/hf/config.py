@@ -1,0 +1,91 @@
+"""``LinattnConfig``: ``LMConfig`` as a Hugging Face ``PretrainedConfig`` (``model_type="linattn"``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from transformers import PretrainedConfig
+
+from ..models.config import LMConfig
+
+_LM_FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
+
+
+class LinattnConfig(PretrainedConfig):
+    """Every ``LMConfig`` field under its own name (same defaults), plus the names Hugging
+    Face code reads: ``hidden_size`` (= ``d_model``), ``num_hidden_layers`` (= ``n_layers``),
+    ``num_attention_heads`` (= ``n_heads``), ``num_key_value_heads`` (= ``n_kv_heads``, or
+    ``n_heads`` when unset), ``tie_word_embeddings`` (= ``tie_embeddings``), ``vocab_size``,
+    ``bos/eos/pad_token_id`` (None: the byte vocabulary has no special tokens, and a pad id
+    would make ``generate`` read that byte in a prompt as padding; pass ``attention_mask``).
+
+    ``to_lm_config()`` and ``from_lm_config()`` convert losslessly; building one validates
+    the model settings exactly as ``LMConfig`` does (an unknown layer kind is a ``ValueError``).
+    """
+
+    model_type: ClassVar[str] = "linattn"
+    attribute_map: ClassVar[dict[str, str]] = {
+        "hidden_size": "d_model",
+        "num_hidden_layers": "n_layers",
+        "num_attention_heads": "n_heads",
+        "tie_word_embeddings": "tie_embeddings",
+    }
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    attention: str | list[str] = "vq"
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    ffn_hidden: int | None = None
+    rotary_base: float = 10000.0
+    local_window: int = 256
+    chunk_size: int = 64
+    favor_features: int = 128
+    feature_seed: int = 0
+    delta_short_conv: int | None = 4
+    softmax_memory: int = 0
+    gau_d_k: int = 128
+    gau_d_v: int | None = None
+    codebook_size: int = 512
+    block_size: int = 128
+    commitment_weight: float = 1e-4
+    ema_decay: float = 0.99
+    kmeans_init: bool = False
+    dead_code_threshold: float = 0.0
+    soft_vq_temperature: float = 1.0
+    tie_embeddings: bool = True
+    init_std: float = 0.02
+    extra: dict | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs: Any) -> None:
+        if self.extra is None:
+            self.extra = {}
+        super().__post_init__(**kwargs)
+        self.to_lm_config()
+
+    @property
+    def num_key_value_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def to_lm_config(self) -> LMConfig:
+        """The ``LMConfig`` these fields describe (validated)."""
+        values = {name: getattr(self, name) for name in _LM_FIELDS}
+        values["extra"] = dict(values["extra"] or {})
+        if isinstance(values["attention"], tuple):
+            values["attention"] = list(values["attention"])
+        return LMConfig(**values)
+
+    @classmethod
+    def from_lm_config(cls, config: LMConfig, **kwargs: Any) -> "LinattnConfig":
+        """A ``LinattnConfig`` holding every field of ``config``; ``kwargs`` set the
+        Hugging Face-only fields (token ids, ``use_cache``, ...)."""
+        if not isinstance(config, LMConfig):
+            raise TypeError(f"config must be an LMConfig, got {type(config).__name__}")
+        return cls(**config.to_dict(), **kwargs)

@@ -1,0 +1,337 @@
+"""``LinattnModel`` and ``LinattnForCausalLM``: ``linattn.models.LM`` behind the Hugging Face API.
+
+Both wrap one ``LM`` (``model.lm``), so every layer is linattn's own; the HF classes add
+padding masks, the ``LinattnCache`` that ``generate`` carries, HF outputs and the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..models.lm import LM
+from ..state import LMState
+from .cache import LinattnCache, RowGroup
+from .config import LinattnConfig
+
+
+class LinattnPreTrainedModel(PreTrainedModel):
+    """Shared Hugging Face plumbing: the config class, weight init (``LM``'s own, done when
+    the ``LM`` is built) and the flags ``generate`` reads."""
+
+    config_class = LinattnConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = False
+    _no_split_modules: list[str] = []
+    _is_stateful = True
+
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any):
+        """``PreTrainedModel.from_pretrained``, then every tensor copied to freshly allocated
+        memory: safetensors loads leave tensors at unaligned addresses, where BLAS takes
+        other vector paths and float results differ in the last bit from the saved model's."""
+        model = super().from_pretrained(*args, **kwargs)
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                if tensor.data_ptr() % 64:
+                    tensor.data = tensor.data.clone()
+        return model
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """Called by ``post_init``/``from_pretrained`` for each module whose tensors were not
+        all loaded: non-persistent buffers are recomputed, weights a checkpoint lacks get
+        ``LM``'s initialisation rule (HF's init guard leaves loaded tensors untouched)."""
+        if hasattr(module, "_reset_buffers"):
+            module._reset_buffers()
+        if isinstance(module, LM):
+            module._init_weights()
+
+
+class LinattnModel(LinattnPreTrainedModel):
+    """The decoder without its output head: ``forward`` returns ``BaseModelOutputWithPast``
+    (``last_hidden_state [B, T, d_model]`` after the final norm, ``cache``, ``hidden_states``).
+
+    ``attention_mask [B, past + T]`` (1 = token, 0 = padding) may only pad on the left (each
+    row zeros then ones): padded positions enter no state and no position count, so a
+    left-padded row computes exactly what it computes alone. Rows of different real
+    lengths run as separate groups (one model call per distinct length per step); their
+    hidden states at padded positions are zero.
+    """
+
+    def __init__(self, config: LinattnConfig):
+        super().__init__(config)
+        self.lm = LM(config.to_lm_config())
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.lm.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.lm.embed = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: LinattnCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: LinattnCache | None = None,
+        **kwargs: Any,
+    ) -> BaseModelOutputWithPast | tuple:
+        result = self._forward(input_ids, attention_mask, cache if cache is not None else past_key_values,
+                               inputs_embeds, use_cache, output_hidden_states, output_attentions, kwargs)
+        h, new_cache, hidden, _ = result
+        output = BaseModelOutputWithPast(last_hidden_state=h, cache=new_cache, hidden_states=hidden)
+        return output if self._return_dict(return_dict) else output.to_tuple()
+
+    def _return_dict(self, return_dict: bool | None) -> bool:
+        return self.config.return_dict if return_dict is None else return_dict
+
+    def _forward(self, input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states,
+                 output_attentions, kwargs) -> tuple[torch.Tensor, LinattnCache | None, tuple | None, torch.Tensor]:
+        """-> ``(normed hidden [B, T, d_model], cache or None, hidden states or None, commit loss)``."""
+        if output_attentions:
+            raise ValueError("output_attentions=True is not supported: linattn's mechanisms (VQ, kernel, delta, "
+                             "local attention) do not form a [T, T] attention matrix")
+        _check_unused(kwargs)
+        x = self._embed(input_ids, inputs_embeds)
+        batch, length = x.shape[:2]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if cache is not None and not isinstance(cache, LinattnCache):
+            if not isinstance(cache, Cache) or cache.get_seq_length() != 0:
+                raise TypeError(f"cache must be a LinattnCache (from this model), got {type(cache).__name__}")
+            cache = None  # an empty cache of another type (a DynamicCache made by generic code)
+        if cache is not None and cache.batch_size != batch:
+            raise ValueError(f"cache holds {cache.batch_size} rows but input has batch {batch}")
+        seen = cache.seen if cache is not None else 0
+        real = _real_tokens(attention_mask, batch, seen, length, x.device)
+        groups = _plan_groups(cache, real, length, batch)
+        keep_hidden = bool(self.config.output_hidden_states if output_hidden_states is None
+                           else output_hidden_states)
+        hidden = [] if keep_hidden else None
+        if len(groups) == 1 and groups[0][0] is None:  # every row, no padding: one call
+            state = cache.groups[0].state if cache is not None and cache.groups else None
+            h, new_state, unit_aux, _ = self.lm._trunk(x, state, hidden)
+            commit = self.lm._aux(h, unit_aux)["commit_loss"]
+            new_groups = [RowGroup(rows=torch.arange(batch), state=new_state)]
+        else:
+            h, new_groups, commit, hidden = self._grouped(x, groups, hidden)
+        new_cache = LinattnCache(batch, new_groups, seen + length) if use_cache else None
+        return h, new_cache, tuple(hidden) if hidden is not None else None, commit
+
+    def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [batch, length] and inputs_embeds [batch, length, d_model]")
+        if input_ids is not None:
+            self.lm._check_ids(input_ids)
+            return self.lm.embed(input_ids.long())
+        d_model = self.config.d_model
+        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
+                or inputs_embeds.shape[-1] != d_model or inputs_embeds.shape[1] == 0:
+            raise ValueError(f"inputs_embeds must have shape [batch, length >= 1, {d_model}], got "
+                             f"{list(getattr(inputs_embeds, 'shape', []))}")
+        return inputs_embeds
+
+    def _grouped(self, x, groups, hidden):
+        """Run each ``(rows, pad, state)`` group on its unpadded columns; scatter the outputs."""
+        batch, length, d_model = x.shape
+        h = x.new_zeros(batch, length, d_model)
+        layers_out = [x.new_zeros(batch, length, d_model) for _ in range(len(self.lm.layers) + 1)] \
+            if hidden is not None else None
+        new_groups, commit, tokens = [], x.new_zeros((), dtype=torch.float32), 0
+        for rows, pad, state in groups:
+            rows_device = rows.to(x.device)
+            group_hidden = [] if hidden is not None else None
+            h_group, new_state, unit_aux, _ = self.lm._trunk(x[rows_device, pad:], state, group_hidden)
+            h[rows_device, pad:] = h_group
+            if layers_out is not None:
+                for out, value in zip(layers_out, group_hidden):
+                    out[rows_device, pad:] = value
+            n = rows.numel() * (length - pad)
+            commit = commit + self.lm._aux(h_group, unit_aux)["commit_loss"] * n
+            tokens += n
+            new_groups.append(RowGroup(rows=rows, state=new_state))
+        commit = commit / max(tokens, 1)
+        if layers_out is not None:
+            layers_out[-1] = h  # the last entry is the normed output, as for HF decoders
+        return h, new_groups, commit, layers_out
+
+
+def _check_unused(kwargs: dict) -> None:
+    """Accept the keyword arguments HF code passes that change nothing here; reject the rest."""
+    position_ids = kwargs.pop("position_ids", None)
+    kwargs.pop("num_items_in_batch", None)
+    kwargs.pop("token_type_ids", None)
+    if position_ids is not None:
+        raise ValueError("position_ids are not supported: positions follow the attention_mask (padding is "
+                         "skipped) and the cache")
+    if kwargs:
+        raise TypeError(f"unexpected arguments {sorted(kwargs)}")
+
+
+def _real_tokens(attention_mask, batch: int, seen: int, length: int, device) -> torch.Tensor | None:
+    """Real (unpadded) tokens per row among the new ``length`` columns -> ``[B]`` int64, or
+    None when every new column is real. Checks the mask is ``[B, seen + length]`` or
+    ``[B, length]``, holds only 0/1, and pads only on the left."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 \
+            or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (length, seen + length):
+        raise ValueError(f"attention_mask must have shape [batch, past + length] = [{batch}, {seen + length}] "
+                         f"(or [{batch}, {length}]), got {list(getattr(attention_mask, 'shape', []))}")
+    mask = attention_mask.long()
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        raise ValueError("attention_mask must pad on the left only (each row zeros, then ones): linattn's "
+                         "recurrent states cannot skip padding after real tokens")
+    new = mask[:, -length:]
+    if bool(new.all()):
+        return None
+    return new.sum(1).cpu()
+
+
+def _plan_groups(cache: LinattnCache | None, real: torch.Tensor | None, length: int, batch: int) -> list:
+    """The ``(rows or None, leading pad, state)`` runs of one forward: rows that carry a state
+    continue it; stateless rows start a group per real length (all-padding rows run nowhere)."""
+    if cache is None or not cache.groups:
+        if real is None:
+            return [(None, 0, None)]
+        plans = []
+        for count in sorted(set(real.tolist()), reverse=True):
+            if count:
+                plans.append((torch.nonzero(real == count).flatten(), length - count, None))
+        return plans
+    covered = torch.zeros(batch, dtype=torch.bool)
+    plans = []
+    for group in cache.groups:
+        rows = group.rows.cpu()
+        covered[rows] = True
+        if real is not None and bool((real[rows] != length).any()):
+            raise ValueError("attention_mask pads a row that already holds tokens")
+        plans.append((rows, 0, group.state))
+    if len(plans) == 1 and bool(covered.all()) and bool((plans[0][0] == torch.arange(batch)).all()):
+        return [(None, 0, plans[0][2])]
+    fresh = (~covered).nonzero().flatten()
+    if fresh.numel():
+        counts = real[fresh] if real is not None else torch.full((fresh.numel(),), length)
+        for count in sorted(set(counts.tolist()), reverse=True):
+            if count:
+                plans.append((fresh[counts == count], length - count, None))
+    return plans
+
+
+class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
+    """A linattn language model as a Hugging Face causal LM: ``forward`` returns
+    ``CausalLMOutputWithPast``; with ``labels [B, T]`` (-100 = ignored) the loss is
+    ``cross_entropy(logits[:, :-1], labels[:, 1:])`` (mean over counted tokens, or their sum
+    over ``num_items_in_batch`` when the HF Trainer passes it) plus the VQ commitment loss
+    of the forward -- the number linattn's trainer computes on that batch.
+
+    ``generate`` carries a ``LinattnCache`` (constant memory for every recurrent
+    mechanism); greedy, sampling, beam search, left-padded batches and ``use_cache=False``
+    work. In training mode VQ layers gather codebook statistics: call
+    ``update_codebooks()`` after each optimizer step (``CodebookUpdateCallback`` does it for
+    the HF ``Trainer``).
+    """
+
+    def __init__(self, config: LinattnConfig):
+        super().__init__(config)
+        self.model = LinattnModel(config)
+        self.post_init()
+
+    @property
+    def lm(self) -> LM:
+        """The wrapped ``linattn.models.LM``."""
+        return self.model.lm
+
+    @classmethod
+    def from_lm(cls, lm: LM, **config_kwargs: Any) -> "LinattnForCausalLM":
+        """A causal LM holding a copy of ``lm``'s weights and buffers (same dtype)."""
+        config = LinattnConfig.from_lm_config(lm.config, **config_kwargs)
+        model = cls(config)
+        model.lm.load_state_dict(lm.state_dict())
+        parameter = next(lm.parameters())
+        return model.to(device=parameter.device, dtype=parameter.dtype)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.lm.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.lm.embed = value
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        return self.lm.head
+
+    def update_codebooks(self) -> None:
+        """The EMA codebook update of every VQ layer (once per optimizer step in training)."""
+        self.lm.update_codebooks()
+
+    def _supports_default_dynamic_cache(cls) -> bool:  # noqa: N805 - a classmethod below
+        return False
+
+    _supports_default_dynamic_cache = classmethod(_supports_default_dynamic_cache)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: LinattnCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_attentions: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: LinattnCache | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | tuple:
+        num_items = kwargs.get("num_items_in_batch")
+        h, new_cache, hidden, commit = self.model._forward(
+            input_ids, attention_mask, cache if cache is not None else past_key_values, inputs_embeds,
+            use_cache, output_hidden_states, output_attentions, kwargs)
+        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+        logits = self.lm.logits(h[:, keep])
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels, num_items) + commit.to(logits.dtype)
+        output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache, hidden_states=hidden)
+        return output if self.model._return_dict(return_dict) else output.to_tuple()
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+    """Next-token cross-entropy of ``logits [B, T, V]`` against ``labels [B, T]`` shifted by
+    one (``labels[:, t + 1]`` is the target of position ``t``; -100 is ignored): the mean
+    over counted targets, or their sum divided by ``num_items_in_batch``."""
+    if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
+        raise ValueError(f"labels must have shape [batch, length] = {list(logits.shape[:2])} (logits_to_keep=0), "
+                         f"got {list(getattr(labels, 'shape', []))}")
+    predictions = logits[:, :-1].float() if logits.dtype != torch.float64 else logits[:, :-1]
+    targets = labels[:, 1:].to(logits.device).long()
+    if num_items_in_batch is None:
+        return F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    total = F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+    return total / torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
+
+
+def lm_state_of(cache: LinattnCache) -> LMState:
+    """The ``LMState`` of a cache whose rows share one group (no padding): hand it to
+    ``LM.forward``/``LM.generate`` to continue with linattn's own API."""
+    if len(cache.groups) != 1 or cache.groups[0].rows.numel() != cache.batch_size:
+        raise ValueError("the cache holds rows of different lengths (left padding); take group states from "
+                         "cache.groups")
+    group = cache.groups[0]
+    order = torch.argsort(group.rows)
+    return group.state.select_batch(order) if not bool((order == group.rows).all()) else group.state

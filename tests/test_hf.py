@@ -1,0 +1,404 @@
+"""``linattn.hf``: linattn models through the Hugging Face API (forward, loss, generate with a
+recurrent cache, left padding, beam search, save/load, Auto classes, tokenizer, pipeline,
+``linattn export`` and lm-evaluation-harness), against linattn's own ``LM``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linattn.hf as H
+from linattn import LM, LMConfig
+from linattn.cli import main
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
+
+torch.set_num_threads(1)
+
+KINDS = ["vq", "soft-vq", "gau-softmax", "softmax", "linear:elu", "linear:relu", "linear:dpfp", "linear:taylor",
+         "favor", "delta", "delta:dpfp", "delta:elu", "local:4", "local:4,vq,delta"]
+
+
+def tiny_lm(attention: str = "vq", seed: int = 0, **overrides) -> LM:
+    """A float64 model small enough for exact comparisons; blocks/chunks/windows of 4 so a
+    few tokens cross several of them."""
+    torch.manual_seed(seed)
+    values = dict(d_model=16, n_layers=max(2, attention.count(",") + 1), n_heads=2, attention=attention,
+                  gau_d_k=8, codebook_size=8, block_size=4, chunk_size=4, local_window=4, favor_features=8)
+    values.update(overrides)
+    model = LM(LMConfig(**values)).double().eval()
+    if any(q is not None for q in model.quantizers()):
+        with torch.no_grad():  # spread the EMA state away from its init, so a lost buffer shows
+            for q in model.quantizers():
+                q.codebook.add_(0.1 * torch.randn_like(q.codebook))
+                q.ema_counts.mul_(3.0)
+    return model
+
+
+def greedy_ours(lm: LM, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` greedy tokens after ``prompt [B, T]`` by linattn's own generator."""
+    return torch.stack(list(lm.generate(prompt, n, temperature=0)), 1)
+
+
+def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# -- config ------------------------------------------------------------------------------
+
+
+def test_config_round_trips_every_lm_field(tmp_path):
+    lm_config = LMConfig(d_model=48, n_layers=3, attention=["local:8", "vq", "delta"], n_heads=4, n_kv_heads=2,
+                         head_dim=16, ffn_hidden=96, rotary_base=500.0, chunk_size=8, favor_features=16,
+                         feature_seed=3, delta_short_conv=None, softmax_memory=5, gau_d_k=24, gau_d_v=40,
+                         codebook_size=32, block_size=16, commitment_weight=0.5, ema_decay=0.9, kmeans_init=True,
+                         dead_code_threshold=0.25, soft_vq_temperature=2.0, tie_embeddings=False, init_std=0.01,
+                         extra={"note": "x"})
+    config = H.LinattnConfig.from_lm_config(lm_config)
+    assert config.to_lm_config() == lm_config
+    config.save_pretrained(tmp_path)
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(loaded, H.LinattnConfig)
+    assert loaded.to_lm_config() == lm_config
+    lm_fields = {f for f in LMConfig.__dataclass_fields__}
+    assert lm_fields <= set(json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_config_exposes_the_hugging_face_names():
+    config = H.LinattnConfig(d_model=48, n_layers=3, n_heads=4, n_kv_heads=2, tie_embeddings=False)
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (48, 3, 4)
+    assert (config.num_key_value_heads, config.tie_word_embeddings, config.vocab_size) == (2, False, 256)
+    assert H.LinattnConfig(n_heads=4).num_key_value_heads == 4
+    config.hidden_size = 64
+    assert config.d_model == 64 and config.to_lm_config().d_model == 64
+    assert config.model_type == "linattn"
+
+
+def test_config_rejects_an_unknown_layer_kind():
+    with pytest.raises(ValueError, match="unknown layer attention spec 'bogus'"):
+        H.LinattnConfig(attention="vq,bogus")
+    with pytest.raises(TypeError, match="config must be an LMConfig"):
+        H.LinattnConfig.from_lm_config({"d_model": 16})
+
+
+# -- forward, loss, generate against LM ------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", KINDS)
+def test_forward_and_greedy_generation_equal_linattn(attention):
+    lm = tiny_lm(attention)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 11)
+    expected = lm(ids)[0]
+    output = model(ids)
+    assert output.logits.dtype == torch.float64
+    assert torch.allclose(output.logits, expected, rtol=0, atol=1e-12)
+    prompt, n = ids[:, :5], 9
+    ours = greedy_ours(lm, prompt, n)
+    cached = model.generate(prompt, max_new_tokens=n, do_sample=False)
+    uncached = model.generate(prompt, max_new_tokens=n, do_sample=False, use_cache=False)
+    assert torch.equal(cached[:, :5], prompt)
+    assert torch.equal(cached[:, 5:], ours)
+    assert torch.equal(uncached, cached)
+
+
+def test_cache_carries_the_lm_state():
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 9)
+    first = model(ids[:, :6], use_cache=True)
+    assert isinstance(first.cache, H.LinattnCache) and first.cache.get_seq_length() == 6
+    second = model(ids[:, 6:], cache=first.cache)
+    full, state, _ = lm(ids)
+    assert torch.allclose(second.logits, full[:, 6:], rtol=0, atol=1e-12)
+    carried = H.lm_state_of(second.cache)
+    assert carried.steps == state.steps == 9
+    next_ids = random_ids(2, 1, seed=5)
+    assert torch.allclose(lm(next_ids, carried)[0], lm(next_ids, state)[0], rtol=0, atol=1e-12)
+    assert model(ids, use_cache=False).cache is None
+
+
+def test_sampling_generates_valid_tokens_reproducibly():
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq")).eval()
+    prompt = random_ids(2, 4)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(11)
+        runs.append(model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=20, temperature=0.8))
+    assert torch.equal(runs[0], runs[1])
+    assert runs[0].shape == (2, 10) and int(runs[0].max()) < 256
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_loss_is_the_trainers_number(train_mode):
+    lm = tiny_lm("vq,local:4", commitment_weight=0.5)
+    model = H.LinattnForCausalLM.from_lm(lm)
+    lm.train(train_mode)
+    model.train(train_mode)
+    ids = random_ids(2, 10)
+    logits, _, aux = lm(ids)
+    expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()) + aux["commit_loss"]
+    assert float(aux["commit_loss"].detach()) > 0
+    loss = model(ids, labels=ids).loss
+    assert torch.allclose(loss, expected.to(loss.dtype), rtol=1e-12, atol=0)
+    labels = ids.clone()
+    labels[0, 4:] = -100
+    kept = labels[:, 1:] != -100
+    ce = F.cross_entropy(logits[:, :-1][kept], ids[:, 1:][kept], reduction="sum")
+    summed = model(ids, labels=labels, num_items_in_batch=7).loss
+    assert torch.allclose(summed, (ce / 7 + aux["commit_loss"]).to(summed.dtype), rtol=1e-12, atol=0)
+    loss.backward()
+    assert model.lm.embed.weight.grad is not None and float(model.lm.embed.weight.grad.abs().sum()) > 0
+
+
+def test_hidden_states_and_inputs_embeds():
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 7)
+    output = model(ids, output_hidden_states=True)
+    assert len(output.hidden_states) == lm.config.n_layers + 1
+    assert torch.equal(output.hidden_states[0], lm.embed(ids))
+    base = model.model(ids)
+    assert torch.allclose(lm.logits(base.last_hidden_state), output.logits, rtol=0, atol=1e-12)
+    embedded = model(inputs_embeds=lm.embed(ids))
+    assert torch.allclose(embedded.logits, output.logits, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m, ids: m(ids, output_attentions=True), "output_attentions"),
+    (lambda m, ids: m(ids, position_ids=torch.arange(5)[None]), "position_ids"),
+    (lambda m, ids: m(ids, attention_mask=torch.tensor([[1, 0, 1, 1, 1]] * 2)), "pad on the left"),
+    (lambda m, ids: m(ids, attention_mask=torch.tensor([[1, 1, 1, 0, 0]] * 2)), "pad on the left"),
+    (lambda m, ids: m(ids, attention_mask=torch.ones(2, 4)), r"attention_mask must have shape \[batch, past"),
+    (lambda m, ids: m(ids, attention_mask=torch.full((2, 5), 2)), "only 0"),
+    (lambda m, ids: m(ids, labels=ids[:, :3]), "labels must have shape"),
+    (lambda m, ids: m(ids, unknown_flag=1), "unexpected arguments"),
+    (lambda m, ids: m(ids + 300), r"ids must lie in \[0, 256\)"),
+    (lambda m, ids: m(ids, inputs_embeds=torch.zeros(2, 5, 16)), "exactly one of input_ids"),
+])
+def test_bad_input_is_named(call, match):
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq")).eval()
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(model, random_ids(2, 5))
+
+
+# -- left padding and beam search ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["vq", "softmax", "delta", "local:4", "linear:elu", "local:4,vq,delta"])
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(attention):
+    lm = tiny_lm(attention)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    short, long = random_ids(1, 3, seed=2)[0], random_ids(1, 9, seed=3)[0]
+    ids = torch.stack([torch.cat([torch.zeros(6, dtype=torch.long), short]), long])
+    mask = torch.stack([torch.cat([torch.zeros(6, dtype=torch.long), torch.ones(3, dtype=torch.long)]),
+                        torch.ones(9, dtype=torch.long)])
+    n = 7
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    assert torch.equal(batched[0, 9:], greedy_ours(lm, short[None], n)[0])
+    assert torch.equal(batched[1, 9:], greedy_ours(lm, long[None], n)[0])
+    uncached = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False, use_cache=False)
+    assert torch.equal(uncached, batched)
+    logits = model(ids, attention_mask=mask).logits
+    assert torch.allclose(logits[0, 6:], lm(short[None])[0][0], rtol=0, atol=1e-12)
+    assert torch.equal(logits[0, :6], torch.zeros_like(logits[0, :6]))
+
+
+def test_tokenizer_padding_feeds_generate():
+    lm = tiny_lm("vq,local:4")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    tokenizer = H.byte_tokenizer()
+    texts = ["To be", "or not to be, that"]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    out = model.generate(**batch, max_new_tokens=5, do_sample=False)
+    for row, text in enumerate(texts):
+        alone = greedy_ours(lm, torch.tensor([list(text.encode())]), 5)[0]
+        assert torch.equal(out[row, -5:], alone)
+
+
+@torch.no_grad()
+def _beam_reference(lm: LM, prompt: list[int], beams: int, steps: int) -> list[int]:
+    """Beam search by full recomputation: keep the ``beams`` highest total log-probabilities."""
+    hypotheses = [(0.0, list(prompt))]
+    for _ in range(steps):
+        candidates = []
+        for score, tokens in hypotheses:
+            logp = torch.log_softmax(lm(torch.tensor([tokens]))[0][0, -1].float(), -1)
+            top = logp.topk(beams)
+            candidates += [(score + float(v), tokens + [int(i)]) for v, i in zip(top.values, top.indices)]
+        hypotheses = sorted(candidates, key=lambda c: -c[0])[:beams]
+    return hypotheses[0][1]
+
+
+@pytest.mark.parametrize("attention", ["vq", "local:4,delta"])
+def test_beam_search_equals_a_recomputing_reference(attention):
+    lm = tiny_lm(attention, seed=4)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    prompt = random_ids(1, 5, seed=6)
+    out = model.generate(prompt, max_new_tokens=6, num_beams=2, do_sample=False)
+    assert out[0].tolist() == _beam_reference(lm, prompt[0].tolist(), beams=2, steps=6)
+
+
+def test_cache_row_selection_moves_every_state_tensor():
+    lm = tiny_lm("vq,softmax,delta,local:4,favor", n_layers=5)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    prompts = random_ids(3, 6, seed=8)
+    cache = model(prompts).cache
+    cache.reorder_cache(torch.tensor([2, 0, 0, 1]))
+    step = random_ids(4, 2, seed=9)
+    got = model(step, cache=cache).logits
+    for row, source in enumerate([2, 0, 0, 1]):
+        full = lm(torch.cat([prompts[source], step[row]])[None])[0][0, 6:]
+        assert torch.allclose(got[row], full, rtol=0, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(1)
+
+
+# -- save / load, tokenizer, pipeline --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    lm = tiny_lm("local:4,vq,delta", n_layers=3, tie_embeddings=False)
+    out = tmp_path_factory.mktemp("hf") / "model"
+    H.save_pretrained_lm(lm, out)
+    return lm, out
+
+
+def test_save_and_load_give_identical_logits_tokens_and_buffers(saved):
+    lm, out = saved
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert isinstance(loaded, H.LinattnForCausalLM) and loaded.dtype == torch.float64
+    reference = dict(lm.named_buffers()) | dict(lm.named_parameters())
+    restored = dict(loaded.lm.named_buffers()) | dict(loaded.lm.named_parameters())
+    assert set(restored) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(restored[name], tensor), name
+    ids = random_ids(2, 10)
+    assert torch.equal(loaded(ids).logits, lm(ids)[0])
+    prompt = ids[:, :4]
+    assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False)[:, 4:], greedy_ours(lm, prompt, 8))
+    base = AutoModel.from_pretrained(out)
+    assert isinstance(base, H.LinattnModel)
+    assert torch.equal(base.lm.embed.weight, lm.embed.weight)
+
+
+def test_a_corrupted_weights_file_fails_clearly(saved, tmp_path):
+    _, out = saved
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in out.iterdir():
+        (broken / path.name).write_bytes(path.read_bytes())
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(Exception, match="(?i)safetensor|incomplete|deserializ|header"):
+        AutoModelForCausalLM.from_pretrained(broken)
+
+
+def test_a_config_naming_an_unknown_layer_kind_fails_clearly(saved, tmp_path):
+    _, out = saved
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((out / "config.json").read_text())
+    config["attention"] = "vq,warp-drive"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unknown layer attention spec 'warp-drive'"):
+        AutoModelForCausalLM.from_pretrained(bad)
+
+
+def test_byte_tokenizer_is_lossless_and_pads_with_zero(saved):
+    _, out = saved
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert isinstance(tokenizer, H.LinattnByteTokenizer)
+    text = "héllo, Āwörld\x00 ☃ \t end "
+    ids = tokenizer(text).input_ids
+    assert ids == list(text.encode("utf-8"))
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.pad_token_id == 0 and tokenizer.padding_side == "left"
+    assert tokenizer(["ab", "abcd"], padding=True).input_ids == [[0, 0, 97, 98], [97, 98, 99, 100]]
+
+
+def test_pipeline_generates_text(saved):
+    _, out = saved
+    generator = pipeline("text-generation", model=str(out))
+    text = generator("ROMEO.", max_new_tokens=12, do_sample=False)[0]["generated_text"]
+    assert text.startswith("ROMEO.") and len(text.encode()) >= len("ROMEO.") + 1
+
+
+def test_export_cli_writes_the_runs_model(tmp_path, capsys):
+    from _helpers import english_like
+    from test_train_cli import train_argv
+    from linattn.train import load_model
+
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text(english_like(4000), encoding="utf-8")
+    run = tmp_path / "run"
+    assert main(train_argv(corpus, run, steps=4)) == 0
+    assert main(["export", "--ckpt", str(run), "--out", str(tmp_path / "hf")]) == 0
+    assert "AutoModelForCausalLM.from_pretrained" in capsys.readouterr().out
+    lm, _ = load_model(run)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    ids = random_ids(2, 12)
+    assert torch.equal(exported(ids).logits, lm(ids)[0])
+    assert main(["export", "--ckpt", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) != 0
+
+
+# -- lm-evaluation-harness ------------------------------------------------------------------
+
+
+def test_lm_eval_scores_an_exported_model_on_a_local_task(saved, tmp_path, monkeypatch):
+    lm, out = saved
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    docs = [{"context": "To be, or not to", "continuation": " be"},
+            {"context": "Now is the winter of our", "continuation": " discontent"},
+            {"context": "A horse! a horse! my kingdom for", "continuation": " a horse"}]
+    data = tmp_path / "lines.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lines.yaml").write_text(
+        "task: linattn_lines\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{context}}'\ndoc_to_target: '{{continuation}}'\n"
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n",
+        encoding="utf-8")
+    results = tmp_path / "results"
+    model_args = f"pretrained={out},dtype=float64,prefix_token_id=10"
+    code = main(["lm-eval", "run", "--model", "hf", "--model_args", model_args,
+                 "--tasks", "linattn_lines", "--include_path", str(tasks), "--device", "cpu", "--batch_size", "2",
+                 "--output_path", str(results)])
+    assert code == 0
+    [result_file] = list(results.rglob("results*.json"))
+    scored = json.loads(result_file.read_text())["results"]["linattn_lines"]
+    total = 0.0
+    for doc in docs:
+        context, target = list(doc["context"].encode()), list(doc["continuation"].encode())
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
+        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
+    expected = math.exp(-total / len(docs))
+    assert scored["perplexity,none"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_hf_module_registers_without_remote_code():
+    assert os.environ.get("TRANSFORMERS_TRUST_REMOTE_CODE") is None
+    assert AutoConfig.for_model("linattn").model_type == "linattn"
+    assert isinstance(AutoModelForCausalLM.from_config(H.LinattnConfig(d_model=16, n_layers=1, n_heads=2,
+                                                                       gau_d_k=8, codebook_size=8)),
+                      H.LinattnForCausalLM)
+
+
+def test_codebook_callback_updates_codebooks():
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq")).train()
+    before = [q.codebook.clone() for q in model.lm.quantizers()]
+    model(random_ids(2, 9))
+    H.CodebookUpdateCallback().on_step_end(None, None, None, model=model)
+    after = [q.codebook for q in model.lm.quantizers()]
+    assert any(not torch.equal(a, b) for a, b in zip(after, before))
