@@ -283,6 +283,8 @@ def test_save_and_load_give_identical_logits_tokens_and_buffers(saved):
     assert torch.equal(loaded(ids).logits, lm(ids)[0])
     prompt = ids[:, :4]
     assert torch.equal(loaded.generate(prompt, max_new_tokens=8, do_sample=False)[:, 4:], greedy_ours(lm, prompt, 8))
+    direct = H.LinattnForCausalLM.from_pretrained(out)
+    assert torch.equal(direct(ids).logits, lm(ids)[0])
     base = AutoModel.from_pretrained(out)
     assert isinstance(base, H.LinattnModel)
     assert torch.equal(base.lm.embed.weight, lm.embed.weight)
@@ -402,3 +404,21 @@ def test_codebook_callback_updates_codebooks():
     H.CodebookUpdateCallback().on_step_end(None, None, None, model=model)
     after = [q.codebook for q in model.lm.quantizers()]
     assert any(not torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_hf_trainer_trains_a_vq_model_and_updates_its_codebooks(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq,local:4").float())
+    before = [q.codebook.clone() for q in model.lm.quantizers()]
+    rows = random_ids(8, 12, seed=12)
+    dataset = [{"input_ids": row, "labels": row} for row in rows]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[H.CodebookUpdateCallback()])
+    result = trainer.train()
+    assert math.isfinite(result.training_loss)
+    assert all(not torch.equal(q.codebook, b) for q, b in zip(model.lm.quantizers(), before))
+    with torch.no_grad():
+        pending = [float(q._pending_counts.sum()) for q in model.lm.quantizers()]
+    assert pending == [0.0] * len(pending)  # every batch's statistics went into an update
