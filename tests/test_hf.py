@@ -278,7 +278,7 @@ def test_save_and_load_give_identical_logits_tokens_and_buffers(saved):
     restored = dict(loaded.lm.named_buffers()) | dict(loaded.lm.named_parameters())
     assert set(restored) == set(reference)
     for name, tensor in reference.items():
-        assert torch.equal(restored[name], tensor), name
+        assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor), name
     ids = random_ids(2, 10)
     assert torch.equal(loaded(ids).logits, lm(ids)[0])
     prompt = ids[:, :4]

@@ -213,6 +213,82 @@ def test_block_gradients_without_cache_grad():
         assert_close_rel(blk[name], ref[name], rtol=1e-9, name=f"grad {name} (cache_grad=False)")
 
 
+def _scope_grads(T, L, grad_scope, pieces=None, start=0, seed=0, detach=True):
+    """Gradients of one block-form call over T positions after ``start`` (no-grad) ones, or
+    of calls over ``pieces`` (lengths summing to T) with the state detached between them."""
+    H, Dk = 4, 4
+    q, _, v, codes, codebook = make_vq(T=start + T, Dk=Dk, seed=seed)
+    bias, pos = make_bias(H, L), make_position_keys(H, L, Dk)
+    leaves = [t.clone().requires_grad_(True) for t in (q, v, codebook, bias, pos)]
+    qq, vv, cb, bb, pp = leaves
+    k_hat = gather_codes(cb, codes)
+    kw = dict(block_size=L, bias=bb, position_keys=pp, grad_scope=grad_scope, output_final_state=True)
+    state = None
+    if start:
+        with torch.no_grad():
+            _, state = linattn.vq_attention(q[:, :, :start], k_hat[:, :, :start].detach(), v[:, :, :start],
+                                            codes[:, :, :start], codebook, **{**kw, "bias": bias, "position_keys": pos})
+    outs, at = [], start
+    for n in pieces or [T]:
+        piece = slice(at, at + n)
+        out, state = linattn.vq_attention(qq[:, :, piece], k_hat[:, :, piece], vv[:, :, piece], codes[:, :, piece],
+                                          cb, initial_state=state, **kw)
+        state = state.detach() if pieces and detach else state
+        outs.append(out)
+        at += n
+    out = torch.cat(outs, dim=2)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(99), dtype=F64)
+    grads = torch.autograd.grad((out * w).sum(), leaves)
+    return dict(zip(["q", "v", "codebook", "bias", "position_keys"], grads))
+
+
+@pytest.mark.parametrize("T,L,start", [(40, 4, 0), (29, 8, 0), (23, 4, 3), (7, 4, 0)])
+def test_state_scope_equals_blockwise_calls_with_detached_states(T, L, start):
+    """``grad_scope="state"`` (the official training) == one call per block, detaching the
+    state at every block boundary (the calls start and end on absolute block boundaries)."""
+    first = (L - start % L) % L or L
+    pieces = [min(first, T)]
+    while sum(pieces) < T:
+        pieces.append(min(L, T - sum(pieces)))
+    one_call = _scope_grads(T, L, "state", start=start)
+    blockwise = _scope_grads(T, L, "cache", pieces=pieces, start=start)
+    for name in one_call:
+        assert one_call[name].abs().sum() > 0, f"gradient w.r.t. {name} is zero"
+        assert_close_rel(one_call[name], blockwise[name], rtol=1e-10, name=f"grad {name}")
+
+
+def test_state_scope_token_by_token_equals_one_call():
+    """The decode form cuts the same edges: undetached token-wise calls == one call."""
+    one_call = _scope_grads(19, 4, "state", start=2)
+    tokenwise = _scope_grads(19, 4, "state", pieces=[1] * 19, start=2, detach=False)
+    for name in one_call:
+        assert_close_rel(tokenwise[name], one_call[name], rtol=1e-10, name=f"grad {name}")
+
+
+def test_state_scope_cuts_the_previous_block():
+    state, cache = _scope_grads(40, 4, "state"), _scope_grads(40, 4, "cache")
+    assert (state["v"] - cache["v"]).abs().max() > 1e-6
+    assert (state["codebook"] - cache["codebook"]).abs().max() > 1e-6
+    assert_close_rel(state["q"], cache["q"], rtol=1e-10, name="grad q")
+
+
+def test_none_scope_is_the_exact_gradient_and_cache_grad_its_alias():
+    exact = _grads("parallel", 29, 8, cache_grad=False)
+    scoped = _scope_grads(29, 8, "none")
+    aliased = _grads("block", 29, 8, cache_grad=True)
+    for name in exact:
+        assert_close_rel(scoped[name], exact[name], rtol=1e-9, name=f"grad {name}")
+        assert torch.equal(aliased[name], scoped[name])
+
+
+def test_grad_scope_is_checked():
+    q, k_hat, v, codes, codebook = make_vq(T=5)
+    with pytest.raises(ValueError, match="grad_scope must be one of 'cache', 'state', 'none'; got 'all'"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, grad_scope="all")
+    with pytest.raises(ValueError, match="contradicts grad_scope='state'"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, grad_scope="state", cache_grad=True)
+
+
 # ----------------------------------------------------------------------------- causality
 
 

@@ -56,6 +56,10 @@ class LinattnConfig(PretrainedConfig):
     kmeans_init: bool = False
     dead_code_threshold: float = 0.0
     soft_vq_temperature: float = 1.0
+    gau_variant: str = "linattn"
+    sinusoid_dropout: float | None = None
+    vq_grad_scope: str | None = None
+    commitment_reduction: str | None = None
     tie_embeddings: bool = True
     init_std: float = 0.02
     extra: dict | None = None

@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..models.lm import LM
+from ..nn.codebook import Codebook
 from ..state import LMState
 from .cache import LinattnCache, RowGroup
 from .config import LinattnConfig
@@ -35,13 +36,18 @@ class LinattnPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
         """``PreTrainedModel.from_pretrained``, then every tensor copied to freshly allocated
-        memory: safetensors loads leave tensors at unaligned addresses, where BLAS takes
-        other vector paths and float results differ in the last bit from the saved model's."""
+        memory (safetensors loads leave tensors at unaligned addresses, where BLAS takes
+        other vector paths and float results differ in the last bit from the saved model's)
+        and the codebooks' buffers returned to float32 (their invariant; the loader casts
+        every buffer to the requested dtype)."""
         model = super().from_pretrained(*args, **kwargs)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 if tensor.data_ptr() % 64:
                     tensor.data = tensor.data.clone()
+            for module in model.modules():
+                if isinstance(module, Codebook):  # the loader casts buffers to the model dtype
+                    module._apply(lambda t: t)  # codes and EMA statistics back to float32
         return model
 
     def _init_weights(self, module: nn.Module) -> None:

@@ -7,7 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._checks import check_int_fields, config_from_dict
+from .._checks import check_choice, check_int_fields, config_from_dict, is_number
+from ..nn.gau import GAU_VARIANTS
+from ..nn.quantizer import COMMITMENT_REDUCTIONS
+from ..ops.vq import GRAD_SCOPES
 from .layers import LayerSpec, layer_kind, layer_spec_help, parse_layer_spec
 
 @dataclass
@@ -46,6 +49,11 @@ class LMConfig:
     kmeans_init: bool = False
     dead_code_threshold: float = 0.0
     soft_vq_temperature: float = 1.0
+    # "paper": the official code's GAU and training (docs/results.md); None below = the variant's choice
+    gau_variant: str = "linattn"
+    sinusoid_dropout: float | None = None  # linattn 0, paper 0.2 (its enwik8 setting)
+    vq_grad_scope: str | None = None  # linattn "cache", paper "state" (vq_attention's grad_scope)
+    commitment_reduction: str | None = None  # linattn "mean", paper "paper"
     # embeddings and init
     tie_embeddings: bool = True
     init_std: float = 0.02
@@ -60,6 +68,12 @@ class LMConfig:
         check_int_fields(self, "LMConfig", ("softmax_memory",), minimum=0)
         if self.n_heads % (self.n_kv_heads or self.n_heads):
             raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        check_choice("LMConfig.gau_variant", self.gau_variant, GAU_VARIANTS)
+        check_choice("LMConfig.vq_grad_scope", self.vq_grad_scope, (None, *GRAD_SCOPES))
+        check_choice("LMConfig.commitment_reduction", self.commitment_reduction, (None, *COMMITMENT_REDUCTIONS))
+        if self.sinusoid_dropout is not None and not (is_number(self.sinusoid_dropout)
+                                                      and 0.0 <= self.sinusoid_dropout < 1.0):
+            raise ValueError(f"LMConfig.sinusoid_dropout must be in [0, 1) or None, got {self.sinusoid_dropout!r}")
         for spec in self.layer_specs():  # validates the attention pattern, then each kind its settings
             layer_kind(spec).check_config(self, spec)
 
@@ -72,6 +86,14 @@ class LMConfig:
         if len(specs) > self.n_layers:
             raise ValueError(f"LMConfig.attention lists {len(specs)} layers but n_layers={self.n_layers}")
         return [specs[i % len(specs)] for i in range(self.n_layers)]
+
+    def gau_options(self) -> dict[str, Any]:
+        """The GAU settings of the variant, with unset (None) fields filled by its choice."""
+        paper = self.gau_variant == "paper"
+        pick = lambda value, ours, official: (official if paper else ours) if value is None else value  # noqa: E731
+        return dict(variant=self.gau_variant, sinusoid_dropout=pick(self.sinusoid_dropout, 0.0, 0.2),
+                    grad_scope=pick(self.vq_grad_scope, "cache", "state"),
+                    commitment_reduction=pick(self.commitment_reduction, "mean", "paper"))
 
     @property
     def ffn_width(self) -> int:

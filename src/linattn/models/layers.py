@@ -177,7 +177,7 @@ class GAUPair(nn.Module):
             block_size=config.block_size, attention=attention,
             temperature=config.soft_vq_temperature, ema_decay=config.ema_decay,
             commitment_weight=config.commitment_weight, kmeans_init=config.kmeans_init,
-            dead_code_threshold=config.dead_code_threshold,
+            dead_code_threshold=config.dead_code_threshold, **config.gau_options(),
         )
         self.units = nn.ModuleList([GAU(config.d_model, **options) for _ in range(2)])
 

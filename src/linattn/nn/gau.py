@@ -6,12 +6,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import check_choice, is_number
 from ..ops.soft_vq import soft_vq_attention
-from ..ops.vq import vq_attention, windowed_softmax
+from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
+from ._gau_decode import DecodeConstants, can_decode_token, decode_token
 from .quantizer import VectorQuantizer
 
 _ATTENTIONS = ("vq", "soft-vq", "softmax")
+_DECODE_MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o", "w_r")
+GAU_VARIANTS = ("linattn", "paper")
 
 
 def _sinusoids(length: int, dim: int) -> torch.Tensor:
@@ -32,9 +36,28 @@ def _fused_input_weight(*projections: nn.Linear) -> torch.Tensor:
 
 
 def _compute_relative_terms(unit: "GAU", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``P_delta = W_r R_delta`` ``[L + 1, d_k]`` and the bias ``(w - u).P_delta`` ``[L + 1]``."""
-    position_keys = unit.w_r(unit.sinusoids.to(dtype))
-    return position_keys, (unit.position_bias - unit.content_bias) @ position_keys.T
+    """``P_delta = W_r R_delta`` ``[L + 1, d_k]`` and the bias ``(w - u).P_delta`` ``[L + 1]``
+    (paper variant: ``P = d_k^-1/4 W_r dropout(R)``, u and w scaled by ``d_k^-1/4`` too)."""
+    sinusoids = unit.sinusoids.to(dtype)
+    if unit.variant == "paper":
+        sinusoids = F.dropout(sinusoids, unit.sinusoid_dropout, unit.training)
+        position_keys = unit.w_r(sinusoids) * unit.d_k ** -0.25
+    else:
+        position_keys = unit.w_r(sinusoids)
+    return position_keys, (unit._bias_scale() * (unit.position_bias - unit.content_bias)) @ position_keys.T
+
+
+class _BiasedRMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * g + b`` (the official Transformer-VQ input norm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) + self.bias
 
 
 class GAU(nn.Module):
@@ -49,6 +72,12 @@ class GAU(nn.Module):
     ``attention``: ``"vq"`` (keys quantized by a ``VectorQuantizer``, linear-time
     ``vq_attention``), ``"soft-vq"`` (``soft_vq_attention`` with a codebook learned by
     gradient), ``"softmax"`` (the quadratic twin: same layer, exact keys).
+
+    ``variant="paper"`` is the official code's parameterisation: the input norm has a gain
+    and a bias (RMS, eps 1e-6); R has width d_model and ``W_r: d_model -> d_k``; the position
+    keys and u, w are scaled by ``d_k^-1/4``; ``sinusoid_dropout`` drops entries of R in
+    training. ``grad_scope`` is the VQ unit's ``vq_attention`` gradient scope and
+    ``commitment_reduction`` its quantizer's (both only for ``attention="vq"``).
 
     ``forward(x [B, T, d_model], state=None) -> (y, state, aux)``; ``aux`` holds
     ``commit_loss`` (VQ; zero otherwise) and ``codes``. ``state`` continues the sequence:
@@ -69,53 +98,66 @@ class GAU(nn.Module):
         commitment_weight: float = 1e-4,
         kmeans_init: bool = False,
         dead_code_threshold: float = 0.0,
+        variant: str = "linattn",
+        sinusoid_dropout: float = 0.0,
+        grad_scope: str = "cache",
+        commitment_reduction: str = "mean",
     ):
         super().__init__()
         if attention not in _ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(_ATTENTIONS)}; got {attention!r}")
+        check_choice("variant", variant, GAU_VARIANTS)
+        check_choice("grad_scope", grad_scope, GRAD_SCOPES)
+        if not is_number(sinusoid_dropout) or not 0.0 <= sinusoid_dropout < 1.0:
+            raise ValueError(f"sinusoid_dropout must be in [0, 1), got {sinusoid_dropout!r}")
+        self.variant, self.sinusoid_dropout, self.grad_scope = variant, float(sinusoid_dropout), grad_scope
         d_v = 2 * d_model if d_v is None else d_v
         self.d_model, self.d_k, self.d_v, self.block_size = d_model, d_k, d_v, block_size
         self.attention, self.temperature = attention, temperature
-        self.norm = nn.RMSNorm(d_model)
+        paper = variant == "paper"
+        self.norm = _BiasedRMSNorm(d_model) if paper else nn.RMSNorm(d_model)
         self.w_q = nn.Linear(d_model, d_k, bias=False)
         self.w_k = nn.Linear(d_model, d_k, bias=False)
         self.w_v = nn.Linear(d_model, d_v, bias=False)
         self.w_g = nn.Linear(d_model, d_v, bias=False)
         self.w_o = nn.Linear(d_v, d_model, bias=False)
-        self.w_r = nn.Linear(d_k, d_k, bias=False)
+        self._sinusoid_width = d_model if paper else d_k
+        self.w_r = nn.Linear(self._sinusoid_width, d_k, bias=False)
         self.content_bias = nn.Parameter(torch.zeros(d_k))  # u
         self.position_bias = nn.Parameter(torch.zeros(d_k))  # w
-        self.register_buffer("sinusoids", _sinusoids(block_size + 1, d_k), persistent=False)
+        self.register_buffer("sinusoids", _sinusoids(block_size + 1, self._sinusoid_width), persistent=False)
         self.quantizer = None
         self.codebook = None
         if attention == "vq":
             self.quantizer = VectorQuantizer(
                 1, d_k, codebook_size, ema_decay=ema_decay, commitment_weight=commitment_weight,
                 kmeans_init=kmeans_init, dead_code_threshold=dead_code_threshold, init_scale=d_k ** -0.25,
+                commitment_reduction=commitment_reduction,
             )
         elif attention == "soft-vq":
             self.codebook = nn.Parameter(torch.randn(1, codebook_size, d_k) * d_k ** -0.25)
 
     @torch.no_grad()
     def _reset_buffers(self) -> None:
-        """Recompute the non-persistent ``sinusoids`` (a function of the block size and d_k),
-        for models materialised without them (Hugging Face ``from_pretrained``)."""
-        self.sinusoids.copy_(_sinusoids(self.block_size + 1, self.d_k))
+        """Recompute the non-persistent ``sinusoids`` (a function of the block size and width,
+        in the dtype of the weights), for models materialised without them (Hugging Face
+        ``from_pretrained``)."""
+        self.sinusoids = _sinusoids(self.block_size + 1, self._sinusoid_width).to(self.w_r.weight.dtype)
 
     def forward(
         self, x: torch.Tensor, state: VQAttentionState | KVCacheState | None = None
     ) -> tuple[torch.Tensor, VQAttentionState | KVCacheState, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        if can_decode_token(self, x, state):
+            return decode_token(self, x, state)
         h = self.norm(x)
         scale = self.d_k ** -0.25
         if torch.is_grad_enabled():
             q, k, v, gate = self.w_q(h), self.w_k(h), self.w_v(h), self.w_g(h)
             q, k, v, gate = _rms(q) * scale, _rms(k) * scale, F.silu(v), F.silu(gate)
         else:  # one matmul and one normalisation per pair: decoding pays per operation
-            maps = (self.w_q, self.w_k, self.w_v, self.w_g)
-            weight = self._cached("input", lambda: _fused_input_weight(*maps), tuple(m.weight for m in maps))
-            projected = F.linear(h, weight)
+            projected = F.linear(h, self._input_weight())
             qk, vg = projected.split([2 * self.d_k, 2 * self.d_v], dim=-1)
             qk = _rms(qk.unflatten(-1, (2, self.d_k))) * scale
             q, k = qk.unbind(-2)
@@ -125,12 +167,48 @@ class GAU(nn.Module):
         # The attention ops keep their own precision (float32 sums and softmax); under
         # autocast they run outside it, on one dtype (that of the projected keys).
         dtype = k.dtype
-        queries = (q + self.content_bias).to(dtype)
+        queries = (q + self._bias_scale() * self.content_bias).to(dtype)
         v, bias, position_keys = v.to(dtype), bias.to(dtype), position_keys.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
             out, state, aux = self._attend(queries, k, v, bias, position_keys, state, x.new_zeros(()))
         y = self.w_o(out.squeeze(1) * gate)
         return y, state, aux
+
+    def _input_weight(self) -> torch.Tensor:
+        """``[W_q; W_k; W_v; W_g]`` ``[2 d_k + 2 d_v, d_model]``, built once while gradients are off."""
+        maps = (self.w_q, self.w_k, self.w_v, self.w_g)
+        return self._cached("input", lambda: _fused_input_weight(*maps), tuple(m.weight for m in maps))
+
+    def _decode_constants(self, dtype: torch.dtype) -> DecodeConstants:
+        """Everything a one-token VQ decoding step reads from the parameters, in ``dtype``,
+        built once while gradients are off and rebuilt when a parameter or the codebook
+        changes. The input norm is folded into the fused input matmul:
+        ``norm(x) W^T = rsqrt(mean(x^2) + eps) * (x (W diag(g))^T) + W b``."""
+        norm = self.norm
+        modules = self._modules  # the registries themselves: Module.__getattr__ costs a step's worth
+        depends = (*norm._parameters.values(), *(modules[name]._parameters["weight"] for name in _DECODE_MAPS),
+                   *self._parameters.values(), modules["quantizer"]._buffers["codebook"])
+
+        def build() -> DecodeConstants:
+            weight = self._input_weight().to(dtype)
+            shift = weight @ norm.bias.to(dtype) if isinstance(norm, _BiasedRMSNorm) else None
+            codebook32 = self.quantizer.codebook[0].float()
+            position_keys, bias = self._relative_terms(dtype)
+            return DecodeConstants(
+                input_t=(weight * norm.weight.to(dtype)).t().contiguous(), input_shift=shift,
+                eps=norm.eps if norm.eps is not None else torch.finfo(dtype).eps,
+                codebook32_t=codebook32.t().contiguous(), code_norms32=codebook32.pow(2).sum(-1),
+                codebook=codebook32.to(dtype), codebook_t=codebook32.to(dtype).t().contiguous(),
+                content_bias=(self._bias_scale() * self.content_bias).to(dtype),
+                position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
+                output_t=self.w_o.weight.to(dtype).t().contiguous(),
+            )
+
+        return self._cached("decode", build, depends, dtype)
+
+    def _bias_scale(self) -> float:
+        """The factor of u and w in the scores: ``d_k^-1/4`` in the paper variant, else 1."""
+        return self.d_k ** -0.25 if self.variant == "paper" else 1.0
 
     def _relative_terms(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``P_delta = W_r R_delta`` ``[L + 1, d_k]`` and the bias ``(w - u).P_delta`` ``[L + 1]``.
@@ -138,7 +216,7 @@ class GAU(nn.Module):
         They depend on the parameters only, so while gradients are off (decoding, evaluation)
         they are computed once and reused until a parameter changes (its storage or version).
         """
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or (self.training and self.sinusoid_dropout > 0):
             return _compute_relative_terms(self, dtype)
         depends = (self.w_r.weight, self.content_bias, self.position_bias)
         return self._cached("relative", lambda: _compute_relative_terms(self, dtype), depends, dtype)
@@ -162,7 +240,7 @@ class GAU(nn.Module):
             k_hat, codes, aux["commit_loss"] = self.quantizer(k)
             aux["codes"] = codes
             out, state = vq_attention(
-                queries, k_hat, v, codes, self.quantizer.codebook.to(dtype),
+                queries, k_hat, v, codes, self.quantizer.codebook.to(dtype), grad_scope=self.grad_scope,
                 initial_state=state, output_final_state=True, check_inputs=False, **common,
             )
         elif self.attention == "soft-vq":

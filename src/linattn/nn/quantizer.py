@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_non_negative_number
+from .._checks import check_choice, check_non_negative_number
 from ..ops._codebook import codebook_scores
 from .codebook import Codebook, SyncHook
+
+
+COMMITMENT_REDUCTIONS = ("mean", "paper")
 
 
 def _inside_backward() -> bool:
@@ -59,6 +62,10 @@ class VectorQuantizer(Codebook):
         kmeans_iters: Lloyd iterations of the k-means initialisation.
         sync: the collective hook of the ``Codebook`` (default: torch.distributed when
             initialised, else nothing).
+        commitment_reduction: ``"mean"`` averages the squared distances over heads and
+            real (unmasked) tokens; ``"paper"`` sums over heads and divides by all ``B T``
+            positions, masked ones included (the official code's ``l_commit``), H times
+            larger at the same weight.
     """
 
     def __init__(
@@ -74,12 +81,15 @@ class VectorQuantizer(Codebook):
         init_scale: float = 1.0,
         kmeans_iters: int = 10,
         sync: SyncHook | None = None,
+        commitment_reduction: str = "mean",
     ):
         super().__init__(
             n_heads, head_dim, codebook_size, ema_decay=ema_decay, kmeans_init=kmeans_init,
             kmeans_iters=kmeans_iters, dead_code_threshold=dead_code_threshold, init_scale=init_scale, sync=sync,
         )
         self.commitment_weight = check_non_negative_number("commitment_weight", commitment_weight)
+        check_choice("commitment_reduction", commitment_reduction, COMMITMENT_REDUCTIONS)
+        self.commitment_reduction = commitment_reduction
 
     # -- forward -----------------------------------------------------------------------
 
@@ -136,11 +146,14 @@ class VectorQuantizer(Codebook):
         chosen = self.lookup(codes).to(k.dtype)
         k_hat = chosen + (k - k.detach()) if k.requires_grad else chosen
         squared = (k.float() - chosen.float()).pow(2).sum(-1)  # [B, H, T]
-        if mask is None:
+        if mask is not None:
+            squared = squared * mask.unsqueeze(1).to(torch.float32)  # [B, 1, T] weights
+        if self.commitment_reduction == "paper":  # summed over heads, over all B T positions
+            commit = squared.sum() / (k.shape[0] * k.shape[2])
+        elif mask is None:
             commit = squared.mean()
         else:
-            weights = mask.unsqueeze(1).to(torch.float32)  # [B, 1, T]
-            commit = (squared * weights).sum() / (weights.sum() * self.n_heads).clamp_min(1.0)
+            commit = squared.sum() / (mask.sum() * self.n_heads).clamp_min(1.0)
         if counted:
             self.accumulate(k, codes, mask)
         return k_hat, codes, self.commitment_weight * commit

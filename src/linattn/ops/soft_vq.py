@@ -68,6 +68,6 @@ def soft_vq_attention(
     out, state = vq_attention(
         q.to(dtype), soft_keys, v.to(dtype), weights, codebook.to(dtype),
         causal=causal, scale=scale, block_size=block_size, bias=bias, position_keys=position_keys,
-        mode="block", cache_grad=True, initial_state=initial_state, output_final_state=output_final_state,
+        mode="block", grad_scope="none", initial_state=initial_state, output_final_state=output_final_state,
     )
     return out.to(q.dtype), state

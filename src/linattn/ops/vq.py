@@ -20,10 +20,13 @@ at O(T (2L + S)) cost. ``causal=False``:
 ``softmax over s of (scale q.c_s + log n_s)`` applied to ``m_s`` (the encoder form
 ``exp(Q C^T)(Delta^T V)``, normalised).
 
-Gradients: the paper stops the gradient through the cache (``cache_grad=False``: the
-cache is built from detached values); ``cache_grad=True`` lets it flow into v (and into
-the codebook through the cache logits in both cases), which makes the block form's
-gradients equal the reference's w.r.t. q, v and the codebook.
+Gradients (``grad_scope``, the block and decode forms): ``"cache"`` (default) builds the
+cache from detached values, so no gradient reaches v through the cache but the exact
+window (own and previous block) is differentiated; ``"state"`` is the official code's
+training: nothing carried across a block boundary (previous block, cache counts and means)
+passes a gradient, only the cache logits reach the codebook and q; ``"none"`` stops
+nothing, so the block form's gradients equal the quadratic reference's w.r.t. q, v and
+the codebook. The reference form (``mode="parallel"``) is always ``"none"``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from .._checks import (
 )
 
 _MODES = ("parallel", "block")
+
+GRAD_SCOPES = ("cache", "state", "none")
 
 
 def _window_bias(bias, heads: int, kv_heads: int, block_size: int, device, dtype) -> torch.Tensor | None:
@@ -152,7 +157,7 @@ def _noncausal(q, codes, v, codebook):
     return torch.softmax(logits, dim=-1) @ means.unsqueeze(2)
 
 
-def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, dtype):
+def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype):
     """Linear-time causal form. q ``[B, Hkv, G, T, D]`` (scaled); returns (out, pieces of the final state)."""
     B, Hkv, G, T, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
@@ -177,6 +182,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
     q_blocks = q.reshape(B, Hkv, G, R, L, D)
 
     has_prev = state is not None and state.prev_keys is not None
+    cut = scope == "state"  # nothing from an earlier block carries a gradient
     if has_prev:
         first_prev = (state.prev_keys.to(dtype), state.prev_values.to(dtype), state.prev_codes)
     else:
@@ -189,8 +195,8 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
     prev_codes = torch.cat([first_prev[2].unsqueeze(2), code_blocks[:, :, :-1]], dim=2)
 
     if state is not None:
-        run_counts = state.cache_counts.to(dtype)
-        run_sums = state.cache_means.to(dtype) * run_counts.unsqueeze(-1)
+        run_counts = _cut(state.cache_counts.to(dtype), cut)
+        run_sums = _cut(state.cache_means.to(dtype), cut) * run_counts.unsqueeze(-1)
     else:
         run_counts, run_sums = q.new_zeros(B, Hkv, S), q.new_zeros(B, Hkv, S, E)
 
@@ -218,8 +224,8 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
             final_cache = (run_counts, run_sums)
         with_prev = r > 0 or has_prev
         # One softmax over (previous block, own block, S cache slots): keys [prev; own; C].
-        keys = torch.cat([prev_k_r, k_r, codebook_keys], dim=-2)
-        values = torch.cat([prev_v_r, v_r, _means(run_sums, run_counts)], dim=-2)
+        keys = torch.cat([_cut(prev_k_r, cut), k_r, codebook_keys], dim=-2)
+        values = torch.cat([_cut(prev_v_r, cut), v_r, _means(run_sums, run_counts)], dim=-2)
         scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
         scores[..., : 2 * L] += window if with_prev else window_without_prev
         if positions is not None:
@@ -228,9 +234,9 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
         outs.append(torch.softmax(scores, dim=-1) @ values.unsqueeze(2))
         if with_prev:
             # Block r's previous block is two blocks behind block r + 1: it enters the cache.
-            entering = prev_v_r if cache_grad else prev_v_r.detach()
+            entering = prev_v_r if scope == "none" else prev_v_r.detach()
             counts, sums = _code_statistics(prev_codes_r.unsqueeze(2), entering.unsqueeze(2), S)
-            if codes.is_floating_point() and not cache_grad:
+            if codes.is_floating_point() and scope != "none":
                 counts = counts.detach()
             run_counts, run_sums = run_counts + counts.squeeze(2), run_sums + sums.squeeze(2)
     if final_cache is None:
@@ -250,7 +256,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, d
     return out, new_state
 
 
-def _decode(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, dtype):
+def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype):
     """The block form for T new positions that stay inside the current block (``p + T <= L``),
     e.g. one generated token: only the new queries are scored, against the previous block,
     the current block so far and the S cache slots, ``[T, L + p + T + S]`` scores instead of
@@ -274,10 +280,13 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, 
         else:
             k, v, codes = _owned(k, v, codes)
         counts, means = _as(state.cache_counts, dtype), _as(state.cache_means, dtype)
+        if scope == "state":
+            counts, means = counts.detach(), means.detach()
     rows = q.reshape(B, Hkv, G * T, D)
     window = [rows @ k.transpose(-1, -2)]  # [B, Hkv, G T, p + T]
     if has_prev:
-        prev = (_as(state.prev_keys, dtype), _as(state.prev_values, dtype), state.prev_codes)
+        prev = (_cut(_as(state.prev_keys, dtype), scope == "state"), _cut(_as(state.prev_values, dtype),
+                scope == "state"), state.prev_codes)
         window.insert(0, rows @ prev[0].transpose(-1, -2))
     window = torch.cat(window, dim=-1).reshape(B, Hkv, G, T, -1)
     first = (L if has_prev else 0) + p  # offset i - j of query 0 and window column 0
@@ -303,15 +312,20 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, cache_grad, state, 
         return out, {"partial": (k, v, codes),
                      "prev": prev if has_prev else (None, None, None), "cache": (counts, means)}
     if has_prev:  # the completed block pushes the previous one into the cache
-        entering = prev[1] if cache_grad else prev[1].detach()
+        entering = prev[1] if scope == "none" else prev[1].detach()
         new_counts, sums = _code_statistics(prev[2].unsqueeze(2), entering.unsqueeze(2), S)
-        if codes.is_floating_point() and not cache_grad:
+        if codes.is_floating_point() and scope != "none":
             new_counts = new_counts.detach()
         sums = means * counts.unsqueeze(-1) + sums.squeeze(2)
         counts = counts + new_counts.squeeze(2)
         means = _means(sums, counts)
     return out, {"partial": _owned(k[:, :, :0], v[:, :, :0], codes[:, :, :0]), "prev": (k, v, codes),
                  "cache": (counts, means)}
+
+
+def _cut(t: torch.Tensor, cut: bool) -> torch.Tensor:
+    """``t`` detached when ``cut`` (a block boundary the gradient must not cross)."""
+    return t.detach() if cut else t
 
 
 def _owned(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -328,6 +342,19 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _log_counts(counts: torch.Tensor) -> torch.Tensor:
     """``log n_s``, ``-inf`` where ``n_s = 0`` (computed on clamped counts: log(0) is slow)."""
     return counts.clamp_min(torch.finfo(counts.dtype).tiny).log().masked_fill(counts == 0, float("-inf"))
+
+
+def _grad_scope(grad_scope, cache_grad) -> str:
+    """The effective gradient scope from ``grad_scope`` and the older ``cache_grad`` alias."""
+    check_choice("grad_scope", grad_scope, GRAD_SCOPES)
+    if cache_grad is None:
+        return grad_scope
+    check_bool("cache_grad", cache_grad)
+    implied = "none" if cache_grad else "cache"
+    if grad_scope not in ("cache", implied):
+        raise ValueError(f"cache_grad={cache_grad} means grad_scope={implied!r}, which contradicts "
+                         f"grad_scope={grad_scope!r}; pass grad_scope alone")
+    return implied
 
 
 def _check_codes(codes, codebook, B, Hkv, T, like):
@@ -418,7 +445,8 @@ def vq_attention(
     bias: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
     position_keys: torch.Tensor | None = None,
     mode: str | None = None,
-    cache_grad: bool = False,
+    grad_scope: str = "cache",
+    cache_grad: bool | None = None,
     initial_state: VQAttentionState | None = None,
     output_final_state: bool = False,
     check_inputs: bool = True,
@@ -440,7 +468,12 @@ def vq_attention(
             relative term ``scale q_i . P_{i-j}`` for ``0 <= i - j <= L`` (Transformer-XL's
             content-position term; the GAU layer uses it).
         mode: ``"parallel"`` (quadratic reference) or ``"block"`` (linear; default).
-        cache_grad: let gradients flow through the cache into v (the paper stops them).
+        grad_scope: where the block form stops gradients: ``"cache"`` (the values entering
+            the cache), ``"state"`` (everything carried across a block boundary: the official
+            Transformer-VQ training, ``grad_thru_cache=False``) or ``"none"`` (exact gradients,
+            the official ``grad_thru_cache=True``); see the module docstring.
+        cache_grad: the former switch, kept as an alias: ``True`` is ``grad_scope="none"``,
+            ``False`` is ``"cache"``.
         initial_state / output_final_state: carry a ``VQAttentionState`` (block mode).
         check_inputs: check every argument (types, shapes, the carried state) and that every
             code lies in ``[0, S)`` and ``k_hat`` equals ``codebook[h, codes]`` exactly (the
@@ -453,6 +486,7 @@ def vq_attention(
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
     """
     check_bool("check_inputs", check_inputs)
+    scope = _grad_scope(grad_scope, cache_grad)
     if check_inputs:
         codes, codebook = _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias,
                                            position_keys, initial_state, output_final_state)
@@ -481,7 +515,7 @@ def vq_attention(
 
     filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
     form = _decode if filled + T <= L else _block
-    out, pieces = form(qf, kf, vf, codes, cb, table, positions_k, L, cache_grad, initial_state, dtype)
+    out, pieces = form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
     out = _as(out.reshape(B, H, T, Dv), q.dtype)
     if not output_final_state:
         return out, None

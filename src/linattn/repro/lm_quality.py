@@ -39,15 +39,23 @@ LM_QUALITY_SPECS = {
     "dpfp": "linear:dpfp",
     "favor": "favor",
     "local": "local",
+    "vq-paper": "vq",
 }
+# Further LMConfig settings of a row: the official Transformer-VQ's GAU and training.
+LM_QUALITY_OPTIONS = {"vq-paper": {"gau_variant": "paper"}}
 
 
-def model_config(spec: str, args: argparse.Namespace) -> LMConfig:
+def model_config(spec: str, args: argparse.Namespace, **options) -> LMConfig:
     d = args.d_model
     common = dict(d_model=d, n_layers=args.n_layers, n_heads=args.n_heads, local_window=args.window,
                   favor_features=args.favor_features, codebook_size=args.codebook_size,
                   block_size=args.block_size, gau_d_k=args.gau_d_k, kmeans_init=True)
-    return LMConfig(attention=spec, gau_d_v=matched_gau_value_width(d, args.gau_d_k), **common)
+    return LMConfig(attention=spec, gau_d_v=matched_gau_value_width(d, args.gau_d_k), **common, **options)
+
+
+def _spec_label(name: str) -> str:
+    options = "".join(f", {key}={value}" for key, value in LM_QUALITY_OPTIONS.get(name, {}).items())
+    return LM_QUALITY_SPECS[name] + options
 
 
 def _step_memory(model, args: argparse.Namespace) -> int | None:
@@ -70,7 +78,7 @@ def _step_memory(model, args: argparse.Namespace) -> int | None:
 
 
 def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:
-    config = model_config(LM_QUALITY_SPECS[name], args)
+    config = model_config(LM_QUALITY_SPECS[name], args, **LM_QUALITY_OPTIONS.get(name, {}))
     run_dir = out_dir / "runs" / name
     train_config = TrainConfig(
         data=args.data, out=str(run_dir), steps=args.steps, batch_size=args.batch_size, context=args.context,
@@ -93,7 +101,7 @@ def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_token
     schedule = evaluate_bpb(model, test_tokens, batch_size=1, reset_every=train_config.carry_windows, **evaluate)
     carried = evaluate_bpb(model, test_tokens, batch_size=1, carry_state=True, **evaluate)
     return {
-        "mechanism": name, "spec": LM_QUALITY_SPECS[name], "parameters": model.num_parameters(),
+        "mechanism": name, "spec": _spec_label(name), "parameters": model.num_parameters(),
         "validation_bpb": summary["final_bpb"], "test_bpb_reset": reset["bpb"],
         "test_bpb_schedule": schedule["bpb"], "test_bpb_carried": carried["bpb"],
         "carry_windows": train_config.carry_windows,

@@ -1,0 +1,119 @@
+"""The one-token decoding path of the VQ ``GAU`` (``nn/_gau_decode.py``) against the general
+layer: same outputs, states and losses in float64, across block boundaries, with batch > 1,
+for both GAU variants; taken only when it applies; its derived constants follow the
+parameters and the codebook."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import linattn.nn._gau_decode as fast
+from linattn.nn import GAU
+from linattn.state import VQAttentionState
+
+F64 = torch.float64
+torch.set_num_threads(1)
+
+
+def _unit(variant: str = "linattn", seed: int = 0) -> GAU:
+    torch.manual_seed(seed)
+    unit = GAU(12, d_k=8, d_v=10, block_size=4, codebook_size=6, variant=variant, commitment_weight=0.3).double()
+    with torch.no_grad():
+        for parameter in unit.parameters():
+            parameter.add_(0.3 * torch.randn_like(parameter))
+    return unit.eval()
+
+
+@pytest.fixture
+def fast_calls(monkeypatch) -> list:
+    calls = []
+    original = fast.decode_token
+
+    def counting(unit, x, state):
+        calls.append(state.partial_keys.shape[2])
+        return original(unit, x, state)
+
+    monkeypatch.setattr("linattn.nn.gau.decode_token", counting)
+    return calls
+
+
+def _assert_states_equal(a: VQAttentionState, b: VQAttentionState) -> None:
+    assert a.steps == b.steps
+    for name in ("partial_keys", "partial_values", "partial_codes", "cache_counts", "cache_means", "prev_keys",
+                 "prev_values", "prev_codes"):
+        left, right = getattr(a, name), getattr(b, name)
+        assert (left is None) == (right is None), name
+        if left is not None:
+            assert left.shape == right.shape and left.dtype == right.dtype, name
+            assert torch.allclose(left.double(), right.double(), rtol=1e-12, atol=1e-12), name
+
+
+@pytest.mark.parametrize("variant", ["linattn", "paper"])
+@pytest.mark.parametrize("prompt", [0, 3, 6])
+def test_token_steps_equal_the_general_layer(variant, prompt, fast_calls):
+    unit = _unit(variant)
+    x = torch.randn(3, prompt + 11, 12, dtype=F64)
+    full, full_state, _ = unit(x)  # gradients on: the general layer
+    with torch.no_grad():
+        state, outputs = None, []
+        if prompt:
+            y, state, _ = unit(x[:, :prompt])
+            outputs.append(y)
+        for t in range(prompt, x.shape[1]):
+            y, state, aux = unit(x[:, t : t + 1], state)
+            outputs.append(y)
+            assert aux["codes"].shape == (3, 1, 1)
+    assert torch.allclose(torch.cat(outputs, 1), full, rtol=1e-10, atol=1e-12)
+    _assert_states_equal(state, full_state)
+    completing = [p for p in range(4) if p + 1 == 4]
+    assert fast_calls and not set(fast_calls) & set(completing)  # block-completing steps take the general path
+
+
+def test_aux_equals_the_general_layer(fast_calls):
+    unit = _unit()
+    x = torch.randn(2, 7, 12, dtype=F64)
+    with torch.no_grad():
+        _, state, _ = unit(x[:, :5])
+        _, _, fast_aux = unit(x[:, 5:6], state)
+    assert fast_calls == [1]
+    _, _, general_aux = unit(x[:, 5:6], state)  # gradients on: the general layer
+    assert torch.equal(fast_aux["codes"], general_aux["codes"])
+    assert torch.allclose(fast_aux["commit_loss"].double(), general_aux["commit_loss"].double(), rtol=1e-6)
+
+
+def test_constants_follow_parameter_and_codebook_changes(fast_calls):
+    unit = _unit()
+    x = torch.randn(2, 6, 12, dtype=F64)
+    with torch.no_grad():
+        _, state, _ = unit(x[:, :5])
+        unit(x[:, 5:6], state)
+        unit.w_o.weight.mul_(1.5)
+        unit.norm.weight.add_(0.2)
+        unit.content_bias.add_(0.1)
+        unit.quantizer.codebook.mul_(0.9)
+        y, _, _ = unit(x[:, 5:6], state)
+    assert fast_calls == [1, 1]
+    expected, _, _ = unit(x[:, 5:6], state)
+    assert torch.allclose(y, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_general_path_when_the_fast_one_does_not_apply(fast_calls):
+    unit = _unit()
+    x = torch.randn(2, 6, 12, dtype=F64)
+    with torch.no_grad():
+        _, state, _ = unit(x[:, :5])
+    unit(x[:, 5:6], state)  # gradients on
+    unit.train()
+    with torch.no_grad():
+        unit(x[:, 5:6], state)  # training mode: the codebook statistics must be gathered
+    unit.eval()
+    with torch.no_grad():
+        unit(x[:, 4:6], state)  # two tokens
+        unit(x[:, 5:6], None)  # no state
+    assert fast_calls == []
+    single = _unit().float().eval()
+    with torch.no_grad():
+        _, state32, _ = single(x[:, :5].float())
+        single(x[:, 5:6].float(), state32)
+    assert fast_calls == [1]
