@@ -65,15 +65,22 @@ OPS = [
     Target("src/linattn/ops/soft_vq.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
     Target("src/linattn/ops/_codebook.py", ("tests/test_quantizer.py", "tests/test_vq_decode.py")),
 ]
-QUANTIZER = _targets(["src/linattn/nn/codebook.py", "src/linattn/nn/quantizer.py"], ["tests/test_quantizer.py"])
+QUANTIZER = [
+    Target("src/linattn/nn/codebook.py", ("tests/test_quantizer.py",)),
+    Target("src/linattn/nn/quantizer.py", ("tests/test_quantizer.py", "tests/test_paper_variant.py")),
+]
 NN = [
-    Target("src/linattn/nn/gau.py", ("tests/test_gau.py",)),
+    Target("src/linattn/nn/gau.py", ("tests/test_gau.py", "tests/test_gau_decode.py", "tests/test_paper_variant.py")),
+    Target("src/linattn/nn/_gau_decode.py", ("tests/test_gau_decode.py",)),
     Target("src/linattn/nn/attention.py", ("tests/test_layers.py", "tests/test_lm.py")),
     Target("src/linattn/nn/rotary.py", ("tests/test_layers.py", "tests/test_lm.py")),
     *_targets(["src/linattn/nn/delta_net.py", "src/linattn/nn/short_conv.py"],
               ["tests/test_delta_net.py", "tests/test_layers.py"]),
     Target("src/linattn/nn/linformer.py", ("tests/test_linformer.py", "tests/test_layers.py")),
 ]
+# The lm-eval, export, pipeline and Trainer runs load whole stacks; the rest judge the wrapper.
+HF = _targets(["src/linattn/hf/modeling.py", "src/linattn/hf/cache.py", "src/linattn/hf/config.py"],
+              ["tests/test_hf.py"], "not lm_eval and not export_cli and not pipeline and not hf_trainer")
 MODELS = [
     *_targets(["src/linattn/models/lm.py", "src/linattn/models/config.py", "src/linattn/models/sampling.py"],
               ["tests/test_lm.py", "tests/test_layers.py"]),
@@ -91,7 +98,7 @@ TRAIN = [
     *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"],
               ["tests/test_train_cli.py", "tests/test_train_resume.py"]),
 ]
-TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN
+TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN + HF
 
 # cosmic-ray operators kept (regular expressions on its operator names; `cosmic-ray operators`
 # lists them all). Left out: every other operator pair, number +-1 (mostly dims and indices),

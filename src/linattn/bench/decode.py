@@ -10,13 +10,15 @@ linearly. B=1, H=8, D=64, float32 by default.
 Models: demo-sized language models (d_model 128, 2 layers, equal parameter counts: the VQ
 layers' value width is matched to an attention + SwiGLU block) of each mechanism read a
 random prompt of P tokens (prefill, timed) and then generate ``--new-tokens`` tokens with
-``LM.generate`` (greedy, timed): prefill and generation tokens/s for every prompt length
-and batch size.
+``LM.generate`` (greedy, each step timed): prefill tokens/s and generation tokens/s from the
+median step time (robust to a busy machine's bursts; the mean is in the JSON) for every
+prompt length and batch size.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -139,15 +141,18 @@ def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: in
                 start = time.perf_counter()
                 _, state, _ = model(ids[:, :-1])
                 prefill_s = time.perf_counter() - start
-            start = time.perf_counter()
+            steps, start = [], time.perf_counter()
             for _ in model.generate(ids[:, -1:], new_tokens, temperature=0, state=state):
-                pass
-            generate_s = time.perf_counter() - start
+                now = time.perf_counter()
+                steps.append(now - start)
+                start = now
+            generate_s = sum(steps)
+            median_s = statistics.median(steps)
             rows.append({"kind": "model", "case": name, "prompt": prompt, "batch": batch,
                          "parameters": model.num_parameters(), "prefill_s": prefill_s,
                          "prefill_tokens_per_s": batch * (prompt - 1) / prefill_s, "new_tokens": new_tokens,
-                         "generate_s": generate_s, "tokens_per_s": batch * new_tokens / generate_s,
-                         "ms_per_step": generate_s / new_tokens * 1e3})
+                         "generate_s": generate_s, "mean_tokens_per_s": batch * new_tokens / generate_s,
+                         "tokens_per_s": batch / median_s, "ms_per_step": median_s * 1e3})
     return rows
 
 
@@ -170,7 +175,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--prompts", nargs="+", type=positive_int, default=list(DEFAULT_PROMPTS), metavar="P",
                         help="prompt lengths")
     models.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
-    models.add_argument("--new-tokens", type=positive_int, default=32, help="tokens generated after each prompt")
+    models.add_argument("--new-tokens", type=positive_int, default=128,
+                        help="tokens generated after each prompt (enough to average out timer noise)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=Path("results/bench-decode"), help="output directory")
 
@@ -239,8 +245,8 @@ def run_command(args: argparse.Namespace) -> int:
         text += f"\nper-token time of one op (B=1, H={args.heads}, D={args.dim})\n\n{table}\n"
     if model_rows:
         table, summary["models"] = _model_table(model_rows, args.models, prompts, batches)
-        text += (f"\nwhole models: generated tokens/s (greedy, {args.new_tokens} tokens after the prompt) and "
-                 f"prefill tokens/s\n\n{table}\n")
+        text += (f"\nwhole models: generated tokens/s (greedy, {args.new_tokens} tokens after the prompt, from the "
+                 f"median step time) and prefill tokens/s\n\n{table}\n")
         files.append(_model_plot(model_rows, args.models, prompts, batches, args.out / "generation.png"))
     shapes = {"heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts, "prompts": prompts,
               "batches": batches, "models": {name: model_config(name).to_dict() for name in args.models}}
