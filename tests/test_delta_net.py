@@ -88,3 +88,26 @@ def test_bad_input_is_named():
         layer(torch.randn(2, 5, dtype=torch.float64))
     with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=4"):
         DeltaNet(D_MODEL, 4, n_kv_heads=3)
+
+
+def test_one_wide_heads_and_inputs_of_the_wrong_rank_or_width():
+    """head_dim=1 is a valid layout; an input is refused by name when its rank is wrong
+    (even with the right width) and when its width is wrong (even with the right rank)."""
+    assert DeltaNet(D_MODEL, 4, head_dim=1)(torch.randn(1, 3, D_MODEL))[0].shape == (1, 3, D_MODEL)
+    with pytest.raises(ValueError, match="head_dim must be >= 1, got 0"):
+        DeltaNet(D_MODEL, 4, head_dim=0)
+    layer = _layer()
+    with pytest.raises(ValueError, match=r"x must have shape \[batch, length, 24\], got \[5, 24\]"):
+        layer(torch.randn(5, D_MODEL, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x must have shape \[batch, length, 24\], got \[2, 5, 23\]"):
+        layer(torch.randn(2, 5, 23, dtype=torch.float64))
+
+
+def test_float32_layer_keeps_float32_precision():
+    """The op runs outside autocast in its own float32 precision: a float32 layer equals the
+    same layer in float64 to float32 rounding (half-precision matmuls would be ~1e-3 off)."""
+    layer = _layer(short_conv=3).float()
+    x = torch.randn(2, 19, D_MODEL)
+    y32 = layer(x)[0]
+    y64 = layer.double()(x.double())[0]
+    torch.testing.assert_close(y32.double(), y64, rtol=1e-5, atol=1e-6)

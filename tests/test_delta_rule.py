@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from linattn import linear_attention
-from linattn.feature_maps import FAVOR
+from linattn.feature_maps import FAVOR, SoftVQ
 from linattn.ops.delta import delta_rule
 from linattn.state import DeltaRuleState, LinearAttentionState
 
@@ -519,3 +519,23 @@ def test_bad_qkv_shapes():
         delta_rule(q, k[:, :, :4], v[:, :, :4], beta[:, :, :4])
     with pytest.raises(TypeError, match="scale"):
         delta_rule(q, k, v, beta, scale="1")
+
+
+def test_queries_and_keys_get_their_own_features():
+    """A map whose query and key features differ (SoftVQ: ``exp(q.c_s - max_s q.c_s)`` for a
+    query, ``softmax_s(-|k - c_s|^2 / 2 tau)`` for a key) must be applied with ``is_query``
+    True to q and False to k: the paper loop on features computed here."""
+    g = torch.Generator().manual_seed(21)
+    codebook = torch.randn(5, 4, generator=g, dtype=F64)
+    tau = 0.5
+    q, k, v, beta, _ = make_inputs(B=1, H=2, Hkv=1, T=6, Dk=4, Dv=3, seed=22)
+    logits = q @ codebook.T
+    phi_q = torch.exp(logits - logits.amax(-1, keepdim=True))
+    phi_k = torch.softmax(-((k.unsqueeze(-2) - codebook) ** 2).sum(-1) / (2 * tau), dim=-1)
+    as_is = lambda x, eps: x  # noqa: E731  (the features are already made)
+    expected, expected_memory = paper_delta_rule(phi_q, phi_k, v, beta, as_is, 1.0)
+    for mode in ("recurrent", "chunk"):
+        out, st = run(q, k, v, beta, feature_map=SoftVQ(codebook, tau), normalize=None, scale=1.0,
+                      mode=mode, chunk_size=4)
+        assert_close(out, expected, 1e-12, 1e-10, f"{mode} out")
+        assert_close(st.memory, expected_memory, 1e-12, 1e-10, f"{mode} memory")

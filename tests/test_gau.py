@@ -298,3 +298,50 @@ def test_the_no_grad_path_equals_the_autograd_path(attention):
             steps.append(y)
     torch.testing.assert_close(fast, trained.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat(steps, 1), trained.detach(), rtol=1e-10, atol=1e-12)
+
+
+def test_sinusoids_are_transformer_xl_relative_encodings():
+    """``R[d] = [sin(d f_0), .., sin(d f_{n-1}), cos(d f_0), .., cos(d f_{n-1})]`` with
+    ``f_i = 10000^(-2i / width)`` for offsets d = 0..L (width d_k; d_model in the paper variant)."""
+    for variant, width in (("linattn", 6), ("paper", 10)):
+        gau = GAU(10, d_k=6, block_size=20, attention="softmax", variant=variant)
+        offsets = torch.arange(21, dtype=F64)[:, None]
+        frequencies = 10000.0 ** (-torch.arange(0, width, 2, dtype=F64) / width)
+        expected = torch.cat([torch.sin(offsets * frequencies), torch.cos(offsets * frequencies)], dim=-1)
+        assert gau.sinusoids.shape == (21, width)
+        torch.testing.assert_close(gau.sinusoids.double(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("attention", ["vq", "soft-vq"])
+def test_initial_codes_have_the_scale_of_the_keys(attention):
+    """Keys are RMS-normalised and scaled by d_k^-1/4, so each entry has rms d_k^-1/4; the
+    random initial codebook (quantizer or learned) is drawn at that scale."""
+    torch.manual_seed(0)
+    d_k = 16
+    gau = GAU(8, d_k=d_k, codebook_size=512, attention=attention)
+    codebook = gau.quantizer.codebook if attention == "vq" else gau.codebook
+    assert codebook.shape == (1, 512, d_k)
+    rms = codebook.detach().double().pow(2).mean().sqrt().item()
+    assert abs(rms - d_k**-0.25) < 0.05 * d_k**-0.25, rms
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_training_passes_keep_no_graph_in_the_caches(attention):
+    """With gradients on, nothing is cached (the no-grad caches hold plain tensors): a second
+    backward pass without a parameter update accumulates the same gradients again, and
+    the unit can still be deep-copied (a cached graph would refuse both)."""
+    import copy
+
+    torch.manual_seed(6)
+    gau = GAU(8, d_k=8, codebook_size=16, block_size=4, attention=attention).double().eval()
+    x = torch.randn(2, 7, 8, dtype=F64)
+    gau(x)[0].sum().backward()
+    once = {name: p.grad.clone() for name, p in gau.named_parameters() if p.grad is not None}
+    assert {"w_q.weight", "w_r.weight", "position_bias"} <= set(once)
+    gau(x)[0].sum().backward()
+    for name, p in gau.named_parameters():
+        if name in once:
+            torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-12, atol=1e-14, msg=name)
+    copied = copy.deepcopy(gau)
+    with torch.no_grad():
+        torch.testing.assert_close(copied(x)[0], gau(x)[0], rtol=0, atol=0)

@@ -117,3 +117,35 @@ def test_general_path_when_the_fast_one_does_not_apply(fast_calls):
         _, state32, _ = single(x[:, :5].float())
         single(x[:, 5:6].float(), state32)
     assert fast_calls == [1]
+
+
+def test_a_state_of_another_kind_or_block_size_is_named():
+    from linattn.state import KVCacheState
+
+    unit = _unit()
+    x = torch.randn(2, 9, 12, dtype=F64)
+    cache = KVCacheState(keys=torch.zeros(2, 1, 3, 8, dtype=F64), values=torch.zeros(2, 1, 3, 10, dtype=F64))
+    other = GAU(12, d_k=8, d_v=10, block_size=8, codebook_size=6).double().eval()
+    with torch.no_grad():
+        _, foreign, _ = other(x)  # block 8: a previous block of 8 is impossible with block size 4
+        for state, error, match in ((cache, TypeError, "VQAttentionState, got KVCacheState"),
+                                    (foreign, ValueError, "this unit's block_size is 4")):
+            for length in (1, 2):
+                with pytest.raises(error, match=match):
+                    unit(x[:, :length], state)
+
+
+def test_weights_written_through_data_are_seen_after_a_mode_switch(fast_calls):
+    unit = _unit()
+    x = torch.randn(2, 6, 12, dtype=F64)
+    with torch.no_grad():
+        _, state, _ = unit(x[:, :5])
+        before, _, _ = unit(x[:, 5:6], state)
+        unit.w_q.weight.data.mul_(3.0)  # no version bump
+        unit.quantizer.codebook.data.mul_(0.5)
+        unit.eval()
+        after, _, _ = unit(x[:, 5:6], state)
+    expected, _, _ = unit(x[:, 5:6], state)  # the general layer, gradients on
+    assert fast_calls == [1, 1]
+    assert not torch.allclose(after, before)
+    assert torch.allclose(after, expected, rtol=1e-10, atol=1e-12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -176,3 +178,82 @@ def test_one_tap_convolution_and_linformer_input_checks():
     layer = linattn.nn.LinformerAttention(8, 2, max_len=4, k=2)
     with pytest.raises(ValueError, match=r"\[batch, length, 8\]"):
         layer(torch.randn(1, 3, 6))  # three dimensions, the wrong width
+
+
+# ----------------------------------------------------------------------------- mutation gaps (2026-12-01)
+
+
+def test_only_dpfp_takes_a_degree_of_at_least_one():
+    from linattn.models.layers import parse_layer_spec
+
+    for spec in ("linear:dpfp:1", "linear:dpfp:3"):
+        assert str(parse_layer_spec(spec)) == spec
+    model = linattn.LM(linattn.LMConfig(n_layers=1, attention="linear:dpfp:1", **TINY))
+    assert model.layers[0].mixer.feature_map.nu == 1
+    for spec in ("linear:elu:2", "linear:relu:1", "linear:dpfp:0", "linear:dpfp:x"):
+        with pytest.raises(ValueError, match="unknown layer attention spec"):
+            parse_layer_spec(spec)
+
+
+def test_layer_kinds_cannot_be_changed_after_registration():
+    kind = layer_registry.layer_kind("gau-softmax")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        kind.growing_cache = kind.growing_cache  # the same value: nothing changes even where it is allowed
+
+
+def test_blocks_add_their_residual_branches():
+    """PreNormBlock: ``h = x + mixer(norm(x))``, ``out = h + SwiGLU(norm(h))``; GAUPair:
+    ``h = x + GAU_0(x)``, ``out = h + GAU_1(h)`` (each unit normalises its own input)."""
+    config = linattn.LMConfig(n_layers=2, attention="softmax,vq", **TINY)
+    torch.manual_seed(0)
+    block, pair = linattn.LM(config).double().eval().layers
+    x = torch.randn(2, 5, 16, dtype=F64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = x + block.mixer(block.mixer_norm(x))[0]
+        expected = h + block.ffn(block.ffn_norm(h))
+        torch.testing.assert_close(block(x)[0], expected, rtol=1e-12, atol=1e-12)
+        h = x + pair.units[0](x)[0]
+        expected = h + pair.units[1](h)[0]
+        torch.testing.assert_close(pair(x)[0], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_favor_layers_draw_their_features_from_the_seed_plus_their_index():
+    config = linattn.LMConfig(n_layers=3, attention="favor:8", feature_seed=5, **TINY)
+    model = linattn.LM(config)
+    head_dim = TINY["d_model"] // TINY["n_heads"]
+    drawn = [layer.mixer.feature_map.projection(head_dim) for layer in model.layers]
+    for i, projection in enumerate(drawn):
+        assert torch.equal(projection, linattn.ops.feature_maps.FAVOR(8, seed=5 + i).projection(head_dim)), i
+    assert not torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[1], drawn[2])
+
+
+def test_one_wide_heads_are_allowed_and_fewer_channels_than_heads_are_not():
+    config = linattn.LMConfig(n_layers=3, attention="linear:elu,favor:8,delta", **{**TINY, "d_model": 4, "n_heads": 4})
+    logits, _, _ = linattn.LM(config)(torch.randint(0, 256, (1, 5)))
+    assert logits.shape == (1, 5, 256)
+    linattn.LMConfig(n_layers=1, attention="linear:elu", head_dim=1, **TINY)
+    with pytest.raises(ValueError, match="needs d_model >= n_heads"):
+        linattn.LMConfig(n_layers=1, attention="linear:elu", **{**TINY, "d_model": 3, "n_heads": 4})
+
+
+def _state_numel(value):
+    if isinstance(value, torch.Tensor):
+        return value.numel()
+    if isinstance(value, (tuple, list)):
+        return sum(_state_numel(item) for item in value)
+    if dataclasses.is_dataclass(value):
+        return sum(_state_numel(getattr(value, f.name)) for f in dataclasses.fields(value))
+    return 0
+
+
+@pytest.mark.parametrize("spec", ["vq", "soft-vq", "gau-softmax", "softmax", "linear:elu", "favor:8", "delta",
+                                  "local:4"])
+@torch.no_grad()
+def test_growing_cache_flag_says_whether_the_decode_state_grows(spec):
+    model = linattn.LM(linattn.LMConfig(n_layers=1, attention=spec, **TINY)).eval()
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    _, state, _ = model(ids[:, :8])
+    before = _state_numel(state)
+    _, state, _ = model(ids[:, 8:], state)  # 16 more tokens, the same phase of every block and window
+    assert before > 0
+    assert model.has_growing_cache == (_state_numel(state) > before), (spec, before, _state_numel(state))

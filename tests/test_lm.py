@@ -610,3 +610,94 @@ def test_default_ffn_width_and_matched_gau_width():
         gau = LM(LMConfig(d_model=d_model, n_layers=1, attention="vq", gau_d_k=d_k, gau_d_v=width,
                           codebook_size=8)).num_parameters()
         assert width % 8 == 0 and abs(gau - block) / block < 0.02, (d_model, width, gau, block)
+
+
+# ----------------------------------------------------------------------------- mutation gaps (2026-12-01)
+
+
+def test_sample_next_top_p_of_one_filters_nothing(monkeypatch):
+    """top_p = 1 keeps every token, even one whose probability (2e-9) is below float32's
+    resolution near 1, where the mass of the more likely tokens rounds to exactly 1."""
+    sampled_from = []
+    multinomial = torch.multinomial
+
+    def recording(probs, *args, **kwargs):
+        sampled_from.append(probs.clone())
+        return multinomial(probs, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "multinomial", recording)
+    logits = torch.tensor([[0.0, -20.0, -3.0], [-20.0, 0.0, 0.0]])
+    for top_p in (None, 1.0):
+        sampled_from.clear()
+        sample_next(logits, top_p=top_p, generator=torch.Generator().manual_seed(0))
+        (probs,) = sampled_from
+        expected = logits.double().softmax(-1)
+        assert (probs > 0).all(), (top_p, probs)
+        torch.testing.assert_close(probs.double(), expected, rtol=1e-5, atol=0)
+
+
+def test_sample_next_nucleus_that_reaches_p_exactly_stops_there():
+    """Four equally likely tokens (1/4 each, exact in float32): the smallest set whose mass
+    reaches p = 1/4, 1/2, 3/4 has 1, 2, 3 tokens; a token after the mass reached p is dropped."""
+    logits = torch.zeros(4)
+    for top_p, size in ((0.25, 1), (0.5, 2), (0.75, 3)):
+        kept = set(_draws(logits, 2000, top_p=top_p).tolist())
+        assert len(kept) == size, (top_p, kept)
+
+
+def test_builtin_output_projections_get_the_residual_std():
+    """GPT-2's residual scaling on the built-in kinds: the maps that write into the residual
+    stream (attention o_proj, SwiGLU w_down, each GAU unit's w_o) start with
+    init_std / sqrt(2 n_layers) = 0.5 / 4, every other linear map and the embedding with 0.5."""
+    config = LMConfig(d_model=32, n_heads=2, n_layers=8, attention="softmax,vq", init_std=0.5, gau_d_k=8,
+                      codebook_size=8, block_size=4, ffn_hidden=64)
+    torch.manual_seed(0)
+    model = LM(config)
+    outputs = ("mixer.o_proj", "ffn.w_down", "units.0.w_o", "units.1.w_o")
+    residual, other = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            (residual if name.endswith(outputs) else other).append(module.weight.detach().flatten())
+    assert len(residual) == 4 * 2 + 4 * 2  # four softmax blocks (o_proj, w_down), four GAU pairs (w_o twice)
+    assert torch.cat(residual).std().item() == pytest.approx(0.5 / math.sqrt(2 * 8), rel=0.05)
+    assert torch.cat(other).std().item() == pytest.approx(0.5, rel=0.05)
+
+
+def test_codebook_usage_averages_the_quantizers():
+    """Mean over the VQ units of their mean per-head perplexity, and the dead codes summed;
+    None for a model without VQ units."""
+    model = make_model("vq", n_layers=2)
+    quantizers = model.quantizers()
+    assert len(quantizers) == 4  # two GAU units per layer
+    S = TINY["codebook_size"]
+    for i, quantizer in enumerate(quantizers):  # unit i uses S - i codes equally, i codes never
+        counts = torch.ones_like(quantizer.ema_counts)
+        counts[:, :i] = 0.0
+        with torch.no_grad():
+            quantizer.ema_counts.copy_(counts)
+    usage = model.codebook_usage()
+    heads = quantizers[0].n_heads
+    assert usage["perplexity"] == pytest.approx(sum(S - i for i in range(4)) / 4, rel=1e-5)
+    assert usage["dead_codes"] == heads * (0 + 1 + 2 + 3)
+    assert make_model("softmax", n_layers=1).codebook_usage() is None
+
+
+def test_generate_feeds_each_token_back_once():
+    """The prompt is read in one pass, then each produced token but the last is fed back as
+    the next single-token input (the last one's logits would go unused)."""
+    model = make_model("linear:elu", n_layers=1)
+    seen = []
+    handle = model.embed.register_forward_hook(lambda module, args, output: seen.append(args[0].tolist()))
+    try:
+        tokens = list(model.generate([5, 6, 7], 4, seed=1))
+        one = list(model.generate([5, 6, 7], 1, seed=1))
+    finally:
+        handle.remove()
+    assert seen == [[[5, 6, 7]]] + [[[t]] for t in tokens[:-1]] + [[[5, 6, 7]]]
+    assert one == tokens[:1]
+
+
+@pytest.mark.parametrize("logits", [torch.zeros(5), torch.zeros(2, 3, 5), torch.zeros(2, 5, dtype=torch.long)])
+def test_sample_next_takes_logits_of_shape_batch_by_vocab(logits):
+    with pytest.raises(ValueError, match=r"logits must be a float tensor \[batch, vocab\]"):
+        sample_next(logits, temperature=1.0, top_k=2)

@@ -497,3 +497,55 @@ def test_distinct_keys_as_many_as_codes_become_the_codes():
 def test_an_ema_decay_of_zero_is_allowed():
     vq = linattn.VectorQuantizer(1, 2, 4, ema_decay=0.0)
     assert vq.ema_decay == 0.0
+
+
+# ----------------------------------------------------------------------------- mutation gaps (2026-12-01)
+
+
+def test_kmeans_with_as_many_keys_as_codes_seeds_every_key():
+    """N == n_codes: the seeds are the N keys, each once (drawn without repetition), so the
+    centers are the keys, whatever the draw and before any iteration."""
+    keys = torch.arange(16.0).reshape(1, 8, 2)
+    for seed in range(5):
+        for iters in (0, 2):
+            centers = linattn.nn.kmeans(keys, 8, iters=iters, generator=torch.Generator().manual_seed(seed))
+            assert sorted(map(tuple, centers[0].tolist())) == sorted(map(tuple, keys[0].tolist())), (seed, iters)
+
+
+def test_kmeans_refuses_keys_without_tokens_or_of_the_wrong_rank():
+    for bad in (torch.zeros(2, 0, 3), torch.zeros(5, 3), torch.zeros(1, 2, 5, 3)):
+        with pytest.raises(ValueError, match=r"keys must have shape \[H, N, D\] with N > 0"):
+            linattn.nn.kmeans(bad, 4)
+
+
+@pytest.mark.parametrize("ema_decay", [1.0, 1.5, -0.1, "0.5", None])
+def test_an_ema_decay_outside_zero_to_one_is_refused(ema_decay):
+    with pytest.raises(ValueError, match=r"ema_decay must be in \[0, 1\)"):
+        linattn.VectorQuantizer(1, 2, 4, ema_decay=ema_decay)
+
+
+def test_restart_draws_from_the_latest_batch_with_real_tokens():
+    """A fully masked batch leaves the restart candidates of the batch before it."""
+    torch.manual_seed(0)
+    vq = tiny_quantizer([0.0, 100.0], ema_decay=0.5, dead_code_threshold=0.6)
+    first = [1.0, 2.0, 3.0]
+    vq(as_keys(first))
+    vq(as_keys([50.0, 60.0]), mask=torch.zeros(1, 2, dtype=torch.bool))
+    vq.update()  # code 1 got no keys: its count decays to 0.5 < 0.6 and it is restarted
+    assert vq.codebook[0, 1].item() in first
+    assert vq.ema_counts[0, 1].item() == 1.0
+
+
+def test_quantizer_input_errors_name_the_problem():
+    vq = linattn.VectorQuantizer(2, 4, 8)
+    with pytest.raises(TypeError, match="floating-point"):
+        vq(torch.zeros(1, 2, 3, 4, dtype=torch.int64))
+    with pytest.raises(TypeError, match="floating-point"):
+        vq([[[[0.0] * 4] * 3] * 2])
+    for shape in ((1, 3, 5, 4), (1, 2, 5, 3), (1, 3, 5, 3), (2, 5, 4)):  # heads, width, both, rank
+        with pytest.raises(ValueError, match=r"k has shape .*expected \[B, 2, T, 4\]"):
+            vq(torch.zeros(shape))
+    k = keys(B=2, H=2, T=5, D=4)
+    for mask in (torch.ones(2, 5), torch.ones(2, 4, dtype=torch.bool)):  # float, wrong shape
+        with pytest.raises(ValueError, match=r"mask must be a bool tensor \[2, 5\]"):
+            vq(k, mask)

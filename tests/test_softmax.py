@@ -355,3 +355,27 @@ def test_bias_callable_of_the_wrong_shape_is_a_clear_error(shape):
     error = TypeError if shape == "int" else ValueError
     with pytest.raises(error, match="bias callable"):
         softmax_attention(q, k, v, causal=True, bias=bias, impl="tiled")
+
+
+@pytest.mark.parametrize("lead", [(), (2,), (2, 3, 1)], ids=["2d", "3d", "5d"])
+@pytest.mark.parametrize("per_row", [False, True], ids=["shared-row", "row-per-query"])
+def test_offset_rows_equals_its_loop(lead, per_row):
+    """``_bias.offset_rows``, the relative-bias layout shared by the softmax and VQ ops:
+    ``M[..., a, c] = table[..., a or 0, o - low]`` with ``o = first_offset + a - c`` when
+    ``low <= o <= high``, else 0, for tables of any rank, including blocks that read no
+    offset of the table at all (all zeros, still ``[..., rows, columns]``)."""
+    from linattn.ops._bias import offset_rows
+
+    rows, columns, low, high = 3, 4, -1, 2
+    table = torch.randn(*lead, rows if per_row else 1, high - low + 1, generator=torch.Generator().manual_seed(9),
+                        dtype=F64)
+    for first_offset in (-9, -4, -1, 0, 2, 5, 9):  # -9, 9: every offset outside low..high
+        expected = torch.zeros(*lead, rows, columns, dtype=F64)
+        for a in range(rows):
+            for c in range(columns):
+                o = first_offset + a - c
+                if low <= o <= high:
+                    expected[..., a, c] = table[..., a if per_row else 0, o - low]
+        got = offset_rows(table, first_offset, rows, columns, low, high)
+        assert got.shape == expected.shape, (first_offset, got.shape)
+        assert torch.equal(got, expected), first_offset

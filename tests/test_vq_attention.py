@@ -607,3 +607,14 @@ def test_keys_that_are_not_their_codes_are_a_clear_error(mode):
         linattn.vq_attention(q, shifted, v, codes, codebook, block_size=4, mode=mode)
     out, _ = linattn.vq_attention(q, shifted, v, codes, codebook, block_size=4, mode=mode, check_inputs=False)
     assert out.shape == (q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+
+
+def test_soft_vq_returns_a_state_only_when_asked():
+    """Like every op: the state is returned only for ``output_final_state=True``."""
+    q, k, v, codebook = make_soft(T=9, seed=44)
+    out, state = linattn.soft_vq_attention(q, k, v, codebook, temperature=0.5, block_size=4)
+    assert state is None
+    asked, state = linattn.soft_vq_attention(q, k, v, codebook, temperature=0.5, block_size=4,
+                                             output_final_state=True)
+    assert state is not None and state.steps == 9
+    assert torch.equal(out, asked)

@@ -72,7 +72,8 @@ QUANTIZER = [
 NN = [
     Target("src/linattn/nn/gau.py", ("tests/test_gau.py", "tests/test_gau_decode.py", "tests/test_paper_variant.py")),
     Target("src/linattn/nn/_gau_decode.py", ("tests/test_gau_decode.py",)),
-    Target("src/linattn/nn/attention.py", ("tests/test_layers.py", "tests/test_lm.py")),
+    Target("src/linattn/nn/attention.py",
+           ("tests/test_layers.py", "tests/test_lm.py", "tests/test_attention_layer.py")),
     Target("src/linattn/nn/rotary.py", ("tests/test_layers.py", "tests/test_lm.py")),
     *_targets(["src/linattn/nn/delta_net.py", "src/linattn/nn/short_conv.py"],
               ["tests/test_delta_net.py", "tests/test_layers.py"]),

@@ -21,6 +21,9 @@ def sample_next(
     temperature; ``top_k`` keeps the k largest; ``top_p`` keeps the smallest set of tokens
     whose probability mass reaches p (always at least the most likely one).
     """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor [batch, vocab], got {type(logits).__name__} "
+                         f"{list(getattr(logits, 'shape', []))}")
     if not is_number(temperature) or temperature < 0:
         raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
     check_int("top_k", top_k, optional=True)

@@ -43,6 +43,7 @@ def can_decode_token(unit, x: torch.Tensor, state) -> bool:
         unit.attention == "vq" and x.shape[1] == 1 and isinstance(state, VQAttentionState)
         and not unit.training and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64)
         and state.partial_keys.shape[2] + 1 < unit.block_size and state.partial_keys.dtype == x.dtype
+        and (state.prev_keys is None or state.prev_keys.shape[2] == unit.block_size)
         and not torch.is_autocast_enabled(x.device.type)
     )
 

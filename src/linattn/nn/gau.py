@@ -221,10 +221,30 @@ class GAU(nn.Module):
         depends = (self.w_r.weight, self.content_bias, self.position_bias)
         return self._cached("relative", lambda: _compute_relative_terms(self, dtype), depends, dtype)
 
+    def _check_vq_state(self, state) -> None:
+        """The cheap checks ``vq_attention(check_inputs=False)`` leaves out: a VQ state of this block size."""
+        if state is None:
+            return
+        if not isinstance(state, VQAttentionState):
+            raise TypeError(f"the VQ GAU's state is a VQAttentionState, got {type(state).__name__}")
+        L = self.block_size
+        if state.partial_keys.shape[2] >= L or (state.prev_keys is not None and state.prev_keys.shape[2] != L):
+            raise ValueError(f"state was made with another block size: it holds a partial block of "
+                             f"{state.partial_keys.shape[2]} and a previous block of "
+                             f"{None if state.prev_keys is None else state.prev_keys.shape[2]} positions, "
+                             f"this unit's block_size is {L}")
+
+    def train(self, mode: bool = True) -> "GAU":
+        """``nn.Module.train``; also forgets the no-grad caches, so weights written through
+        ``.data`` (which bumps no version counter) are picked up at the next mode switch."""
+        self.__dict__.pop("_no_grad_cache", None)
+        return super().train(mode)
+
     def _cached(self, name: str, compute, depends: tuple[torch.Tensor, ...], *extra):
         """``compute()``, remembered under ``name`` while gradients are off, until one of the
         tensors it ``depends`` on changes (storage or version: the optimizer and
-        ``load_state_dict`` write in place and bump the version) or ``extra`` differs."""
+        ``load_state_dict`` write in place and bump the version) or ``extra`` differs.
+        Writes through ``.data`` bump no version: they are seen after ``train()``/``eval()``."""
         key = (*extra, *((t.data_ptr(), t._version) for t in depends))
         cache = self.__dict__.setdefault("_no_grad_cache", {})
         if name not in cache or cache[name][0] != key:
@@ -237,6 +257,7 @@ class GAU(nn.Module):
         aux = {"commit_loss": zero, "codes": None}
         common = dict(block_size=self.block_size, bias=bias, position_keys=position_keys, scale=1.0)
         if self.attention == "vq":
+            self._check_vq_state(state)
             k_hat, codes, aux["commit_loss"] = self.quantizer(k)
             aux["codes"] = codes
             out, state = vq_attention(

@@ -122,6 +122,12 @@ class VectorQuantizer(Codebook):
             self._norms, self._norms_key = self.codebook.float().pow(2).sum(-1), key
         return self._norms
 
+    def train(self, mode: bool = True) -> "VectorQuantizer":
+        """``nn.Module.train``; also forgets the cached code norms (a codebook written through
+        ``.data`` bumps no version counter, so it is seen at the next mode switch)."""
+        self.__dict__.pop("_norms_key", None)
+        return super().train(mode)
+
     def lookup(self, codes: torch.Tensor) -> torch.Tensor:
         """``codebook[h, codes[b, h, t]]`` -> ``[B, H, T, Dk]``."""
         B, H, T = codes.shape
