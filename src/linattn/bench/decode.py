@@ -10,17 +10,19 @@ linearly. B=1, H=8, D=64, float32 by default.
 Models: demo-sized language models (d_model 128, 2 layers, equal parameter counts: the VQ
 layers' value width is matched to an attention + SwiGLU block) of each mechanism read a
 random prompt of P tokens (prefill, timed) and then generate ``--new-tokens`` tokens with
-``LM.generate`` (greedy, each step timed): prefill tokens/s and generation tokens/s from the
-median step time (robust to a busy machine's bursts; the mean is in the JSON) for every
-prompt length and batch size.
+``LM.generate`` (greedy, each step timed), each model in a freshly spawned process: prefill
+tokens/s and generation tokens/s from the median step time (robust to a busy machine's
+bursts; the mean is in the JSON) for every prompt length and batch size.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -156,6 +158,20 @@ def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: in
     return rows
 
 
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def _in_fresh_process(fn: Callable, *args, threads: int | None, **kwargs):
+    """``fn(*args, **kwargs)`` in a newly spawned process (with ``threads`` torch threads):
+    a model timed after the op table or after another model's 64k-token prefill ran up to
+    1.7x slower in the same process (allocator and cache state), so each starts clean."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=_set_threads, initargs=(threads,)) as pool:
+        return pool.submit(fn, *args, **kwargs).result()
+
+
 HELP = "decoding: time per generated token vs context length (ops) and generation throughput (whole models)"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -236,7 +252,8 @@ def run_command(args: argparse.Namespace) -> int:
     for name in args.cases:
         op_rows += measure(name, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens)
     for name in args.models:
-        model_rows += measure_generation(name, prompts, batches, new_tokens=args.new_tokens)
+        model_rows += _in_fresh_process(measure_generation, name, prompts, batches, new_tokens=args.new_tokens,
+                                        threads=args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     text = f"# bench decode\n\n`{args.command_line}`\n"
     summary, files = {"ops": {}, "models": {}}, [args.out / "results.json", args.out / "results.md"]
