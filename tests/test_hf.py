@@ -162,6 +162,14 @@ def test_hidden_states_and_inputs_embeds():
     output = model(ids, output_hidden_states=True)
     assert len(output.hidden_states) == lm.config.n_layers + 1
     assert torch.equal(output.hidden_states[0], lm.embed(ids))
+    first_layer, _, _ = lm.layers[0](lm.embed(ids))
+    assert torch.allclose(output.hidden_states[1], first_layer, rtol=0, atol=1e-12)
+    # the last entry is the normed output (as in HF decoders), with and without padding (the grouped path)
+    assert torch.allclose(output.hidden_states[-1], model.model(ids).last_hidden_state, rtol=0, atol=1e-12)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0
+    padded = model(ids, attention_mask=mask, output_hidden_states=True)
+    assert torch.allclose(padded.hidden_states[-1][1], output.hidden_states[-1][1], rtol=0, atol=1e-12)
     base = model.model(ids)
     assert torch.allclose(lm.logits(base.last_hidden_state), output.logits, rtol=0, atol=1e-12)
     embedded = model(inputs_embeds=lm.embed(ids))

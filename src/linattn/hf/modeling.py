@@ -129,8 +129,10 @@ class LinattnModel(LinattnPreTrainedModel):
         if len(groups) == 1 and groups[0][0] is None:  # every row, no padding: one call
             state = cache.groups[0].state if cache is not None and cache.groups else None
             h, new_state, unit_aux, _ = self.lm._trunk(x, state, hidden)
-            commit = self.lm._aux(h, unit_aux)["commit_loss"]
+            commit = self.lm._commit_loss(h, unit_aux)
             new_groups = [RowGroup(rows=torch.arange(batch), state=new_state)]
+            if hidden is not None:
+                hidden[-1] = h  # the last entry is the normed output, as for HF decoders
         else:
             h, new_groups, commit, hidden = self._grouped(x, groups, hidden)
         new_cache = LinattnCache(batch, new_groups, seen + length) if use_cache else None
@@ -165,7 +167,7 @@ class LinattnModel(LinattnPreTrainedModel):
                 for out, value in zip(layers_out, group_hidden):
                     out[rows_device, pad:] = value
             n = rows.numel() * (length - pad)
-            commit = commit + self.lm._aux(h_group, unit_aux)["commit_loss"] * n
+            commit = commit + self.lm._commit_loss(h_group, unit_aux) * n
             tokens += n
             new_groups.append(RowGroup(rows=rows, state=new_state))
         commit = commit / max(tokens, 1)
@@ -284,10 +286,10 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         """The EMA codebook update of every VQ layer (once per optimizer step in training)."""
         self.lm.update_codebooks()
 
-    def _supports_default_dynamic_cache(cls) -> bool:  # noqa: N805 - a classmethod below
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """False: ``generate`` must not build a KV cache; ``forward`` returns a ``LinattnCache``."""
         return False
-
-    _supports_default_dynamic_cache = classmethod(_supports_default_dynamic_cache)
 
     def forward(
         self,

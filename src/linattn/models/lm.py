@@ -105,12 +105,18 @@ class LM(nn.Module):
             logits = logits.float()
         return logits
 
-    def _aux(self, x: torch.Tensor, unit_aux: list[dict]) -> dict:
+    def _commit_loss(self, x: torch.Tensor, unit_aux: list[dict]) -> torch.Tensor:
+        """The sum of the units' (already weighted) commitment losses, float32."""
         commit = x.new_zeros((), dtype=torch.float32)
-        perplexities = []
         for aux in unit_aux:
             if "commit_loss" in aux:
                 commit = commit + aux["commit_loss"].float()
+        return commit
+
+    def _aux(self, x: torch.Tensor, unit_aux: list[dict]) -> dict:
+        commit = self._commit_loss(x, unit_aux)
+        perplexities = []
+        for aux in unit_aux:
             if aux.get("codes") is not None:
                 counts = torch.bincount(aux["codes"].flatten(), minlength=self.config.codebook_size).float()
                 probs = counts / counts.sum()
