@@ -430,3 +430,45 @@ def test_hf_trainer_trains_a_vq_model_and_updates_its_codebooks(tmp_path):
     with torch.no_grad():
         pending = [float(q._pending_counts.sum()) for q in model.lm.quantizers()]
     assert pending == [0.0] * len(pending)  # every batch's statistics went into an update
+
+
+def test_config_defaults_are_lm_config_defaults():
+    assert H.LinattnConfig().to_lm_config() == LMConfig()
+
+
+def test_cache_reports_what_generate_reads():
+    """The answers HF code reads from a cache: one entry per layer, no maximum length (-1,
+    HF's unbounded convention), not croppable, not sliding/linear/dummy (so generate slices a
+    continued prompt by get_seq_length)."""
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    empty = H.LinattnCache(batch_size=2)
+    assert len(empty) == 0 and not empty.is_initialized and empty.get_seq_length() == 0
+    cache = model(random_ids(2, 5)).cache
+    assert len(cache) == lm.config.n_layers and cache.is_initialized and cache.get_seq_length() == 5
+    assert cache.get_max_length() == -1 and not cache.is_croppable and not cache.is_compileable
+    assert cache.is_sliding == [False] and cache.is_linear == [False] and cache.is_dummy == [False]
+
+
+def test_generate_continues_from_a_cache_given_the_whole_sequence():
+    lm = tiny_lm("local:4,vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    prompt = random_ids(2, 7, seed=13)
+    cache = model(prompt[:, :5]).cache
+    continued = model.generate(prompt, cache=cache, max_new_tokens=6, do_sample=False)
+    assert torch.equal(continued[:, 7:], greedy_ours(lm, prompt, 6))
+
+
+def test_cache_row_selection_keeps_padding_only_rows_stateless():
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(3, 4, seed=14)
+    mask = torch.tensor([[0, 0, 0, 0], [0, 0, 1, 1], [1, 1, 1, 1]])
+    cache = model(ids, attention_mask=mask).cache
+    assert sorted(int(r) for g in cache.groups for r in g.rows) == [1, 2]
+    cache.select_rows(torch.arange(3))
+    assert sorted(int(r) for g in cache.groups for r in g.rows) == [1, 2]
+    step = random_ids(3, 1, seed=15)
+    logits = model(step, cache=cache, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)).logits
+    assert torch.allclose(logits[0], lm(step[:1])[0][0], rtol=0, atol=1e-12)  # row 0 starts fresh
+    assert torch.allclose(logits[1], lm(torch.cat([ids[1:2, 2:], step[1:2]], 1))[0][0, -1:], rtol=0, atol=1e-12)
