@@ -90,7 +90,10 @@ class LMConfig:
     def gau_options(self) -> dict[str, Any]:
         """The GAU settings of the variant, with unset (None) fields filled by its choice."""
         paper = self.gau_variant == "paper"
-        pick = lambda value, ours, official: (official if paper else ours) if value is None else value  # noqa: E731
+
+        def pick(value, ours, official):
+            return value if value is not None else (official if paper else ours)
+
         return dict(variant=self.gau_variant, sinusoid_dropout=pick(self.sinusoid_dropout, 0.0, 0.2),
                     grad_scope=pick(self.vq_grad_scope, "cache", "state"),
                     commitment_reduction=pick(self.commitment_reduction, "mean", "paper"))

@@ -21,7 +21,7 @@ from ..state import VQAttentionState
 
 
 class DecodeConstants(NamedTuple):
-    """What a decoding step reads from the parameters, derived once (``GAU._decode_constants``)."""
+    """What a decoding step reads from the parameters, derived once (``decode_constants``)."""
 
     input_t: torch.Tensor  # (W diag(g))^T [d_model, 2 d_k + 2 d_v]: the input norm's gain folded in
     input_shift: torch.Tensor | None  # W b, the input norm's bias (paper variant)
@@ -34,6 +34,38 @@ class DecodeConstants(NamedTuple):
     position_keys_reversed_t: torch.Tensor  # P^T with offsets L .. 0, [d_k, L + 1]
     bias_reversed: torch.Tensor  # (w - u).P_delta for delta = L .. 0
     output_t: torch.Tensor  # W_o^T [d_v, d_model]
+
+
+_MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o", "w_r")
+
+
+def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
+    """Everything a one-token VQ decoding step reads from ``unit``'s parameters, in ``dtype``,
+    built once while gradients are off and rebuilt when a parameter or the codebook changes
+    (``GAU._cached``). The input norm is folded into the fused input matmul:
+    ``norm(x) W^T = rsqrt(mean(x^2) + eps) * (x (W diag(g))^T) + W b``."""
+    norm = unit.norm
+    modules = unit._modules  # the registries themselves: Module.__getattr__ costs a step's worth
+    depends = (*norm._parameters.values(), *(modules[name]._parameters["weight"] for name in _MAPS),
+               *unit._parameters.values(), modules["quantizer"]._buffers["codebook"])
+
+    def build() -> DecodeConstants:
+        weight = unit._input_weight().to(dtype)
+        norm_bias = getattr(norm, "bias", None)  # the paper variant's input norm has one
+        codebook32 = unit.quantizer.codebook[0].float()
+        position_keys, bias = unit._relative_terms(dtype)
+        return DecodeConstants(
+            input_t=(weight * norm.weight.to(dtype)).t().contiguous(),
+            input_shift=None if norm_bias is None else weight @ norm_bias.to(dtype),
+            eps=norm.eps if norm.eps is not None else torch.finfo(dtype).eps,
+            codebook32_t=codebook32.t().contiguous(), code_norms32=codebook32.pow(2).sum(-1),
+            codebook=codebook32.to(dtype), codebook_t=codebook32.to(dtype).t().contiguous(),
+            content_bias=(unit._bias_scale() * unit.content_bias).to(dtype),
+            position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
+            output_t=unit.w_o.weight.to(dtype).t().contiguous(),
+        )
+
+    return unit._cached("decode", build, depends, dtype)
 
 
 def can_decode_token(unit, x: torch.Tensor, state) -> bool:
@@ -62,7 +94,7 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
     by ``p`` zeros line up with them (offsets beyond L get none).
     """
     B, d_k, d_v, L = x.shape[0], unit.d_k, unit.d_v, unit.block_size
-    c = unit._decode_constants(x.dtype)
+    c = decode_constants(unit, x.dtype)
     rows_in = x.view(B, -1)
     projected = torch.mm(rows_in, c.input_t).mul_(_inverse_rms(rows_in, c.eps))  # the input norm, after the matmul
     if c.input_shift is not None:

@@ -10,11 +10,10 @@ from .._checks import check_choice, is_number
 from ..ops.soft_vq import soft_vq_attention
 from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
-from ._gau_decode import DecodeConstants, can_decode_token, decode_token
+from ._gau_decode import can_decode_token, decode_token
 from .quantizer import VectorQuantizer
 
 _ATTENTIONS = ("vq", "soft-vq", "softmax")
-_DECODE_MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o", "w_r")
 GAU_VARIANTS = ("linattn", "paper")
 
 
@@ -178,33 +177,6 @@ class GAU(nn.Module):
         """``[W_q; W_k; W_v; W_g]`` ``[2 d_k + 2 d_v, d_model]``, built once while gradients are off."""
         maps = (self.w_q, self.w_k, self.w_v, self.w_g)
         return self._cached("input", lambda: _fused_input_weight(*maps), tuple(m.weight for m in maps))
-
-    def _decode_constants(self, dtype: torch.dtype) -> DecodeConstants:
-        """Everything a one-token VQ decoding step reads from the parameters, in ``dtype``,
-        built once while gradients are off and rebuilt when a parameter or the codebook
-        changes. The input norm is folded into the fused input matmul:
-        ``norm(x) W^T = rsqrt(mean(x^2) + eps) * (x (W diag(g))^T) + W b``."""
-        norm = self.norm
-        modules = self._modules  # the registries themselves: Module.__getattr__ costs a step's worth
-        depends = (*norm._parameters.values(), *(modules[name]._parameters["weight"] for name in _DECODE_MAPS),
-                   *self._parameters.values(), modules["quantizer"]._buffers["codebook"])
-
-        def build() -> DecodeConstants:
-            weight = self._input_weight().to(dtype)
-            shift = weight @ norm.bias.to(dtype) if isinstance(norm, _BiasedRMSNorm) else None
-            codebook32 = self.quantizer.codebook[0].float()
-            position_keys, bias = self._relative_terms(dtype)
-            return DecodeConstants(
-                input_t=(weight * norm.weight.to(dtype)).t().contiguous(), input_shift=shift,
-                eps=norm.eps if norm.eps is not None else torch.finfo(dtype).eps,
-                codebook32_t=codebook32.t().contiguous(), code_norms32=codebook32.pow(2).sum(-1),
-                codebook=codebook32.to(dtype), codebook_t=codebook32.to(dtype).t().contiguous(),
-                content_bias=(self._bias_scale() * self.content_bias).to(dtype),
-                position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
-                output_t=self.w_o.weight.to(dtype).t().contiguous(),
-            )
-
-        return self._cached("decode", build, depends, dtype)
 
     def _bias_scale(self) -> float:
         """The factor of u and w in the scores: ``d_k^-1/4`` in the paper variant, else 1."""

@@ -267,6 +267,7 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype
     """
     B, Hkv, G, T, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
+    cut = scope == "state"  # nothing from an earlier block carries a gradient
     if state is None:
         p, has_prev = 0, False
         counts, means = q.new_zeros(B, Hkv, S), q.new_zeros(B, Hkv, S, E)
@@ -279,14 +280,11 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype
             codes = torch.cat([_as(state.partial_codes, codes.dtype), codes], dim=2)
         else:
             k, v, codes = _owned(k, v, codes)
-        counts, means = _as(state.cache_counts, dtype), _as(state.cache_means, dtype)
-        if scope == "state":
-            counts, means = counts.detach(), means.detach()
+        counts, means = _cut(_as(state.cache_counts, dtype), cut), _cut(_as(state.cache_means, dtype), cut)
     rows = q.reshape(B, Hkv, G * T, D)
     window = [rows @ k.transpose(-1, -2)]  # [B, Hkv, G T, p + T]
     if has_prev:
-        prev = (_cut(_as(state.prev_keys, dtype), scope == "state"), _cut(_as(state.prev_values, dtype),
-                scope == "state"), state.prev_codes)
+        prev = (_cut(_as(state.prev_keys, dtype), cut), _cut(_as(state.prev_values, dtype), cut), state.prev_codes)
         window.insert(0, rows @ prev[0].transpose(-1, -2))
     window = torch.cat(window, dim=-1).reshape(B, Hkv, G, T, -1)
     first = (L if has_prev else 0) + p  # offset i - j of query 0 and window column 0
