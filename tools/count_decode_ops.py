@@ -1,5 +1,5 @@
 """ATen operator calls per generated token of the demo-sized vq and softmax models of
-``linattn bench decode`` (one step after a 1,000-token prompt, mean of 10), and per step of one
+``linattn bench decode`` (chained steps after a 1,000-token prompt, mean of 10), and per step of one
 VQ GAU through its one-token path and through the general layer:
 ``python tools/count_decode_ops.py``."""
 
@@ -21,10 +21,13 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count(fn, repeats: int = 10) -> float:
+def _count(step, state, repeats: int = 10) -> float:
+    """Mean operator calls of ``state = step(state)`` over ``repeats`` chained steps (after
+    one uncounted step, which moves a VQ state into its decoding buffers)."""
+    state = step(state)
     with _Count() as counter:
         for _ in range(repeats):
-            fn()
+            state = step(state)
     return counter.calls / repeats
 
 
@@ -36,16 +39,17 @@ def main() -> None:
         ids = torch.randint(0, 256, (1, 1001))
         with torch.no_grad():
             _, state, _ = model(ids[:, :-1])
-            print(f"{name} model: {_count(lambda: model._run(ids[:, -1:], state, with_aux=False)):.0f} calls per token")
+            calls = _count(lambda s: model._run(ids[:, -1:], s, with_aux=False)[1], state)
+            print(f"{name} model: {calls:.0f} calls per token")
             if name != "vq":
                 continue
             unit, unit_state = model.layers[0].units[0], state.layers[0][0]
             x = torch.randn(1, 1, model.config.d_model)
-            print(f"  one GAU, one-token path: {_count(lambda: unit(x, unit_state)):.0f} calls")
+            print(f"  one GAU, one-token path: {_count(lambda s: unit(x, s)[1], unit_state):.0f} calls")
             fast_path = gau.can_decode_token
             gau.can_decode_token = lambda *args: False  # the general layer, same no-grad eval step
             try:
-                print(f"  one GAU, general layer: {_count(lambda: unit(x, unit_state)):.0f} calls")
+                print(f"  one GAU, general layer: {_count(lambda s: unit(x, s)[1], unit_state):.0f} calls")
             finally:
                 gau.can_decode_token = fast_path
 

@@ -122,6 +122,9 @@ class VQAttentionState(_State):
     prev_values: torch.Tensor | None = None
     prev_codes: torch.Tensor | None = None
     steps: int = 0
+    # Decoding with gradients off keeps the fields as views of one buffer that later steps
+    # fill in place (ops/_vq_resident.py); a state rebuilt from this one starts without it.
+    _resident: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Ops: for each mechanism and context length C, the state after C random tokens is built in
 one call (not timed), then ``--tokens`` single-token steps are timed one by one, each
-feeding the state of the previous; the median step time is reported. Mechanisms with a
+feeding the state of the previous, the contexts in turns; the median step time is reported. Mechanisms with a
 constant-size state (Transformer-VQ, kernel attention, the delta rule) should be flat in C;
 exact attention with a KV cache (``sdpa-kvcache``: one query against all cached keys) grows
 linearly. B=1, H=8, D=64, float32 by default.
@@ -98,24 +98,27 @@ DECODE_CASES: dict[str, Callable[[int, int], DecodeCase]] = {
 
 
 def measure(name: str, contexts, *, heads: int, dim: int, tokens: int, seed: int = 0) -> list[dict]:
-    """Median seconds per decoded token of the case ``name`` at each context length."""
+    """Median seconds per decoded token of the case ``name`` at each context length. The
+    contexts take their steps in turns (one step of each, then the next), so a slow spell of
+    a shared machine falls on all of them alike and their ratio stays fair."""
     prefill, step = DECODE_CASES[name](heads, dim)
-    rows = []
+    states, inputs = {}, {}
     with torch.no_grad():
         for context in contexts:
             generator = torch.Generator().manual_seed(seed + context)
-            state = prefill(*(torch.randn(1, heads, context, dim, generator=generator) for _ in range(3)))
+            states[context] = prefill(*(torch.randn(1, heads, context, dim, generator=generator) for _ in range(3)))
             # each step's inputs are their own small tensors, as in generation (a slice of one long
             # tensor would put the heads' rows megabytes apart and slow every step as C grows)
-            steps = [[torch.randn(1, heads, 1, dim, generator=generator) for _ in range(3)] for _ in range(tokens)]
-            times = []
-            for one in steps:
+            inputs[context] = [[torch.randn(1, heads, 1, dim, generator=generator) for _ in range(3)]
+                               for _ in range(tokens)]
+        times = {context: [] for context in contexts}
+        for index in range(tokens):
+            for context in contexts:
                 start = time.perf_counter()
-                state = step(*one, state)
-                times.append(time.perf_counter() - start)
-            rows.append({"kind": "op", "case": name, "context": context, "per_token_s": median(times),
-                         "times_s": times})
-    return rows
+                states[context] = step(*inputs[context][index], states[context])
+                times[context].append(time.perf_counter() - start)
+    return [{"kind": "op", "case": name, "context": context, "per_token_s": median(times[context]),
+             "times_s": times[context]} for context in contexts]
 
 
 # Whole models: CLI name -> layer spec; demo-sized (configs/demo.toml), equal parameter counts.

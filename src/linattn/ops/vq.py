@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from ..state import VQAttentionState
 from ._bias import offset_rows, relative_bias_table
 from ._codebook import codebook_scores
+from . import _vq_resident as resident
+from ._vq_cache import code_statistics, fold_block, log_counts, mean_values
 from .._checks import (
     check_bool,
     check_choice,
@@ -128,32 +130,12 @@ def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0):
     return torch.softmax(scores, dim=-1) @ v.unsqueeze(2)
 
 
-def _code_statistics(codes, values, num_codes):
-    """Per block: how many positions use each code and the sum of their values.
-
-    codes ``[B, Hkv, R, L]`` (hard, int64) or assignment weights ``[B, Hkv, R, L, S]``
-    (soft) -> counts ``[B, Hkv, R, S]``; values ``[B, Hkv, R, L, E]`` -> sums ``[B, Hkv, R, S, E]``.
-    """
-    if codes.is_floating_point():
-        return codes.sum(-2), codes.transpose(-1, -2) @ values
-    counts = values.new_zeros(*codes.shape[:-1], num_codes)
-    counts.scatter_add_(-1, codes, torch.ones_like(codes, dtype=values.dtype))
-    index = codes.unsqueeze(-1).expand(*codes.shape, values.shape[-1])
-    sums = values.new_zeros(*codes.shape[:-1], num_codes, values.shape[-1]).scatter_add(-2, index, values)
-    return counts, sums
-
-
-def _means(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Mean value per code, ``sums / counts`` (0 for unused codes; soft counts may be < 1)."""
-    return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
-
-
 def _noncausal(q, codes, v, codebook):
     """Encoder form: ``softmax_s(q.c_s + log n_s) m_s`` over all positions."""
-    counts, sums = _code_statistics(codes.unsqueeze(2), v.unsqueeze(2), codebook.shape[1])
+    counts, sums = code_statistics(codes.unsqueeze(2), v.unsqueeze(2), codebook.shape[1])
     counts, sums = counts.squeeze(2), sums.squeeze(2)
     logits = q @ codebook.unsqueeze(0).unsqueeze(2).transpose(-1, -2) + torch.log(counts).unsqueeze(2).unsqueeze(-2)
-    means = _means(sums, counts)
+    means = mean_values(sums, counts)
     return torch.softmax(logits, dim=-1) @ means.unsqueeze(2)
 
 
@@ -225,17 +207,17 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype)
         with_prev = r > 0 or has_prev
         # One softmax over (previous block, own block, S cache slots): keys [prev; own; C].
         keys = torch.cat([_cut(prev_k_r, cut), k_r, codebook_keys], dim=-2)
-        values = torch.cat([_cut(prev_v_r, cut), v_r, _means(run_sums, run_counts)], dim=-2)
+        values = torch.cat([_cut(prev_v_r, cut), v_r, mean_values(run_sums, run_counts)], dim=-2)
         scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
         scores[..., : 2 * L] += window if with_prev else window_without_prev
         if positions is not None:
             scores[..., : 2 * L] += _position_scores(q_r, positions, L, 2 * L, L)
-        scores[..., 2 * L :] += _log_counts(run_counts)[:, :, None, None, :]
+        scores[..., 2 * L :] += log_counts(run_counts)[:, :, None, None, :]
         outs.append(torch.softmax(scores, dim=-1) @ values.unsqueeze(2))
         if with_prev:
             # Block r's previous block is two blocks behind block r + 1: it enters the cache.
             entering = prev_v_r if scope == "none" else prev_v_r.detach()
-            counts, sums = _code_statistics(prev_codes_r.unsqueeze(2), entering.unsqueeze(2), S)
+            counts, sums = code_statistics(prev_codes_r.unsqueeze(2), entering.unsqueeze(2), S)
             if codes.is_floating_point() and scope != "none":
                 counts = counts.detach()
             run_counts, run_sums = run_counts + counts.squeeze(2), run_sums + sums.squeeze(2)
@@ -251,7 +233,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype)
             if full_blocks >= 1
             else ((state.prev_keys, state.prev_values, state.prev_codes) if has_prev else (None, None, None))
         ),
-        "cache": (final_cache[0], _means(final_cache[1], final_cache[0])),
+        "cache": (final_cache[0], mean_values(final_cache[1], final_cache[0])),
     }
     return out, new_state
 
@@ -289,17 +271,13 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype
     window = torch.cat(window, dim=-1).reshape(B, Hkv, G, T, -1)
     first = (L if has_prev else 0) + p  # offset i - j of query 0 and window column 0
     columns = first + T
-    relative = None  # per query row and offset 0..L: b_delta + q.P_delta
-    if positions_k is not None:
-        relative = q @ positions_k.unsqueeze(0).transpose(-1, -2)  # [B, Hkv, G, T, L + 1]
-    if table is not None:
-        relative = table.unsqueeze(-2) if relative is None else relative + table.unsqueeze(-2)
+    relative = _relative_terms(q, table, positions_k)
     if relative is not None:
         window = window + offset_rows(relative, first, T, columns, 0, L)
     if T > 1:
         offsets = first + torch.arange(T, device=q.device)[:, None] - torch.arange(columns, device=q.device)
         window = window.masked_fill(offsets < 0, float("-inf"))
-    cache = codebook_scores(rows, codebook) + _log_counts(counts).unsqueeze(2)
+    cache = codebook_scores(rows, codebook) + log_counts(counts).unsqueeze(2)
     probs = torch.softmax(torch.cat([window.reshape(B, Hkv, G * T, columns), cache], dim=-1), dim=-1)
     out = probs[..., first - p : columns] @ v + probs[..., columns:] @ means
     if has_prev:
@@ -311,14 +289,24 @@ def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype
                      "prev": prev if has_prev else (None, None, None), "cache": (counts, means)}
     if has_prev:  # the completed block pushes the previous one into the cache
         entering = prev[1] if scope == "none" else prev[1].detach()
-        new_counts, sums = _code_statistics(prev[2].unsqueeze(2), entering.unsqueeze(2), S)
-        if codes.is_floating_point() and scope != "none":
-            new_counts = new_counts.detach()
-        sums = means * counts.unsqueeze(-1) + sums.squeeze(2)
-        counts = counts + new_counts.squeeze(2)
-        means = _means(sums, counts)
+        counts, means = fold_block(counts, means, prev[2], entering,
+                                   detach_counts=codes.is_floating_point() and scope != "none")
     return out, {"partial": _owned(k[:, :, :0], v[:, :, :0], codes[:, :, :0]), "prev": (k, v, codes),
                  "cache": (counts, means)}
+
+
+def _relative_terms(q, table, positions_k) -> torch.Tensor | None:
+    """Per query row and offset ``delta = 0..L``: ``b_delta + q.P_delta`` ``[B|1, Hkv|1, G|1, T|1, L + 1]``."""
+    relative = None
+    if positions_k is not None:
+        relative = q @ positions_k.unsqueeze(0).transpose(-1, -2)
+    if table is not None:
+        relative = table.unsqueeze(-2) if relative is None else relative + table.unsqueeze(-2)
+    return relative
+
+
+def _reversed(relative: torch.Tensor | None) -> torch.Tensor | None:
+    return None if relative is None else relative.flip(-1)
 
 
 def _cut(t: torch.Tensor, cut: bool) -> torch.Tensor:
@@ -335,11 +323,6 @@ def _owned(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t`` in ``dtype``, without the cost of a call when it already is."""
     return t if t.dtype == dtype else t.to(dtype)
-
-
-def _log_counts(counts: torch.Tensor) -> torch.Tensor:
-    """``log n_s``, ``-inf`` where ``n_s = 0`` (computed on clamped counts: log(0) is slow)."""
-    return counts.clamp_min(torch.finfo(counts.dtype).tiny).log().masked_fill(counts == 0, float("-inf"))
 
 
 def _grad_scope(grad_scope, cache_grad) -> str:
@@ -512,6 +495,12 @@ def vq_attention(
         return _as(out.reshape(B, H, T, Dv), q.dtype), None
 
     filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
+    if filled + T <= L and not torch.is_grad_enabled():
+        out, state = resident.decode(qf, kf, vf, codes, codebook, _reversed(_relative_terms(qf, table, positions_k)), L,
+                                     initial_state, dtype)
+        return _as(out.reshape(B, H, T, Dv), q.dtype), (state if output_final_state else None)
+    if torch.is_grad_enabled():
+        resident.release(initial_state)
     form = _decode if filled + T <= L else _block
     out, pieces = form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
     out = _as(out.reshape(B, H, T, Dv), q.dtype)

@@ -58,7 +58,7 @@ def flatten_state(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> 
         return {"tuple": [flatten_state(item, f"{prefix}.{i}", tensors) for i, item in enumerate(value)]}
     if isinstance(value, state_module._State):
         fields = {f.name: flatten_state(getattr(value, f.name), f"{prefix}.{f.name}", tensors)
-                  for f in dataclasses.fields(value)}
+                  for f in dataclasses.fields(value) if f.init}  # not the decoding buffers
         return {"state": type(value).__name__, "fields": fields}
     raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint state")
 

@@ -1,0 +1,43 @@
+"""The cache of Transformer-VQ attention: per code, how many positions were quantized to it
+and the mean of their values (the compressed past that every later query reads)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def code_statistics(codes: torch.Tensor, values: torch.Tensor, num_codes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block: how many positions use each code and the sum of their values.
+
+    codes ``[B, Hkv, R, L]`` (hard, int64) or assignment weights ``[B, Hkv, R, L, S]``
+    (soft) -> counts ``[B, Hkv, R, S]``; values ``[B, Hkv, R, L, E]`` -> sums ``[B, Hkv, R, S, E]``.
+    """
+    if codes.is_floating_point():
+        return codes.sum(-2), codes.transpose(-1, -2) @ values
+    counts = values.new_zeros(*codes.shape[:-1], num_codes)
+    counts.scatter_add_(-1, codes, torch.ones_like(codes, dtype=values.dtype))
+    index = codes.unsqueeze(-1).expand(*codes.shape, values.shape[-1])
+    sums = values.new_zeros(*codes.shape[:-1], num_codes, values.shape[-1]).scatter_add(-2, index, values)
+    return counts, sums
+
+
+def mean_values(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mean value per code, ``sums / counts`` (0 for unused codes; soft counts may be < 1)."""
+    return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
+
+
+def log_counts(counts: torch.Tensor) -> torch.Tensor:
+    """``log n_s``, ``-inf`` where ``n_s = 0`` (computed on clamped counts: log(0) is slow)."""
+    return counts.clamp_min(torch.finfo(counts.dtype).tiny).log().masked_fill(counts == 0, float("-inf"))
+
+
+def fold_block(counts: torch.Tensor, cache_means: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
+               detach_counts: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache after one block enters it: counts ``[B, Hkv, S]``, means ``[B, Hkv, S, E]``,
+    the block's codes ``[B, Hkv, L]`` (or soft ``[B, Hkv, L, S]``) and values ``[B, Hkv, L, E]``:
+    ``n'_s = n_s + c_s``, ``m'_s = (n_s m_s + sum_{j: z_j = s} v_j) / n'_s``. ``detach_counts``
+    cuts the gradient of soft counts."""
+    added, sums = code_statistics(codes.unsqueeze(2), values.unsqueeze(2), counts.shape[-1])
+    added = added.squeeze(2).detach() if detach_counts else added.squeeze(2)
+    total = counts + added
+    return total, mean_values(cache_means * counts.unsqueeze(-1) + sums.squeeze(2), total)

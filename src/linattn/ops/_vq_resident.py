@@ -1,0 +1,202 @@
+"""Transformer-VQ decoding into buffers that live with the state (gradients off).
+
+A decoding step attends from a few new queries to the previous block, the current block
+so far and the S cache slots. Here those keys and values sit side by side in one buffer
+per state, so a step is one matmul for the scores, one softmax and one matmul for the
+output, and the new positions are written into their rows in place:
+
+    keys   [B, Hkv, 2L + S, Dk]: previous block | current block | codebook
+    values [B, Hkv, 2L + S, Dv]: previous block | current block | cache means m_s
+    mask   [B, Hkv, 2L + S]:     0 on filled rows, -inf on empty ones | log n_s
+
+(``codes`` [B, Hkv, 2L, ...] keeps the codes of both blocks for the cache update.) The
+state's public fields are views of these buffers (``partial_keys`` = rows L .. L + p,
+``prev_keys`` = rows 0 .. L, ``cache_means`` = rows 2L ..). When a block completes, the
+previous block enters the cache and a new buffer starts with the completed block as its
+previous one: one copy of the state per L tokens.
+
+States are values: a step never changes what an earlier state reads. Rows past a state's
+``p`` are free, and a step may fill them in place only if no other step from a state of
+the same buffer has claimed them (``written``); a second continuation of one state copies
+the buffer first (beam search, retries). A state rebuilt by ``dataclasses.replace``,
+``.to``, ``.detach`` or ``select_batch`` has no buffer and gets a new one at its first step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..state import VQAttentionState
+from ._bias import offset_rows
+from ._vq_cache import fold_block, log_counts
+
+
+class ResidentWindow:
+    """The buffers of one chain of decoding states (see the module docstring), with the
+    views a step reads made once: ``keys3 [B Hkv, 2L + S, Dk]`` (and its transpose ``keys_t``),
+    ``values3 [B Hkv, 2L + S, Dv]``, ``mask3 [B Hkv, 1, 2L + S]``, ``codes3 [B Hkv, 2L(, S)]``."""
+
+    __slots__ = ("keys", "values", "codes", "mask", "counts", "block_size", "codebook", "written",
+                 "keys3", "keys_t", "values3", "mask3", "codes3", "prev", "cache_means")
+
+    def __init__(self, keys, values, codes, mask, counts, block_size, codebook=None, written=None):
+        B, Hkv, columns, D = keys.shape
+        L = block_size
+        self.keys, self.values, self.codes, self.mask = keys, values, codes, mask
+        self.counts = counts  # [B, Hkv, S]: the states' cache_counts
+        self.block_size = L
+        self.codebook = codebook  # (tensor, version) that rows 2L.. were copied from
+        self.written = written  # current-block rows claimed by a state of this buffer; None: copy first
+        self.keys3 = keys.view(B * Hkv, columns, D)
+        self.keys_t = self.keys3.transpose(1, 2)
+        self.values3 = values.view(B * Hkv, columns, values.shape[-1])
+        self.mask3 = mask.view(B * Hkv, 1, columns)
+        self.codes3 = codes.view(B * Hkv, 2 * L, *codes.shape[3:])
+        self.prev = (keys.narrow(2, 0, L), values.narrow(2, 0, L), codes.narrow(2, 0, L))
+        self.cache_means = values.narrow(2, 2 * L, columns - 2 * L)
+
+    def append(self, p: int, k: torch.Tensor, v: torch.Tensor, codes: torch.Tensor) -> None:
+        """Write positions ``p .. p + T - 1`` of the current block: k ``[B Hkv, T, Dk]``,
+        v ``[B Hkv, T, Dv]``, codes ``[B Hkv, T(, S)]``."""
+        T, row = k.shape[1], self.block_size + p
+        self.keys3.narrow(1, row, T).copy_(k)
+        self.values3.narrow(1, row, T).copy_(v)
+        self.codes3.narrow(1, row, T).copy_(codes)
+        self.mask3.narrow(2, row, T).fill_(0.0)
+        self.written = p + T
+
+    def append_one(self, p: int, k: torch.Tensor, v: torch.Tensor, codes: torch.Tensor) -> None:
+        """``append`` of one position: k ``[B Hkv, Dk]``, v ``[B Hkv, Dv]``, codes ``[B Hkv(, S)]``."""
+        row = self.block_size + p
+        self.keys3.select(1, row).copy_(k)
+        self.values3.select(1, row).copy_(v)
+        self.codes3.select(1, row).copy_(codes)
+        self.mask3.select(2, row).fill_(0.0)
+        self.written = p + 1
+
+
+def _holds(window: ResidentWindow, codebook: torch.Tensor) -> bool:
+    """Whether rows 2L.. hold ``codebook`` as it is now (the same tensor, not written since)."""
+    return window.codebook is not None and window.codebook[0] is codebook and window.codebook[1] == codebook._version
+
+
+def _views_of(window: ResidentWindow | None, state: VQAttentionState, columns: int, dtype) -> bool:
+    """Whether ``state``'s fields are still the views of ``window`` that a step made."""
+    return (window is not None and window.keys.dtype == dtype and window.keys.shape[2] == columns
+            and state.partial_keys._base is window.keys and state.partial_values._base is window.values
+            and state.partial_codes._base is window.codes and state.cache_counts is window.counts)
+
+
+def release(state: VQAttentionState | None) -> None:
+    """No step may write into ``state``'s buffer any more (a graph built with gradients on
+    reads it: an in-place write would invalidate its backward)."""
+    if state is not None and state._resident is not None:
+        state._resident.written = None
+
+
+def window_for(state: VQAttentionState | None, L: int, codebook: torch.Tensor, shape: tuple,
+               code_like: torch.Tensor, dtype: torch.dtype) -> ResidentWindow:
+    """The buffer the next step of ``state`` writes into: its own when no other step claimed
+    the free rows and it holds this codebook, else a new one with the same content.
+    ``shape`` = (B, Hkv, Dk, Dv); ``code_like``: a tensor of codes (int64 or soft weights)."""
+    p = 0 if state is None else state.partial_keys.shape[2]
+    window = None if state is None else state._resident
+    S = codebook.shape[-2]
+    if state is not None and _views_of(window, state, 2 * L + S, dtype):
+        if window.written == p and _holds(window, codebook):
+            return window
+        window = ResidentWindow(window.keys.clone(), window.values.clone(), window.codes.clone(),
+                                window.mask.clone(), window.counts, L)
+    else:
+        window = _filled(state, L, S, shape, code_like, dtype, codebook.device)
+    window.mask[:, :, L + p : 2 * L] = float("-inf")
+    window.keys[:, :, 2 * L :] = codebook.to(dtype)
+    window.codebook, window.written = (codebook, codebook._version), p
+    return window
+
+
+def _filled(state, L, S, shape, code_like, dtype, device) -> ResidentWindow:
+    """A buffer holding what ``state``'s fields hold (nothing for None)."""
+    B, Hkv, D, E = shape
+    window = ResidentWindow(
+        torch.zeros(B, Hkv, 2 * L + S, D, dtype=dtype, device=device),
+        torch.zeros(B, Hkv, 2 * L + S, E, dtype=dtype, device=device),
+        code_like.new_zeros(B, Hkv, 2 * L, *code_like.shape[3:]),
+        torch.zeros(B, Hkv, 2 * L + S, dtype=dtype, device=device),
+        torch.zeros(B, Hkv, S, dtype=dtype, device=device) if state is None else state.cache_counts.to(dtype),
+        L,
+    )
+    if state is not None:
+        p = state.partial_keys.shape[2]
+        for buffer, part, prev in ((window.keys, state.partial_keys, state.prev_keys),
+                                   (window.values, state.partial_values, state.prev_values),
+                                   (window.codes, state.partial_codes, state.prev_codes)):
+            buffer[:, :, L : L + p] = part
+            if prev is not None:
+                buffer[:, :, :L] = prev
+        window.cache_means.copy_(state.cache_means)
+    if state is None or state.prev_keys is None:
+        window.mask[:, :, :L] = float("-inf")
+    window.mask[:, :, 2 * L :] = log_counts(window.counts)
+    return window
+
+
+def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttentionState | None, dtype: torch.dtype):
+    """Gradient-free decode form over the resident buffer.
+
+    q ``[B, Hkv, G, T, Dk]`` (scaled) for positions ``p .. p + T - 1`` of the current block
+    (``p + T <= L``); k ``[B, Hkv, T, Dk]``, v ``[B, Hkv, T, Dv]``, codes ``[B, Hkv, T(, S)]``
+    in ``dtype``; relative_reversed: None or ``r_delta = b_delta + q.P_delta`` for the offsets
+    ``delta = L, L - 1, .., 0`` (reversed: for one query they then match columns ``p .. L + p``),
+    ``[B|1, Hkv|1, G|1, T|1, L + 1]``. Returns ``(out [B, Hkv, G, T, Dv], new state)``.
+    """
+    B, Hkv, G, T, D = q.shape
+    BH, E = B * Hkv, v.shape[-1]
+    p = 0 if state is None else state.partial_keys.shape[2]
+    window = window_for(state, L, codebook, (B, Hkv, D, E), codes, dtype)
+    window.append(p, k.reshape(BH, T, D), v.reshape(BH, T, E), codes.reshape(BH, T, *codes.shape[3:]))
+    scores = torch.baddbmm(window.mask3, q.reshape(BH, G * T, D), window.keys_t)
+    if relative_reversed is not None or T > 1:
+        grid = scores.view(B, Hkv, G, T, -1)
+        if T == 1:
+            grid.narrow(-1, p, L + 1).add_(relative_reversed)
+        else:
+            if relative_reversed is not None:
+                grid.narrow(-1, 0, L + p + T).add_(offset_rows(relative_reversed.flip(-1), L + p, T, L + p + T, 0, L))
+            later = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)  # new positions see each other causally
+            grid.narrow(-1, L + p, T).masked_fill_(later, float("-inf"))
+    out = torch.bmm(torch.softmax(scores, dim=-1), window.values3).view(B, Hkv, G, T, E)
+    has_prev = state is not None and state.prev_keys is not None
+    return out, state_after(window, p + T, has_prev, (0 if state is None else state.steps) + T)
+
+
+def state_after(window: ResidentWindow, p: int, has_prev: bool, steps: int) -> VQAttentionState:
+    """The state whose current block is the first ``p`` rows of ``window``'s (a completed
+    block moves on to a new buffer)."""
+    L = window.block_size
+    if p == L:
+        window, p, has_prev = _next_block(window, has_prev), 0, True
+    prev = window.prev if has_prev else (None, None, None)
+    state = VQAttentionState(
+        partial_keys=window.keys.narrow(2, L, p), partial_values=window.values.narrow(2, L, p),
+        partial_codes=window.codes.narrow(2, L, p), cache_counts=window.counts, cache_means=window.cache_means,
+        prev_keys=prev[0], prev_values=prev[1], prev_codes=prev[2], steps=steps,
+    )
+    state._resident = window
+    return state
+
+
+def _next_block(window: ResidentWindow, has_prev: bool) -> ResidentWindow:
+    """A new buffer after the current block completed: the previous block enters the cache,
+    the completed block becomes the previous one."""
+    L = window.block_size
+    counts, means = window.counts, window.cache_means
+    if has_prev:
+        counts, means = fold_block(counts, means, window.prev[2], window.prev[1])
+    keys, values = torch.zeros_like(window.keys), torch.zeros_like(window.values)
+    codes, mask = torch.zeros_like(window.codes), torch.empty_like(window.mask)
+    keys[:, :, :L], keys[:, :, 2 * L :] = window.keys[:, :, L : 2 * L], window.keys[:, :, 2 * L :]
+    values[:, :, :L], values[:, :, 2 * L :] = window.values[:, :, L : 2 * L], means
+    codes[:, :, :L] = window.codes[:, :, L:]
+    mask[:, :, :L], mask[:, :, L : 2 * L], mask[:, :, 2 * L :] = 0.0, float("-inf"), log_counts(counts)
+    return ResidentWindow(keys, values, codes, mask, counts, L, window.codebook, 0)
