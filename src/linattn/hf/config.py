@@ -47,6 +47,7 @@ class LinattnConfig(PretrainedConfig):
     feature_seed: int = 0
     delta_short_conv: int | None = 4
     softmax_memory: int = 0
+    attention_scale: str = "default"
     gau_d_k: int = 128
     gau_d_v: int | None = None
     codebook_size: int = 512

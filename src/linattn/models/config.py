@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import check_choice, check_int_fields, config_from_dict, is_number
+from ..nn.attention import ATTENTION_SCALES
 from ..nn.gau import GAU_VARIANTS
 from ..nn.quantizer import COMMITMENT_REDUCTIONS
 from ..ops.vq import GRAD_SCOPES
@@ -39,6 +40,7 @@ class LMConfig:
     feature_seed: int = 0
     delta_short_conv: int | None = 4
     softmax_memory: int = 0  # keys a softmax layer keeps across training windows (XL memory)
+    attention_scale: str = "default"  # exact softmax layers (softmax, local, gau-softmax): "default" | "entropy"
     # Transformer-VQ GAU layers
     gau_d_k: int = 128
     gau_d_v: int | None = None  # None = 2 d_model
@@ -69,6 +71,7 @@ class LMConfig:
         if self.n_heads % (self.n_kv_heads or self.n_heads):
             raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         check_choice("LMConfig.gau_variant", self.gau_variant, GAU_VARIANTS)
+        check_choice("LMConfig.attention_scale", self.attention_scale, ATTENTION_SCALES)
         check_choice("LMConfig.vq_grad_scope", self.vq_grad_scope, (None, *GRAD_SCOPES))
         check_choice("LMConfig.commitment_reduction", self.commitment_reduction, (None, *COMMITMENT_REDUCTIONS))
         if self.sinusoid_dropout is not None and not (is_number(self.sinusoid_dropout)

@@ -1,6 +1,10 @@
 """Layer kinds of the language model: one registry from a spec string to a built layer.
 
 A layer spec is ``KIND`` or ``KIND:OPTION`` (``"vq"``, ``"linear:dpfp:2"``, ``"local:128"``).
+The exact softmax kinds take flags after the kind (and after local's window), in any order:
+``nope`` (no positional encoding; softmax and local) and ``entropy`` (the entropy-invariant
+scale ``log_512(n)/sqrt(d)``; softmax, local, gau-softmax), e.g. the window + global hybrid
+``local:128,local:128,softmax:nope:entropy``.
 Each kind is one ``LayerKind`` entry that says everything the model needs to know about it:
 how its option is checked, how the layer is built from an ``LMConfig``, which of its linear
 maps are output projections (initialised with the smaller residual std), how its decode
@@ -59,6 +63,35 @@ def _linear_option(option: str | None) -> bool:
 
 def _delta_option(option: str | None) -> bool:
     return option is None or option.partition(":")[0] in LINEAR_FEATURE_MAPS
+
+
+def _exact_options(option: str | None, flags: tuple[str, ...], window: bool = False):
+    """``(window or None, set of flags)`` of an exact softmax kind's option text, or None if invalid."""
+    parts = [] if option is None else option.split(":")
+    size = None
+    if window and parts and parts[0].isdigit():
+        size = int(parts.pop(0))
+        if size < 1:
+            return None
+    if any(part not in flags for part in parts) or len(set(parts)) != len(parts):
+        return None
+    return size, set(parts)
+
+
+def _softmax_option(option: str | None) -> bool:
+    return _exact_options(option, ("nope", "entropy")) is not None
+
+
+def _local_option(option: str | None) -> bool:
+    return _exact_options(option, ("nope", "entropy"), window=True) is not None
+
+
+def _gau_softmax_option(option: str | None) -> bool:
+    return _exact_options(option, ("entropy",)) is not None
+
+
+def _scale(config: LMConfig, flags: set) -> str:
+    return "entropy" if "entropy" in flags else config.attention_scale
 
 
 def _unchanged(state: Any, config: LMConfig) -> Any:
@@ -170,9 +203,9 @@ class GAUPair(nn.Module):
     """Transformer-VQ's layer: two gated attention units, each ``x + GAU(x)`` (pre-norm inside),
     no feed-forward. The state is a pair of unit states."""
 
-    def __init__(self, config: LMConfig, attention: str):
+    def __init__(self, config: LMConfig, attention: str, scale: str = "default"):
         super().__init__()
-        options = dict(
+        options = dict(scale=scale,
             d_k=config.gau_d_k, d_v=config.gau_d_v, codebook_size=config.codebook_size,
             block_size=config.block_size, attention=attention,
             temperature=config.soft_vq_temperature, ema_decay=config.ema_decay,
@@ -212,6 +245,22 @@ def _delta_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
     return PreNormBlock(config, mixer)
 
 
+def _softmax_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    _, flags = _exact_options(spec.option, ("nope", "entropy"))
+    return _attention_block(config, mechanism="softmax", rotary="nope" not in flags, scale=_scale(config, flags))
+
+
+def _local_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    window, flags = _exact_options(spec.option, ("nope", "entropy"), window=True)
+    return _attention_block(config, mechanism="local", window=window or config.local_window,
+                            rotary="nope" not in flags, scale=_scale(config, flags))
+
+
+def _gau_softmax_pair(config: LMConfig, spec: LayerSpec, index: int) -> GAUPair:
+    _, flags = _exact_options(spec.option, ("entropy",))
+    return GAUPair(config, "softmax", scale=_scale(config, flags))
+
+
 def _favor_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
     features = FAVOR(int(spec.option or config.favor_features), seed=config.feature_seed + index)
     return _attention_block(config, mechanism="linear", feature_map=features)
@@ -233,6 +282,14 @@ def _check_rotary_head_dim(config: LMConfig, spec: LayerSpec) -> None:
                          "set head_dim or change n_heads")
 
 
+def _check_position_head_dim(config: LMConfig, spec: LayerSpec) -> None:
+    """Rotary positions need an even head dimension; a ``nope`` layer has none."""
+    if "nope" in (spec.option or "").split(":"):
+        _check_head_dim(config, spec)
+    else:
+        _check_rotary_head_dim(config, spec)
+
+
 def _truncated_cache(state: Any, config: LMConfig) -> Any:
     return truncate_cache(state, config.softmax_memory)
 
@@ -249,12 +306,12 @@ for _kind in (
               "'vq' (Transformer-VQ GAU pair)", output_projections=_PAIR_OUTPUTS),
     LayerKind("soft-vq", lambda config, spec, index: GAUPair(config, "soft-vq"), "'soft-vq'",
               output_projections=_PAIR_OUTPUTS),
-    LayerKind("gau-softmax", lambda config, spec, index: GAUPair(config, "softmax"),
-              "'gau-softmax' (the GAU's quadratic twin)", output_projections=_PAIR_OUTPUTS,
+    LayerKind("gau-softmax", _gau_softmax_pair, "'gau-softmax' / 'gau-softmax:entropy' (the GAU's quadratic twin)",
+              check_option=_gau_softmax_option, output_projections=_PAIR_OUTPUTS,
               carry=_truncated_unit_caches, growing_cache=True),
-    LayerKind("softmax", lambda config, spec, index: _attention_block(config, mechanism="softmax"), "'softmax'",
-              output_projections=_BLOCK_OUTPUTS, carry=_truncated_cache, growing_cache=True,
-              check_config=_check_rotary_head_dim),
+    LayerKind("softmax", _softmax_block, "'softmax' (flags ':nope', ':entropy', e.g. 'softmax:nope:entropy')",
+              check_option=_softmax_option, output_projections=_BLOCK_OUTPUTS, carry=_truncated_cache,
+              growing_cache=True, check_config=_check_position_head_dim),
     LayerKind("linear", lambda config, spec, index: _attention_block(config, mechanism="linear",
                                                                      feature_map=spec.option),
               "'linear:elu' / 'linear:relu' / 'linear:dpfp' / 'linear:dpfp:NU' / 'linear:taylor'",
@@ -263,9 +320,7 @@ for _kind in (
               output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
     LayerKind("delta", _delta_block, "'delta' / 'delta:dpfp' / 'delta:elu'", check_option=_delta_option,
               output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
-    LayerKind("local", lambda config, spec, index: _attention_block(
-        config, mechanism="local", window=int(spec.option or config.local_window)),
-              "'local' / 'local:WINDOW'", check_option=_optional_count, output_projections=_BLOCK_OUTPUTS,
-              check_config=_check_rotary_head_dim),
+    LayerKind("local", _local_block, "'local' / 'local:WINDOW' (flags ':nope', ':entropy', e.g. 'local:128:entropy')",
+              check_option=_local_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_position_head_dim),
 ):
     register_layer_kind(_kind)

@@ -8,12 +8,13 @@ from torch import nn
 from ..ops.feature_maps import FeatureMap, get_feature_map
 from ..ops.linear import linear_attention
 from ..ops.local import local_attention
-from ..ops.softmax import softmax_attention
+from ..ops.softmax import entropy_scale, softmax_attention
 from ..state import KVCacheState, LinearAttentionState
 from .._checks import check_choice
 from .rotary import apply_rotary
 
 _MECHANISMS = ("softmax", "linear", "local")
+ATTENTION_SCALES = ("default", "entropy")
 
 
 class Attention(nn.Module):
@@ -28,7 +29,12 @@ class Attention(nn.Module):
 
     Rotary position embeddings are applied to q and k for the softmax mechanisms
     (``rotary=None`` = on for softmax/local, off for linear: causal kernel attention has
-    no use for them). Heads: ``n_heads`` query heads sharing ``n_kv_heads`` key/value heads.
+    no use for them; ``rotary=False`` on softmax is NoPE, no positional encoding at all).
+    ``scale`` (softmax/local): ``"default"`` (``head_dim^-1/2``) or ``"entropy"``: the
+    entropy-invariant ``log_512(n_i) / sqrt(head_dim)`` with n_i the number of keys query i
+    sees (its position + 1, at most ``window`` for local; the keys in the cache + 1 when a
+    softmax layer continues a truncated cache). Heads: ``n_heads`` query heads sharing
+    ``n_kv_heads`` key/value heads.
 
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], state, aux)`` (``aux`` is
     empty: the layer interface of docs/design.md, section 5); passing the state back continues the
@@ -48,9 +54,13 @@ class Attention(nn.Module):
         chunk_size: int = 64,
         rotary: bool | None = None,
         rotary_base: float = 10000.0,
+        scale: str = "default",
     ):
         super().__init__()
         check_choice("mechanism", mechanism, _MECHANISMS)
+        check_choice("scale", scale, ATTENTION_SCALES)
+        if scale == "entropy" and mechanism == "linear":
+            raise ValueError("scale='entropy' is for the softmax mechanisms (softmax, local), not 'linear'")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         if n_kv_heads < 1 or n_heads % n_kv_heads:
             raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
@@ -61,7 +71,7 @@ class Attention(nn.Module):
         self.mechanism, self.window, self.chunk_size = mechanism, window, chunk_size
         self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
         self.rotary = (mechanism != "linear") if rotary is None else bool(rotary)
-        self.rotary_base = rotary_base
+        self.rotary_base, self.scale = rotary_base, scale
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
@@ -79,11 +89,22 @@ class Attention(nn.Module):
         past = 0 if state is None else state.steps
         if self.rotary:
             q, k = apply_rotary(q, past, self.rotary_base), apply_rotary(k, past, self.rotary_base)
+        if self.scale == "entropy":
+            q = q * self._entropy_scale(T, state, q)
         # The ops keep their own precision (float32 sums/softmax); under autocast they run
         # outside it, on the projections' dtype.
         with torch.autocast(x.device.type, enabled=False):
             out, state = self._attend(q, k.to(q.dtype), v.to(q.dtype), state)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state, {}
+
+    def _entropy_scale(self, T: int, state, q: torch.Tensor) -> torch.Tensor:
+        """``log_512(n_t) / sqrt(head_dim)`` ``[T, 1]`` for the T new queries (the ops then use scale 1)."""
+        if self.mechanism == "local":
+            seen = torch.arange(1, T + 1, device=q.device) + (0 if state is None else state.steps)
+            seen = seen.clamp_max(self.window)
+        else:
+            seen = torch.arange(1, T + 1, device=q.device) + (0 if state is None else state.keys.shape[2])
+        return entropy_scale(seen.to(q.dtype), self.head_dim).unsqueeze(-1)
 
     def _attend(self, q, k, v, state):
         if self.mechanism == "linear":
@@ -93,17 +114,21 @@ class Attention(nn.Module):
             )
         elif self.mechanism == "local":
             out, state = local_attention(
-                q, k, v, window=self.window, initial_state=state, output_final_state=True
+                q, k, v, window=self.window, scale=self._op_scale, initial_state=state, output_final_state=True
             )
         else:
-            out, state = self._softmax(q, k, v, state)
+            out, state = self._softmax(q, k, v, state, self._op_scale)
         return out, state
 
+    @property
+    def _op_scale(self) -> float | None:
+        return 1.0 if self.scale == "entropy" else None  # the entropy scale is already in q
+
     @staticmethod
-    def _softmax(q, k, v, state: KVCacheState | None):
+    def _softmax(q, k, v, state: KVCacheState | None, scale: float | None):
         T = q.shape[2]
         if state is None or state.keys.shape[2] == 0:
-            out = softmax_attention(q, k, v, causal=True)
+            out = softmax_attention(q, k, v, causal=True, scale=scale)
             return out, KVCacheState(keys=k, values=v, steps=T if state is None else state.steps + T)
         if not isinstance(state, KVCacheState):
             raise TypeError(f"softmax attention's state is a KVCacheState, got {type(state).__name__}")
@@ -112,7 +137,7 @@ class Attention(nn.Module):
         values = torch.cat([state.values.to(v.dtype), v], dim=2)
         # query i (after `cached` older keys) sees keys j <= cached + i
         visible = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
-        out = softmax_attention(q, keys, values, causal=False, bias=visible)
+        out = softmax_attention(q, keys, values, causal=False, bias=visible, scale=scale)
         return out, KVCacheState(keys=keys, values=values, steps=state.steps + T)
 
 

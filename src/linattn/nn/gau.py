@@ -8,9 +8,11 @@ from torch import nn
 
 from .._checks import check_choice, is_number
 from ..ops.soft_vq import soft_vq_attention
+from ..ops.softmax import entropy_scale
 from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
 from ._gau_decode import can_decode_token, decode_token
+from .attention import ATTENTION_SCALES
 from .quantizer import VectorQuantizer
 
 _ATTENTIONS = ("vq", "soft-vq", "softmax")
@@ -77,6 +79,9 @@ class GAU(nn.Module):
     keys and u, w are scaled by ``d_k^-1/4``; ``sinusoid_dropout`` drops entries of R in
     training. ``grad_scope`` is the VQ unit's ``vq_attention`` gradient scope and
     ``commitment_reduction`` its quantizer's (both only for ``attention="vq"``).
+    ``scale="entropy"`` (``attention="softmax"`` only) multiplies query i's logits by
+    ``log_512(n_i)``, n_i the keys it sees: the entropy-invariant scale (the logits already
+    carry ``d_k^-1/2``).
 
     ``forward(x [B, T, d_model], state=None) -> (y, state, aux)``; ``aux`` holds
     ``commit_loss`` (VQ; zero otherwise) and ``codes``. ``state`` continues the sequence:
@@ -101,11 +106,16 @@ class GAU(nn.Module):
         sinusoid_dropout: float = 0.0,
         grad_scope: str = "cache",
         commitment_reduction: str = "mean",
+        scale: str = "default",
     ):
         super().__init__()
         if attention not in _ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(_ATTENTIONS)}; got {attention!r}")
         check_choice("variant", variant, GAU_VARIANTS)
+        check_choice("scale", scale, ATTENTION_SCALES)
+        if scale == "entropy" and attention != "softmax":
+            raise ValueError(f"scale='entropy' is for the exact softmax unit (attention='softmax'), got {attention!r}")
+        self.scale = scale
         check_choice("grad_scope", grad_scope, GRAD_SCOPES)
         if not is_number(sinusoid_dropout) or not 0.0 <= sinusoid_dropout < 1.0:
             raise ValueError(f"sinusoid_dropout must be in [0, 1), got {sinusoid_dropout!r}")
@@ -250,9 +260,13 @@ class GAU(nn.Module):
             past = 0 if state is None else state.keys.shape[2]
             keys = k if state is None else torch.cat([state.keys.to(k.dtype), k], dim=2)
             values = v if state is None else torch.cat([state.values.to(v.dtype), v], dim=2)
+            row_scale = None
+            if self.scale == "entropy":  # log_512(n): the logits already carry d_k^-1/2
+                row_scale = entropy_scale(torch.arange(past + 1, past + T + 1, device=k.device, dtype=dtype), 1)
             out = windowed_softmax(
                 queries.unsqueeze(2), keys, values, bias.reshape(1, 1, -1),
                 position_keys.reshape(1, 1, *position_keys.shape), self.block_size, True, past=past,
+                row_scale=row_scale,
             ).squeeze(2)
             state = KVCacheState(keys=keys, values=values, steps=(0 if state is None else state.steps) + T)
         return out, state, aux

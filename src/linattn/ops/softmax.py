@@ -36,6 +36,13 @@ _IMPLS = ("auto", "reference", "sdpa", "tiled")
 BiasLike = torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
 
 
+def entropy_scale(visible: torch.Tensor, key_dim: int) -> torch.Tensor:
+    """The entropy-invariant scale ``log_512(n) / sqrt(Dk)`` for ``visible`` = n, the number
+    of keys each query sees (a float tensor): attention keeps its entropy as n grows past the
+    training length (n = 512 gives the usual ``Dk^-1/2``)."""
+    return torch.log(visible) / math.log(512.0) / math.sqrt(key_dim)
+
+
 def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, device, dtype):
     """The per-query scale: a float, or a ``[T, 1]`` tensor for ``scale="entropy"``."""
     Dk = shapes.key_dim
@@ -48,7 +55,7 @@ def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, de
             visible = torch.arange(1, shapes.length + 1, device=device, dtype=dtype)
         else:
             visible = torch.full((shapes.length,), float(key_length), device=device, dtype=dtype)
-        return (torch.log(visible) / math.log(512.0) / math.sqrt(Dk)).unsqueeze(-1)
+        return entropy_scale(visible, Dk).unsqueeze(-1)
     if not is_number(scale) or not scale > 0:
         raise ValueError(f"scale must be None, a positive number or 'entropy'; got {scale!r}")
     return float(scale)

@@ -114,10 +114,11 @@ def _position_scores(q, position_keys, first_offset: int, columns: int, L: int):
     return offset_rows(per_offset, first_offset, q.shape[-2], columns, 0, L)
 
 
-def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0):
+def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0, row_scale=None):
     """Quadratic softmax with the windowed relative terms: the reference, and the GAU's
     softmax twin. Materialised scores; q ``[B, Hkv, G, T, D]`` (scaled) holds positions
-    ``past .. past + T - 1``, k ``[B, Hkv, past + T, D]`` and v every position from 0."""
+    ``past .. past + T - 1``, k ``[B, Hkv, past + T, D]`` and v every position from 0;
+    ``row_scale`` ``[T]`` (or None) multiplies each query's logits, relative terms included."""
     scores = q @ k.unsqueeze(2).transpose(-1, -2)
     rows = torch.arange(past, past + q.shape[-2], device=q.device)
     offsets = rows[:, None] - torch.arange(k.shape[-2], device=q.device)[None, :]
@@ -125,6 +126,8 @@ def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0):
         scores = scores + _offset_bias(table, past, q.shape[-2], k.shape[-2], L)
     if positions_k is not None:
         scores = scores + _position_scores(q, positions_k.unsqueeze(0), past, k.shape[-2], L)
+    if row_scale is not None:
+        scores = scores * row_scale.unsqueeze(-1)
     if causal:
         scores = scores.masked_fill(offsets < 0, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v.unsqueeze(2)
