@@ -15,7 +15,7 @@ from .ops.strided import strided_attention
 from .ops.softmax import softmax_attention
 from .ops.soft_vq import soft_vq_attention
 from .ops.vq import vq_attention
-from .nn import Codebook, VectorQuantizer
+from .nn import Codebook, FSQuantizer, VectorQuantizer
 from .state import DeltaNetState, DeltaRuleState, KVCacheState, LinearAttentionState, LMState, VQAttentionState
 
 __version__ = "0.1.0"
@@ -31,6 +31,7 @@ __all__ = [
     "vq_attention",
     "soft_vq_attention",
     "VectorQuantizer",
+    "FSQuantizer",
     "Codebook",
     "VQAttentionState",
     "KVCacheState",

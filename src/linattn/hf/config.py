@@ -57,6 +57,7 @@ class LinattnConfig(PretrainedConfig):
     kmeans_init: bool = False
     dead_code_threshold: float = 0.0
     soft_vq_temperature: float = 1.0
+    fsq_levels: tuple[int, ...] | list[int] = (8, 5, 5, 5)
     gau_variant: str = "linattn"
     sinusoid_dropout: float | None = None
     vq_grad_scope: str | None = None

@@ -9,6 +9,7 @@ from typing import Any
 
 from .._checks import check_choice, check_int_fields, config_from_dict, is_number
 from ..nn.attention import ATTENTION_SCALES
+from ..nn.fsq import check_levels
 from ..nn.gau import GAU_VARIANTS
 from ..nn.quantizer import COMMITMENT_REDUCTIONS
 from ..ops.vq import GRAD_SCOPES
@@ -51,6 +52,7 @@ class LMConfig:
     kmeans_init: bool = False
     dead_code_threshold: float = 0.0
     soft_vq_temperature: float = 1.0
+    fsq_levels: tuple[int, ...] = (8, 5, 5, 5)  # vq-fsq layers: levels per bounded dimension, S = their product
     # "paper": the official code's GAU and training (docs/results.md); None below = the variant's choice
     gau_variant: str = "linattn"
     sinusoid_dropout: float | None = None  # linattn 0, paper 0.2 (its enwik8 setting)
@@ -72,6 +74,10 @@ class LMConfig:
             raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         check_choice("LMConfig.gau_variant", self.gau_variant, GAU_VARIANTS)
         check_choice("LMConfig.attention_scale", self.attention_scale, ATTENTION_SCALES)
+        try:
+            self.fsq_levels = check_levels(self.fsq_levels)
+        except ValueError as error:
+            raise ValueError(f"LMConfig.fsq_levels: {error}") from None
         check_choice("LMConfig.vq_grad_scope", self.vq_grad_scope, (None, *GRAD_SCOPES))
         check_choice("LMConfig.commitment_reduction", self.commitment_reduction, (None, *COMMITMENT_REDUCTIONS))
         if self.sinusoid_dropout is not None and not (is_number(self.sinusoid_dropout)

@@ -210,7 +210,7 @@ class GAUPair(nn.Module):
             block_size=config.block_size, attention=attention,
             temperature=config.soft_vq_temperature, ema_decay=config.ema_decay,
             commitment_weight=config.commitment_weight, kmeans_init=config.kmeans_init,
-            dead_code_threshold=config.dead_code_threshold, **config.gau_options(),
+            dead_code_threshold=config.dead_code_threshold, fsq_levels=config.fsq_levels, **config.gau_options(),
         )
         self.units = nn.ModuleList([GAU(config.d_model, **options) for _ in range(2)])
 
@@ -304,6 +304,8 @@ _PAIR_OUTPUTS = ("units.0.w_o", "units.1.w_o")
 for _kind in (
     LayerKind("vq", lambda config, spec, index: GAUPair(config, "vq"),
               "'vq' (Transformer-VQ GAU pair)", output_projections=_PAIR_OUTPUTS),
+    LayerKind("vq-fsq", lambda config, spec, index: GAUPair(config, "fsq"),
+              "'vq-fsq' (GAU pair, keys on the FSQ grid of fsq_levels)", output_projections=_PAIR_OUTPUTS),
     LayerKind("soft-vq", lambda config, spec, index: GAUPair(config, "soft-vq"), "'soft-vq'",
               output_projections=_PAIR_OUTPUTS),
     LayerKind("gau-softmax", _gau_softmax_pair, "'gau-softmax' / 'gau-softmax:entropy' (the GAU's quadratic twin)",

@@ -3,11 +3,13 @@
 from .attention import Attention
 from .codebook import Codebook, kmeans
 from .delta_net import DeltaNet
+from .fsq import FSQuantizer
 from .gau import GAU
 from .linformer import LinformerAttention
 from .quantizer import VectorQuantizer
 from .short_conv import ShortConvolution
 
 __all__ = [
-    "Attention", "Codebook", "DeltaNet", "GAU", "LinformerAttention", "ShortConvolution", "VectorQuantizer", "kmeans",
+    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "LinformerAttention", "ShortConvolution",
+    "VectorQuantizer", "kmeans",
 ]

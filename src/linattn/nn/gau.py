@@ -13,9 +13,10 @@ from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
 from ._gau_decode import can_decode_token, decode_token
 from .attention import ATTENTION_SCALES
+from .fsq import FSQuantizer
 from .quantizer import VectorQuantizer
 
-_ATTENTIONS = ("vq", "soft-vq", "softmax")
+_ATTENTIONS = ("vq", "fsq", "soft-vq", "softmax")
 GAU_VARIANTS = ("linattn", "paper")
 
 
@@ -71,7 +72,8 @@ class GAU(nn.Module):
     ``(q_i + u).k_j + (q_i + w).W_r R_{i-j}`` with learned ``u, w, W_r`` and sinusoids R.
 
     ``attention``: ``"vq"`` (keys quantized by a ``VectorQuantizer``, linear-time
-    ``vq_attention``), ``"soft-vq"`` (``soft_vq_attention`` with a codebook learned by
+    ``vq_attention``), ``"fsq"`` (keys quantized by an ``FSQuantizer`` on the grid of
+    ``fsq_levels``, the same ``vq_attention``), ``"soft-vq"`` (``soft_vq_attention`` with a codebook learned by
     gradient), ``"softmax"`` (the quadratic twin: same layer, exact keys).
 
     ``variant="paper"`` is the official code's parameterisation: the input norm has a gain
@@ -107,6 +109,7 @@ class GAU(nn.Module):
         grad_scope: str = "cache",
         commitment_reduction: str = "mean",
         scale: str = "default",
+        fsq_levels=(8, 5, 5, 5),
     ):
         super().__init__()
         if attention not in _ATTENTIONS:
@@ -143,6 +146,8 @@ class GAU(nn.Module):
                 kmeans_init=kmeans_init, dead_code_threshold=dead_code_threshold, init_scale=d_k ** -0.25,
                 commitment_reduction=commitment_reduction,
             )
+        elif attention == "fsq":
+            self.quantizer = FSQuantizer(1, d_k, fsq_levels, init_scale=d_k ** -0.25)
         elif attention == "soft-vq":
             self.codebook = nn.Parameter(torch.randn(1, codebook_size, d_k) * d_k ** -0.25)
 
@@ -238,7 +243,7 @@ class GAU(nn.Module):
         dtype, T = k.dtype, k.shape[2]
         aux = {"commit_loss": zero, "codes": None}
         common = dict(block_size=self.block_size, bias=bias, position_keys=position_keys, scale=1.0)
-        if self.attention == "vq":
+        if self.attention in ("vq", "fsq"):
             self._check_vq_state(state)
             k_hat, codes, aux["commit_loss"] = self.quantizer(k)
             aux["codes"] = codes
