@@ -56,6 +56,7 @@ from .._checks import (
 _MODES = ("parallel", "block")
 
 GRAD_SCOPES = ("cache", "state", "none")
+SCHEDULES = ("auto", "loop", "batched")
 
 
 def _window_bias(bias, heads: int, kv_heads: int, block_size: int, device, dtype) -> torch.Tensor | None:
@@ -142,8 +143,9 @@ def _noncausal(q, codes, v, codebook):
     return torch.softmax(logits, dim=-1) @ means.unsqueeze(2)
 
 
-def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype):
-    """Linear-time causal form. q ``[B, Hkv, G, T, D]`` (scaled); returns (out, pieces of the final state)."""
+def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype, schedule="loop"):
+    """Linear-time causal form. q ``[B, Hkv, G, T, D]`` (scaled); returns (out, pieces of the final state).
+    ``schedule``: ``"loop"`` (one block after another) or ``"batched"`` (all blocks at once, in groups)."""
     B, Hkv, G, T, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
     # The stream continues the state's partial block; queries exist only for new positions.
@@ -195,16 +197,42 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype)
     window_without_prev = window.clone()
     window_without_prev[..., :L] = float("-inf")
     positions = positions_k.unsqueeze(0) if positions_k is not None else None
-    codebook_keys = codebook.unsqueeze(0).expand(B, -1, -1, -1)
 
-    outs = []
-    final_cache = None
     full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
-    blocks = zip(
-        q_blocks.unbind(3), k_blocks.unbind(2), v_blocks.unbind(2), prev_k.unbind(2), prev_v.unbind(2),
-        prev_codes.unbind(2),
-    )
-    for r, (q_r, k_r, v_r, prev_k_r, prev_v_r, prev_codes_r) in enumerate(blocks):
+    blocks = (q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes)
+    run = (run_counts, run_sums)
+    if schedule == "batched":
+        outs, final_cache = _all_blocks(blocks, codebook, window, window_without_prev, positions, run, has_prev,
+                                        full_blocks, scope, S)
+    else:
+        outs, final_cache = _block_loop(blocks, codebook, window, window_without_prev, positions, run, has_prev,
+                                        full_blocks, scope, S)
+    out = outs.reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
+
+    start = full_blocks * L
+    new_state = {
+        "partial": _owned(k[:, :, start:P], v[:, :, start:P], codes[:, :, start:P]),
+        "prev": (
+            _owned(k_blocks[:, :, full_blocks - 1], v_blocks[:, :, full_blocks - 1], code_blocks[:, :, full_blocks - 1])
+            if full_blocks >= 1
+            else ((state.prev_keys, state.prev_values, state.prev_codes) if has_prev else (None, None, None))
+        ),
+        "cache": (final_cache[0], mean_values(final_cache[1], final_cache[0])),
+    }
+    return out, new_state
+
+
+def _block_loop(blocks, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope, S):
+    """The blocks one after another, the cache carried from each to the next.
+    Returns (outputs ``[B, Hkv, G, R, L, E]``, (counts, sums) of the cache before block ``full_blocks``)."""
+    q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
+    B, L, cut = k_blocks.shape[0], k_blocks.shape[3], scope == "state"
+    run_counts, run_sums = run
+    codebook_keys = codebook.unsqueeze(0).expand(B, -1, -1, -1)
+    outs, final_cache = [], None
+    each = zip(q_blocks.unbind(3), k_blocks.unbind(2), v_blocks.unbind(2), prev_k.unbind(2), prev_v.unbind(2),
+               prev_codes.unbind(2))
+    for r, (q_r, k_r, v_r, prev_k_r, prev_v_r, prev_codes_r) in enumerate(each):
         if r == full_blocks:
             final_cache = (run_counts, run_sums)
         with_prev = r > 0 or has_prev
@@ -219,26 +247,64 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype)
         outs.append(torch.softmax(scores, dim=-1) @ values.unsqueeze(2))
         if with_prev:
             # Block r's previous block is two blocks behind block r + 1: it enters the cache.
-            entering = prev_v_r if scope == "none" else prev_v_r.detach()
-            counts, sums = code_statistics(prev_codes_r.unsqueeze(2), entering.unsqueeze(2), S)
-            if codes.is_floating_point() and scope != "none":
-                counts = counts.detach()
+            counts, sums = _entering(prev_codes_r.unsqueeze(2), prev_v_r.unsqueeze(2), scope, S)
             run_counts, run_sums = run_counts + counts.squeeze(2), run_sums + sums.squeeze(2)
     if final_cache is None:
         final_cache = (run_counts, run_sums)
-    out = torch.cat(outs, dim=3).reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
+    return torch.stack(outs, dim=3), final_cache
 
-    start = full_blocks * L
-    new_state = {
-        "partial": _owned(k[:, :, start:P], v[:, :, start:P], codes[:, :, start:P]),
-        "prev": (
-            _owned(k_blocks[:, :, full_blocks - 1], v_blocks[:, :, full_blocks - 1], code_blocks[:, :, full_blocks - 1])
-            if full_blocks >= 1
-            else ((state.prev_keys, state.prev_values, state.prev_codes) if has_prev else (None, None, None))
-        ),
-        "cache": (final_cache[0], mean_values(final_cache[1], final_cache[0])),
-    }
-    return out, new_state
+
+def _entering(codes, values, scope, S):
+    """Counts and value sums of blocks entering the cache (``[B, Hkv, R, L(, S)]`` codes), with
+    the gradient the scope lets through (values detached unless ``"none"``, soft counts too)."""
+    counts, sums = code_statistics(codes, values if scope == "none" else values.detach(), S)
+    if codes.is_floating_point() and scope != "none":
+        counts = counts.detach()
+    return counts, sums
+
+
+_BATCHED_SCORES = 1 << 22  # score entries a group of blocks may hold at once (batched schedule)
+
+
+def _all_blocks(blocks, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope, S):
+    """The blocks all at once (``_block_loop``'s arguments and results). The cache each block
+    reads is the state's plus the statistics of the blocks that entered before it, a prefix
+    sum over blocks; scores and outputs are batched matmuls over groups of blocks (at most
+    ``_BATCHED_SCORES`` score entries at a time, so memory stays bounded for long inputs)."""
+    q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
+    B, Hkv, G, R, L, D = q_blocks.shape
+    cut = scope == "state"
+    counts, sums = _entering(prev_codes, prev_v, scope, S)  # block r's previous block enters after block r
+    if not has_prev:  # block 0 has no previous block
+        keep = torch.ones(R, dtype=counts.dtype, device=counts.device)
+        keep[0] = 0
+        counts, sums = counts * keep[:, None], sums * keep[:, None, None]
+    # the cache before block r: the state's, then block by block (the loop's order of additions)
+    run_counts = torch.cumsum(torch.cat([run[0].unsqueeze(2), counts], dim=2), dim=2)
+    run_sums = torch.cumsum(torch.cat([run[1].unsqueeze(2), sums], dim=2), dim=2)
+    final_cache = (run_counts[:, :, full_blocks], run_sums[:, :, full_blocks])
+    run_counts, run_sums = run_counts[:, :, :R], run_sums[:, :, :R]
+    means, logs = mean_values(run_sums, run_counts), log_counts(run_counts)  # [B, Hkv, R, S(, E)]
+
+    masks = window.unsqueeze(-3).expand(*window.shape[:-2], R, L, 2 * L).clone()  # [(h, g,) R, L, 2L]
+    if not has_prev:
+        masks[..., 0, :, :] = window_without_prev
+    window_keys = torch.cat([_cut(prev_k, cut), k_blocks], dim=-2)  # [B, Hkv, R, 2L, D]
+    window_values = torch.cat([_cut(prev_v, cut), v_blocks], dim=-2)
+    codebook_t = codebook.transpose(-1, -2)[None, :, None, None]  # [1, Hkv, 1, 1, D, S]
+    group = max(1, _BATCHED_SCORES // (B * Hkv * G * L * (2 * L + S)))
+    outs = []
+    for start in range(0, R, group):
+        rs = slice(start, min(R, start + group))
+        q_g = q_blocks[:, :, :, rs]  # [B, Hkv, G, g, L, D]
+        scores_w = q_g @ window_keys[:, :, None, rs].transpose(-1, -2) + masks[..., rs, :, :]
+        if positions is not None:
+            scores_w = scores_w + _position_scores(q_g, positions.unsqueeze(3), L, 2 * L, L)
+        scores_c = q_g @ codebook_t + logs[:, :, None, rs, None, :]
+        probs = torch.softmax(torch.cat([scores_w, scores_c], dim=-1), dim=-1)
+        out = probs[..., : 2 * L] @ window_values[:, :, None, rs] + probs[..., 2 * L :] @ means[:, :, None, rs]
+        outs.append(out)
+    return torch.cat(outs, dim=3), final_cache
 
 
 def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype):
@@ -434,6 +500,7 @@ def vq_attention(
     initial_state: VQAttentionState | None = None,
     output_final_state: bool = False,
     check_inputs: bool = True,
+    schedule: str = "auto",
 ) -> tuple[torch.Tensor, VQAttentionState | None]:
     """Softmax attention over vector-quantized keys (Transformer-VQ).
 
@@ -465,11 +532,16 @@ def vq_attention(
             are not their codes would give two answers). ``False`` skips all of it, for callers
             whose inputs are valid by construction: the GAU layer, whose keys come from its
             ``VectorQuantizer``, decodes a token in less time than the checks take.
+        schedule: how the block form walks the blocks: ``"loop"`` (one block after another;
+            its working set stays in cache, the faster on a CPU), ``"batched"`` (all blocks as
+            batched matmuls in groups, the caches from a prefix sum over blocks: few large
+            kernels, for GPUs) or ``"auto"`` (batched on CUDA, loop elsewhere). Same results.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
     """
     check_bool("check_inputs", check_inputs)
+    check_choice("schedule", schedule, SCHEDULES)
     scope = _grad_scope(grad_scope, cache_grad)
     if check_inputs:
         codes, codebook = _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias,
@@ -504,8 +576,12 @@ def vq_attention(
         return _as(out.reshape(B, H, T, Dv), q.dtype), (state if output_final_state else None)
     if torch.is_grad_enabled():
         resident.release(initial_state)
-    form = _decode if filled + T <= L else _block
-    out, pieces = form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
+    if filled + T <= L:
+        out, pieces = _decode(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
+    else:
+        if schedule == "auto":
+            schedule = "batched" if q.device.type == "cuda" else "loop"
+        out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
     out = _as(out.reshape(B, H, T, Dv), q.dtype)
     if not output_final_state:
         return out, None
