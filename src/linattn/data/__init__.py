@@ -19,10 +19,10 @@ from .corpus import Corpus, load_corpus
 from .hf_tokenizer import HFTokenizer, train_bpe
 from .shakespeare import fetch_shakespeare, split_documents
 from .shards import Shards, prepare_shards
-from .source import TokenData, bits_per_byte, data_vocab_size, evaluated_bytes, open_data
+from .source import TokenData, bits_per_byte, data_vocab_size, evaluated_bytes, open_data, open_shards
 from .streams import TokenStreams
 from .tokenizer import ByteTokenizer
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "train_bpe", "Corpus", "load_corpus", "Shards", "prepare_shards",
-           "TokenData", "open_data", "data_vocab_size", "bits_per_byte", "evaluated_bytes", "fetch_shakespeare",
-           "split_documents", "TokenStreams"]
+           "TokenData", "open_data", "open_shards", "data_vocab_size", "bits_per_byte", "evaluated_bytes",
+           "fetch_shakespeare", "split_documents", "TokenStreams"]

@@ -43,17 +43,21 @@ class TokenData(Protocol):
 def open_data(spec: str | Path, *, cache_dir: str | Path | None = None,
               archive: str | Path | None = None) -> Corpus | Shards:
     """``Shards(spec)`` if ``spec`` is a prepared shard folder, else ``load_corpus(spec)``."""
-    if not (isinstance(spec, str) and spec == "shakespeare") and is_shard_folder(spec):
-        return Shards(spec)
-    return load_corpus(spec, cache_dir=cache_dir, archive=archive)
+    return open_shards(spec) or load_corpus(spec, cache_dir=cache_dir, archive=archive)
+
+
+def open_shards(spec: str | Path) -> Shards | None:
+    """``Shards(spec)`` if ``spec`` is a prepared shard folder, else None."""
+    if isinstance(spec, str) and spec == "shakespeare":
+        return None
+    return Shards(spec) if is_shard_folder(spec) else None
 
 
 def data_vocab_size(spec: str | Path) -> int | None:
     """The vocabulary of a shard folder (read from its ``meta.json``), None for a corpus of
     bytes (whose tokens need no vocabulary beyond the model's)."""
-    if isinstance(spec, str) and spec == "shakespeare":
-        return None
-    return Shards(spec).vocab_size if is_shard_folder(spec) else None
+    shards = open_shards(spec)
+    return None if shards is None else shards.vocab_size
 
 
 def bits_per_byte(result: dict[str, float], n_bytes: int) -> float:

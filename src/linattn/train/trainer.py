@@ -1,6 +1,6 @@
 """The training loop: AdamW, warm-up + cosine, clipping, bf16, codebook EMA, state carry,
 bits-per-byte evaluation, JSONL metrics (and TensorBoard), atomic checkpoints, exact resume,
-signals, DDP. The data is a byte corpus or a shard folder (``data.open_data``)."""
+signals, DDP. The data is a shard folder (``data.open_shards``) or a byte corpus."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from .. import __version__
 from .._checks import is_int
-from ..data import TokenStreams, bits_per_byte, evaluated_bytes, open_data
+from ..data import TokenStreams, bits_per_byte, evaluated_bytes, load_corpus, open_shards
 from ..models import LM, LMConfig
 from . import distributed
 from .checkpoint import find_resume_checkpoint, save_checkpoint
@@ -103,7 +103,7 @@ def _load_data(train_config: TrainConfig, context: distributed.Context):
     """Rank 0 loads first (it may download), then the others read the cache."""
     if context.distributed and not context.is_main:
         torch.distributed.barrier()
-    data = open_data(train_config.data, cache_dir=train_config.cache_dir)
+    data = open_shards(train_config.data) or load_corpus(train_config.data, cache_dir=train_config.cache_dir)
     if context.distributed and context.is_main:
         torch.distributed.barrier()
     return data
