@@ -265,3 +265,18 @@ def test_bpe_training_is_the_same_with_one_and_two_threads(tmp_path):
         outputs.append(stdout)
     assert outputs[0] == outputs[1]
     assert json.loads(outputs[0])["model"]["type"] == "BPE" and len(json.loads(outputs[0])["model"]["vocab"]) == 400
+
+
+def test_evaluated_bytes_of_all_processes_are_the_sum_over_ranks(bpe_shards):
+    """The trainer counts the bytes of every rank's targets at once (2 ranks x 3 streams here)."""
+    from linattn.data import evaluated_bytes
+
+    out, _, _ = bpe_shards
+    shards = Shards(out)
+    tokens = shards.tokens("validation")[:400]
+    per_rank = [TokenStreams(tokens, batch_size=3, context=7, rank=r, world_size=2, drop_last=False)
+                .target_bytes(shards.tokenizer.token_bytes()) for r in range(2)]
+    assert evaluated_bytes(shards, tokens, context=7, n_streams=6) == sum(per_rank)
+    length = 400 // 6
+    ids = tokens[:6 * length].reshape(6, length)[:, 1:].long()
+    assert sum(per_rank) == sum(len(shards.tokenizer.core.decode(row.tolist()).encode()) for row in ids)
