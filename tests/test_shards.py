@@ -180,6 +180,11 @@ def test_opening_a_damaged_folder_names_the_file(bpe_shards, tmp_path):
     (copy / "tokenizer.json").write_text((out / "tokenizer.json").read_text().replace('"a"', '"A"', 1))
     with pytest.raises(ValueError, match="tokenizer.json is missing or not the tokenizer"):
         Shards(copy)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["splits"]["test"]["tokens"]
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="meta.json lacks or garbles the field 'tokens'"):
+        Shards(copy)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -234,21 +234,25 @@ class Shards:
                 from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
             raise ValueError(f"data: {path} is not a linattn shard folder (format {FORMAT!r} version {VERSION})")
-        self.meta = meta
-        self.name = meta["corpus"]
-        self.vocab_size = int(meta["vocab_size"])
-        self.documents = {split: meta["splits"][split]["documents"] for split in SPLITS}
-        self._dtype = np.dtype(meta["dtype"]).newbyteorder("<")
-        if _DTYPES[meta["dtype"]] < self.vocab_size:
+        try:
+            self.meta = meta
+            self.name = meta["corpus"]
+            self.vocab_size = int(meta["vocab_size"])
+            self.documents = {split: meta["splits"][split]["documents"] for split in SPLITS}
+            self._dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+            limit = _DTYPES[meta["dtype"]]
+            sizes = {split: int(meta["splits"][split]["tokens"]) * self._dtype.itemsize for split in SPLITS}
+            record = meta["tokenizer"]
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"data: {path} lacks or garbles the field {error}; prepare the folder again") from None
+        if limit < self.vocab_size:
             raise ValueError(f"data: {path} stores {self.vocab_size} token ids as {meta['dtype']}")
         for split in SPLITS:
             file = self.folder / meta["splits"][split]["file"]
-            expected = meta["splits"][split]["tokens"] * self._dtype.itemsize
             size = file.stat().st_size if file.is_file() else None
-            if size != expected:
-                raise ValueError(f"data: {file} has {size} bytes; {path} expects {expected} "
+            if size != sizes[split]:
+                raise ValueError(f"data: {file} has {size} bytes; {path} expects {sizes[split]} "
                                  f"({meta['splits'][split]['tokens']} {meta['dtype']} tokens); prepare it again")
-        record = meta["tokenizer"]
         if record.get("file") is not None:
             file = self.folder / record["file"]
             if not file.is_file() or _sha256(file) != record["sha256"]:

@@ -164,7 +164,8 @@ def run_train(args: argparse.Namespace) -> int:
         if args.resume_from is not None:
             raise ValueError("--from selects the checkpoint of --resume; add --resume")
         model_values, train_values = _train_values(args)
-        model_config, train_config = build_configs(model_values, _with_vocab(model_values, train_values))
+        _vocab_from_data(model_values, train_values.get("data", TrainConfig.data))
+        model_config, train_config = build_configs(model_values, train_values)
         summary = train(model_config, train_config, out=args.out, progress=progress, command=args.command_line)
     if summary.get("finished"):
         return 0
@@ -180,17 +181,16 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _with_vocab(model_values: dict, train_values: dict) -> dict:
-    """Set ``model_values["vocab_size"]`` from shard data (refusing a different explicit
-    one); return ``train_values``."""
-    vocab = data_vocab_size(train_values.get("data", TrainConfig.data))
+def _vocab_from_data(model_values: dict, data: str) -> None:
+    """Set ``model_values["vocab_size"]`` to the tokenizer's when ``data`` is a shard folder
+    (refusing a different explicit one); byte corpora leave it alone."""
+    vocab = data_vocab_size(data)
     if vocab is not None:
         given = model_values.get("vocab_size")
         if given is not None and given != vocab:
-            raise ValueError(f"model.vocab_size={given}, but the tokenizer of {train_values['data']} has {vocab} "
-                             f"tokens; leave vocab_size out (it follows the data) or set it to {vocab}")
+            raise ValueError(f"model.vocab_size={given}, but the tokenizer of {data} has {vocab} tokens; leave "
+                             f"vocab_size out (it follows the data) or set it to {vocab}")
         model_values["vocab_size"] = vocab
-    return train_values
 
 
 def _load(args: argparse.Namespace):
