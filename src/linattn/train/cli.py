@@ -1,8 +1,9 @@
-"""``linattn train``, ``linattn eval`` and ``linattn generate``.
+"""``linattn train``, ``linattn eval``, ``linattn generate`` and ``linattn plot``.
 
 Configuration precedence for ``train``: defaults < ``--config FILE.toml`` ([model] and
 [train] tables) < the named flags < ``--set table.key=value``. ``--resume`` takes the
-configuration from the run's latest checkpoint.
+configuration from the run's latest checkpoint. With a shard folder as ``--data``,
+``model.vocab_size`` is the tokenizer's (an explicit different value is an error).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from tqdm import tqdm
 from .._checks import non_negative_int as _non_negative_int
 from .._checks import device_name
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
-from ..data import ByteTokenizer, load_corpus
+from ..data import bits_per_byte, data_vocab_size, evaluated_bytes, open_data
 from ..models.layers import layer_spec_help
 from .checkpoint import load_model
-from .config import build_configs, load_run_file, parse_override
+from .config import TrainConfig, build_configs, load_run_file, parse_override
 from .evaluate import evaluate_bpb
+from .run_tokenizer import check_same_tokenizer, load_run_tokenizer
 from .trainer import train
 
 # flag -> (table, key); these override the config file
@@ -45,7 +47,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     """Add ``train``, ``eval`` and ``generate`` to the top-level subcommands."""
     p = commands.add_parser(
         "train", help="train a language model",
-        description="Train a byte-level LM (default: Transformer-VQ on Shakespeare). " + layer_spec_help() + ".",
+        description="Train an LM on bytes or on token shards (default: byte-level Transformer-VQ on "
+                    "Shakespeare). " + layer_spec_help() + ".",
         epilog="Multi-process: torchrun --nproc_per_node N $(which linattn) train ... (gloo on CPU, nccl on GPU).")
     p.add_argument("--config", metavar="FILE.toml", help="run file with [model] and [train] tables")
     p.add_argument("--attention", metavar="SPEC", help="layer attention spec or comma-separated pattern")
@@ -53,7 +56,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--n-layers", dest="n_layers", type=_positive_int)
     p.add_argument("--n-heads", dest="n_heads", type=_positive_int)
     p.add_argument("--data", metavar="PATH",
-                   help="'shakespeare', a text file, a folder of .txt files or an enwik8-style .zip")
+                   help="'shakespeare', a text file, a folder of .txt files, an enwik8-style .zip (all read as "
+                        "bytes), or a shard folder written by linattn data prepare (its tokenizer sets vocab_size)")
     p.add_argument("--cache-dir", dest="cache_dir", metavar="DIR",
                    help="corpus cache (default $LINATTN_CACHE or ~/.cache/linattn)")
     p.add_argument("--steps", type=_positive_int)
@@ -80,18 +84,22 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_train)
 
     p = commands.add_parser("eval", help="bits per byte of a checkpoint on a split",
-                            description="Evaluate a checkpoint in bits per byte, carrying the state across the split.")
+                            description="Evaluate a checkpoint in bits per byte, carrying the state across the split. "
+                                        "On token shards the loss per token is converted: total nats over the bytes "
+                                        "of the scored tokens, over ln 2.")
     p.add_argument("--ckpt", required=True, metavar="DIR", help="run folder or checkpoint folder")
     p.add_argument("--split", choices=("train", "validation", "test"), default="test",
                    help="split to evaluate (default: %(default)s)")
     p.add_argument("--context", type=_positive_int, help="window length (default: the training context)")
     p.add_argument("--batch-size", type=_positive_int, default=1,
                    help="parallel streams (1 = the whole split as one stream, state carried throughout)")
-    p.add_argument("--max-tokens", type=_positive_int, help="evaluate only the first N bytes")
+    p.add_argument("--max-tokens", type=_positive_int,
+                   help="evaluate only the first N tokens (bytes for byte data)")
     p.add_argument("--no-carry", action="store_true", help="reset the state at every window")
     p.add_argument("--reset-every", type=_non_negative_int, default=0, metavar="N",
                    help="reset the state every N windows (default 0: carry across the whole split)")
-    p.add_argument("--data", help="corpus (default: the one the model was trained on)")
+    p.add_argument("--data", help="corpus or shard folder (default: the one the model was trained on); shards "
+                                  "must use the run's tokenizer")
     p.add_argument("--cache-dir", metavar="DIR")
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
@@ -99,7 +107,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_eval)
 
     p = commands.add_parser("generate", help="stream text from a checkpoint",
-                            description="Sample text after a prompt, one byte at a time with a constant-size state.")
+                            description="Sample text after a prompt, one token at a time with a constant-size state; "
+                                        "the run's tokenizer encodes the prompt and decodes the output.")
     p.add_argument("--ckpt", required=True, metavar="DIR")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=_non_negative_int, default=200)
@@ -110,6 +119,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     _add_runtime(p)
     p.set_defaults(handler=run_generate)
+
+    p = commands.add_parser("plot", help="plot training loss and validation bpb of runs",
+                            description="Draw the training loss and the validation bits per byte of one or more runs "
+                                        "(read from each run's metrics.jsonl) into one PNG.")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run folders (with metrics.jsonl)")
+    p.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write")
+    p.set_defaults(handler=run_plot)
 
 
 def _train_values(args: argparse.Namespace) -> tuple[dict, dict]:
@@ -147,7 +163,9 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         if args.resume_from is not None:
             raise ValueError("--from selects the checkpoint of --resume; add --resume")
-        model_config, train_config = build_configs(*_train_values(args))
+        model_values, train_values = _train_values(args)
+        _vocab_from_data(model_values, train_values.get("data", TrainConfig.data))
+        model_config, train_config = build_configs(model_values, train_values)
         summary = train(model_config, train_config, out=args.out, progress=progress, command=args.command_line)
     if summary.get("finished"):
         return 0
@@ -157,9 +175,22 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"validation bpb: {before}{summary['final_bpb']:.3f} at step {summary['final_bpb_step']} ({trained})")
     elif summary["step"] > summary["start_step"]:
         loss = summary["last_loss"]
-        print(f"last training loss: {loss:.4f} ({loss / math.log(2):.3f} bpb) at step {summary['step']} ({trained}; "
-              "no validation: --eval-every 0)")
+        unit = "bpb" if summary["byte_tokens"] else "bits per token"
+        print(f"last training loss: {loss:.4f} ({loss / math.log(2):.3f} {unit}) at step {summary['step']} "
+              f"({trained}; no validation: --eval-every 0)")
     return 0
+
+
+def _vocab_from_data(model_values: dict, data: str) -> None:
+    """Set ``model_values["vocab_size"]`` to the tokenizer's when ``data`` is a shard folder
+    (refusing a different explicit one); byte corpora leave it alone."""
+    vocab = data_vocab_size(data)
+    if vocab is not None:
+        given = model_values.get("vocab_size")
+        if given is not None and given != vocab:
+            raise ValueError(f"model.vocab_size={given}, but the tokenizer of {data} has {vocab} tokens; leave "
+                             f"vocab_size out (it follows the data) or set it to {vocab}")
+        model_values["vocab_size"] = vocab
 
 
 def _load(args: argparse.Namespace):
@@ -172,30 +203,38 @@ def _load(args: argparse.Namespace):
 def run_eval(args: argparse.Namespace) -> int:
     model, checkpoint = _load(args)
     train_config = checkpoint.meta["train_config"]
-    corpus = load_corpus(args.data or train_config["data"], cache_dir=args.cache_dir or train_config.get("cache_dir"))
-    tokens = corpus.tokens(args.split)
+    data = open_data(args.data or train_config["data"], cache_dir=args.cache_dir or train_config.get("cache_dir"))
+    check_same_tokenizer(checkpoint.meta.get("tokenizer"), data, what="--data")
+    tokens = data.tokens(args.split)
     context = args.context or train_config["context"]
     total = (tokens.numel() if args.max_tokens is None else min(args.max_tokens, tokens.numel())) - 1
-    with tqdm(total=total, disable=args.no_progress, desc=f"eval {args.split}", unit="B", unit_scale=True) as bar:
+    n_bytes = evaluated_bytes(data, tokens[:args.max_tokens], context=context, n_streams=args.batch_size)
+    unit = "B" if n_bytes is None else "tok"
+    with tqdm(total=total, disable=args.no_progress, desc=f"eval {args.split}", unit=unit, unit_scale=True) as bar:
         result = evaluate_bpb(model, tokens, context=context, batch_size=args.batch_size, max_tokens=args.max_tokens,
                               carry_state=not args.no_carry, reset_every=args.reset_every, progress=bar)
     record = {"split": args.split, "bpb": result["bpb"], "tokens": result["tokens"], "context": context,
               "batch_size": args.batch_size, "carry_state": not args.no_carry, "reset_every": args.reset_every,
               "step": checkpoint.step, "checkpoint": str(checkpoint.path)}
+    if n_bytes is not None:
+        record.update(bpb=bits_per_byte(result, n_bytes), bits_per_token=result["bpb"], bytes=n_bytes)
     if args.json:
         print(json.dumps(record))
     else:
         carried = ("state reset every window" if args.no_carry else
                    f"state reset every {args.reset_every} windows" if args.reset_every else
                    "state carried across the split")
-        print(f"{args.split} bpb: {result['bpb']:.4f} ({result['tokens']:,} bytes, context {context}, {carried}; "
+        counted = (f"{result['tokens']:,} bytes" if n_bytes is None else
+                   f"bits per byte: {result['bpb']:.4f} bits per token x {result['tokens']:,} tokens / "
+                   f"{n_bytes:,} bytes")
+        print(f"{args.split} bpb: {record['bpb']:.4f} ({counted}, context {context}, {carried}; "
               f"checkpoint step {checkpoint.step})")
     return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    model, _ = _load(args)
-    tokenizer = ByteTokenizer()
+    model, checkpoint = _load(args)
+    tokenizer = load_run_tokenizer(checkpoint)
     prompt = tokenizer.encode(args.prompt)
     if prompt.numel() == 0:
         raise ValueError("--prompt must not be empty (give at least one character, e.g. a newline)")
@@ -206,4 +245,12 @@ def run_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(decoder.feed(token))
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")
+    return 0
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_runs
+
+    plot_runs(args.runs, args.out)
+    print(f"wrote {args.out}")
     return 0

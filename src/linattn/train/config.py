@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_device, check_int_fields, check_number_fields, config_from_dict
+from .._checks import check_bool, check_device, check_int_fields, check_number_fields, config_from_dict
 from ..models.config import LMConfig
 
 
@@ -46,7 +46,7 @@ class TrainConfig:
     carry_state: bool = True
     carry_windows: int = 8  # windows per carried sequence (state reset every N windows; 0 = whole pass)
     eval_every: int = 200
-    eval_tokens: int | None = 65536  # validation bytes per evaluation (None = the whole split)
+    eval_tokens: int | None = 65536  # validation tokens (bytes for byte data) per evaluation (None = the whole split)
     eval_batch_size: int = 8
     log_every: int = 10
     checkpoint_every: int = 200
@@ -55,6 +55,7 @@ class TrainConfig:
     device: str = "cpu"
     threads: int | None = None
     cache_dir: str | None = None
+    tensorboard: bool = False  # also write the metrics as TensorBoard scalars to <out>/tensorboard/
 
     def __post_init__(self) -> None:
         check_int_fields(self, "train", ("steps", "batch_size", "context", "eval_batch_size", "log_every",
@@ -67,6 +68,7 @@ class TrainConfig:
         check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
         check_device("train.device", self.device)
+        check_bool("train.tensorboard", self.tensorboard)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

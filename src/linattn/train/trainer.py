@@ -1,5 +1,6 @@
 """The training loop: AdamW, warm-up + cosine, clipping, bf16, codebook EMA, state carry,
-bits-per-byte evaluation, JSONL metrics, atomic checkpoints, exact resume, signals, DDP."""
+bits-per-byte evaluation, JSONL metrics (and TensorBoard), atomic checkpoints, exact resume,
+signals, DDP. The data is a shard folder (``data.open_shards``) or a byte corpus."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from tqdm import tqdm
 
 from .. import __version__
 from .._checks import is_int
-from ..data import TokenStreams, load_corpus
+from ..data import TokenStreams, bits_per_byte, evaluated_bytes, load_corpus, open_shards
 from ..models import LM, LMConfig
 from . import distributed
 from .checkpoint import find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate_bpb
 from .optim import parameter_groups
+from .run_tokenizer import setup_run_tokenizer
 from .schedule import learning_rate
 
 
@@ -52,12 +54,18 @@ class _StopRequest:
 
 
 class _Metrics:
-    """Rank 0's JSONL log: one JSON object per line, flushed as written."""
+    """Rank 0's JSONL log: one JSON object per line, flushed as written (and mirrored to
+    TensorBoard with ``tensorboard``)."""
 
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None):
-        self.path, self.enabled = path, enabled
+    def __init__(self, path: Path, enabled: bool, resume_step: int | None, tensorboard: bool = False):
+        self.path, self.enabled, self.scalars = path, enabled, None
         if not enabled:
             return
+        if tensorboard:
+            from .tensorboard import TensorBoardScalars
+
+            purge = None if resume_step is None else resume_step + 1
+            self.scalars = TensorBoardScalars(path.parent / "tensorboard", purge_step=purge)
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is None:
             path.write_text("", encoding="utf-8")
@@ -70,6 +78,12 @@ class _Metrics:
         if self.enabled:
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
+            if self.scalars is not None:
+                self.scalars.write(record)
+
+    def close(self) -> None:
+        if self.scalars is not None:
+            self.scalars.close()
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -89,10 +103,10 @@ def _load_data(train_config: TrainConfig, context: distributed.Context):
     """Rank 0 loads first (it may download), then the others read the cache."""
     if context.distributed and not context.is_main:
         torch.distributed.barrier()
-    corpus = load_corpus(train_config.data, cache_dir=train_config.cache_dir)
+    data = open_shards(train_config.data) or load_corpus(train_config.data, cache_dir=train_config.cache_dir)
     if context.distributed and context.is_main:
         torch.distributed.barrier()
-    return corpus
+    return data
 
 
 def _silent(*args) -> None:
@@ -186,23 +200,33 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
                                           broadcast_buffers=False)
 
-    corpus = _load_data(cfg, context)
-    streams = TokenStreams(corpus.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
+    data = _load_data(cfg, context)
+    tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
+    byte_tokens = tokenizer.get("sha256") is None  # else bits per token are converted to bits per byte
+    streams = TokenStreams(data.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
                            rank=context.rank, world_size=context.world_size)
-    validation = corpus.tokens("validation")
+    validation = data.tokens("validation")
+    validation_bytes = evaluated_bytes(data, validation[:cfg.eval_tokens], context=cfg.context,
+                                       n_streams=cfg.eval_batch_size * context.world_size)
     tokens_per_step = cfg.batch_size * cfg.context * context.world_size
-    metrics = _Metrics(run_dir / "metrics.jsonl", context.is_main, start_step if checkpoint else None)
+    metrics = _Metrics(run_dir / "metrics.jsonl", context.is_main, start_step if checkpoint else None,
+                       tensorboard=cfg.tensorboard)
     if context.is_main and checkpoint is None:
+        unit = "bytes" if byte_tokens else f"tokens of a {data.vocab_size}-token vocabulary"
         echo(f"model: {model_config.attention} x {model_config.n_layers} layers, d_model {model_config.d_model}, "
              f"{model.num_parameters() / 1e6:.2f}M parameters; data: {cfg.data} "
-             f"({corpus.tokens('train').numel():,} train bytes, {len(streams)} windows per pass)")
+             f"({data.tokens('train').numel():,} train {unit}, {len(streams)} windows per pass)")
 
     def evaluate(step: int) -> float:
         result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
                               max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
                               reset_every=cfg.carry_windows, dist_context=context, bf16=cfg.bf16)
-        metrics.write({"step": step, "split": "validation", "bpb": result["bpb"], "tokens": result["tokens"]})
-        return result["bpb"]
+        record = {"step": step, "split": "validation", "bpb": result["bpb"], "tokens": result["tokens"]}
+        if validation_bytes is not None:
+            record.update(bpb=bits_per_byte(result, validation_bytes), bits_per_token=result["bpb"],
+                          bytes=validation_bytes)
+        metrics.write(record)
+        return record["bpb"]
 
     def save(step: int, carry_state) -> Path | None:
         carries = distributed.gather_objects(None if carry_state is None else carry_state.to("cpu"), context)
@@ -211,7 +235,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         meta = {
             "model_config": model_config.to_dict(), "train_config": cfg.to_dict(),
             "world_size": context.world_size, "data": {"window": step % len(streams), "pass": step // len(streams)},
-            "tokens_seen": step * tokens_per_step, "linattn_version": __version__,
+            "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
         }
         return save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model.state_dict(),
@@ -264,6 +288,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                 record = {"step": step, "loss": loss_value, "bpb": loss_value / math.log(2), "lr": lr,
                           "grad_norm": float(grad_norm), "commit_loss": float(reduced[1]),
                           "tokens_per_second": speed, "elapsed": now - started}
+                if not byte_tokens:  # a token's bits are not a byte's
+                    record["bits_per_token"] = record.pop("bpb")
                 if aux["codebook_perplexity"] is not None:
                     record["codebook_perplexity"] = float(aux["codebook_perplexity"])
                 metrics.write(record)
@@ -286,6 +312,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                              f"continue with: linattn train --resume --out {run_dir}")
                     break
     bar.close()
+    metrics.close()
     summary.update(step=step, final_bpb=last_bpb, final_bpb_step=last_bpb_step, last_loss=loss_value,
-                   elapsed=time.perf_counter() - started, model=model)
+                   elapsed=time.perf_counter() - started, model=model, byte_tokens=byte_tokens)
     return summary

@@ -1,0 +1,304 @@
+"""Token shards on disk: a corpus tokenized once, read back through ``numpy.memmap``.
+
+``prepare_shards(source, tokenizer, out)`` (``linattn data prepare``) loads any corpus
+``load_corpus`` reads, tokenizes its train / validation / test splits and writes into
+the folder ``out``:
+
+- ``train.bin``, ``validation.bin``, ``test.bin``: the token ids of each split, one flat
+  array, little-endian ``uint8`` (vocabulary <= 256), ``uint16`` (<= 65536) or ``uint32``;
+- ``tokenizer.json``: the Hugging Face tokenizer (absent for byte tokens);
+- ``meta.json``: format tag, the source, the tokenizer (kind, vocabulary size, SHA-256 of
+  ``tokenizer.json``), the dtype, per split its file, token count, byte count and
+  documents, the split rule, and the size and SHA-256 of every source file.
+
+Tokenizers (``tokenizer=``): ``"bytes"`` (ids are the UTF-8 bytes, as byte-level runs read
+them), ``"bpe:VOCAB"`` (a byte-level BPE of VOCAB tokens learned from the train split
+alone, ``hf_tokenizer.train_bpe``) or the path of a ``tokenizer.json``. Text goes to the
+tokenizer in pieces of about 64 KiB, cut just before a ``\\n`` that is followed by a
+printable ASCII character; for the GPT-2 word rule of byte-level BPE every such cut is a
+word boundary, so the ids are those of the whole split encoded at once (other
+pre-tokenizers see the pieces). Bytes that are not valid UTF-8 reach the tokenizer as
+U+FFFD; the byte counts in ``meta.json`` are those of the split itself.
+
+The folder is written under a temporary name and renamed into place, so an interrupted
+``prepare`` never leaves a folder that looks complete. ``Shards(out)`` opens it: the
+interface of ``Corpus`` (``tokens(split)``, ``byte_count(split)``, ``vocab_size``,
+``tokenizer``), with ``tokens(split)`` a tensor over a read-only memory map of the file,
+so a split is never read into memory as a whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .corpus import Corpus, load_corpus
+from .hf_tokenizer import MIN_BPE_VOCAB, HFTokenizer, train_bpe
+from .shakespeare import SPLITS
+from .tokenizer import ByteTokenizer
+
+FORMAT = "linattn-shards"
+VERSION = 1
+META = "meta.json"
+TOKENIZER = "tokenizer.json"
+PIECE_BYTES = 1 << 16
+_PIECES_PER_BATCH = 256
+_DTYPES = {"uint8": 1 << 8, "uint16": 1 << 16, "uint32": 1 << 32}
+_NEWLINE = 10
+_PRINTABLE = (33, 126)  # ASCII '!' .. '~'
+
+
+def dtype_for(vocab_size: int) -> str:
+    """The smallest of ``uint8`` / ``uint16`` / ``uint32`` that holds ids ``< vocab_size``."""
+    for name, limit in _DTYPES.items():
+        if vocab_size <= limit:
+            return name
+    raise ValueError(f"vocab_size: expected at most {1 << 32} tokens, got {vocab_size}")
+
+
+def parse_tokenizer(spec: str) -> tuple[str, int | Path | None]:
+    """``"bytes"`` -> ``("bytes", None)``, ``"bpe:VOCAB"`` -> ``("bpe", VOCAB)``, a path ->
+    ``("file", path)``."""
+    text = str(spec).strip()
+    if text == "bytes":
+        return "bytes", None
+    if text.startswith("bpe:"):
+        size = text[4:]
+        if not size.isdigit() or int(size) < MIN_BPE_VOCAB:
+            raise ValueError(f"--tokenizer {spec}: expected bpe:VOCAB with VOCAB an integer >= {MIN_BPE_VOCAB} "
+                             f"(the 256 bytes plus merges), e.g. bpe:2048")
+        return "bpe", int(size)
+    path = Path(text).expanduser()
+    if path.is_file():
+        return "file", path
+    raise ValueError(f"--tokenizer {spec}: expected 'bytes', 'bpe:VOCAB' or the path of a tokenizer.json "
+                     f"({path} is not a file)")
+
+
+def text_pieces(data: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> Iterator[str]:
+    """The UTF-8 text of the uint8 tensor ``data`` in pieces of at least ``piece_bytes``
+    bytes (but the last), each cut just before a ``\\n`` followed by printable ASCII.
+
+    Invalid UTF-8 decodes to U+FFFD; cuts fall before ASCII bytes, never inside a character.
+    """
+    values = data.numpy()
+    n, start = len(values), 0
+    while start < n:
+        end = _next_cut(values, start + max(1, piece_bytes))
+        yield bytes(values[start:end]).decode("utf-8", errors="replace")
+        start = end
+
+
+def _next_cut(values: np.ndarray, position: int) -> int:
+    """The first ``j >= position`` with ``values[j] == '\\n'`` and ``values[j + 1]``
+    printable ASCII, or ``len(values)``."""
+    n, window = len(values), 1 << 16
+    while position < n - 1:
+        stop = min(n - 1, position + window)
+        here = values[position:stop]
+        after = values[position + 1:stop + 1]
+        hits = np.flatnonzero((here == _NEWLINE) & (after >= _PRINTABLE[0]) & (after <= _PRINTABLE[1]))
+        if hits.size:
+            return position + int(hits[0])
+        position = stop
+    return n
+
+
+def prepare_shards(source: str | Path, tokenizer: str, out: str | Path, *, cache_dir: str | Path | None = None,
+                   archive: str | Path | None = None, echo: Callable[[str], None] = print) -> Path:
+    """Tokenize the corpus ``source`` with ``tokenizer`` into the shard folder ``out``
+    (layout in the module docstring); returns ``out``. ``out`` must not exist or be empty."""
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"--out {out} already exists and is not an empty folder; remove it or choose another")
+    kind, argument = parse_tokenizer(tokenizer)
+    corpus = load_corpus(source, cache_dir=cache_dir, archive=archive)
+    tok = _build_tokenizer(kind, argument, corpus, echo)
+    vocab_size = ByteTokenizer.vocab_size if tok is None else tok.vocab_size
+    dtype = dtype_for(vocab_size)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        splits = {}
+        for split in SPLITS:
+            file = f"{split}.bin"
+            count = _write_split(corpus.tokens(split), tok, np.dtype(dtype).newbyteorder("<"), staging / file)
+            splits[split] = {"file": file, "tokens": count, "bytes": corpus.byte_count(split),
+                             "documents": corpus.documents[split]}
+            echo(f"{split}: {corpus.byte_count(split):,} bytes -> {count:,} tokens")
+        record: dict[str, Any] = {"kind": kind, "vocab_size": vocab_size}
+        if tok is not None:
+            tok.save(staging / TOKENIZER)
+            record.update(file=TOKENIZER, sha256=_sha256(staging / TOKENIZER))
+            if kind == "bpe":
+                record.update(requested_vocab_size=argument, trained_on="train")
+            else:
+                record.update(source=str(argument))
+        meta = {"format": FORMAT, "version": VERSION, "source": str(source), "corpus": corpus.name,
+                "tokenizer": record, "vocab_size": vocab_size, "dtype": dtype, "byte_order": "little",
+                "splits": splits, "split_rule": corpus.split_rule, "sources": _source_hashes(corpus)}
+        (staging / META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _build_tokenizer(kind: str, argument, corpus: Corpus, echo) -> HFTokenizer | None:
+    if kind == "bytes":
+        return None
+    if kind == "file":
+        return HFTokenizer.from_file(argument)
+    tok = train_bpe(text_pieces(corpus.tokens("train")), argument)
+    if tok.vocab_size < argument:
+        echo(f"the train split has too few distinct pairs for {argument} tokens: the BPE has {tok.vocab_size}")
+    return tok
+
+
+def _write_split(data: torch.Tensor, tok: HFTokenizer | None, dtype: np.dtype, path: Path) -> int:
+    """Write the ids of the uint8 split ``data`` to ``path`` as ``dtype``; return their count."""
+    with open(path, "wb") as handle:
+        if tok is None:
+            data.numpy().astype(dtype).tofile(handle)
+            count = data.numel()
+        else:
+            count = 0
+            batch: list[str] = []
+            for piece in text_pieces(data):
+                batch.append(piece)
+                if len(batch) == _PIECES_PER_BATCH:
+                    count += _write_ids(tok, batch, dtype, handle)
+                    batch = []
+            count += _write_ids(tok, batch, dtype, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return count
+
+
+def _write_ids(tok: HFTokenizer, pieces: list[str], dtype: np.dtype, handle) -> int:
+    if not pieces:
+        return 0
+    ids = np.concatenate([np.asarray(row, dtype=np.int64) for row in tok.encode_batch(pieces)])
+    ids.astype(dtype).tofile(handle)
+    return len(ids)
+
+
+def _source_hashes(corpus: Corpus) -> dict[str, dict[str, Any]]:
+    return {name: {"bytes": path.stat().st_size, "sha256": _sha256(path)} for name, path in corpus.sources.items()}
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def is_shard_folder(path: str | Path) -> bool:
+    """Whether ``path`` is a folder with a ``meta.json`` of this format."""
+    meta = Path(path).expanduser() / META
+    if not meta.is_file():
+        return False
+    try:
+        return json.loads(meta.read_text(encoding="utf-8")).get("format") == FORMAT
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+        return False
+
+
+class Shards:
+    """A prepared shard folder, read through memory maps (see the module docstring).
+
+    Attributes: ``folder``, ``meta`` (the ``meta.json`` dict), ``name``, ``vocab_size``,
+    ``documents`` (per split). Opening checks the format and that every file has the size
+    ``meta.json`` gives; it reads no token.
+    """
+
+    def __init__(self, folder: str | Path) -> None:
+        self.folder = Path(folder).expanduser()
+        path = self.folder / META
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"data: cannot read {path} ({error}); prepare the folder with linattn data prepare") \
+                from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("version") != VERSION:
+            raise ValueError(f"data: {path} is not a linattn shard folder (format {FORMAT!r} version {VERSION})")
+        try:
+            self.meta = meta
+            self.name = meta["corpus"]
+            self.vocab_size = int(meta["vocab_size"])
+            self.documents = {split: meta["splits"][split]["documents"] for split in SPLITS}
+            self._dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+            limit = _DTYPES[meta["dtype"]]
+            sizes = {split: int(meta["splits"][split]["tokens"]) * self._dtype.itemsize for split in SPLITS}
+            record = meta["tokenizer"]
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"data: {path} lacks or garbles the field {error}; prepare the folder again") from None
+        if limit < self.vocab_size:
+            raise ValueError(f"data: {path} stores {self.vocab_size} token ids as {meta['dtype']}")
+        for split in SPLITS:
+            file = self.folder / meta["splits"][split]["file"]
+            size = file.stat().st_size if file.is_file() else None
+            if size != sizes[split]:
+                raise ValueError(f"data: {file} has {size} bytes; {path} expects {sizes[split]} "
+                                 f"({meta['splits'][split]['tokens']} {meta['dtype']} tokens); prepare it again")
+        if record.get("file") is not None:
+            file = self.folder / record["file"]
+            if not file.is_file() or _sha256(file) != record["sha256"]:
+                raise ValueError(f"data: {file} is missing or not the tokenizer {path} was written with "
+                                 f"(SHA-256 differs); prepare the folder again")
+        self._tokens: dict[str, torch.Tensor] = {}
+        self._tokenizer: ByteTokenizer | HFTokenizer | None = None
+
+    def tokens(self, split: str) -> torch.Tensor:
+        """The ids of ``split``: a 1-D integer tensor over a read-only memory map of its file
+        (write nothing into it)."""
+        if split not in SPLITS:
+            raise ValueError(f"split: expected one of {list(SPLITS)}, got {split!r}")
+        if split not in self._tokens:
+            array = np.memmap(self.folder / self.meta["splits"][split]["file"], dtype=self._dtype, mode="r")
+            with warnings.catch_warnings():  # torch warns that the mapping is read-only; nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                self._tokens[split] = torch.from_numpy(array)
+        return self._tokens[split]
+
+    def byte_count(self, split: str) -> int:
+        """The bytes of text of ``split`` (from ``meta.json``)."""
+        if split not in SPLITS:
+            raise ValueError(f"split: expected one of {list(SPLITS)}, got {split!r}")
+        return int(self.meta["splits"][split]["bytes"])
+
+    @property
+    def tokenizer(self) -> ByteTokenizer | HFTokenizer:
+        if self._tokenizer is None:
+            file = self.meta["tokenizer"].get("file")
+            self._tokenizer = ByteTokenizer() if file is None else HFTokenizer.from_file(self.folder / file)
+        return self._tokenizer
+
+    def tokenizer_file(self) -> Path | None:
+        """The folder's ``tokenizer.json``, None for byte tokens."""
+        file = self.meta["tokenizer"].get("file")
+        return None if file is None else self.folder / file
+
+    def tokenizer_record(self) -> dict[str, Any]:
+        """What a run records about its tokenizer: ``{"kind": "bytes"}``, or the kind,
+        vocabulary size and SHA-256 of ``tokenizer.json``."""
+        record = self.meta["tokenizer"]
+        if record.get("file") is None:
+            return {"kind": "bytes"}
+        return {"kind": record["kind"], "vocab_size": self.vocab_size, "sha256": record["sha256"]}
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{s}={self.meta['splits'][s]['tokens']}" for s in SPLITS)
+        return f"Shards({str(self.folder)!r}, vocab_size={self.vocab_size}, {self.meta['dtype']}, {counts})"
