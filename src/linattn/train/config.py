@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_device, check_int_fields, check_number_fields, config_from_dict
+from .._checks import check_device, check_divides, check_int_fields, check_number_fields, config_from_dict
 from ..models.config import LMConfig
 
 
@@ -27,6 +27,10 @@ class TrainConfig:
     integrate over a whole pass would be dominated by values computed with stale weights,
     and the model would learn to read that stale mixture). Evaluation during training
     resets the state on the same schedule.
+
+    ``grad_accum_steps = n`` splits each step's ``batch_size`` streams into ``n`` micro-batches
+    of ``batch_size / n`` streams that run forward and backward one after the other (less
+    activation memory, the same step: ``train/microbatch.py``); ``n`` must divide ``batch_size``.
     """
 
     data: str = "shakespeare"
@@ -34,6 +38,7 @@ class TrainConfig:
     steps: int = 1000
     decay_steps: int | None = None  # end of the cosine decay (None: steps)
     batch_size: int = 16
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (each of batch_size / grad_accum_steps streams)
     context: int = 256
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -57,8 +62,9 @@ class TrainConfig:
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        check_int_fields(self, "train", ("steps", "batch_size", "context", "eval_batch_size", "log_every",
-                                         "keep_checkpoints"), minimum=1)
+        check_int_fields(self, "train", ("steps", "batch_size", "grad_accum_steps", "context", "eval_batch_size",
+                                         "log_every", "keep_checkpoints"), minimum=1)
+        check_divides("train.grad_accum_steps", self.grad_accum_steps, "train.batch_size", self.batch_size)
         check_int_fields(self, "train", ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows"),
                          minimum=0, note=" (0 = never/none)")
         check_int_fields(self, "train", ("eval_tokens", "threads", "decay_steps"), minimum=1, optional=True)

@@ -1,5 +1,6 @@
-"""The training loop: AdamW, warm-up + cosine, clipping, bf16, codebook EMA, state carry,
-bits-per-byte evaluation, JSONL metrics, atomic checkpoints, exact resume, signals, DDP."""
+"""The training loop: AdamW, warm-up + cosine, clipping, bf16, gradient accumulation, codebook
+EMA, state carry, bits-per-byte evaluation, JSONL metrics, atomic checkpoints, exact resume,
+signals, DDP."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from . import distributed
 from .checkpoint import find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate_bpb
+from .microbatch import join_states, split_rows, split_state
 from .optim import parameter_groups
 from .schedule import learning_rate
 
@@ -97,6 +99,47 @@ def _load_data(train_config: TrainConfig, context: distributed.Context):
 
 def _silent(*args) -> None:
     pass
+
+
+def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, carries: list,
+                         *, device: torch.device, bf16: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Forward and backward of one optimizer step, as ``len(carries)`` micro-batches.
+
+    ``inputs``/``targets [B, T]`` are cut into ``n = len(carries)`` row blocks
+    (``train/microbatch.py``); block ``m`` starts from ``carries[m]`` (its streams' state, or
+    None). Each block backpropagates ``(cross-entropy + commitment loss) / n``, so the
+    gradients add up to those of the whole batch's mean loss; under DDP/FSDP they are
+    reduced over processes only in the last block's backward. Returns the step's mean
+    cross-entropy and mean commitment loss (detached) and the blocks' new states (not yet
+    detached: pass them through ``LM.carry``).
+    """
+    n = len(carries)
+    loss_sum = commit_sum = None
+    states = []
+    for m, (ids, target, carry) in enumerate(zip(split_rows(inputs, n), split_rows(targets, n), carries)):
+        with distributed.gradient_sync(trained, enabled=m == n - 1):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits, state, aux = trained(ids.to(device), carry)
+            loss = F.cross_entropy(logits.flatten(0, 1), target.to(device).flatten())
+            ((loss + aux["commit_loss"]) / n).backward()
+        loss, commit = loss.detach(), aux["commit_loss"].detach()
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        commit_sum = commit if commit_sum is None else commit_sum + commit
+        states.append(state)
+    return loss_sum / n, commit_sum / n, states
+
+
+def code_perplexity(model: LM) -> torch.Tensor | None:
+    """Mean over the VQ units of ``exp(entropy)`` of the code histogram of the assignments
+    counted since the last codebook update (all heads pooled; this process's tokens) -- the
+    step's ``codebook_perplexity``, whatever its number of micro-batches. None without VQ."""
+    perplexities = []
+    for quantizer in model.quantizers():
+        counts = quantizer.pending_counts.sum(0)
+        probs = counts / counts.sum()
+        perplexities.append(torch.exp(-(probs * probs.clamp_min(1e-30).log()).sum()))
+    return torch.stack(perplexities).mean() if perplexities else None
 
 
 def train(
@@ -174,13 +217,13 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     model = LM(model_config).to(device)
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2))
-    start_step, carry = 0, None
+    start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
     if checkpoint is not None:
         model.load_state_dict(checkpoint.model, strict=True)
         optimizer.load_state_dict(checkpoint.optimizer_state())
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
-        carry = checkpoint.carry(context.rank, device)
+        carries = split_state(checkpoint.carry(context.rank, device), cfg.grad_accum_steps)
     trained = model
     if context.distributed:
         trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -204,7 +247,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         metrics.write({"step": step, "split": "validation", "bpb": result["bpb"], "tokens": result["tokens"]})
         return result["bpb"]
 
-    def save(step: int, carry_state) -> Path | None:
+    def save(step: int, carried: list) -> Path | None:
+        carry_state = join_states(carried)  # the micro-batches' states stacked: this rank's whole batch
         carries = distributed.gather_objects(None if carry_state is None else carry_state.to("cpu"), context)
         if not context.is_main:
             return None
@@ -234,28 +278,27 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         while step < cfg.steps:
             window = step % len(streams)
             if window == 0 or not cfg.carry_state or (cfg.carry_windows and window % cfg.carry_windows == 0):
-                carry = None
+                carries = [None] * cfg.grad_accum_steps
             lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.decay_steps or cfg.steps,
                                warmup_steps=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            inputs, targets = (t.to(device) for t in streams.window(window))
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                logits, state, aux = trained(inputs, carry)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
-            (loss + aux["commit_loss"]).backward()
+            inputs, targets = streams.window(window)
+            loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
+                                                             bf16=cfg.bf16)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
+            perplexity = code_perplexity(model)
             model.update_codebooks()
-            carry = model.carry(state) if cfg.carry_state else None
+            carries = [model.carry(state) if cfg.carry_state else None for state in states]
             step += 1
             window_steps += 1
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == cfg.steps:
                 reduced = distributed.all_reduce_sum(
-                    torch.tensor([loss.item(), aux["commit_loss"].item()], dtype=torch.float64), context
+                    torch.tensor([loss.item(), commit_loss.item()], dtype=torch.float64), context
                 ) / context.world_size
                 loss_value = float(reduced[0])
                 now = time.perf_counter()
@@ -264,8 +307,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                 record = {"step": step, "loss": loss_value, "bpb": loss_value / math.log(2), "lr": lr,
                           "grad_norm": float(grad_norm), "commit_loss": float(reduced[1]),
                           "tokens_per_second": speed, "elapsed": now - started}
-                if aux["codebook_perplexity"] is not None:
-                    record["codebook_perplexity"] = float(aux["codebook_perplexity"])
+                if perplexity is not None:
+                    record["codebook_perplexity"] = float(perplexity)
                 metrics.write(record)
                 postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{speed:,.0f}"}
                 if last_bpb is not None:  # the latest evaluation, labelled with its step (0: before training)
@@ -277,7 +320,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
 
             stopping = distributed.broadcast_flag(stop.signal_name is not None, context)
             if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                path = save(step, carry)
+                path = save(step, carries)
                 if stopping:
                     summary["interrupted"] = stop.signal_name or "signal on another rank"
                     if context.is_main:
