@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_device, check_divides, check_int_fields, check_number_fields, config_from_dict
+from .._checks import check_bool, check_device, check_divides, check_int_fields, check_number_fields, config_from_dict
 from ..models.config import LMConfig
 
 
@@ -31,6 +31,9 @@ class TrainConfig:
     ``grad_accum_steps = n`` splits each step's ``batch_size`` streams into ``n`` micro-batches
     of ``batch_size / n`` streams that run forward and backward one after the other (less
     activation memory, the same step: ``train/microbatch.py``); ``n`` must divide ``batch_size``.
+    ``activation_checkpointing`` recomputes each layer's forward during backward
+    (``LM.activation_checkpointing``): the same step with the activations of one layer held
+    at a time.
     """
 
     data: str = "shakespeare"
@@ -39,6 +42,7 @@ class TrainConfig:
     decay_steps: int | None = None  # end of the cosine decay (None: steps)
     batch_size: int = 16
     grad_accum_steps: int = 1  # micro-batches per optimizer step (each of batch_size / grad_accum_steps streams)
+    activation_checkpointing: bool = False  # recompute each layer's forward in backward (less memory)
     context: int = 256
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -73,6 +77,7 @@ class TrainConfig:
         check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
         check_device("train.device", self.device)
+        check_bool("train.activation_checkpointing", self.activation_checkpointing)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

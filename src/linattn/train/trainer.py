@@ -215,6 +215,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
 
     torch.manual_seed(cfg.seed)
     model = LM(model_config).to(device)
+    model.activation_checkpointing = cfg.activation_checkpointing
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
