@@ -89,11 +89,11 @@ def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
 
 def _load_data(train_config: TrainConfig, context: distributed.Context):
     """Rank 0 loads first (it may download), then the others read the cache."""
-    if context.distributed and not context.is_main:
-        torch.distributed.barrier()
+    if not context.is_main:
+        distributed.barrier(context)
     corpus = load_corpus(train_config.data, cache_dir=train_config.cache_dir)
-    if context.distributed and context.is_main:
-        torch.distributed.barrier()
+    if context.is_main:
+        distributed.barrier(context)
     return corpus
 
 
@@ -298,9 +298,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == cfg.steps:
-                reduced = distributed.all_reduce_sum(
-                    torch.tensor([loss.item(), commit_loss.item()], dtype=torch.float64), context
-                ) / context.world_size
+                reduced = distributed.all_reduce_sum(torch.stack([loss, commit_loss]).double(), context
+                                                     ) / context.world_size
                 loss_value = float(reduced[0])
                 now = time.perf_counter()
                 speed = window_steps * tokens_per_step / max(now - window_time, 1e-9)
