@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from linattn.models import LMConfig
-from linattn.train import TrainConfig, distributed, evaluate_bpb, train
+from linattn.train import TrainConfig, distributed, evaluate_bpb, parallel, train
 from linattn.train import trainer as trainer_module
 from linattn.train.distributed import Context
 from _helpers import english_like
@@ -92,7 +92,7 @@ def two_mirrored_ranks(monkeypatch):
     collectives = CheckedCollectives(device)
     collectives.install(monkeypatch)
     monkeypatch.setattr(distributed, "setup", lambda name="cpu": Context(rank=0, world_size=2, device=device))
-    monkeypatch.setattr(trainer_module, "DistributedDataParallel", lambda module, **kwargs: module)
+    monkeypatch.setattr(parallel, "wrap", lambda model, strategy, context: model)
     return collectives
 
 

@@ -1,12 +1,14 @@
-"""Training in 2 processes (gloo on this CPU, spawned like ``torchrun`` would): with gradient
-accumulation under DDP, the run follows the single-process run over the same global batch,
-in float64 up to rounding. Both processes run their trainings in one spawn, one after the
-other, to keep the test to a few seconds."""
+"""Training in 2 processes (gloo on this CPU, spawned like ``torchrun`` would): under DDP and
+under FSDP2, with gradient accumulation (and activation checkpointing under FSDP), a run
+follows the single-process run over the same global batch in float64 up to rounding; the
+FSDP run's checkpoint loads into one process, and the FSDP run resumes exactly. Both
+processes run their trainings in one spawn, one after the other, to keep the test short."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 from linattn.models import LM, LMConfig
-from linattn.train import TrainConfig, load_checkpoint, train
+from linattn.train import TrainConfig, evaluate_bpb, load_checkpoint, load_model, train
 from linattn.train import trainer as trainer_module
 from linattn.train.microbatch import join_states
 from _helpers import F64, assert_close_rel, english_like
@@ -62,6 +64,14 @@ def _worker(rank: int, root: str) -> None:
         train(model_config(), run_config(data, root / "ddp", batch_size=4, grad_accum_steps=2), progress=False,
               echo=lambda *a: None)
         (root / f"deferred{rank}.json").write_text(json.dumps(len(deferred)))
+        train(model_config(), run_config(data, root / "fsdp", batch_size=4, grad_accum_steps=2, parallel="fsdp",
+                                         activation_checkpointing=True, checkpoint_every=2, keep_checkpoints=3),
+              progress=False, echo=lambda *a: None)
+        if rank == 0:
+            shutil.copytree(root / "fsdp", root / "fsdp-resumed")
+        dist.barrier()
+        train(None, None, resume=True, resume_from=2, out=root / "fsdp-resumed", progress=False,
+              echo=lambda *a: None)
     finally:
         patch.undo()
         dist.destroy_process_group()
@@ -117,3 +127,43 @@ def test_ddp_with_accumulation_follows_the_single_process_run(parallel_runs):
 def test_ddp_defers_the_gradient_all_reduce_to_the_last_micro_batch(parallel_runs):
     for rank in range(WORLD):
         assert json.loads((parallel_runs / f"deferred{rank}.json").read_text()) == STEPS  # 1 of 2 micro-batches
+
+
+def test_fsdp_with_accumulation_and_checkpointing_follows_the_single_process_run(parallel_runs):
+    assert_follows_single_process_run(parallel_runs, "fsdp")
+    meta = load_checkpoint(parallel_runs / "fsdp").meta
+    assert meta["train_config"]["parallel"] == "fsdp" and meta["train_config"]["activation_checkpointing"]
+
+
+def test_an_fsdp_checkpoint_loads_into_one_process(parallel_runs):
+    """The gathered checkpoint is an ordinary one: ``load_model`` (eval, generate, export)
+    reads it, its optimizer state is indexed like a single process's, and the model
+    evaluates and generates as the single-process run's does."""
+    fsdp, fsdp_checkpoint = load_model(parallel_runs / "fsdp")
+    single, single_checkpoint = load_model(parallel_runs / "single")
+    optimizer, expected = fsdp_checkpoint.optimizer_state(), single_checkpoint.optimizer_state()
+    assert [g["params"] for g in optimizer["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    assert sorted(optimizer["state"]) == sorted(expected["state"])
+    for index, entry in expected["state"].items():
+        for name, value in entry.items():
+            assert_close_rel(optimizer["state"][index][name].double(), value.double(), rtol=1e-6,
+                             name=f"optimizer {index} {name}")
+    tokens = torch.tensor(list((parallel_runs / "corpus.txt").read_bytes()[:400]))
+    bpb = {name: evaluate_bpb(model, tokens, context=16)["bpb"] for name, model in (("fsdp", fsdp),
+                                                                                   ("single", single))}
+    assert bpb["fsdp"] == pytest.approx(bpb["single"], rel=1e-6)
+    generated = [list(model.generate([ord("T")], 8, temperature=0)) for model in (fsdp, single)]
+    assert generated[0] == generated[1] and len(generated[0]) == 8
+
+
+def test_an_fsdp_run_resumes_exactly(parallel_runs):
+    keys = ("step", "loss", "bpb", "lr", "grad_norm", "commit_loss", "codebook_perplexity")
+    uninterrupted = [tuple(r[k] for k in keys) for r in _records(parallel_runs / "fsdp")]
+    resumed = [tuple(r[k] for k in keys) for r in _records(parallel_runs / "fsdp-resumed")]
+    assert len(resumed) == STEPS and resumed == uninterrupted
+    a, b = load_checkpoint(parallel_runs / "fsdp"), load_checkpoint(parallel_runs / "fsdp-resumed")
+    assert a.step == b.step == STEPS
+    for name, value in a.model.items():
+        assert torch.equal(b.model[name], value), name
+    for name, value in a.training.items():
+        assert torch.equal(b.training[name], value), name

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_bool, check_device, check_divides, check_int_fields, check_number_fields, config_from_dict
+from .._checks import (check_bool, check_choice, check_device, check_divides, check_int_fields, check_number_fields,
+                       config_from_dict)
 from ..models.config import LMConfig
 
 
@@ -33,7 +34,8 @@ class TrainConfig:
     activation memory, the same step: ``train/microbatch.py``); ``n`` must divide ``batch_size``.
     ``activation_checkpointing`` recomputes each layer's forward during backward
     (``LM.activation_checkpointing``): the same step with the activations of one layer held
-    at a time.
+    at a time. Under ``torchrun``, ``parallel`` picks DistributedDataParallel (``"ddp"``) or
+    FSDP2 (``"fsdp"``: parameters, gradients and optimizer state sharded over the processes).
     """
 
     data: str = "shakespeare"
@@ -43,6 +45,7 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum_steps: int = 1  # micro-batches per optimizer step (each of batch_size / grad_accum_steps streams)
     activation_checkpointing: bool = False  # recompute each layer's forward in backward (less memory)
+    parallel: str = "ddp"  # several processes: "ddp" (replicated) or "fsdp" (FSDP2, sharded); train/parallel.py
     context: int = 256
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -78,6 +81,7 @@ class TrainConfig:
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
         check_device("train.device", self.device)
         check_bool("train.activation_checkpointing", self.activation_checkpointing)
+        check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -11,13 +11,10 @@ collectives, ``nn/codebook.py``, reduce their buffers, which live where the mode
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass
@@ -108,15 +105,3 @@ def gather_objects(value, context: Context) -> list | None:
     gathered = [None] * context.world_size if context.is_main else None
     dist.gather_object(value, gathered, dst=0)
     return gathered
-
-
-@contextmanager
-def gradient_sync(module: torch.nn.Module, enabled: bool) -> Iterator[None]:
-    """Run a forward + backward whose gradients are reduced over processes only if ``enabled``
-    (otherwise they accumulate locally, for the next backward to reduce): DDP's ``no_sync``;
-    nothing to do for a plain module."""
-    if enabled or not isinstance(module, DistributedDataParallel):
-        yield
-        return
-    with module.no_sync():
-        yield

@@ -1,6 +1,6 @@
-"""The training loop: AdamW, warm-up + cosine, clipping, bf16, gradient accumulation, codebook
-EMA, state carry, bits-per-byte evaluation, JSONL metrics, atomic checkpoints, exact resume,
-signals, DDP."""
+"""The training loop: AdamW, warm-up + cosine, clipping, bf16, gradient accumulation,
+activation checkpointing, codebook EMA, state carry, bits-per-byte evaluation, JSONL metrics,
+atomic checkpoints, exact resume, signals, DDP or FSDP2."""
 
 from __future__ import annotations
 
@@ -14,14 +14,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .. import __version__
 from .._checks import is_int
 from ..data import TokenStreams, load_corpus
 from ..models import LM, LMConfig
-from . import distributed
+from . import distributed, parallel
 from .checkpoint import find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate_bpb
@@ -118,7 +117,7 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     loss_sum = commit_sum = None
     states = []
     for m, (ids, target, carry) in enumerate(zip(split_rows(inputs, n), split_rows(targets, n), carries)):
-        with distributed.gradient_sync(trained, enabled=m == n - 1):
+        with parallel.gradient_sync(trained, enabled=m == n - 1):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
                 logits, state, aux = trained(ids.to(device), carry)
             loss = F.cross_entropy(logits.flatten(0, 1), target.to(device).flatten())
@@ -194,7 +193,8 @@ def train(
         torch.set_num_threads(train_config.threads)
     context = distributed.setup(train_config.device)
     try:
-        return _train(model_config, train_config, checkpoint, context, progress, command, echo)
+        with parallel.view_warnings_silenced():
+            return _train(model_config, train_config, checkpoint, context, progress, command, echo)
     finally:
         distributed.teardown(context)
 
@@ -216,19 +216,17 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     torch.manual_seed(cfg.seed)
     model = LM(model_config).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint.model, strict=True)
+    trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
     if checkpoint is not None:
-        model.load_state_dict(checkpoint.model, strict=True)
-        optimizer.load_state_dict(checkpoint.optimizer_state())
+        parallel.load_optimizer_state(model, optimizer, checkpoint.optimizer_state())
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
         carries = split_state(checkpoint.carry(context.rank, device), cfg.grad_accum_steps)
-    trained = model
-    if context.distributed:
-        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          broadcast_buffers=False)
 
     corpus = _load_data(cfg, context)
     streams = TokenStreams(corpus.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
@@ -251,6 +249,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     def save(step: int, carried: list) -> Path | None:
         carry_state = join_states(carried)  # the micro-batches' states stacked: this rank's whole batch
         carries = distributed.gather_objects(None if carry_state is None else carry_state.to("cpu"), context)
+        model_tensors = parallel.full_model_state(model, context)  # under FSDP: gathered to rank 0
+        optimizer_state = parallel.full_optimizer_state(model, optimizer, context)
         if not context.is_main:
             return None
         meta = {
@@ -259,8 +259,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             "tokens_seen": step * tokens_per_step, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
         }
-        return save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model.state_dict(),
-                               optimizer_state=optimizer.state_dict(), rng=_rng_state(device),
+        return save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
+                               optimizer_state=optimizer_state, rng=_rng_state(device),
                                carries=carries, meta=meta, keep=cfg.keep_checkpoints)
 
     summary: dict[str, Any] = {"out": str(run_dir), "start_step": start_step, "interrupted": None}
