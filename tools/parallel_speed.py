@@ -25,7 +25,7 @@ def _run(strategy: str, out: Path, args: argparse.Namespace) -> list[float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.nproc),
                "-m", "linattn.cli", "train", "--config", args.config, "--out", str(out), "--steps", str(args.steps),
                "--log-every", str(args.log_every), "--eval-every", "0", "--checkpoint-every", "0",
-               "--device", args.device, "--no-progress", "--set", f"train.parallel={strategy!r}"]
+               "--device", args.device, "--no-progress", "--set", f"train.parallel={strategy}"]
     for override in args.overrides:
         command += ["--set", override]
     if args.threads:
