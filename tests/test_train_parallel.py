@@ -167,3 +167,9 @@ def test_an_fsdp_run_resumes_exactly(parallel_runs):
         assert torch.equal(b.model[name], value), name
     for name, value in a.training.items():
         assert torch.equal(b.training[name], value), name
+
+
+def test_parallel_names_a_known_strategy():
+    with pytest.raises(ValueError, match=r"^train\.parallel must be one of 'ddp', 'fsdp'; got 'zero'$"):
+        TrainConfig(parallel="zero")
+    assert TrainConfig(parallel="fsdp").parallel == "fsdp"

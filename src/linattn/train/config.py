@@ -11,6 +11,7 @@ from typing import Any
 from .._checks import (check_bool, check_choice, check_device, check_divides, check_int_fields, check_number_fields,
                        config_from_dict)
 from ..models.config import LMConfig
+from .parallel import STRATEGIES
 
 
 @dataclass
@@ -81,7 +82,7 @@ class TrainConfig:
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
         check_device("train.device", self.device)
         check_bool("train.activation_checkpointing", self.activation_checkpointing)
-        check_choice("train.parallel", self.parallel, ("ddp", "fsdp"))
+        check_choice("train.parallel", self.parallel, STRATEGIES)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

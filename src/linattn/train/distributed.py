@@ -75,10 +75,10 @@ def _check_device(name: str, tensor: torch.Tensor, context: Context) -> None:
 
 
 def all_reduce_sum(values: torch.Tensor, context: Context) -> torch.Tensor:
-    """Sum a tensor over processes, in place (identity for a single process); ``values``
-    must live on ``context.device``."""
-    _check_device("all_reduce_sum", values, context)
+    """Sum a tensor over processes, in place (identity for a single process); with several
+    processes ``values`` must live on ``context.device``."""
     if context.distributed:
+        _check_device("all_reduce_sum", values, context)
         dist.all_reduce(values)
     return values
 

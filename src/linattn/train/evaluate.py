@@ -41,8 +41,8 @@ def evaluate_bpb(
                            world_size=dist_context.world_size, drop_last=False)
     was_training = model.training
     model.eval()
-    device = dist_context.device
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed over processes on the run's device
+    device = next(model.parameters()).device  # the run's device (dist_context.device) when training
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed over processes there
     state = None
     try:
         for index, (inputs, targets) in enumerate(streams):
