@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn.models import LM, LMConfig
-from linattn.train import CheckpointError, TrainConfig, distributed, evaluate_bpb, load_model, train
+from linattn.train import CheckpointError, TrainConfig, distributed, evaluate_bpb, load_model, parallel, train
 from linattn.train import trainer as trainer_module
 from linattn.train.checkpoint import find_resume_checkpoint, save_checkpoint
 from linattn.train.config import parse_override
@@ -450,7 +450,7 @@ def test_under_ddp_on_cpu_the_model_is_wrapped_without_device_ids_and_logged_los
         wrapped.append(kwargs)
         return module
 
-    monkeypatch.setattr(trainer_module, "DistributedDataParallel", fake_ddp)
+    monkeypatch.setattr(parallel, "DistributedDataParallel", fake_ddp)
     losses = []
     original_cross_entropy = F.cross_entropy
 

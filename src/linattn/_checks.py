@@ -238,6 +238,12 @@ def check_number_fields(config: object, prefix: str, names: Iterable[str], *, lo
             raise ValueError(f"{prefix}.{name} must be {wanted}, got {value!r}")
 
 
+def check_divides(name: str, value: int, of_name: str, of_value: int) -> None:
+    """``value`` divides ``of_value`` (both already checked ints); else ValueError naming both."""
+    if of_value % value:
+        raise ValueError(f"{name} must divide {of_name}, got {value} and {of_value}")
+
+
 def config_from_dict(cls, values: dict[str, Any], what: str):
     """``cls(**values)`` after rejecting keys that are not fields of the dataclass ``cls``."""
     known = {f.name for f in dataclasses.fields(cls)}

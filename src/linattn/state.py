@@ -30,9 +30,14 @@ def _map_value(value, fn):
 class _State:
     """Shared behaviour: map a function over the tensor fields, keep the rest."""
 
+    @classmethod
+    def value_fields(cls) -> tuple[dataclasses.Field, ...]:
+        """The fields that make the state (a decoding buffer beside them is not one of them)."""
+        return tuple(f for f in dataclasses.fields(cls) if f.init)
+
     def _map(self, fn) -> "_State":
         changes = {}
-        for f in dataclasses.fields(self):
+        for f in self.value_fields():
             value = getattr(self, f.name)
             if isinstance(value, (torch.Tensor, _State, tuple)):
                 changes[f.name] = _map_value(value, fn)

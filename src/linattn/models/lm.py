@@ -7,6 +7,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_int
 from ..nn.quantizer import VectorQuantizer
@@ -27,6 +28,12 @@ class LM(nn.Module):
     add it to the training loss) and ``codebook_perplexity`` (mean over VQ units of
     exp(entropy) of this batch's code histogram; None without VQ layers). Passing the
     returned state back continues the sequence: token-by-token decoding equals the full pass.
+
+    ``activation_checkpointing`` (attribute, default False): when gradients are enabled, each
+    layer keeps only its inputs and recomputes its forward during backward
+    (``torch.utils.checkpoint``, non-reentrant): the same values and gradients, with the
+    activations of one layer at a time instead of all. A recomputed quantizer forward adds
+    no codebook statistics (``nn/quantizer.py``).
     """
 
     def __init__(self, config: LMConfig):
@@ -37,6 +44,7 @@ class LM(nn.Module):
         self.layers = nn.ModuleList(layer_kind(spec).build(config, spec, i) for i, spec in enumerate(self.specs))
         self.norm = nn.RMSNorm(config.d_model)
         self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.activation_checkpointing = False
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -88,8 +96,12 @@ class LM(nn.Module):
             hidden.append(x)
         layer_states = state.layers if state is not None else (None,) * len(self.layers)
         new_states, unit_aux = [], []
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for layer, layer_state in zip(self.layers, layer_states):
-            x, layer_state, aux = layer(x, layer_state)
+            if recompute:
+                x, layer_state, aux = checkpoint(layer, x, layer_state, use_reentrant=False)
+            else:
+                x, layer_state, aux = layer(x, layer_state)
             new_states.append(layer_state)
             unit_aux.extend(aux)
             if hidden is not None:

@@ -8,8 +8,10 @@ batch's assignments; ``update()`` applies
 
     counts <- g counts + (1 - g) n,   sums <- g sums + (1 - g) s,   c = sums / max(counts, 0.01)
 
-with n and s summed over ranks first, then restarts dead codes. Codes can be initialised by
-k-means (``kmeans``) on a first batch of keys.
+with n and s summed over ranks first, then restarts dead codes. Several forwards before one
+update (micro-batches of gradient accumulation) add up: the update sees the statistics, and
+the restart candidates, of all of them. Codes can be initialised by k-means (``kmeans``) on
+a first batch of keys.
 
 Every collective goes through one hook, ``sync(op, tensors)``, which works in place on a
 list of tensors: ``op="sum"`` all-reduces them (``update()``: the counts and sums), and
@@ -85,7 +87,8 @@ class Codebook(nn.Module):
             codes by ``initialize(keys)``; otherwise start from the random codes.
         kmeans_iters: Lloyd iterations of that initialisation.
         dead_code_threshold: in ``update()``, codes whose EMA count is strictly below this
-            are restarted on random keys of the latest batch with real tokens (0 disables).
+            are restarted on random keys gathered since the previous update (the latest
+            batches with real tokens; 0 disables).
         init_scale: standard deviation of the random initial codes.
         sync: the collective hook ``sync(op, tensors)`` (module docstring); default
             ``distributed_sync``.
@@ -128,7 +131,8 @@ class Codebook(nn.Module):
         self.register_buffer("initialized", torch.tensor(not kmeans_init))
         self.register_buffer("_pending_counts", torch.zeros(n_heads, codebook_size), persistent=False)
         self.register_buffer("_pending_sums", torch.zeros(n_heads, codebook_size, head_dim), persistent=False)
-        self._recent_keys: torch.Tensor | None = None  # [H, N, Dk], restart candidates
+        self._recent_keys: list[torch.Tensor] = []  # [H, N_i, Dk] each, restart candidates
+        self._recent_complete = True  # the next batch with real tokens starts a new candidate list
 
     @torch.no_grad()
     def _reset_buffers(self) -> None:
@@ -136,7 +140,12 @@ class Codebook(nn.Module):
         materialised without them (Hugging Face ``from_pretrained``)."""
         self._pending_counts.zero_()
         self._pending_sums.zero_()
-        self._recent_keys = None
+        self._recent_keys, self._recent_complete = [], True
+
+    @property
+    def pending_counts(self) -> torch.Tensor:
+        """``[H, S]`` assignments counted on this process since the last ``update()`` (read only)."""
+        return self._pending_counts.detach()
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.double()``, ``.half()`` move the codes and statistics but keep them float32."""
@@ -168,7 +177,9 @@ class Codebook(nn.Module):
         self._pending_counts.scatter_add_(1, flat, keys.new_ones(flat.shape))
         self._pending_sums.scatter_add_(1, flat.unsqueeze(-1).expand_as(keys), keys)
         if self.dead_code_threshold > 0 and keys.shape[1] > 0:
-            self._recent_keys = keys
+            if self._recent_complete:
+                self._recent_keys, self._recent_complete = [], False
+            self._recent_keys.append(keys)
 
     @torch.no_grad()
     def update(self) -> None:
@@ -178,6 +189,7 @@ class Codebook(nn.Module):
         counts, sums = self._pending_counts.clone(), self._pending_sums.clone()
         self._pending_counts.zero_()
         self._pending_sums.zero_()
+        self._recent_complete = True
         self.sync("sum", [counts, sums])
         if counts.sum() == 0:
             return
@@ -191,13 +203,15 @@ class Codebook(nn.Module):
     @torch.no_grad()
     def _restart_dead_codes(self) -> None:
         """Move every code with ``ema_counts < dead_code_threshold`` onto a random recent key
-        (rank 0's draw), restarting its statistics there (count 1, sum = key)."""
+        (rank 0's draw), restarting its statistics there (count 1, sum = key). The candidates
+        are the real tokens' keys of the forwards since the previous update, in order (those of
+        the last forwards that had any, if none since)."""
         dead = self.ema_counts < self.dead_code_threshold  # [H, S], equal on all ranks
         if not bool(dead.any()):
             return
         values, chosen = self.codebook.clone(), torch.zeros_like(dead)
-        recent = self._recent_keys
-        if recent is not None:
+        if self._recent_keys:
+            recent = torch.cat(self._recent_keys, dim=1) if len(self._recent_keys) > 1 else self._recent_keys[0]
             for h in range(self.n_heads):
                 idx = dead[h].nonzero().flatten()
                 if idx.numel():

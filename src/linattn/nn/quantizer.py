@@ -15,7 +15,9 @@ statistics; ``update()``, called once per optimizer step, sums them over ranks a
 
 Every training-mode forward outside a backward pass is counted (use ``.eval()`` for
 evaluation); a forward recomputed by activation checkpointing runs inside the backward
-pass and adds nothing, so the statistics of a step are counted once. The codes and the
+pass and adds nothing, so the statistics of a step are counted once. The k-means
+initialisation of the first counted forward draws from a fork of the global random state,
+so a recomputation, which skips it, redraws the same dropout. The codes and the
 statistics stay float32 whatever the module is cast to.
 """
 
@@ -147,7 +149,10 @@ class VectorQuantizer(Codebook):
         self._check(k, mask)
         counted = self.training and not _inside_backward()
         if counted and not bool(self.initialized):
-            self.initialize(k, mask)
+            # k-means draws from a fork of the random state: the forward's other draws (dropout)
+            # are then those of a forward without it, as activation checkpointing recomputes them
+            with torch.random.fork_rng(devices=[k.device] if k.device.type == "cuda" else []):
+                self.initialize(k, mask)
         codes = self.nearest_codes(k)
         chosen = self.lookup(codes).to(k.dtype)
         k_hat = chosen + (k - k.detach()) if k.requires_grad else chosen

@@ -18,7 +18,6 @@ unpickles: it checks sizes and hashes first, so a truncated or foreign file is a
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -58,7 +57,7 @@ def flatten_state(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> 
         return {"tuple": [flatten_state(item, f"{prefix}.{i}", tensors) for i, item in enumerate(value)]}
     if isinstance(value, state_module._State):
         fields = {f.name: flatten_state(getattr(value, f.name), f"{prefix}.{f.name}", tensors)
-                  for f in dataclasses.fields(value) if f.init}  # not the decoding buffers
+                  for f in value.value_fields()}
         return {"state": type(value).__name__, "fields": fields}
     raise TypeError(f"cannot store a {type(value).__name__} in a checkpoint state")
 

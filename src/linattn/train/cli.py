@@ -49,7 +49,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "train", help="train a language model",
         description="Train an LM on bytes or on token shards (default: byte-level Transformer-VQ on "
                     "Shakespeare). " + layer_spec_help() + ".",
-        epilog="Multi-process: torchrun --nproc_per_node N $(which linattn) train ... (gloo on CPU, nccl on GPU).")
+        epilog="Multi-process: torchrun --nproc_per_node N $(which linattn) train ... (gloo on CPU, nccl on GPU; "
+               "DistributedDataParallel, or FSDP2 with --set train.parallel=fsdp). Less memory per step: "
+               "--set train.grad_accum_steps=N, --set train.activation_checkpointing=true.")
     p.add_argument("--config", metavar="FILE.toml", help="run file with [model] and [train] tables")
     p.add_argument("--attention", metavar="SPEC", help="layer attention spec or comma-separated pattern")
     p.add_argument("--d-model", dest="d_model", type=_positive_int)

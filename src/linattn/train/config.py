@@ -8,8 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import check_bool, check_device, check_int_fields, check_number_fields, config_from_dict
+from .._checks import (check_bool, check_choice, check_device, check_divides, check_int_fields, check_number_fields,
+                       config_from_dict)
 from ..models.config import LMConfig
+from .parallel import STRATEGIES
 
 
 @dataclass
@@ -27,6 +29,14 @@ class TrainConfig:
     integrate over a whole pass would be dominated by values computed with stale weights,
     and the model would learn to read that stale mixture). Evaluation during training
     resets the state on the same schedule.
+
+    ``grad_accum_steps = n`` splits each step's ``batch_size`` streams into ``n`` micro-batches
+    of ``batch_size / n`` streams that run forward and backward one after the other (less
+    activation memory, the same step: ``train/microbatch.py``); ``n`` must divide ``batch_size``.
+    ``activation_checkpointing`` recomputes each layer's forward during backward
+    (``LM.activation_checkpointing``): the same step with the activations of one layer held
+    at a time. Under ``torchrun``, ``parallel`` picks DistributedDataParallel (``"ddp"``) or
+    FSDP2 (``"fsdp"``: parameters, gradients and optimizer state sharded over the processes).
     """
 
     data: str = "shakespeare"
@@ -34,6 +44,9 @@ class TrainConfig:
     steps: int = 1000
     decay_steps: int | None = None  # end of the cosine decay (None: steps)
     batch_size: int = 16
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (each of batch_size / grad_accum_steps streams)
+    activation_checkpointing: bool = False  # recompute each layer's forward in backward (less memory)
+    parallel: str = "ddp"  # several processes: "ddp" (replicated) or "fsdp" (FSDP2, sharded); train/parallel.py
     context: int = 256
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -58,8 +71,9 @@ class TrainConfig:
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars to <out>/tensorboard/
 
     def __post_init__(self) -> None:
-        check_int_fields(self, "train", ("steps", "batch_size", "context", "eval_batch_size", "log_every",
-                                         "keep_checkpoints"), minimum=1)
+        check_int_fields(self, "train", ("steps", "batch_size", "grad_accum_steps", "context", "eval_batch_size",
+                                         "log_every", "keep_checkpoints"), minimum=1)
+        check_divides("train.grad_accum_steps", self.grad_accum_steps, "train.batch_size", self.batch_size)
         check_int_fields(self, "train", ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows"),
                          minimum=0, note=" (0 = never/none)")
         check_int_fields(self, "train", ("eval_tokens", "threads", "decay_steps"), minimum=1, optional=True)
@@ -69,6 +83,8 @@ class TrainConfig:
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
         check_device("train.device", self.device)
         check_bool("train.tensorboard", self.tensorboard)
+        check_bool("train.activation_checkpointing", self.activation_checkpointing)
+        check_choice("train.parallel", self.parallel, STRATEGIES)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,4 +1,12 @@
-"""Process-group set-up for ``torchrun`` (DistributedDataParallel; gloo on CPU, nccl on GPU)."""
+"""Process-group set-up for ``torchrun`` (gloo on CPU, nccl on GPU) and the collectives of
+the trainer and the evaluator.
+
+Every tensor collective of ``linattn.train`` goes through this module, and its tensors live
+on ``Context.device``, the device the run trains on: NCCL takes CUDA tensors only (a CPU
+tensor fails with "No backend type associated with device type cpu"). ``all_reduce_sum``
+refuses a tensor on another device with an error that names both. (The codebooks' own
+collectives, ``nn/codebook.py``, reduce their buffers, which live where the model does.)
+"""
 
 from __future__ import annotations
 
@@ -60,9 +68,17 @@ def teardown(context: Context) -> None:
         dist.destroy_process_group()
 
 
+def _check_device(name: str, tensor: torch.Tensor, context: Context) -> None:
+    if tensor.device != context.device:
+        raise ValueError(f"{name}: the tensor lives on {tensor.device}, but the process group reduces on the run's "
+                         f"device {context.device}; create it with device=context.device")
+
+
 def all_reduce_sum(values: torch.Tensor, context: Context) -> torch.Tensor:
-    """Sum a tensor over processes (identity for a single process)."""
+    """Sum a tensor over processes, in place (identity for a single process); with several
+    processes ``values`` must live on ``context.device``."""
     if context.distributed:
+        _check_device("all_reduce_sum", values, context)
         dist.all_reduce(values)
     return values
 
@@ -71,9 +87,15 @@ def broadcast_flag(flag: bool, context: Context) -> bool:
     """True on every rank if it is True on any rank (e.g. a stop request seen by one)."""
     if not context.distributed:
         return flag
-    value = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(value)
+    value = torch.tensor([1.0 if flag else 0.0], device=context.device)
+    all_reduce_sum(value, context)
     return bool(value.item() > 0)
+
+
+def barrier(context: Context) -> None:
+    """Wait for every process (on the run's GPU under NCCL)."""
+    if context.distributed:
+        dist.barrier(device_ids=[context.device.index] if context.device.type == "cuda" else None)
 
 
 def gather_objects(value, context: Context) -> list | None:

@@ -41,8 +41,8 @@ def evaluate_bpb(
                            world_size=dist_context.world_size, drop_last=False)
     was_training = model.training
     model.eval()
-    device = dist_context.device
-    totals = torch.zeros(2, dtype=torch.float64)
+    device = next(model.parameters()).device  # the run's device (dist_context.device) when training
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # summed over processes there
     state = None
     try:
         for index, (inputs, targets) in enumerate(streams):
@@ -52,7 +52,7 @@ def evaluate_bpb(
                 logits, state, _ = model(inputs.to(device), state)
             totals[0] += F.cross_entropy(
                 logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum"
-            ).item()
+            ).double()
             totals[1] += targets.numel()
             state = model.carry(state) if carry_state else None
             if progress is not None:

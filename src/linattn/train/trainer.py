@@ -1,6 +1,7 @@
-"""The training loop: AdamW, warm-up + cosine, clipping, bf16, codebook EMA, state carry,
-bits-per-byte evaluation, JSONL metrics (and TensorBoard), atomic checkpoints, exact resume,
-signals, DDP. The data is a shard folder (``data.open_shards``) or a byte corpus."""
+"""The training loop: AdamW, warm-up + cosine, clipping, bf16, gradient accumulation,
+activation checkpointing, codebook EMA, state carry, bits-per-byte evaluation, JSONL metrics
+(and TensorBoard), atomic checkpoints, exact resume, signals, DDP or FSDP2. The data is a
+shard folder (``data.open_shards``) or a byte corpus."""
 
 from __future__ import annotations
 
@@ -14,17 +15,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .. import __version__
 from .._checks import is_int
 from ..data import TokenStreams, bits_per_byte, evaluated_bytes, load_corpus, open_shards
 from ..models import LM, LMConfig
-from . import distributed
+from . import distributed, parallel
 from .checkpoint import find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .evaluate import evaluate_bpb
+from .microbatch import join_states, split_rows, split_state
 from .optim import parameter_groups
 from .run_tokenizer import setup_run_tokenizer
 from .schedule import learning_rate
@@ -101,16 +102,57 @@ def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
 
 def _load_data(train_config: TrainConfig, context: distributed.Context):
     """Rank 0 loads first (it may download), then the others read the cache."""
-    if context.distributed and not context.is_main:
-        torch.distributed.barrier()
+    if not context.is_main:
+        distributed.barrier(context)
     data = open_shards(train_config.data) or load_corpus(train_config.data, cache_dir=train_config.cache_dir)
-    if context.distributed and context.is_main:
-        torch.distributed.barrier()
+    if context.is_main:
+        distributed.barrier(context)
     return data
 
 
 def _silent(*args) -> None:
     pass
+
+
+def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, carries: list,
+                         *, device: torch.device, bf16: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Forward and backward of one optimizer step, as ``len(carries)`` micro-batches.
+
+    ``inputs``/``targets [B, T]`` are cut into ``n = len(carries)`` row blocks
+    (``train/microbatch.py``); block ``m`` starts from ``carries[m]`` (its streams' state, or
+    None). Each block backpropagates ``(cross-entropy + commitment loss) / n``, so the
+    gradients add up to those of the whole batch's mean loss; under DDP/FSDP they are
+    reduced over processes only in the last block's backward. Returns the step's mean
+    cross-entropy and mean commitment loss (detached) and the blocks' new states (not yet
+    detached: pass them through ``LM.carry``).
+    """
+    n = len(carries)
+    loss_sum = commit_sum = None
+    states = []
+    for m, (ids, target, carry) in enumerate(zip(split_rows(inputs, n), split_rows(targets, n), carries)):
+        with parallel.gradient_sync(trained, enabled=m == n - 1):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits, state, aux = trained(ids.to(device), carry)
+            loss = F.cross_entropy(logits.flatten(0, 1), target.to(device).flatten())
+            ((loss + aux["commit_loss"]) / n).backward()
+        loss, commit = loss.detach(), aux["commit_loss"].detach()
+        loss_sum = loss if loss_sum is None else loss_sum + loss
+        commit_sum = commit if commit_sum is None else commit_sum + commit
+        states.append(state)
+    return loss_sum / n, commit_sum / n, states
+
+
+def code_perplexity(model: LM) -> torch.Tensor | None:
+    """Mean over the VQ units of ``exp(entropy)`` of the code histogram of the assignments
+    counted since the last codebook update (all heads pooled; this process's tokens) -- the
+    step's ``codebook_perplexity``, whatever its number of micro-batches. None without VQ."""
+    perplexities = []
+    for quantizer in model.quantizers():
+        counts = quantizer.pending_counts.sum(0)
+        probs = counts / counts.sum()
+        perplexities.append(torch.exp(-(probs * probs.clamp_min(1e-30).log()).sum()))
+    return torch.stack(perplexities).mean() if perplexities else None
 
 
 def train(
@@ -165,7 +207,8 @@ def train(
         torch.set_num_threads(train_config.threads)
     context = distributed.setup(train_config.device)
     try:
-        return _train(model_config, train_config, checkpoint, context, progress, command, echo)
+        with parallel.view_warnings_silenced():
+            return _train(model_config, train_config, checkpoint, context, progress, command, echo)
     finally:
         distributed.teardown(context)
 
@@ -186,19 +229,18 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
 
     torch.manual_seed(cfg.seed)
     model = LM(model_config).to(device)
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=(cfg.beta1, cfg.beta2))
-    start_step, carry = 0, None
+    model.activation_checkpointing = cfg.activation_checkpointing
     if checkpoint is not None:
         model.load_state_dict(checkpoint.model, strict=True)
-        optimizer.load_state_dict(checkpoint.optimizer_state())
+    trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2))
+    start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
+    if checkpoint is not None:
+        parallel.load_optimizer_state(model, optimizer, checkpoint.optimizer_state())
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
-        carry = checkpoint.carry(context.rank, device)
-    trained = model
-    if context.distributed:
-        trained = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                          broadcast_buffers=False)
+        carries = split_state(checkpoint.carry(context.rank, device), cfg.grad_accum_steps)
 
     data = _load_data(cfg, context)
     tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
@@ -228,8 +270,11 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         metrics.write(record)
         return record["bpb"]
 
-    def save(step: int, carry_state) -> Path | None:
+    def save(step: int, carried: list) -> Path | None:
+        carry_state = join_states(carried)  # the micro-batches' states stacked: this rank's whole batch
         carries = distributed.gather_objects(None if carry_state is None else carry_state.to("cpu"), context)
+        model_tensors = parallel.full_model_state(model, context)  # under FSDP: gathered to rank 0
+        optimizer_state = parallel.full_optimizer_state(model, optimizer, context)
         if not context.is_main:
             return None
         meta = {
@@ -238,8 +283,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
         }
-        return save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model.state_dict(),
-                               optimizer_state=optimizer.state_dict(), rng=_rng_state(device),
+        return save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
+                               optimizer_state=optimizer_state, rng=_rng_state(device),
                                carries=carries, meta=meta, keep=cfg.keep_checkpoints)
 
     summary: dict[str, Any] = {"out": str(run_dir), "start_step": start_step, "interrupted": None}
@@ -258,29 +303,27 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         while step < cfg.steps:
             window = step % len(streams)
             if window == 0 or not cfg.carry_state or (cfg.carry_windows and window % cfg.carry_windows == 0):
-                carry = None
+                carries = [None] * cfg.grad_accum_steps
             lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.decay_steps or cfg.steps,
                                warmup_steps=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            inputs, targets = (t.to(device) for t in streams.window(window))
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                logits, state, aux = trained(inputs, carry)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             optimizer.zero_grad(set_to_none=True)
-            (loss + aux["commit_loss"]).backward()
+            inputs, targets = streams.window(window)
+            loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
+                                                             bf16=cfg.bf16)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
+            perplexity = code_perplexity(model)
             model.update_codebooks()
-            carry = model.carry(state) if cfg.carry_state else None
+            carries = [model.carry(state) if cfg.carry_state else None for state in states]
             step += 1
             window_steps += 1
             bar.update(1)
 
             if step % cfg.log_every == 0 or step == cfg.steps:
-                reduced = distributed.all_reduce_sum(
-                    torch.tensor([loss.item(), aux["commit_loss"].item()], dtype=torch.float64), context
-                ) / context.world_size
+                reduced = distributed.all_reduce_sum(torch.stack([loss, commit_loss]).double(), context
+                                                     ) / context.world_size
                 loss_value = float(reduced[0])
                 now = time.perf_counter()
                 speed = window_steps * tokens_per_step / max(now - window_time, 1e-9)
@@ -290,8 +333,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                           "tokens_per_second": speed, "elapsed": now - started}
                 if not byte_tokens:  # a token's bits are not a byte's
                     record["bits_per_token"] = record.pop("bpb")
-                if aux["codebook_perplexity"] is not None:
-                    record["codebook_perplexity"] = float(aux["codebook_perplexity"])
+                if perplexity is not None:
+                    record["codebook_perplexity"] = float(perplexity)
                 metrics.write(record)
                 postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{speed:,.0f}"}
                 if last_bpb is not None:  # the latest evaluation, labelled with its step (0: before training)
@@ -303,7 +346,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
 
             stopping = distributed.broadcast_flag(stop.signal_name is not None, context)
             if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                path = save(step, carry)
+                path = save(step, carries)
                 if stopping:
                     summary["interrupted"] = stop.signal_name or "signal on another rank"
                     if context.is_main:

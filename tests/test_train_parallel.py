@@ -1,0 +1,175 @@
+"""Training in 2 processes (gloo on this CPU, spawned like ``torchrun`` would): under DDP and
+under FSDP2, with gradient accumulation (and activation checkpointing under FSDP), a run
+follows the single-process run over the same global batch in float64 up to rounding; the
+FSDP run's checkpoint loads into one process, and the FSDP run resumes exactly. Both
+processes run their trainings in one spawn, one after the other, to keep the test short."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+from linattn.models import LM, LMConfig
+from linattn.train import TrainConfig, evaluate_bpb, load_checkpoint, load_model, train
+from linattn.train import trainer as trainer_module
+from linattn.train.microbatch import join_states
+from _helpers import F64, assert_close_rel, english_like
+from test_grad_accum import assert_states_close
+
+WORLD = 2
+STEPS = 3
+
+
+def model_config() -> LMConfig:
+    return LMConfig(d_model=16, n_layers=2, attention="vq,delta", n_heads=2, gau_d_k=8, codebook_size=16,
+                    block_size=4, chunk_size=4, ffn_hidden=32)
+
+
+def run_config(data: Path, out: Path, **overrides) -> TrainConfig:
+    """Global batch of 8 streams: ``batch_size`` per process times the number of processes."""
+    options = dict(data=str(data), out=str(out), steps=STEPS, batch_size=8, context=16, lr=3e-3, warmup_steps=1,
+                   eval_every=0, log_every=1, checkpoint_every=STEPS, threads=1)
+    return TrainConfig(**{**options, **overrides})
+
+
+def _float64_models(patch) -> None:
+    patch.setattr(trainer_module, "LM", lambda config: LM(config).double())
+
+
+def _worker(rank: int, root: str) -> None:
+    root = Path(root)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=WORLD)
+    patch = pytest.MonkeyPatch()
+    _float64_models(patch)
+    deferred = []
+    original_no_sync = DistributedDataParallel.no_sync
+
+    def counting_no_sync(self):
+        deferred.append(1)
+        return original_no_sync(self)
+
+    patch.setattr(DistributedDataParallel, "no_sync", counting_no_sync)
+    try:
+        data = root / "corpus.txt"
+        train(model_config(), run_config(data, root / "ddp", batch_size=4, grad_accum_steps=2), progress=False,
+              echo=lambda *a: None)
+        (root / f"deferred{rank}.json").write_text(json.dumps(len(deferred)))
+        train(model_config(), run_config(data, root / "fsdp", batch_size=4, grad_accum_steps=2, parallel="fsdp",
+                                         activation_checkpointing=True, checkpoint_every=2, keep_checkpoints=3),
+              progress=False, echo=lambda *a: None)
+        if rank == 0:
+            shutil.copytree(root / "fsdp", root / "fsdp-resumed")
+        dist.barrier()
+        train(None, None, resume=True, resume_from=2, out=root / "fsdp-resumed", progress=False,
+              echo=lambda *a: None)
+    finally:
+        patch.undo()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    (root / "corpus.txt").write_text(english_like(3000, seed=4))
+    patch = pytest.MonkeyPatch()
+    _float64_models(patch)
+    try:
+        train(model_config(), run_config(root / "corpus.txt", root / "single"), progress=False,
+              echo=lambda *a: None)
+    finally:
+        patch.undo()
+    mp.spawn(_worker, args=(str(root),), nprocs=WORLD, join=True)
+    return root
+
+
+def _records(run: Path) -> list[dict]:
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+
+def assert_follows_single_process_run(root: Path, name: str) -> None:
+    """Losses, gradient norms, final weights and codebooks, and both processes' carried
+    states (stacked: the single process's 8 streams) match the single-process run."""
+    single, parallel = _records(root / "single"), _records(root / name)
+    assert [r["step"] for r in parallel] == list(range(1, STEPS + 1))
+    for a, b in zip(single, parallel):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-9), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-9), a["step"]
+        assert b["commit_loss"] == pytest.approx(a["commit_loss"], rel=1e-6), a["step"]  # float32
+    reference, checkpoint = load_checkpoint(root / "single"), load_checkpoint(root / name)
+    assert checkpoint.meta["world_size"] == WORLD and checkpoint.step == STEPS
+    assert sorted(checkpoint.model) == sorted(reference.model)
+    for key, value in reference.model.items():
+        if not value.is_floating_point():
+            assert torch.equal(checkpoint.model[key], value), key
+        else:
+            assert checkpoint.model[key].dtype == value.dtype, key
+            # AdamW divides by sqrt(v) + eps: where a gradient is tiny, its float64 rounding
+            # (another order of sums over processes) shows at ~1e-8 in the weights after a few steps
+            assert_close_rel(checkpoint.model[key], value, rtol=1e-7 if value.dtype == F64 else 1e-5, name=key)
+    # the VQ states hold codes of the float32 codebooks
+    assert_states_close(join_states([checkpoint.carry(0), checkpoint.carry(1)]), reference.carry(0), rtol=1e-6)
+
+
+def test_ddp_with_accumulation_follows_the_single_process_run(parallel_runs):
+    assert_follows_single_process_run(parallel_runs, "ddp")
+
+
+def test_ddp_defers_the_gradient_all_reduce_to_the_last_micro_batch(parallel_runs):
+    for rank in range(WORLD):
+        assert json.loads((parallel_runs / f"deferred{rank}.json").read_text()) == STEPS  # 1 of 2 micro-batches
+
+
+def test_fsdp_with_accumulation_and_checkpointing_follows_the_single_process_run(parallel_runs):
+    assert_follows_single_process_run(parallel_runs, "fsdp")
+    meta = load_checkpoint(parallel_runs / "fsdp").meta
+    assert meta["train_config"]["parallel"] == "fsdp" and meta["train_config"]["activation_checkpointing"]
+
+
+def test_an_fsdp_checkpoint_loads_into_one_process(parallel_runs):
+    """The gathered checkpoint is an ordinary one: ``load_model`` (eval, generate, export)
+    reads it, its optimizer state is indexed like a single process's, and the model
+    evaluates and generates as the single-process run's does."""
+    fsdp, fsdp_checkpoint = load_model(parallel_runs / "fsdp")
+    single, single_checkpoint = load_model(parallel_runs / "single")
+    optimizer, expected = fsdp_checkpoint.optimizer_state(), single_checkpoint.optimizer_state()
+    assert [g["params"] for g in optimizer["param_groups"]] == [g["params"] for g in expected["param_groups"]]
+    assert sorted(optimizer["state"]) == sorted(expected["state"])
+    for index, entry in expected["state"].items():
+        for name, value in entry.items():
+            assert_close_rel(optimizer["state"][index][name].double(), value.double(), rtol=1e-6,
+                             name=f"optimizer {index} {name}")
+    tokens = torch.tensor(list((parallel_runs / "corpus.txt").read_bytes()[:400]))
+    bpb = {name: evaluate_bpb(model, tokens, context=16)["bpb"] for name, model in (("fsdp", fsdp),
+                                                                                   ("single", single))}
+    assert bpb["fsdp"] == pytest.approx(bpb["single"], rel=1e-6)
+    generated = [list(model.generate([ord("T")], 8, temperature=0)) for model in (fsdp, single)]
+    assert generated[0] == generated[1] and len(generated[0]) == 8
+
+
+def test_an_fsdp_run_resumes_exactly(parallel_runs):
+    keys = ("step", "loss", "bpb", "lr", "grad_norm", "commit_loss", "codebook_perplexity")
+    uninterrupted = [tuple(r[k] for k in keys) for r in _records(parallel_runs / "fsdp")]
+    resumed = [tuple(r[k] for k in keys) for r in _records(parallel_runs / "fsdp-resumed")]
+    assert len(resumed) == STEPS and resumed == uninterrupted
+    a, b = load_checkpoint(parallel_runs / "fsdp"), load_checkpoint(parallel_runs / "fsdp-resumed")
+    assert a.step == b.step == STEPS
+    for name, value in a.model.items():
+        assert torch.equal(b.model[name], value), name
+    for name, value in a.training.items():
+        assert torch.equal(b.training[name], value), name
+
+
+def test_parallel_names_a_known_strategy():
+    with pytest.raises(ValueError, match=r"^train\.parallel must be one of 'ddp', 'fsdp'; got 'zero'$"):
+        TrainConfig(parallel="zero")
+    assert TrainConfig(parallel="fsdp").parallel == "fsdp"
