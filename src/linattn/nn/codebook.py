@@ -53,28 +53,54 @@ def distributed_sync(op: str, tensors: Sequence[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def kmeans(
-    keys: torch.Tensor, n_codes: int, iters: int = 10, generator: torch.Generator | None = None
-) -> torch.Tensor:
+    keys: torch.Tensor, n_codes: int, iters: int = 10, generator: torch.Generator | None = None, *,
+    seeding: str = "random", return_assignment: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means per head: ``keys [H, N, D]`` -> centers ``[H, n_codes, D]``.
 
-    Seeds: ``n_codes`` distinct keys drawn at random (with repetition when ``N < n_codes``),
-    the same draw for every head. Each iteration assigns every key to its nearest center
+    Seeds: ``"random"``: ``n_codes`` distinct keys drawn at random (with repetition when
+    ``N < n_codes``), the same draw for every head; ``"kmeans++"`` (Arthur & Vassilvitskii
+    2007), per head: the first center a random key, each next one a key drawn with
+    probability proportional to its squared distance to the nearest center so far (uniformly
+    once every key is a center). Each iteration assigns every key to its nearest center
     (Euclidean) and moves each center to the mean of its keys; a center without keys stays.
+    ``return_assignment``: also the final assignment ``[H, N]`` (nearest center of each key).
     """
     if keys.dim() != 3 or keys.shape[1] == 0:
         raise ValueError(f"keys must have shape [H, N, D] with N > 0, got {list(keys.shape)}")
+    if seeding not in ("random", "kmeans++"):
+        raise ValueError(f"seeding must be 'random' or 'kmeans++', got {seeding!r}")
     H, n, _ = keys.shape
-    if n < n_codes:
-        pick = torch.randint(n, (n_codes,), device=keys.device, generator=generator)
+    if seeding == "kmeans++":
+        centers = torch.stack([keys[h, _plus_plus(keys[h], n_codes, generator)] for h in range(H)])
+    elif n < n_codes:
+        centers = keys[:, torch.randint(n, (n_codes,), device=keys.device, generator=generator)].clone()
     else:
-        pick = torch.randperm(n, device=keys.device, generator=generator)[:n_codes]
-    centers = keys[:, pick].clone()
+        centers = keys[:, torch.randperm(n, device=keys.device, generator=generator)[:n_codes]].clone()
     for _ in range(iters):
         assign = torch.cdist(keys, centers).argmin(-1)  # [H, N]
         counts = keys.new_zeros(H, n_codes).scatter_add_(1, assign, keys.new_ones(assign.shape))
         sums = torch.zeros_like(centers).scatter_add_(1, assign.unsqueeze(-1).expand_as(keys), keys)
         centers = torch.where(counts.unsqueeze(-1) > 0, sums / counts.clamp_min(1.0).unsqueeze(-1), centers)
+    if return_assignment:
+        return centers, torch.cdist(keys, centers).argmin(-1)
     return centers
+
+
+def _plus_plus(keys: torch.Tensor, n_codes: int, generator: torch.Generator | None) -> torch.Tensor:
+    """k-means++ seeds of ``keys [N, D]``: ``n_codes`` indices."""
+    n = keys.shape[0]
+    picks = [int(torch.randint(n, (1,), device=keys.device, generator=generator))]
+    nearest = (keys - keys[picks[0]]).pow(2).sum(-1)
+    for _ in range(1, n_codes):
+        total = nearest.sum()
+        if total > 0:
+            pick = int(torch.multinomial(nearest / total, 1, generator=generator))
+        else:  # every key already is a center
+            pick = int(torch.randint(n, (1,), device=keys.device, generator=generator))
+        picks.append(pick)
+        nearest = torch.minimum(nearest, (keys - keys[pick]).pow(2).sum(-1))
+    return torch.tensor(picks, device=keys.device)
 
 
 class Codebook(nn.Module):

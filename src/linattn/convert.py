@@ -1,0 +1,188 @@
+"""``linattn convert``: a trained softmax GAU model becomes a Transformer-VQ model.
+
+A ``gau-softmax`` layer and a ``vq`` layer have the same parameters — the VQ unit only adds
+a codebook for its keys (seed 000: "VQ the keys and the complexity becomes linear"). So a
+run whose layers include ``gau-softmax`` converts by copying every weight and giving each
+converted unit a codebook fitted to the keys it actually produces: the model reads
+``calibration_tokens`` tokens of the training split (windows of the run's context, no
+carried state), each converted unit's keys are collected, and k-means (k-means++ seeds,
+``kmeans_iters`` Lloyd iterations, per head) on them gives the codes. For ``vq`` the EMA
+statistics start from the final assignment, scaled to one training step's worth of tokens
+(``ema_counts`` = counts x tokens per step / N, ``ema_sums`` = codes x ``ema_counts``; a code
+no key chose keeps its place with a count of 0.01); ``soft-vq`` takes the centers as its
+learned codebook.
+
+The converted run is a run folder like any other (``linattn eval``, ``generate``, ``export``)
+holding one checkpoint at the source's step, with the source's data position and a fresh
+optimizer state: ``linattn train --resume --out RUN --steps N`` fine-tunes it (a finished
+source schedule continues at its floor learning rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+
+from .data import open_data
+from .models import LM, LMConfig
+from .models.layers import GAUPair
+from .nn.codebook import kmeans
+from .train.checkpoint import load_checkpoint, save_checkpoint
+from .train.optim import parameter_groups
+from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE
+from ._checks import check_choice, check_int, positive_int
+
+TARGETS = ("vq", "soft-vq")
+
+
+def converted_config(config: LMConfig, to: str, codebook_size: int | None = None) -> LMConfig:
+    """``config`` with every ``gau-softmax`` layer as ``to`` (``vq`` or ``soft-vq``)."""
+    check_choice("to", to, TARGETS)
+    specs = [str(spec) for spec in config.layer_specs()]
+    if not any(spec.split(":")[0] == "gau-softmax" for spec in specs):
+        raise ValueError(f"the model has no gau-softmax layer to convert (its layers: {', '.join(specs)}); "
+                         f"conversion maps a gau-softmax layer onto {to} with the same weights")
+    if any(spec != "gau-softmax" and spec.startswith("gau-softmax:") for spec in specs):
+        raise ValueError(f"a gau-softmax layer with options ({specs}) has no VQ twin to convert to")
+    values = config.to_dict()
+    values["attention"] = [to if spec == "gau-softmax" else spec for spec in specs]
+    if codebook_size is not None:
+        values["codebook_size"] = check_int("codebook_size", codebook_size, minimum=1)
+    return LMConfig.from_dict(values)
+
+
+def _converted_units(model: LM) -> list:
+    """The GAU units of ``model``'s converted layers, in order."""
+    return [unit for spec, layer in zip(model.specs, model.layers) if spec.kind == "gau-softmax"
+            and isinstance(layer, GAUPair) for unit in layer.units]
+
+
+@torch.no_grad()
+def collect_keys(model: LM, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The keys each ``gau-softmax`` unit attends with on ``ids [B, T]``: ``[N, d_k]`` per unit."""
+    units, keys = _converted_units(model), []
+    for unit in units:
+        record, attend = [], unit._attend
+
+        def recording(queries, k, *rest, _record=record, _attend=attend):
+            _record.append(k.reshape(-1, k.shape[-1]))
+            return _attend(queries, k, *rest)
+
+        unit._attend = recording
+        keys.append(record)
+    try:
+        model.eval()(ids)
+    finally:
+        for unit in units:
+            del unit._attend
+    return [torch.cat(record) for record in keys]
+
+
+@torch.no_grad()
+def convert_model(source: LM, calibration: torch.Tensor, *, to: str = "vq", codebook_size: int | None = None,
+                  kmeans_iters: int = 20, tokens_per_step: int | None = None, seed: int = 0) -> LM:
+    """The ``to`` model with ``source``'s weights and codebooks fitted on the keys of
+    ``calibration [B, T]`` (see the module docstring)."""
+    check_int("kmeans_iters", kmeans_iters, minimum=0)
+    config = converted_config(source.config, to, codebook_size)
+    target = LM(config).to(next(source.parameters()).device)
+    missing, unexpected = target.load_state_dict(source.state_dict(), strict=False)
+    if unexpected or any(".quantizer." not in name and not name.endswith(".codebook") for name in missing):
+        raise ValueError(f"the models differ beyond the codebooks: missing {missing}, unexpected {unexpected}")
+    generator = torch.Generator().manual_seed(seed)
+    S = config.codebook_size
+    for unit, keys in zip(_converted_units_of(target, source), collect_keys(source, calibration)):
+        centers, assignment = kmeans(keys.unsqueeze(0).cpu(), S, kmeans_iters, generator, seeding="kmeans++",
+                                     return_assignment=True)
+        if to == "soft-vq":
+            unit.codebook.copy_(centers.to(unit.codebook))
+            continue
+        counts = torch.bincount(assignment[0], minlength=S).float().unsqueeze(0)
+        if tokens_per_step is not None:
+            counts = counts * (tokens_per_step / keys.shape[0])
+        counts = torch.where(counts > 0, counts, torch.full_like(counts, 0.01))
+        codebook = unit.quantizer
+        device = codebook.codebook.device
+        codebook.codebook.copy_(centers.to(device))
+        codebook.ema_counts.copy_(counts.to(device))
+        codebook.ema_sums.copy_((centers * counts.unsqueeze(-1)).to(device))
+        codebook.initialized.fill_(True)
+    return target
+
+
+def _converted_units_of(target: LM, source: LM) -> list:
+    """The units of ``target`` at the places of ``source``'s ``gau-softmax`` units."""
+    return [unit for spec, layer in zip(source.specs, target.layers) if spec.kind == "gau-softmax"
+            for unit in layer.units]
+
+
+def calibration_ids(data_spec: str, n_tokens: int, context: int, *, cache_dir=None) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of the training split as windows ``[n_tokens // context, context]``."""
+    tokens = open_data(data_spec, cache_dir=cache_dir).tokens("train")
+    rows = min(n_tokens, tokens.numel()) // context
+    if rows < 1:
+        raise ValueError(f"--calibration-tokens {n_tokens} gives no whole window of the run's context {context}")
+    return tokens[: rows * context].long().reshape(rows, context)
+
+
+def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_size: int | None = None,
+                calibration_tokens: int = 65536, kmeans_iters: int = 20, seed: int = 0, command: str = "",
+                echo=print) -> Path:
+    """Convert the run (or checkpoint) ``ckpt`` into a new run folder ``out``; returns its checkpoint."""
+    out = Path(out)
+    if (out / "checkpoints" / "latest").exists():
+        raise ValueError(f"--out {out} already holds a run; choose another folder")
+    checkpoint = load_checkpoint(ckpt)
+    source = LM(LMConfig.from_dict(checkpoint.meta["model_config"]))
+    source.load_state_dict(checkpoint.model, strict=True)
+    train_config = dict(checkpoint.meta["train_config"])
+    context = int(train_config["context"])
+    ids = calibration_ids(train_config["data"], calibration_tokens, context, cache_dir=train_config.get("cache_dir"))
+    tokens_per_step = int(train_config["batch_size"]) * context * int(checkpoint.meta.get("world_size", 1))
+    model = convert_model(source, ids, to=to, codebook_size=codebook_size, kmeans_iters=kmeans_iters,
+                          tokens_per_step=tokens_per_step, seed=seed)
+    optimizer = torch.optim.AdamW(parameter_groups(model, float(train_config["weight_decay"])),
+                                  lr=float(train_config["lr"]))
+    source_run = checkpoint.path.parent.parent
+    out.mkdir(parents=True, exist_ok=True)
+    for name in (TOKENIZER_FILE, DATA_META_FILE):
+        if (source_run / name).is_file():
+            shutil.copyfile(source_run / name, out / name)
+    meta = {key: value for key, value in checkpoint.meta.items()
+            if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry")}
+    meta.update(model_config=model.config.to_dict(), train_config={**train_config, "out": str(out)}, command=command,
+                converted_from={"checkpoint": str(checkpoint.path), "step": checkpoint.step, "to": to,
+                                "codebook_size": model.config.codebook_size, "calibration_tokens": ids.numel(),
+                                "kmeans_iters": kmeans_iters, "seed": seed})
+    world_size = int(checkpoint.meta.get("world_size", 1))
+    path = save_checkpoint(out / "checkpoints", step=checkpoint.step, model_tensors=model.state_dict(),
+                           optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
+                           carries=[None] * world_size, meta=meta, keep=int(train_config.get("keep_checkpoints", 2)))
+    echo(f"converted {checkpoint.path} ({', '.join(str(s) for s in source.specs)}) to {to} "
+         f"(codebook {model.config.codebook_size}, k-means on {ids.numel():,} tokens): {path}")
+    return path
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``linattn convert``."""
+    parser = commands.add_parser("convert", help="turn a trained gau-softmax model into a Transformer-VQ model",
+                                 description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--ckpt", required=True, help="the source run folder or checkpoint")
+    parser.add_argument("--to", choices=TARGETS, default="vq")
+    parser.add_argument("--codebook-size", type=positive_int, help="S of the new codebooks (default: the run's)")
+    parser.add_argument("--calibration-tokens", type=positive_int, default=65536,
+                        help="training-split tokens whose keys fit the codebooks")
+    parser.add_argument("--kmeans-iters", type=int, default=20, help="Lloyd iterations after the k-means++ seeds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, type=Path, help="the new run folder")
+    parser.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    convert_run(args.ckpt, args.out, to=args.to, codebook_size=args.codebook_size,
+                calibration_tokens=args.calibration_tokens, kmeans_iters=args.kmeans_iters, seed=args.seed,
+                command=args.command_line)
+    return 0
