@@ -1,5 +1,5 @@
 """The ``linattn`` command: ``train``, ``eval``, ``generate``, ``plot``, ``data``, ``export``,
-``lm-eval``, ``convert``, ``bench`` (and ``repro``).
+``lm-eval``, ``convert``, ``inspect``, ``bench`` (and ``repro``).
 
 Each command group lives in the package it drives and provides
 ``register(commands)``, which adds its subparser and sets ``handler(args) -> int`` as
@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from . import __version__
 from .bench import cli as bench_cli
 from .data import cli as data_cli
-from . import convert, hf_cli
+from . import convert, hf_cli, inspector
 from .repro import cli as repro_cli
 from .train import cli as train_cli
 
-_COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, bench_cli, repro_cli)
+_COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, repro_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

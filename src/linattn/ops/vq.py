@@ -120,6 +120,11 @@ def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0, row_
     softmax twin. Materialised scores; q ``[B, Hkv, G, T, D]`` (scaled) holds positions
     ``past .. past + T - 1``, k ``[B, Hkv, past + T, D]`` and v every position from 0;
     ``row_scale`` ``[T]`` (or None) multiplies each query's logits, relative terms included."""
+    return windowed_weights(q, k, table, positions_k, L, causal, past, row_scale) @ v.unsqueeze(2)
+
+
+def windowed_weights(q, k, table, positions_k, L, causal, past: int = 0, row_scale=None):
+    """The attention probabilities of ``windowed_softmax`` ``[B, Hkv, G, T, past + T]``."""
     scores = q @ k.unsqueeze(2).transpose(-1, -2)
     rows = torch.arange(past, past + q.shape[-2], device=q.device)
     offsets = rows[:, None] - torch.arange(k.shape[-2], device=q.device)[None, :]
@@ -131,7 +136,23 @@ def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0, row_
         scores = scores * row_scale.unsqueeze(-1)
     if causal:
         scores = scores.masked_fill(offsets < 0, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v.unsqueeze(2)
+    return torch.softmax(scores, dim=-1)
+
+
+def vq_attention_weights(q: torch.Tensor, k_hat: torch.Tensor, *, scale: float | None = None, block_size: int = 128,
+                         bias=None, position_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal attention probabilities ``[B, H, T, T]`` that ``vq_attention`` applies to v
+    (its quadratic reference form, materialised: for inspection on bounded lengths). Same
+    arguments as ``vq_attention``; the block form gives the same outputs."""
+    B, H, T, Dk = q.shape
+    Hkv = k_hat.shape[1]
+    dtype = compute_dtype(q.dtype)
+    L = check_positive_int("block_size", block_size)
+    qf = _as(q, dtype).reshape(B, Hkv, H // Hkv, T, Dk) * resolve_scale(scale, Dk)
+    table = _window_bias(bias, H, Hkv, L, q.device, dtype)
+    positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
+    positions_k = _as(positions_k, dtype) if positions_k is not None else None
+    return windowed_weights(qf, _as(k_hat, dtype), table, positions_k, L, True).reshape(B, H, T, T)
 
 
 def _noncausal(q, codes, v, codebook):
