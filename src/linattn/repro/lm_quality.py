@@ -40,6 +40,7 @@ LM_QUALITY_SPECS = {
     "favor": "favor",
     "local": "local",
     "vq-paper": "vq",
+    "vq-fsq": "vq-fsq",
 }
 # Further LMConfig settings of a row: the official Transformer-VQ's GAU and training.
 LM_QUALITY_OPTIONS = {"vq-paper": {"gau_variant": "paper"}}
@@ -108,8 +109,17 @@ def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_token
         "test_tokens": carried["tokens"], "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None,
         "step_peak_bytes": _step_memory(model, args), "train_seconds": summary["elapsed"],
         "loss_curve": losses, "validation_curve": curve,
-        "codebook_usage": model.codebook_usage(),
+        "codebook_usage": model.codebook_usage(), "test_code_perplexity": _code_perplexity(model, test_tokens, args),
     }
+
+
+def _code_perplexity(model, tokens: torch.Tensor, args: argparse.Namespace) -> float | None:
+    """Code use of the quantized layers (vq, vq-fsq) on the first test window: ``exp`` of the
+    entropy of their code histogram, averaged over units (None without such layers)."""
+    with torch.no_grad():
+        _, _, aux = model.eval()(tokens[: args.context].long().unsqueeze(0))
+    perplexity = aux.get("codebook_perplexity")
+    return None if perplexity is None else float(perplexity)
 
 
 def markdown(rows: list[dict], metadata: dict, note: str = "") -> str:
