@@ -99,6 +99,22 @@ def independent_features(fmap, x):
 # ----------------------------------------------------------------------------- causality
 
 
+def assert_decodes_as_full_pass(model, ids: torch.Tensor, prefill: int) -> None:
+    """``model`` (an ``LM`` in eval mode) reads ``ids[:, :prefill]`` in one call, then one token
+    per call, with gradients on (new tensors per step) and off (the decoding fast paths): the
+    logits equal one pass over all of ``ids`` (float64 tolerances)."""
+    full, _, _ = model(ids)
+    for gradients in (True, False):
+        with torch.set_grad_enabled(gradients):
+            logits, state, _ = model(ids[:, :prefill])
+            pieces = [logits]
+            for t in range(prefill, ids.shape[1]):
+                logits, state, _ = model(ids[:, t : t + 1], state)
+                pieces.append(logits)
+        torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-12,
+                                   msg=lambda m, g=gradients: f"gradients {'on' if g else 'off'}: {m}")
+
+
 def assert_causal_jacobian(fn, inputs, names):
     """``fn(*inputs)`` returns ``[B, H, T, Dv]``; each input is ``[B, *, T, D]``.
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import linattn
+from _helpers import assert_decodes_as_full_pass
 from linattn.nn import GAU, Attention
 
 F64 = torch.float64
@@ -92,14 +93,7 @@ def test_lm_decodes_as_the_full_pass(attention):
                               attention=attention, n_heads=2, gau_d_k=8, block_size=4)
     torch.manual_seed(0)
     model = linattn.LM(config).double().eval()
-    ids = torch.randint(0, 256, (2, 13))
-    full, _, _ = model(ids)
-    logits, state, _ = model(ids[:, :6])
-    pieces = [logits]
-    for t in range(6, 13):
-        logits, state, _ = model(ids[:, t : t + 1], state)
-        pieces.append(logits)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-12)
+    assert_decodes_as_full_pass(model, torch.randint(0, 256, (2, 13)), prefill=6)
 
 
 def test_specs_and_the_config_choose_the_scale_and_positions():

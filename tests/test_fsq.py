@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import linattn
+from _helpers import assert_decodes_as_full_pass
 from linattn import FSQuantizer
 
 F64 = torch.float64
@@ -105,17 +106,9 @@ def test_vq_attention_block_form_over_fsq_keys_equals_the_reference(T):
 def test_vq_fsq_model_decodes_as_its_full_pass_and_trains():
     config = linattn.LMConfig(d_model=16, n_layers=2, attention="vq-fsq", gau_d_k=8, block_size=4, fsq_levels=(4, 3, 3))
     torch.manual_seed(0)
-    model = linattn.LM(config).double()
+    model = linattn.LM(config).double().eval()
     ids = torch.randint(0, 256, (2, 14))
-    model.eval()
-    full, _, _ = model(ids)
-    with torch.no_grad():
-        logits, state, _ = model(ids[:, :5])
-        pieces = [logits]
-        for t in range(5, 14):
-            logits, state, _ = model(ids[:, t : t + 1], state)
-            pieces.append(logits)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-12)
+    assert_decodes_as_full_pass(model, ids, prefill=5)
     model.train()
     logits, _, aux = model(ids)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()).backward()

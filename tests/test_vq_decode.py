@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 import linattn
-from _helpers import F64, OpRecorder, assert_close_rel
+from _helpers import F64, OpRecorder, assert_close_rel, assert_decodes_as_full_pass
 from test_vq_attention import gather_codes, make_bias, make_position_keys, make_vq
 
 H, L, DK = 4, 4, 4
@@ -297,14 +297,7 @@ def test_lm_prefill_then_token_wise_equals_one_pass(attention):
                               block_size=4, chunk_size=4)
     torch.manual_seed(0)
     model = linattn.LM(config).double().eval()
-    ids = torch.randint(0, 256, (2, 23))
-    full, _, _ = model(ids)
-    logits, state, _ = model(ids[:, :9])
-    pieces = [logits]
-    for t in range(9, 23):
-        logits, state, _ = model(ids[:, t : t + 1], state)
-        pieces.append(logits)
-    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-10, atol=1e-12)
+    assert_decodes_as_full_pass(model, torch.randint(0, 256, (2, 23)), prefill=9)
 
 
 def test_generate_equals_greedy_decoding_by_full_passes():

@@ -64,10 +64,13 @@ OPS = [
     Target("src/linattn/ops/_bias.py", ("tests/test_softmax.py", "tests/test_vq_attention.py")),
     Target("src/linattn/ops/soft_vq.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
     Target("src/linattn/ops/_codebook.py", ("tests/test_quantizer.py", "tests/test_vq_decode.py")),
+    Target("src/linattn/ops/_vq_resident.py", ("tests/test_vq_decode.py", "tests/test_gau_decode.py")),
+    Target("src/linattn/ops/_vq_cache.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
 ]
 QUANTIZER = [
     Target("src/linattn/nn/codebook.py", ("tests/test_quantizer.py",)),
     Target("src/linattn/nn/quantizer.py", ("tests/test_quantizer.py", "tests/test_paper_variant.py")),
+    Target("src/linattn/nn/fsq.py", ("tests/test_fsq.py",)),
 ]
 NN = [
     Target("src/linattn/nn/gau.py", ("tests/test_gau.py", "tests/test_gau_decode.py", "tests/test_paper_variant.py")),
@@ -103,7 +106,11 @@ TRAIN = [
     *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"],
               ["tests/test_train_cli.py", "tests/test_train_resume.py", _UNITS]),
 ]
-TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN + HF
+TOOLS = [
+    Target("src/linattn/convert.py", ("tests/test_convert.py",)),
+    Target("src/linattn/inspector.py", ("tests/test_inspector.py",)),
+]
+TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN + HF + TOOLS
 
 # cosmic-ray operators kept (regular expressions on its operator names; `cosmic-ray operators`
 # lists them all). Left out: every other operator pair, number +-1 (mostly dims and indices),
