@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 from .._command_group import add_command_group
-from . import attention, decode
+from . import attention, decode, lm
 
-BENCHMARKS = {"attention": attention, "decode": decode}
+BENCHMARKS = {"attention": attention, "decode": decode, "lm": lm}
 
 
 def register(commands: argparse._SubParsersAction) -> None:

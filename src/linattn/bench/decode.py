@@ -18,11 +18,9 @@ bursts; the mean is in the JSON) for every prompt length and batch size.
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,7 +34,7 @@ from ..ops.linear import linear_attention
 from ..ops.vq import vq_attention
 from ..nn.quantizer import VectorQuantizer
 from .._checks import positive_int
-from .harness import median
+from .harness import in_fresh_process, median
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
 
@@ -161,20 +159,6 @@ def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: in
     return rows
 
 
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        torch.set_num_threads(threads)
-
-
-def _in_fresh_process(fn: Callable, *args, threads: int | None, **kwargs):
-    """``fn(*args, **kwargs)`` in a newly spawned process (with ``threads`` torch threads):
-    a model timed after the op table or after another model's 64k-token prefill ran up to
-    1.7x slower in the same process (allocator and cache state), so each starts clean."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=_set_threads, initargs=(threads,)) as pool:
-        return pool.submit(fn, *args, **kwargs).result()
-
-
 HELP = "decoding: time per generated token vs context length (ops) and generation throughput (whole models)"
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -255,8 +239,8 @@ def run_command(args: argparse.Namespace) -> int:
     for name in args.cases:
         op_rows += measure(name, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens)
     for name in args.models:
-        model_rows += _in_fresh_process(measure_generation, name, prompts, batches, new_tokens=args.new_tokens,
-                                        threads=args.threads)
+        model_rows += in_fresh_process(measure_generation, name, prompts, batches, new_tokens=args.new_tokens,
+                                       threads=args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     text = f"# bench decode\n\n`{args.command_line}`\n"
     summary, files = {"ops": {}, "models": {}}, [args.out / "results.json", args.out / "results.md"]

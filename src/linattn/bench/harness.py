@@ -14,14 +14,18 @@ call is bracketed by ``torch.cuda.synchronize``.
 
 With ``profile_top > 0`` one more call of each runs under ``torch.profiler``: where the
 time goes, as the operators with the most self time (``profile_call``).
+
+Whole-model benchmarks run each model in a freshly spawned process (``in_fresh_process``).
 """
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -117,15 +121,20 @@ def _release_memory(device: torch.device) -> None:
 
 
 @dataclass(frozen=True)
-class _Measurement:
+class Measurement:
+    """Median and every time of the timed calls, the peak extra memory of one more call, or
+    why they could not be taken (``failure``, an out-of-memory error's first line)."""
+
     median_s: float | None = None
     times_s: tuple[float, ...] = ()
     peak_bytes: int | None = None
     failure: str | None = None
 
 
-def _measure(call: Callable[[], object], *, repeats: int, warmup: int, device: torch.device) -> _Measurement:
-    """Time ``call`` and take its peak memory; an out-of-memory error becomes ``failure``."""
+def measure(call: Callable[[], object], *, repeats: int, warmup: int, device: torch.device | str) -> Measurement:
+    """Time ``call`` (``time_call``) and take its peak memory (one more call); an
+    out-of-memory error becomes ``failure`` instead of an exception."""
+    device = torch.device(device)
     failure = None
     try:
         times = time_call(call, repeats=repeats, warmup=warmup, device=device)
@@ -137,8 +146,8 @@ def _measure(call: Callable[[], object], *, repeats: int, warmup: int, device: t
         failure = f"out of memory: {first_line[:200]}"
     if failure is not None:
         _release_memory(device)
-        return _Measurement(failure=failure)
-    return _Measurement(median(times), tuple(times), peak)
+        return Measurement(failure=failure)
+    return Measurement(median(times), tuple(times), peak)
 
 
 def _forward_call(fn, inputs: Inputs) -> Callable[[], torch.Tensor]:
@@ -228,7 +237,7 @@ def run_cases(
         if case.name in forward_failed:
             row["skip_reason"] = forward_failed[case.name]
             continue
-        forward = _measure(_forward_call(case.fn, inputs), repeats=repeats, warmup=warmup, device=device)
+        forward = measure(_forward_call(case.fn, inputs), repeats=repeats, warmup=warmup, device=device)
         if forward.failure is not None:
             row["skip_reason"] = forward.failure
             forward_failed[case.name] = f"skipped after {forward.failure} at T={length}"
@@ -249,7 +258,7 @@ def run_cases(
             row["backward_skip_reason"] = backward_failed[case.name]
             continue
         step_call = _forward_backward_call(case.fn, inputs, cotangent)
-        step = _measure(step_call, repeats=repeats, warmup=warmup, device=device)
+        step = measure(step_call, repeats=repeats, warmup=warmup, device=device)
         if step.failure is not None:
             row["backward_skip_reason"] = step.failure
             backward_failed[case.name] = f"skipped after {step.failure} at T={length}"
@@ -263,3 +272,18 @@ def run_cases(
             row["forward_backward_profile"] = profile_call(step_call, device=device, top=profile_top)
     bar.close()
     return rows
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def in_fresh_process(fn: Callable, *args, threads: int | None, **kwargs):
+    """``fn(*args, **kwargs)`` in a newly spawned process (with ``threads`` torch threads):
+    a model timed after the op table or after another model's 64k-token prefill ran up to
+    1.7x slower in the same process (allocator and cache state), so each starts clean.
+    ``fn`` must be importable (a module-level function) and its result picklable."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context, initializer=_set_threads, initargs=(threads,)) as pool:
+        return pool.submit(fn, *args, **kwargs).result()

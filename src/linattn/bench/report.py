@@ -1,4 +1,5 @@
-"""Benchmark tables and plots: the timing table, the profile tables, log-log PNG plots.
+"""Benchmark tables and plots: the timing table, the profile tables, log-log PNG plots
+(``plot_lines``, shared by ``bench attention`` and ``bench lm``).
 
 Rows are the dicts of ``harness.run_cases``; metadata and the JSON file are written by
 ``linattn.reporting``. Speed ratios are ``baseline time / case time`` at the same length
@@ -93,39 +94,46 @@ def profile_markdown(rows: Sequence[dict]) -> str:
                 profile = row.get(key)
                 if not profile:
                     continue
-                lines = [
-                    f"### {case}, T={row['length']}, {name}: {_ms(profile['total_ms'] / 1e3)} ms profiled",
-                    "",
-                    "| operator | self ms | share | calls |",
-                    "| --- | --- | --- | --- |",
-                ]
-                lines += [
-                    f"| `{op['op']}` | {_ms(op['self_ms'] / 1e3)} | {op['share']:.0%} | {op['calls']} |"
-                    for op in profile["ops"]
-                ]
-                sections.append("\n".join(lines) + "\n")
+                sections.append(profile_section(f"{case}, T={row['length']}, {name}", profile))
     return "\n".join(sections)
 
 
-def _series(rows: Sequence[dict], case: str, key: str) -> tuple[list[int], list[float]]:
-    """(lengths, values) of ``case`` where ``key`` was measured and is positive (log axes)."""
-    points = sorted((r["length"], r[key]) for r in rows if r["case"] == case and r[key])
+def profile_section(title: str, profile: dict) -> str:
+    """One ``harness.profile_call`` result as a Markdown section: ``### title: N ms profiled``
+    and a table of its operators (self ms, share of the call's total, calls)."""
+    lines = [
+        f"### {title}: {_ms(profile['total_ms'] / 1e3)} ms profiled",
+        "",
+        "| operator | self ms | share | calls |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| `{op['op']}` | {_ms(op['self_ms'] / 1e3)} | {op['share']:.0%} | {op['calls']} |" for op in profile["ops"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _series(rows: Sequence[dict], case: str, key: str, x: str) -> tuple[list[int], list[float]]:
+    """(x values, values) of ``case`` where ``key`` was measured and is positive (log axes)."""
+    points = sorted((r[x], r[key]) for r in rows if r["case"] == case and r[key])
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _plot_lines(axis, rows: Sequence[dict], key: str, scale: float = 1.0) -> None:
-    """One line per case (same colour for a case in every plot), lengths as x ticks."""
+def plot_lines(axis, rows: Sequence[dict], key: str, scale: float = 1.0, *, x: str = "length",
+               xlabel: str = "sequence length T") -> None:
+    """Log-log: ``row[key] * scale`` against ``row[x]``, one line per ``row["case"]`` (labelled
+    ``row["label"]``, the same colour for a case in every plot), the x values as ticks."""
     labels = {r["case"]: r["label"] for r in rows}
     for index, case in enumerate(_cases_in_order(rows)):
-        lengths, values = _series(rows, case, key)
-        if lengths:
-            axis.plot(lengths, [v * scale for v in values], marker="o", color=f"C{index % 10}", label=labels[case])
+        xs, values = _series(rows, case, key, x)
+        if xs:
+            axis.plot(xs, [v * scale for v in values], marker="o", color=f"C{index % 10}", label=labels[case])
     axis.set_xscale("log", base=2)
     axis.set_yscale("log")
-    lengths = sorted({r["length"] for r in rows})
-    axis.set_xticks(lengths, [str(t) for t in lengths])
+    ticks = sorted({r[x] for r in rows})
+    axis.set_xticks(ticks, [str(t) for t in ticks])
     axis.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
-    axis.set_xlabel("sequence length T")
+    axis.set_xlabel(xlabel)
     axis.grid(True, which="both", alpha=0.3)
     if axis.lines:
         axis.legend(fontsize="small")
@@ -138,13 +146,13 @@ def write_plots(rows: Sequence[dict], out_dir: Path, *, title: str) -> list[Path
     paths = []
     for filename, key, ylabel, subtitle in _PLOTS:
         figure, axis = plt.subplots(figsize=(7, 5))
-        _plot_lines(axis, rows, key)
+        plot_lines(axis, rows, key)
         axis.set_ylabel(ylabel)
         axis.set_title(f"{title}: {subtitle}")
         paths.append(save_figure(figure, out_dir / filename))
     figure, axes = plt.subplots(1, 2, figsize=(12, 5))
     for axis, (key, subtitle) in zip(axes, _MEMORY_PANELS):
-        _plot_lines(axis, rows, key, scale=1 / _MIB)
+        plot_lines(axis, rows, key, scale=1 / _MIB)
         axis.set_ylabel("peak extra memory (MiB)")
         axis.set_title(f"{title}: peak memory, {subtitle}")
     paths.append(save_figure(figure, out_dir / "peak_memory.png"))

@@ -6,5 +6,7 @@ seeded generators, run journal and worker pool, result files). The experiments:
 experiments of "Linear Transformers Are Secretly Fast Weight Programmers" (seed 001),
 Setting 1 (capacity) and Setting 2 (update rules); ``mqar`` (+ ``mqar_report``):
 multi-query associative recall (Zoology); ``lm_quality``: byte-level language-model quality
-per mechanism. ``cli``: the ``repro`` command group, one subcommand per experiment.
+per mechanism; ``length_extrapolation``: test bpb at evaluation contexts longer than the
+training one (entropy-invariant scale, NoPE, window + global hybrid; seed 003). ``cli``: the
+``repro`` command group, one subcommand per experiment.
 """

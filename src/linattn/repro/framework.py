@@ -104,19 +104,21 @@ def add_shared_arguments(parser: argparse.ArgumentParser, spec: ExperimentSpec) 
                              "tensors; bit-identical results, memory stays at its peak)")
 
 
-def add_lm_arguments(parser: argparse.ArgumentParser, *, n_heads: int, window: int, favor_features: int,
+def add_lm_arguments(parser: argparse.ArgumentParser, *, n_heads: int, window: int, favor_features: int | None,
                      codebook_size: int, block_size: int, gau_d_k: int) -> None:
     """The ``linattn.models.LM`` shape flags of the reproductions that train one (``mqar``,
-    ``lm``), with the experiment's defaults: ``--n-heads``, ``--window``, ``--favor-features``,
-    ``--codebook-size``, ``--block-size``, ``--gau-d-k``."""
-    for flag, default, what, help_text in (
+    ``lm``, ``length-extrapolation``), with the experiment's defaults: ``--n-heads``,
+    ``--window``, ``--favor-features`` (not added when ``favor_features`` is None: no FAVOR+
+    model in the experiment), ``--codebook-size``, ``--block-size``, ``--gau-d-k``."""
+    flags = (
         ("--n-heads", n_heads, "a head count", "heads of the attention blocks"),
         ("--window", window, "a window", "window of the local mechanism"),
         ("--favor-features", favor_features, "a feature count", "FAVOR+ random features"),
         ("--codebook-size", codebook_size, "a codebook size", "VQ codes per layer"),
         ("--block-size", block_size, "a block size", "VQ block length L"),
         ("--gau-d-k", gau_d_k, "a dimension", "key width of the VQ layers' gated attention units"),
-    ):
+    )
+    for flag, default, what, help_text in (f for f in flags if f[1] is not None):
         parser.add_argument(flag, type=int_at_least(1, what), default=default,
                             help=f"{help_text} (default %(default)s)")
 

@@ -47,10 +47,13 @@ LM_QUALITY_OPTIONS = {"vq-paper": {"gau_variant": "paper"}}
 
 
 def model_config(spec: str, args: argparse.Namespace, **options) -> LMConfig:
+    """The model of ``spec`` at the size of ``args`` (``--d-model``, ``--n-layers`` and
+    ``framework.add_lm_arguments``'s flags but ``--favor-features``), VQ value width matched
+    to an attention + SwiGLU block, k-means codebooks; ``options``: further ``LMConfig`` fields."""
     d = args.d_model
     common = dict(d_model=d, n_layers=args.n_layers, n_heads=args.n_heads, local_window=args.window,
-                  favor_features=args.favor_features, codebook_size=args.codebook_size,
-                  block_size=args.block_size, gau_d_k=args.gau_d_k, kmeans_init=True)
+                  codebook_size=args.codebook_size, block_size=args.block_size, gau_d_k=args.gau_d_k,
+                  kmeans_init=True)
     return LMConfig(attention=spec, gau_d_v=matched_gau_value_width(d, args.gau_d_k), **common, **options)
 
 
@@ -78,9 +81,16 @@ def _step_memory(model, args: argparse.Namespace) -> int | None:
         model.train(was_training)
 
 
-def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:
-    config = model_config(LM_QUALITY_SPECS[name], args, **LM_QUALITY_OPTIONS.get(name, {}))
-    run_dir = out_dir / "runs" / name
+def train_model(config: LMConfig, args: argparse.Namespace, run_dir: Path) -> tuple[dict, TrainConfig, dict]:
+    """Train ``config`` with the experiment's budget, the same for every model: ``args.data``,
+    ``steps``, ``batch_size``, ``context``, ``lr`` (10% warm-up, cosine), ``eval_every``,
+    ``eval_tokens``, ``seed``, ``cache_dir``; in ``run_dir``, emptied first.
+
+    Returns the trainer's summary (``model``, ``final_bpb``, ``elapsed``, ...), the
+    ``TrainConfig`` and the curves: ``loss_curve`` [(step, loss in nats)],
+    ``validation_curve`` [(step, bpb)], ``train_tokens_per_second`` (the mean over the
+    logged intervals but the first; None when there is only one).
+    """
     train_config = TrainConfig(
         data=args.data, out=str(run_dir), steps=args.steps, batch_size=args.batch_size, context=args.context,
         lr=args.lr, warmup_steps=max(1, args.steps // 10), eval_every=args.eval_every, eval_tokens=args.eval_tokens,
@@ -92,11 +102,19 @@ def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_token
     summary = train(config, train_config, progress=False, echo=lambda *a: None)
     if summary["interrupted"]:
         raise KeyboardInterrupt(f"stopped by {summary['interrupted']}")
-    model = summary["model"]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    curve = [(r["step"], r["bpb"]) for r in records if r.get("split") == "validation"]
     speeds = [r["tokens_per_second"] for r in records if "tokens_per_second" in r][1:]
+    curves = {"loss_curve": [(r["step"], r["loss"]) for r in records if "loss" in r],
+              "validation_curve": [(r["step"], r["bpb"]) for r in records if r.get("split") == "validation"],
+              "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None}
+    return summary, train_config, curves
+
+
+def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:
+    config = model_config(LM_QUALITY_SPECS[name], args, favor_features=args.favor_features,
+                          **LM_QUALITY_OPTIONS.get(name, {}))
+    summary, train_config, curves = train_model(config, args, out_dir / "runs" / name)
+    model = summary["model"]
     evaluate = dict(context=args.context, max_tokens=args.test_tokens)
     reset = evaluate_bpb(model, test_tokens, batch_size=1, carry_state=False, **evaluate)
     schedule = evaluate_bpb(model, test_tokens, batch_size=1, reset_every=train_config.carry_windows, **evaluate)
@@ -106,9 +124,9 @@ def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_token
         "validation_bpb": summary["final_bpb"], "test_bpb_reset": reset["bpb"],
         "test_bpb_schedule": schedule["bpb"], "test_bpb_carried": carried["bpb"],
         "carry_windows": train_config.carry_windows,
-        "test_tokens": carried["tokens"], "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None,
+        "test_tokens": carried["tokens"], "train_tokens_per_second": curves["train_tokens_per_second"],
         "step_peak_bytes": _step_memory(model, args), "train_seconds": summary["elapsed"],
-        "loss_curve": losses, "validation_curve": curve,
+        "loss_curve": curves["loss_curve"], "validation_curve": curves["validation_curve"],
         "codebook_usage": model.codebook_usage(), "test_code_perplexity": _code_perplexity(model, test_tokens, args),
     }
 

@@ -1,0 +1,178 @@
+"""``linattn bench lm`` end to end at tiny sizes, its memory budget, profile and target summary."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+
+from linattn.bench import lm
+from linattn.bench.harness import Measurement
+from linattn.cli import main
+from linattn.models import LM, LMConfig
+from linattn.models.config import matched_gau_value_width
+
+ROW_KEYS = {
+    "case", "label", "parameters", "threads", "context", "batch", "tokens_per_step", "train_s", "train_times_s",
+    "train_tokens_per_s", "train_peak_bytes", "prefill_s", "prefill_times_s", "prefill_tokens_per_s",
+    "prefill_peak_bytes", "decode_ms_per_token", "decode_times_s", "skip_reason", "profile",
+}
+TINY = ["--contexts", "16", "32", "--tokens-per-step", "64", "--repeats", "2", "--warmup", "0", "--decode-tokens", "3",
+        "--threads", "1"]
+
+
+def _config(**changes) -> lm.LMBenchConfig:
+    base = dict(contexts=(16, 32, 64), tokens_per_step=64, d_model=16, n_heads=2, gau_d_k=8, codebook_size=8,
+                block_size=8, window=8, repeats=1, warmup=0, decode_tokens=2)
+    return lm.LMBenchConfig(**{**base, **changes})
+
+
+def test_bench_lm_end_to_end(tmp_path, capsys):
+    models = ["softmax", "local,local,vq"]
+    assert main(["bench", "lm", "--quick", "--models", *models, *TINY, "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "targets:" in printed and "| `softmax` |" in printed
+
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["metadata"]["command"].startswith("linattn bench lm --quick --models softmax local,local,vq")
+    assert result["metadata"]["shapes"]["tokens_per_step"] == 64 and result["metadata"]["shapes"]["d_model"] == 32
+    rows = result["rows"]
+    assert [(r["case"], r["context"]) for r in rows] == [(m, c) for m in models for c in (16, 32)]
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        assert row["skip_reason"] is None and row["profile"] is None
+        assert row["threads"] == 1  # each model's own process runs with --threads
+        # equal tokens per step: batch = 64 / C
+        assert row["batch"] == 64 // row["context"] and row["tokens_per_step"] == 64
+        assert len(row["train_times_s"]) == 2 and len(row["prefill_times_s"]) == 2
+        assert row["train_s"] == statistics.median(row["train_times_s"])
+        assert row["train_tokens_per_s"] == pytest.approx(64 / row["train_s"])
+        assert row["prefill_tokens_per_s"] == pytest.approx(64 / row["prefill_s"])
+        assert len(row["decode_times_s"]) == 3
+        assert row["decode_ms_per_token"] == pytest.approx(1e3 * statistics.median(row["decode_times_s"]))
+        assert row["train_peak_bytes"] >= 0 and row["prefill_peak_bytes"] >= 0
+    sizes = {}
+    for spec in models:
+        # --quick's model: d_model 32, 3 layers, 2 heads; VQ d_k 16, 16 codes, block 16; window 32
+        config = LMConfig(attention=spec, d_model=32, n_layers=3, n_heads=2, gau_d_k=16, codebook_size=16,
+                          block_size=16, local_window=32, gau_d_v=matched_gau_value_width(32, 16))
+        sizes[spec] = LM(config).num_parameters()
+        assert {r["parameters"] for r in rows if r["case"] == spec} == {sizes[spec]}
+    assert max(sizes.values()) / min(sizes.values()) < 1.05, sizes  # equal parameter counts
+    assert result["summary"]["parameters"] == sizes
+
+    table = (tmp_path / "results.md").read_text()
+    for row in rows:
+        assert (f"| `{row['case']}` | {row['parameters']:,} | {row['context']} | {row['batch']} | "
+                f"{row['train_tokens_per_s']:,.0f} |") in table
+    assert "targets:" in table
+    for name in ("throughput.png", "decode.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "profile.md").exists()
+
+
+def test_memory_budget_and_out_of_memory_skip_contexts(monkeypatch):
+    """Every timed call is replaced by one whose peak memory is 64,000 bytes (2,000 per token at
+    C=16 with 32 tokens per step); the budget of 100,000 bytes fits 32 tokens, not 128."""
+    peaks = []
+
+    def fixed_peak(call, *, repeats, warmup, device):
+        call()
+        peaks.append(64_000)
+        return Measurement(0.5, (0.5,), 64_000)
+
+    monkeypatch.setattr(lm, "measure", fixed_peak)
+    rows = lm.measure_model("linear:elu", _config(memory_gb=1e-4, contexts=(16, 32, 128), tokens_per_step=32))
+    first, second, third = rows
+    assert [row["skip_reason"] for row in (first, second)] == [None, None]
+    assert second["batch"] == 1 and second["train_tokens_per_s"] == 32 / 0.5 and second["decode_ms_per_token"] > 0
+    assert third["tokens_per_step"] == 128 and third["batch"] == 1  # C above the tokens per step: one window
+    assert third["skip_reason"] == ("estimated training-step memory 0.000256 GB (2,000 bytes per token at C=16) "
+                                    "> --memory-gb 0.0001")
+    assert third["train_s"] is None and third["decode_ms_per_token"] is None
+    assert len(peaks) == 4  # training and prefill at C=16 and C=32
+
+    def out_of_memory_at_32(call, *, repeats, warmup, device):
+        if len(peaks) >= 4 + 2:
+            return Measurement(failure="out of memory: no more")
+        peaks.append(0)
+        return Measurement(0.5, (0.5,), 0)
+
+    monkeypatch.setattr(lm, "measure", out_of_memory_at_32)
+    rows = lm.measure_model("linear:elu", _config(contexts=(16, 32, 128), tokens_per_step=32))
+    assert [row["skip_reason"] for row in rows] == [
+        None, "out of memory: no more", "skipped after out of memory: no more at C=32"]
+
+
+def test_profile_at_the_longest_context(tmp_path):
+    config = _config(contexts=(16, 32), profile_top=3)
+    rows = lm.measure_model("vq", config)
+    assert rows[0]["profile"] is None
+    profile = rows[1]["profile"]
+    assert set(profile) == {"train", "prefill", "decode"}
+    for part in profile.values():
+        assert 1 <= len(part["ops"]) <= 3 and part["total_ms"] >= sum(op["self_ms"] for op in part["ops"])
+    result = lm.write_results(rows, config, tmp_path, command="linattn bench lm (test)", models=["vq"])
+    text = (tmp_path / "profile.md").read_text()
+    assert "linattn bench lm (test)" in text and "| operator | self ms | share | calls |" in text
+    for part in ("train", "prefill", "decode"):
+        assert f"### `vq`, C=32, {part}:" in text
+    assert tmp_path / "profile.md" in result["files"]
+
+
+def _row(case: str, context: int, train: float | None, decode: float | None = None) -> dict:
+    return {"case": case, "context": context, "parameters": 100, "train_tokens_per_s": train,
+            "decode_ms_per_token": decode}
+
+
+def _verdicts(rows) -> list[str]:
+    return [target["verdict"] for target in lm.summarize(rows)["targets"]]
+
+
+def test_summary_targets_from_the_rows():
+    contexts = (512, 1024, 2048, 4096, 8192, 16384)
+    softmax = [100, 80, 60, 40, 20, 10]
+    passing = ([_row("softmax", c, s, 1.0 * c / 512) for c, s in zip(contexts, softmax)]
+               + [_row("vq", c, v, 2.0 + 0.1 * (c == 16384)) for c, v in zip(contexts, [50, 60, 70, 70, 70, 35])])
+    summary = lm.summarize(passing)
+    assert summary["vq_over_softmax_train"] == {"512": 0.5, "1024": 0.75, "2048": 70 / 60, "4096": 1.75,
+                                                "8192": 3.5, "16384": 3.5}
+    overtake, speedup, decode = summary["targets"]
+    assert overtake["value"] == 2048 and overtake["verdict"] == "pass"
+    assert speedup["value"] == 3.5 and speedup["verdict"] == "pass"
+    assert decode["value"] == pytest.approx(2.1 / 2.0) and decode["verdict"] == "pass"
+    assert decode["softmax"] == 32
+    assert "from C=2048 on" in lm.format_summary(summary)
+
+    # VQ ahead at 2048 but behind again at 8192: it overtakes only at 16384; 2.9x; decode grows 1.5x
+    failing = ([_row("softmax", c, s, 1.0) for c, s in zip(contexts, softmax)]
+               + [_row("vq", c, v, 1.5 if c == 16384 else 1.0) for c, v in zip(contexts, [50, 60, 70, 30, 19, 29])])
+    assert _verdicts(failing) == ["fail", "fail", "fail"]
+    assert lm.summarize(failing)["targets"][0]["value"] == 16384
+
+    # only short contexts, VQ behind: nothing can be decided yet
+    short = [_row("softmax", 512, 100, 1.0), _row("vq", 512, 50, 1.0), _row("softmax", 1024, 90), _row("vq", 1024, 50)]
+    assert _verdicts(short) == ["not measured"] * 3
+    assert "targets" not in lm.summarize([_row("vq", 512, 50, 1.0)])
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--models", "softmax", "bogus"], "--models"),
+        (["--models", "local:0"], "--models"),
+        (["--contexts", "128", "0"], "--contexts"),
+        (["--contexts", "-64"], "--contexts"),
+        (["--tokens-per-step", "0"], "--tokens-per-step"),
+        (["--memory-gb", "-1"], "--memory-gb"),
+        (["--repeats", "0"], "--repeats"),
+        (["--profile", "0"], "--profile"),
+        (["--models", "local,local,vq", "--n-layers", "2"], "--models 'local,local,vq'"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(args, named, tmp_path, capsys):
+    assert main(["bench", "lm", "--quick", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and named in err and "Traceback" not in err
+    assert not (tmp_path / "results.json").exists()
