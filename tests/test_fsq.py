@@ -87,7 +87,10 @@ def test_straight_through_gradient():
                 factors.append(half * (1 - math.tanh(float(z[i]) + shift) ** 2) / (L // 2))
             want[0, h, t] = fsq.w_in[h].detach().T @ (through * torch.tensor(factors, dtype=F64))
     torch.testing.assert_close(k.grad, want, rtol=1e-10, atol=1e-12)
-    assert fsq.w_out.grad is not None and fsq.w_out.grad.abs().sum() > 0
+    _, want_keys = _by_hand(fsq, k.detach())  # W_out's gradient is taken at the rounded grid point z^
+    points = torch.linalg.lstsq(fsq.w_out.detach(), want_keys.transpose(-1, -2)[0]).solution  # [H, d, T]
+    want_w_out = torch.einsum("htk,hdt->hkd", g[0], points)
+    torch.testing.assert_close(fsq.w_out.grad, want_w_out, rtol=1e-8, atol=1e-10)
 
 
 @pytest.mark.parametrize("T", [1, 9, 21])
@@ -124,6 +127,30 @@ def test_cached_codebook_follows_the_weights():
         assert fsq.codebook is before  # computed once while nothing changes
         fsq.w_out.add_(1.0)
         torch.testing.assert_close(fsq.codebook, fsq._codebook(), rtol=0, atol=0)
+
+
+def test_initial_keys_are_as_large_as_the_keys():
+    """With keys of typical coordinate size ``init_scale``, the initial projections give ``k^``
+    of the same order (neither vanishing nor blown up by the number of levels)."""
+    torch.manual_seed(0)
+    fsq = FSQuantizer(1, 64, (8, 5, 5, 5), init_scale=64 ** -0.25)
+    k = torch.randn(4, 1, 256, 64) * 64 ** -0.25
+    with torch.no_grad():
+        k_hat, _, _ = fsq(k)
+    ratio = float(k_hat.pow(2).mean().sqrt() / k.pow(2).mean().sqrt())
+    assert 0.2 < ratio < 1.0, ratio
+
+
+def test_module_plumbing():
+    """Only the projections are state (the grid is derived); levels may come as a list (TOML,
+    JSON); ``grid`` honours the dtype asked for; ``train()`` puts the module in training mode."""
+    fsq = _quantizer()
+    assert set(fsq.state_dict()) == {"w_in", "w_out"}
+    assert FSQuantizer(1, 4, [4, 3]).levels == (4, 3)
+    assert linattn.LMConfig.from_dict({"attention": "vq-fsq", "fsq_levels": [4, 3]}).fsq_levels == (4, 3)
+    assert fsq.grid(torch.float32).dtype == torch.float32 and fsq.grid().dtype == F64
+    fsq.eval()
+    assert fsq.train().training
 
 
 @pytest.mark.parametrize("levels", [(), (1, 4), (4, 2.5), "845", (True, 3)])

@@ -150,3 +150,18 @@ def test_weights_written_through_data_are_seen_after_a_mode_switch(fast_calls):
     assert fast_calls == [1, 1]
     assert not torch.allclose(after, before)
     assert torch.allclose(after, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_token_steps_fill_one_buffer_per_block():
+    """Consecutive one-token steps write into the state's buffer in place: inside a block every
+    state shares one buffer, a completed block moves to the next one (no copy per step)."""
+    unit = _unit()
+    x = torch.randn(2, 15, 12, dtype=F64)
+    with torch.no_grad():
+        _, state, _ = unit(x[:, :2])
+        buffers = []
+        for t in range(2, 15):
+            _, state, _ = unit(x[:, t : t + 1], state)
+            if not buffers or state._resident is not buffers[-1]:
+                buffers.append(state._resident)
+    assert len(buffers) == 4  # positions 2..14 with blocks of 4: the blocks of 2-3, 4-7, 8-11, 12-14
