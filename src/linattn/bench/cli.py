@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 from .._command_group import add_command_group
-from . import attention, decode
+from . import attention, decode, train_speed
 
-BENCHMARKS = {"attention": attention, "decode": decode}
+BENCHMARKS = {"attention": attention, "decode": decode, "train": train_speed}
 
 
 def register(commands: argparse._SubParsersAction) -> None:
