@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 import linattn.ops.linear as linear_module
 from _helpers import make_qkv, wide_shift_inputs
@@ -25,12 +26,15 @@ from linattn import VectorQuantizer, delta_rule, linear_attention
 from linattn.feature_maps import FAVOR
 from linattn.models import LM, LMConfig
 from linattn.nn import GAU
+from linattn.train.trainer import compile_model
 
 torch.set_num_threads(1)
 
-# every registered kind; "favor" stands for the exponential maps (its float64 recomputation
-# is a torch.cond), which test_linear_float64_fallback_is_decided_inside_the_graph covers for "exp"
-KINDS = ["vq", "soft-vq", "gau-softmax", "softmax", "linear:elu", "favor", "delta", "local:4"]
+# every registered kind, the exact ones with their flags; "favor" stands for the exponential
+# maps (a torch.cond decides their float64 recomputation), which
+# test_linear_float64_fallback_is_decided_inside_the_graph covers for "exp"
+KINDS = ["vq", "vq-fsq", "soft-vq", "gau-softmax:entropy", "softmax:nope:entropy", "linear:elu", "favor", "delta",
+         "local:4:entropy"]
 
 
 @pytest.fixture(autouse=True)
@@ -112,10 +116,13 @@ def test_delta_backward_traces_through_aot_autograd():
         torch.testing.assert_close(gradients(model)[name], wanted, rtol=1e-4, atol=1e-7, msg=name)
 
 
-def test_vq_unit_backward_and_codebook_statistics_trace_through_aot_autograd():
-    """One VQ gated attention unit under AOTAutograd, with a carried state: the straight-through
-    keys, the block form's backward and the codebook statistics, which the compiled graph
-    writes back into the quantizer's buffers once per forward, equal eager's."""
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointed"])
+def test_vq_unit_backward_and_codebook_statistics_trace_through_aot_autograd(checkpointed):
+    """One VQ gated attention unit under AOTAutograd, with a carried state, as it is and
+    under activation checkpointing (as ``LM.activation_checkpointing`` wraps a layer): the
+    straight-through keys, the block form's backward and the codebook statistics, which the
+    compiled graph writes back into the quantizer's buffers once per forward (never again
+    in the recomputation), equal eager's."""
     torch.manual_seed(0)
     eager_unit = GAU(16, d_k=8, d_v=16, codebook_size=8, block_size=4, dead_code_threshold=0.5).train()
     x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(4))
@@ -123,8 +130,15 @@ def test_vq_unit_backward_and_codebook_statistics_trace_through_aot_autograd():
     eager_unit.quantizer.update()  # clears the pending statistics
     state = state.detach()
     unit = copy.deepcopy(eager_unit)
+
+    def wrapped(module):
+        if not checkpointed:
+            return module
+        return lambda x, state: checkpoint(module, x, state, use_reentrant=False)
+
     outputs = []
-    for forward in (eager_unit, torch.compile(unit, backend="aot_eager", fullgraph=True)):
+    compiled = compile_model(wrapped(unit), backend="aot_eager", fullgraph=True)
+    for forward in (wrapped(eager_unit), compiled):
         y, _, aux = forward(x[:, 8:], state)
         (y.square().mean() + aux["commit_loss"]).backward()
         outputs.append(y.detach())

@@ -137,9 +137,12 @@ class LM(nn.Module):
         perplexities = []
         for aux in unit_aux:
             if aux.get("codes") is not None:
+                # a histogram of a fixed size (bincount's would depend on the codes): every code of
+                # a VQ unit is below codebook_size, of an FSQ unit below the size of its grid
                 codes = aux["codes"].flatten()
-                counts = x.new_zeros(self.config.codebook_size, dtype=torch.float32).index_add_(
-                    0, codes, torch.ones_like(codes, dtype=torch.float32))  # bincount's size would depend on the codes
+                size = max(self.config.codebook_size, math.prod(self.config.fsq_levels))
+                ones = torch.ones_like(codes, dtype=torch.float32)
+                counts = x.new_zeros(size, dtype=torch.float32).index_add_(0, codes, ones)
                 probs = counts / counts.sum()
                 perplexities.append(torch.exp(-(probs * probs.clamp_min(1e-30).log()).sum()))
         perplexity = torch.stack(perplexities).mean() if perplexities else None

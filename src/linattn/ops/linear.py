@@ -379,9 +379,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 def _in_float64(q, k, v, initial_state, form: tuple) -> tuple:
-    """``_attend`` in float64 -> ``(out in q's dtype, S, z, key_shift)``, the state tensors
-    in float32."""
-    if initial_state is not None:
-        initial_state = initial_state.to(torch.float64)
+    """``_attend`` in float64 (which reads the carried state in float64) -> ``(out in q's
+    dtype, S, z, key_shift)``, the state tensors in float32."""
     out, S, z, key_shift, _ = _attend(q.double(), k.double(), v.double(), initial_state, *form)
     return out.to(q.dtype), *(None if t is None else t.float() for t in (S, z, key_shift))

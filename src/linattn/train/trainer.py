@@ -146,6 +146,16 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     return loss_sum / n, commit_sum / n, states
 
 
+def compile_model(module, **options):
+    """``torch.compile(module, **options)`` for training. Python state that a training forward
+    writes (a codebook's restart candidates) is not written again when activation
+    checkpointing recomputes a layer in the backward pass, as in eager mode, where the
+    recomputation counts nothing (``nn/quantizer.py``, ``_inside_backward``); dynamo would
+    otherwise refuse such writes inside a checkpointed region."""
+    compiled = torch.compile(module, **options)
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
+
+
 def code_perplexity(model: LM) -> torch.Tensor | None:
     """Mean over the VQ units of ``exp(entropy)`` of the code histogram of the assignments
     counted since the last codebook update (all heads pooled; this process's tokens) -- the
@@ -236,7 +246,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     if checkpoint is not None:
         model.load_state_dict(checkpoint.model, strict=True)
     trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
-    compiled = torch.compile(trained) if cfg.compile else trained
+    compiled = compile_model(trained) if cfg.compile else trained
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
