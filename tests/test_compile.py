@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import linattn.ops.linear as linear_module
 from _helpers import make_qkv, wide_shift_inputs
-from linattn import VectorQuantizer, delta_rule, linear_attention
+from linattn import VectorQuantizer, delta_rule, linear_attention, vq_attention
 from linattn.feature_maps import FAVOR
 from linattn.models import LM, LMConfig
 from linattn.nn import GAU
@@ -288,3 +288,27 @@ def test_delta_rule_check_inputs_false_does_not_read_beta():
         delta_rule(q, k, v, beta)
     out, _ = delta_rule(q, k, v, beta, check_inputs=False)
     assert out.shape == (1, 2, 6, 3)
+
+
+def test_vq_attention_batched_schedule_compiles_as_one_graph():
+    """The block form's batched schedule (the default on CUDA) through AOTAutograd with a
+    carried state: eager's outputs and gradients."""
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(2, heads, 14, 8, generator=g) for heads in (2, 1, 1))
+    quantizer = VectorQuantizer(1, 8, 16).eval()
+    k_hat, codes, _ = quantizer(k)
+    options = dict(block_size=4, schedule="batched", output_final_state=True)
+    _, state = vq_attention(q[:, :, :6], k_hat[:, :, :6], v[:, :, :6], codes[:, :, :6], quantizer.codebook, **options)
+
+    def call(q, v):
+        return vq_attention(q, k_hat[:, :, 6:], v, codes[:, :, 6:], quantizer.codebook, initial_state=state,
+                            check_inputs=False, **options)
+
+    results = []
+    for fn in (call, torch.compile(call, backend="aot_eager", fullgraph=True)):
+        inputs = [q[:, :, 6:].clone().requires_grad_(True), v[:, :, 6:].clone().requires_grad_(True)]
+        out, _ = fn(*inputs)
+        out.square().sum().backward()
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    for actual, wanted in zip(*reversed(results)):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-6)
