@@ -247,7 +247,8 @@ def test_bench_train_times_the_trainer_after_its_warm_up(tmp_path, capsys):
     (row,) = _load(tmp_path / "out")["rows"]
     assert row["case"] == "eager" and row["steps"] == 4 and row["tokens_per_step"] == 3 * 16  # --set applied
     assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(48 / row["step_s"])
-    assert row["warmup_s"] > 0 and math.isfinite(row["last_loss"])
+    assert row["warmup_s"] > 0 and math.isfinite(row["last_loss"]) and len(row["losses"]) == 4
+    assert row["step_s"] == sorted(row["step_times_s"][1:])[1]  # the median of steps 2..4
     assert "| eager |" in (tmp_path / "out" / "results.md").read_text()
     assert main([*argv[:-2], "--warmup", "4", "--out", str(tmp_path / "other")]) == 2
     assert "--warmup (4) must be smaller than --steps (4)" in capsys.readouterr().err

@@ -47,6 +47,7 @@ def time_training(model_values: dict, train_values: dict, *, compiled: bool, ste
     return {"case": "compiled" if compiled else "eager", "steps": steps, "warmup_steps": warmup,
             "warmup_s": sum(seconds[:warmup]), "step_s": step_s, "mean_step_s": statistics.fmean(timed),
             "tokens_per_s": tokens_per_step / step_s, "tokens_per_step": tokens_per_step,
+            "step_times_s": seconds, "losses": [record["loss"] for record in records],
             "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"]}
 
 

@@ -9,6 +9,7 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -115,7 +116,7 @@ def _silent(*args) -> None:
 
 
 def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, carries: list,
-                         *, device: torch.device, bf16: bool = False, forward=None
+                         *, device: torch.device, bf16: bool = False, forward: Callable | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Forward and backward of one optimizer step, as ``len(carries)`` micro-batches.
 
@@ -146,7 +147,7 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     return loss_sum / n, commit_sum / n, states
 
 
-def compile_model(module, **options):
+def compile_model(module: torch.nn.Module, **options) -> Callable:
     """``torch.compile(module, **options)`` for training. Python state that a training forward
     writes (a codebook's restart candidates) is not written again when activation
     checkpointing recomputes a layer in the backward pass, as in eager mode, where the
