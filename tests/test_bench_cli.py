@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from linattn.bench.attention import CASES
 from linattn.bench.harness import Case, profile_call, run_cases, time_call
 from linattn.reporting import peak_memory
 from linattn.cli import main
+from _helpers import english_like
 
 MIB = 2**20
 ROW_KEYS = {
@@ -228,3 +230,25 @@ def test_bench_attention_profile_writes_the_top_operators(tmp_path):
         for name in ("forward", "forward+backward"):
             assert f"### {case}, T=32, {name}:" in text
     assert "| operator | self ms | share | calls |" in text
+
+
+def test_bench_train_times_the_trainer_after_its_warm_up(tmp_path, capsys):
+    """``bench train`` runs the trainer on the run file's model and data and reports the
+    median of the steps after the warm-up (the compiled mode is the trainer's
+    ``train.compile``, tested in test_train_units; here only eager, for time)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(english_like(4000))
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\nattention = "linear:elu"\nd_model = 16\nn_layers = 1\nn_heads = 2\n\n'
+                      f'[train]\ndata = "{corpus}"\nbatch_size = 2\ncontext = 16\n')
+    argv = ["bench", "train", "--config", str(config), "--modes", "eager", "--steps", "4", "--warmup", "1",
+            "--set", "train.batch_size=3", "--threads", "1", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    (row,) = _load(tmp_path / "out")["rows"]
+    assert row["case"] == "eager" and row["steps"] == 4 and row["tokens_per_step"] == 3 * 16  # --set applied
+    assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(48 / row["step_s"])
+    assert row["warmup_s"] > 0 and math.isfinite(row["last_loss"]) and len(row["losses"]) == 4
+    assert row["step_s"] == sorted(row["step_times_s"][1:])[1]  # the median of steps 2..4
+    assert "| eager |" in (tmp_path / "out" / "results.md").read_text()
+    assert main([*argv[:-2], "--warmup", "4", "--out", str(tmp_path / "other")]) == 2
+    assert "--warmup (4) must be smaller than --steps (4)" in capsys.readouterr().err

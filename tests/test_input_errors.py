@@ -86,3 +86,27 @@ def test_train_config_device_is_checked():
     with pytest.raises(ValueError, match="train.device must be cpu, cuda or cuda:N"):
         TrainConfig(device="tpu")
     assert TrainConfig(device="cuda:1").device == "cuda:1"
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint16, torch.uint32])
+@pytest.mark.parametrize("where", [0, 9])
+def test_token_ids_outside_the_vocabulary_are_found_in_any_piece_and_dtype(dtype, where, monkeypatch):
+    """``check_token_ids`` reads the ids in pieces (a memory-mapped split stays on disk),
+    widening dtypes torch has no min/max for (uint16, uint32)."""
+    import linattn._checks as checks
+
+    monkeypatch.setattr(checks, "_ID_SCAN_PIECE", 4)
+    ids = torch.arange(10).to(dtype)
+    checks.check_token_ids("ids", ids, 10)
+    ids[where] = 12
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 10\), got values in \[\d, 12\]"):
+        checks.check_token_ids("ids", ids, 10)
+
+
+def test_byte_ids_need_no_pass_over_the_values_for_a_byte_vocabulary(monkeypatch):
+    import linattn._checks as checks
+
+    monkeypatch.setattr(checks.torch, "aminmax", lambda *args: pytest.fail("the values were read"))
+    checks.check_token_ids("ids", torch.full((5,), 255, dtype=torch.uint8), 256)
+    with pytest.raises(TypeError, match="ids must be an integer tensor, got Tensor torch.float32"):
+        checks.check_token_ids("ids", torch.zeros(3), 256)

@@ -17,7 +17,14 @@ import math
 import pytest
 import torch
 
-from _helpers import F64, assert_causal_jacobian, assert_close_rel, independent_features, make_qkv
+from _helpers import (
+    F64,
+    assert_causal_jacobian,
+    assert_close_rel,
+    independent_features,
+    make_qkv,
+    wide_shift_inputs,
+)
 from linattn import LinearAttentionState, linear_attention
 from linattn.feature_maps import DPFP, FAVOR, Exp, get_feature_map
 
@@ -315,29 +322,11 @@ def test_state_without_key_shift_holds_unshifted_sums(map_name):
 # ----------------------------------------------------------------------------- float32 range
 
 
-def _wide_range_inputs():
-    """float64 q, k, v for the exp map whose query + key shifts sum to ~100: a late key
-    with log-feature 60 sets the key shift, and early queries with log-features up to 40
-    see only far weaker keys (true denominators far below eps). In float32 the shifted
-    eps term, exp(-100) * eps, is below the float range."""
-    g = torch.Generator().manual_seed(5)
-    T = 13
-    q = torch.randn(1, 2, T, 2, generator=g, dtype=F64)
-    k = torch.randn(1, 1, T, 2, generator=g, dtype=F64)
-    v = torch.randn(1, 1, T, 3, generator=g, dtype=F64)
-    k[0, 0, T - 2] = torch.tensor([60.0, 0.0])
-    q[0, :, 0] = torch.tensor([40.0, -200.0])
-    k[0, 0, 0] = torch.tensor([-200.0, 0.0])
-    q[0, :, 1] = torch.tensor([35.0, 0.0])
-    k[0, 0, 1] = torch.tensor([-110.0, -75.0])
-    return q, k, v
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_float32_wide_shifts_match_float64_formula(mode):
     """float32 inputs whose shifts leave float32's range: output and gradients are finite
     and equal the float64 formula; the output keeps the input dtype."""
-    q, k, v = _wide_range_inputs()
+    q, k, v = wide_shift_inputs()
     grad_out = torch.randn(1, 2, q.shape[2], 3, generator=torch.Generator().manual_seed(6), dtype=F64)
     ref_inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected, _, _ = loop_reference(*ref_inputs, "exp", causal=True, normalize="attention")
@@ -354,7 +343,7 @@ def test_float32_wide_shifts_match_float64_formula(mode):
 def test_float32_wide_shifts_state_carry():
     """The same inputs in pieces with a carried state: the outputs equal the float64
     formula, and the final state is float32 and holds the true sums."""
-    q, k, v = _wide_range_inputs()
+    q, k, v = wide_shift_inputs()
     expected, S_ref, z_ref = loop_reference(q, k, v, "exp", causal=True, normalize="attention")
     qf, kf, vf = q.float(), k.float(), v.float()
     outs, state, start = [], None, 0

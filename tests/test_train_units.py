@@ -104,10 +104,10 @@ def test_by_default_training_carries_the_state_and_runs_in_float32(tmp_path, mon
     seen = []
     original = LM.forward
 
-    def recording_forward(self, ids, state=None):
+    def recording_forward(self, ids, state=None, **options):
         if self.training:
             seen.append((state is not None, torch.is_autocast_enabled("cpu")))
-        return original(self, ids, state)
+        return original(self, ids, state, **options)
 
     monkeypatch.setattr(LM, "forward", recording_forward)
     defaults = TrainConfig()
@@ -390,11 +390,11 @@ def test_each_step_descends_the_cross_entropy_plus_the_commitment_loss(tmp_path,
     seen = {}
     original_forward = LM.forward
 
-    def recording_forward(self, ids, state=None):
+    def recording_forward(self, ids, state=None, **options):
         if self.training and not seen:
             seen.update(ids=ids.clone(), state=state, rng=torch.get_rng_state(),
                         weights={k: v.clone() for k, v in self.state_dict().items()})
-        return original_forward(self, ids, state)
+        return original_forward(self, ids, state, **options)
 
     clipped = []
     original_clip = torch.nn.utils.clip_grad_norm_
@@ -466,3 +466,47 @@ def test_under_ddp_on_cpu_the_model_is_wrapped_without_device_ids_and_logged_los
     records = train_records(run)
     assert len(losses) == 3 and [r["loss"] for r in records] == losses
     assert [r["bpb"] for r in records] == [x / math.log(2) for x in losses]
+
+
+# ----------------------------------------------------------------------------- compile and the data boundary
+
+
+def test_compile_setting_is_a_bool():
+    with pytest.raises(TypeError, match="train.compile must be a bool"):
+        TrainConfig(compile="yes")
+
+
+def test_train_compile_runs_the_compiled_model_and_trains_as_eager(tmp_path, monkeypatch):
+    """``train.compile = true``: steps run through ``torch.compile`` (the eager backend here,
+    with fullgraph=True, so any graph break fails), except the step of the k-means
+    initialisation, which runs eagerly; the logged losses equal eager training's."""
+    compiled_modules, real_compile = [], torch.compile
+
+    def recording_compile(module, **options):
+        compiled_modules.append(module)
+        return real_compile(module, backend="eager", fullgraph=True)
+
+    data = write_corpus(tmp_path)
+    config = vq_config(kmeans_init=True)
+    train(config, run_config(data, tmp_path / "eager", steps=4), progress=False, echo=quiet)
+    monkeypatch.setattr(trainer_module.torch, "compile", recording_compile)
+    torch._dynamo.reset()
+    summary = train(config, run_config(data, tmp_path / "compiled", steps=4, compile=True), progress=False,
+                    echo=quiet)
+    torch._dynamo.reset()
+    assert compiled_modules == [summary["model"]]
+    losses = [[r["loss"] for r in train_records(tmp_path / run)] for run in ("eager", "compiled")]
+    assert len(losses[0]) == 4
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_training_tokens_outside_the_vocabulary_are_refused_where_they_are_loaded(tmp_path):
+    """The trainer reads the ids' range once, from the split, not in every forward pass."""
+    data = write_corpus(tmp_path)  # English text: bytes up to 'z' = 122
+    with pytest.raises(ValueError, match=r"training split must lie in \[0, 100\), got values in \[\d+, 1[12]\d\]"):
+        train(linear_config(vocab_size=100), run_config(data, tmp_path / "run"), progress=False, echo=quiet)
+
+
+def test_evaluate_bpb_refuses_tokens_outside_the_vocabulary(sharp_model):
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 256\), got values in \[0, 300\]"):
+        evaluate_bpb(sharp_model, torch.tensor([0, 5, 300, 7] * 10), context=8)

@@ -632,10 +632,10 @@ def test_training_resets_the_carried_state_every_carry_windows(tmp_path, monkeyp
     seen = []
     original_forward = LM.forward
 
-    def recording_forward(self, ids, state=None):
+    def recording_forward(self, ids, state=None, **options):
         if self.training:
             seen.append(state is None)
-        return original_forward(self, ids, state)
+        return original_forward(self, ids, state, **options)
 
     monkeypatch.setattr(LM, "forward", recording_forward)
     model_config = LMConfig(d_model=16, n_layers=1, n_heads=2, attention="linear:elu")

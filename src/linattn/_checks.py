@@ -162,6 +162,33 @@ def check_qkv(
     return AttentionShapes(B, H, Hkv, T, Dk, v.shape[-1])
 
 
+_ID_SCAN_PIECE = 1 << 24
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.uint32, torch.int64)
+
+
+def check_token_ids(name: str, ids: object, vocab_size: int, *, values: bool = True) -> torch.Tensor:
+    """``ids`` is an integer tensor whose values lie in ``[0, vocab_size)``.
+
+    The range is read from the values (one pass, and a host sync on a GPU) only when the
+    dtype admits ids outside it: uint8 ids need no pass for a vocabulary of 256 or more.
+    ``values=False`` checks the type alone, for callers that read the values elsewhere
+    (see ``LM.forward``'s ``check_inputs``).
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor, got {type(ids).__name__} {getattr(ids, 'dtype', '')}")
+    if not values or ids.numel() == 0:
+        return ids
+    info = torch.iinfo(ids.dtype)
+    if info.min >= 0 and info.max < vocab_size:
+        return ids
+    # in pieces, widened to int64 (uint16/uint32 have no aminmax): a memory-mapped split stays on disk
+    ranges = [torch.aminmax(piece.to(torch.int64)) for piece in ids.reshape(-1).split(_ID_SCAN_PIECE)]
+    low, high = min(int(r.min) for r in ranges), max(int(r.max) for r in ranges)
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} must lie in [0, {vocab_size}), got values in [{low}, {high}]")
+    return ids
+
+
 def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
     """``value`` is one of ``choices``."""
     choices = tuple(choices)

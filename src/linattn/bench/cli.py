@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 from .._command_group import add_command_group
-from . import attention, decode, lm
+from . import attention, decode, lm, train_speed
 
-BENCHMARKS = {"attention": attention, "decode": decode, "lm": lm}
+BENCHMARKS = {"attention": attention, "decode": decode, "lm": lm, "train": train_speed}
 
 
 def register(commands: argparse._SubParsersAction) -> None:

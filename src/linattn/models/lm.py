@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import check_int
+from .._checks import check_int, check_token_ids
 from ..nn.quantizer import VectorQuantizer
 from ..state import LMState
 from .config import LMConfig
@@ -62,18 +62,25 @@ class LM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    def _check_ids(self, ids: torch.Tensor) -> None:
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32, torch.uint8, torch.int16):
-            raise TypeError(f"ids must be an integer tensor [batch, length], got {type(ids).__name__} "
-                            f"{getattr(ids, 'dtype', '')}")
+    def _check_ids(self, ids: torch.Tensor, values: bool = True) -> None:
+        """Type and shape of ``ids``, and with ``values`` their range ``[0, vocab_size)``.
+
+        The range is read from the values (a host sync on a GPU). Under ``torch.compile``
+        it is not read: a data-dependent check would split the graph; ids out of range
+        then fail in the embedding's indexing ("index out of bounds").
+        """
+        check_token_ids("ids", ids, self.config.vocab_size, values=False)
         if ids.dim() != 2 or ids.shape[1] == 0:
             raise ValueError(f"ids must have shape [batch, length] with length >= 1, got {list(ids.shape)}")
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= self.config.vocab_size:
-            raise ValueError(f"ids must lie in [0, {self.config.vocab_size}), got values in [{low}, {high}]")
+        if values and not torch.compiler.is_compiling():
+            check_token_ids("ids", ids, self.config.vocab_size)
 
-    def forward(self, ids: torch.Tensor, state: LMState | None = None) -> tuple[torch.Tensor, LMState, dict]:
-        self._check_ids(ids)
+    def forward(self, ids: torch.Tensor, state: LMState | None = None, *, check_inputs: bool = True
+                ) -> tuple[torch.Tensor, LMState, dict]:
+        """``check_inputs=False`` skips reading the ids to check their range (see ``_check_ids``),
+        for callers that checked their tokens where they were loaded (the trainer and
+        ``evaluate_bpb``): then nothing in the forward pass waits for the device."""
+        self._check_ids(ids, values=check_inputs)
         if state is not None and (not isinstance(state, LMState) or len(state.layers) != len(self.layers)):
             raise ValueError(f"state must be the LMState this model returned ({len(self.layers)} layers), "
                              f"got {type(state).__name__}")
@@ -130,7 +137,12 @@ class LM(nn.Module):
         perplexities = []
         for aux in unit_aux:
             if aux.get("codes") is not None:
-                counts = torch.bincount(aux["codes"].flatten(), minlength=self.config.codebook_size).float()
+                # a histogram of a fixed size (bincount's would depend on the codes): every code of
+                # a VQ unit is below codebook_size, of an FSQ unit below the size of its grid
+                codes = aux["codes"].flatten()
+                size = max(self.config.codebook_size, math.prod(self.config.fsq_levels))
+                ones = torch.ones_like(codes, dtype=torch.float32)
+                counts = x.new_zeros(size, dtype=torch.float32).index_add_(0, codes, ones)
                 probs = counts / counts.sum()
                 perplexities.append(torch.exp(-(probs * probs.clamp_min(1e-30).log()).sum()))
         perplexity = torch.stack(perplexities).mean() if perplexities else None

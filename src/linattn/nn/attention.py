@@ -70,6 +70,8 @@ class Attention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.mechanism, self.window, self.chunk_size = mechanism, window, chunk_size
         self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
+        if self.feature_map is not None:
+            self.feature_map.prepare(head_dim)  # random features are drawn here, not in a compiled forward
         self.rotary = (mechanism != "linear") if rotary is None else bool(rotary)
         self.rotary_base, self.scale = rotary_base, scale
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)

@@ -159,6 +159,7 @@ class Codebook(nn.Module):
         self.register_buffer("_pending_sums", torch.zeros(n_heads, codebook_size, head_dim), persistent=False)
         self._recent_keys: list[torch.Tensor] = []  # [H, N_i, Dk] each, restart candidates
         self._recent_complete = True  # the next batch with real tokens starts a new candidate list
+        self._init_pending: bool | None = kmeans_init  # not initialized, as last read (None: read it next time)
 
     @torch.no_grad()
     def _reset_buffers(self) -> None:
@@ -167,11 +168,35 @@ class Codebook(nn.Module):
         self._pending_counts.zero_()
         self._pending_sums.zero_()
         self._recent_keys, self._recent_complete = [], True
+        self._init_pending = None
 
     @property
     def pending_counts(self) -> torch.Tensor:
         """``[H, S]`` assignments counted on this process since the last ``update()`` (read only)."""
         return self._pending_counts.detach()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        """``nn.Module``'s loading, then the loaded ``initialized`` flag is read (on the meta
+        device: at its first use)."""
+        super()._load_from_state_dict(*args, **kwargs)
+        self._init_pending = None if self.initialized.is_meta else self._read_init_pending()
+
+    def initialization_pending(self) -> bool:
+        """Whether the k-means initialisation has still to run (``initialized`` is False):
+        the next training forward runs it.
+
+        The buffer is read once (a host read) and remembered until ``initialize`` or
+        ``load_state_dict`` writes it, so a forward pass does not wait for the device and
+        ``torch.compile`` sees a Python bool (a graph for each value). A value written into
+        the buffer by hand is seen after ``load_state_dict`` or ``_reset_buffers``.
+        """
+        if self._init_pending is None:
+            self._init_pending = self._read_init_pending()
+        return self._init_pending
+
+    @torch.compiler.disable
+    def _read_init_pending(self) -> bool:
+        return not bool(self.initialized)
 
     def _apply(self, fn, recurse=True):
         """``.to()``, ``.double()``, ``.half()`` move the codes and statistics but keep them float32."""
@@ -261,6 +286,7 @@ class Codebook(nn.Module):
 
     # -- k-means initialisation ----------------------------------------------------------
 
+    @torch.compiler.disable  # once per codebook, data-dependent throughout: it runs eagerly
     @torch.no_grad()
     def initialize(self, k: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Set every code by ``kmeans`` on the real tokens of ``k [B, H, T, Dk]`` (rank 0's
@@ -269,7 +295,9 @@ class Codebook(nn.Module):
         keys = self._unmasked(k, mask)
         where = torch.full((self.n_heads, self.codebook_size), keys.shape[1] > 0, device=self.codebook.device)
         centers = kmeans(keys, self.codebook_size, self.kmeans_iters) if keys.shape[1] > 0 else self.codebook.clone()
-        self.initialized.fill_(bool(self._replace_codes(where, centers).any()))
+        done = bool(self._replace_codes(where, centers).any())
+        self.initialized.fill_(done)
+        self._init_pending = not done
 
     def extra_repr(self) -> str:
         return (

@@ -78,6 +78,7 @@ class DeltaNet(nn.Module):
                 chunk_size=self.chunk_size,
                 initial_state=state.rule if state is not None else None,
                 output_final_state=True,
+                check_inputs=False,  # beta is a sigmoid (or ones): in [0, 1] without reading it
             )
         y = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         return y, DeltaNetState(rule=rule_state, conv=conv_cache, steps=rule_state.steps), {}

@@ -41,7 +41,14 @@ def _inside_backward() -> bool:
     has no public query for it; ``torch._C._current_graph_task_id`` (-1 outside backward)
     is what ``torch.utils.checkpoint`` and ``torch.autograd.graph.register_multi_grad_hook``
     use for the same question.
+
+    Under ``torch.compile`` the answer is False: the call is traced once, as the forward,
+    and a compiled graph's own recomputation (activation checkpointing inside the compiled
+    model) replays no buffer writes. A compiled model must therefore not be recomputed from
+    outside (a checkpoint around a compiled module would count its statistics twice).
     """
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -119,6 +126,8 @@ class VectorQuantizer(Codebook):
     def _code_norms(self) -> torch.Tensor:
         """``|c_s|^2`` per head, ``[H, S]``, recomputed only when the codebook changes (its
         storage or version), so decoding one token does not pay for all S norms each step."""
+        if torch.compiler.is_compiling():  # storage and version are not traceable; the graph recomputes
+            return self.codebook.float().pow(2).sum(-1)
         key = (self.codebook.data_ptr(), self.codebook._version)
         if getattr(self, "_norms_key", None) != key:
             self._norms, self._norms_key = self.codebook.float().pow(2).sum(-1), key
@@ -148,7 +157,7 @@ class VectorQuantizer(Codebook):
         """
         self._check(k, mask)
         counted = self.training and not _inside_backward()
-        if counted and not bool(self.initialized):
+        if counted and self.initialization_pending():
             # k-means draws from a fork of the random state: the forward's other draws (dropout)
             # are then those of a forward without it, as activation checkpointing recomputes them
             with torch.random.fork_rng(devices=[k.device] if k.device.type == "cuda" else []):

@@ -37,6 +37,11 @@ class FeatureMap:
     def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         raise NotImplementedError(f"{self.name} is not an exponential feature map")
 
+    def prepare(self, d: int) -> None:
+        """Draw now whatever the map needs for input dimension ``d`` (FAVOR+: its projection),
+        so that no random draw happens inside a ``torch.compile`` region. Layers call it at
+        construction; the default does nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -155,7 +160,8 @@ class FAVOR(FeatureMap):
         self.num_features = num_features
         self.orthogonal = orthogonal
         self.seed = int(seed)
-        self._cache: dict[tuple, torch.Tensor] = {}
+        self._draws: dict[int, torch.Tensor] = {}  # float64 projections by input dimension
+        self._cache: dict[tuple, torch.Tensor] = {}  # converted copies by (d, device, dtype)
 
     def dim_out(self, d: int) -> int:
         return self.num_features
@@ -163,30 +169,28 @@ class FAVOR(FeatureMap):
     def redraw(self, seed: int | None = None) -> None:
         """Draw a new projection: from ``seed``, or from the current seed + 1."""
         self.seed = self.seed + 1 if seed is None else int(seed)
+        dims = list(self._draws)
+        self._draws.clear()
         self._cache.clear()
+        for d in dims:
+            self.prepare(d)
+
+    def prepare(self, d: int) -> None:
+        if d not in self._draws:
+            self._draws[d] = _favor_projection(self.seed, d, self.num_features, self.orthogonal)
 
     def projection(self, d: int, *, device=None, dtype=torch.float32) -> torch.Tensor:
         """The ``[num_features, d]`` projection for input dimension ``d``."""
+        if torch.compiler.is_compiling():  # converted inside the graph, nothing stored
+            if d not in self._draws:
+                raise RuntimeError(f"FAVOR's projection for dimension {d} is drawn outside torch.compile: call "
+                                   f"prepare({d}) before compiling (the Attention layer does it at construction)")
+            return self._draws[d].to(device=device, dtype=dtype)
         key = (d, str(device), dtype)
         if key not in self._cache:
-            self._cache[key] = self._draw(d).to(device=device, dtype=dtype)
+            self.prepare(d)
+            self._cache[key] = self._draws[d].to(device=device, dtype=dtype)
         return self._cache[key]
-
-    def _draw(self, d: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed)
-        m = self.num_features
-        if not self.orthogonal:
-            return torch.randn(m, d, generator=gen, dtype=torch.float64)
-        blocks = []
-        for _ in range(math.ceil(m / d)):
-            gaussian = torch.randn(d, d, generator=gen, dtype=torch.float64)
-            q, r = torch.linalg.qr(gaussian)
-            # Fix QR's sign convention so the directions are Haar-distributed (unbiased).
-            q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
-            blocks.append(q.T)
-        directions = torch.cat(blocks, dim=0)[:m]
-        norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
-        return directions * norms
 
     def log_features(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         d = x.shape[-1]
@@ -199,6 +203,23 @@ class FAVOR(FeatureMap):
 
     def __repr__(self) -> str:
         return f"FAVOR(num_features={self.num_features}, seed={self.seed}, orthogonal={self.orthogonal})"
+
+
+def _favor_projection(seed: int, d: int, m: int, orthogonal: bool) -> torch.Tensor:
+    """FAVOR+'s ``[m, d]`` float64 projection drawn from ``seed`` (see ``FAVOR``)."""
+    gen = torch.Generator().manual_seed(seed)
+    if not orthogonal:
+        return torch.randn(m, d, generator=gen, dtype=torch.float64)
+    blocks = []
+    for _ in range(math.ceil(m / d)):
+        gaussian = torch.randn(d, d, generator=gen, dtype=torch.float64)
+        q, r = torch.linalg.qr(gaussian)
+        # Fix QR's sign convention so the directions are Haar-distributed (unbiased).
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+        blocks.append(q.T)
+    directions = torch.cat(blocks, dim=0)[:m]
+    norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
+    return directions * norms
 
 
 class SoftVQ(FeatureMap):

@@ -211,7 +211,8 @@ def linear_attention(
     the float range once the two shifts sum past ``log(eps) + ~70`` (56 for eps = 1e-6):
     rows that see only weak keys then get denormal denominators and NaN gradients. A call
     whose shifts go past that is computed again in float64 (same output dtype, float32
-    state); below it, nothing changes.
+    state); below it, nothing changes. The choice reads one value from the device (a host
+    sync on a GPU); under ``torch.compile`` it is a ``torch.cond`` inside the graph.
     """
     check_bool("causal", causal)
     shapes = check_qkv(q, k, v, same_length=causal)
@@ -223,38 +224,77 @@ def linear_attention(
     if mode is None:
         mode = "recurrent" if causal and shapes.length == 1 else "chunk"
 
-    B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
-    G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
+    B, Hkv, Dk, Dv = shapes.batch, shapes.kv_heads, shapes.key_dim, shapes.value_dim
     F = fmap.dim_out(Dk)
+    with_denominator = normalize == "attention"
+    tracks_shift = fmap.exponential and with_denominator
+    if initial_state is not None:
+        _check_state(initial_state, (B, Hkv, F, Dv), q, with_denominator, tracks_shift)
+
+    form = (fmap, causal, normalize, mode, chunk_size, eps, output_final_state)
+    guarded = tracks_shift and compute_dtype(q.dtype) != torch.float64 and eps > 0
+    limit = math.log(eps) + _FLOAT32_SHIFT_LIMIT if guarded else math.inf
+    if guarded and torch.compiler.is_compiling():
+        # The choice stays in the graph (no host read, no graph break), so it is made before
+        # either computation, from the same shifts.
+        wide = _largest_shift(q, k, fmap, initial_state) > limit
+        out, S, z, key_shift = _float64_if(wide, q, k, v, initial_state, form)
+    else:
+        out, S, z, key_shift, peak = _attend(q, k, v, initial_state, *form)
+        if guarded and peak.item() > limit:
+            out, S, z, key_shift = _in_float64(q, k, v, initial_state, form)
+
+    if not output_final_state:
+        return out, None
+    steps = (initial_state.steps if initial_state is not None else 0) + k.shape[2]
+    return out, LinearAttentionState(
+        kv=S.reshape(B, Hkv, F, Dv),
+        normalizer=z.reshape(B, Hkv, F) if with_denominator else None,
+        key_shift=key_shift.reshape(B, Hkv) if tracks_shift else None,
+        steps=steps,
+    )
+
+
+def _check_state(state, kv_shape: tuple[int, ...], q: torch.Tensor, with_denominator: bool, tracks_shift: bool):
+    """The carried ``LinearAttentionState`` fits these inputs."""
+    if not isinstance(state, LinearAttentionState):
+        raise TypeError(f"initial_state must be a LinearAttentionState, got {type(state).__name__}")
+    check_state_tensor("initial_state.kv", state.kv, kv_shape, q)
+    if with_denominator:
+        if state.normalizer is None:
+            raise ValueError("initial_state.normalizer is None but normalize='attention' needs it")
+        check_state_tensor("initial_state.normalizer", state.normalizer, kv_shape[:3], q)
+    if tracks_shift and state.key_shift is not None:
+        check_state_tensor("initial_state.key_shift", state.key_shift, kv_shape[:2], q)
+
+
+def _attend(q, k, v, initial_state, fmap, causal, normalize, mode, chunk_size, eps, final_state):
+    """The computation of ``linear_attention`` on checked arguments, in float32 (float64 for
+    float64 inputs) -> ``(out [B, H, T, Dv] in q's dtype, S [B Hkv, F, Dv], z [B Hkv, F],
+    key_shift [B Hkv], peak)``: ``z`` only with a denominator, ``key_shift`` only for
+    exponential maps under it, ``S`` and ``z`` after the last position (``S`` may be None
+    for the parallel form without ``final_state``), ``peak`` the largest ``q_shift +
+    key_shift`` of a row (None without shifts)."""
+    B, H, T, Dk = q.shape
+    Hkv, T_keys, Dv = k.shape[1], k.shape[2], v.shape[-1]  # T_keys == T when causal
+    G, F = H // Hkv, fmap.dim_out(Dk)
     dtype = compute_dtype(q.dtype)
     with_denominator = normalize == "attention"
     tracks_shift = fmap.exponential and with_denominator
 
     S = z = state_shift = None
     if initial_state is not None:
-        if not isinstance(initial_state, LinearAttentionState):
-            raise TypeError(
-                f"initial_state must be a LinearAttentionState, got {type(initial_state).__name__}"
-            )
-        S = check_state_tensor("initial_state.kv", initial_state.kv, (B, Hkv, F, Dv), q).to(dtype)
-        S = S.reshape(B * Hkv, F, Dv)
+        S = initial_state.kv.to(dtype).reshape(B * Hkv, F, Dv)
         if with_denominator:
-            if initial_state.normalizer is None:
-                raise ValueError("initial_state.normalizer is None but normalize='attention' needs it")
-            z = check_state_tensor("initial_state.normalizer", initial_state.normalizer, (B, Hkv, F), q)
-            z = z.to(dtype).reshape(B * Hkv, F)
+            z = initial_state.normalizer.to(dtype).reshape(B * Hkv, F)
         if tracks_shift:
             # A state without a shift holds unshifted sums (log-scale 0).
-            if initial_state.key_shift is None:
-                state_shift = S.new_zeros(B, Hkv)
-            else:
-                state_shift = check_state_tensor("initial_state.key_shift", initial_state.key_shift, (B, Hkv), q)
-                state_shift = state_shift.to(dtype)
+            shift = initial_state.key_shift
+            state_shift = S.new_zeros(B, Hkv) if shift is None else shift.to(dtype)
     if with_denominator and z is None:
         z = q.new_zeros(B * Hkv, F, dtype=dtype)
 
     qf = q.to(dtype).reshape(B * Hkv, G, T, Dk)
-    T_keys = k.shape[2]  # == T when causal
     kf = k.to(dtype).reshape(B * Hkv, T_keys, Dk)
     values = v.to(dtype).reshape(B * Hkv, T_keys, Dv)
     key_shift = key_logs = None
@@ -283,38 +323,63 @@ def linear_attention(
         return num / (den + eps)
 
     if mode == "parallel":
-        out, S, z = _parallel(qf, kf, values, S, z, causal, features, finish, output_final_state)
+        out, S, z = _parallel(qf, kf, values, S, z, causal, features, finish, final_state)
     elif mode == "recurrent":
         out, S, z = _recurrent(qf, kf, values, S, z, causal, features, finish)
     else:
         out, S, z = _chunk(qf, kf, values, S, z, causal, chunk_size, features, finish)
-    if shift_peaks and dtype != torch.float64 and eps > 0:
+    peak = None
+    if shift_peaks:
         peak = shift_peaks[0] if len(shift_peaks) == 1 else torch.stack(shift_peaks).amax()
-        if peak.item() > math.log(eps) + _FLOAT32_SHIFT_LIMIT:
-            return _in_float64(
-                q, k, v, fmap, causal, normalize, mode, chunk_size, initial_state, output_final_state, eps
-            )
-    out = out.reshape(B, H, T, Dv).to(q.dtype)
-
-    state = None
-    if output_final_state:
-        steps = (initial_state.steps if initial_state is not None else 0) + T_keys
-        state = LinearAttentionState(
-            kv=S.reshape(B, Hkv, F, Dv),
-            normalizer=z.reshape(B, Hkv, F) if with_denominator else None,
-            key_shift=key_shift.reshape(B, Hkv) if tracks_shift else None,
-            steps=steps,
-        )
-    return out, state
+    return out.reshape(B, H, T, Dv).to(q.dtype), S, z, key_shift, peak
 
 
-def _in_float64(q, k, v, fmap, causal, normalize, mode, chunk_size, initial_state, output_final_state, eps):
-    """The same call computed in float64; the output in q's dtype, the state in float32."""
-    if initial_state is not None:
-        initial_state = initial_state.to(torch.float64)
-    out, state = linear_attention(
-        q.double(), k.double(), v.double(), feature_map=fmap, causal=causal, normalize=normalize,
-        mode=mode, chunk_size=chunk_size, initial_state=initial_state,
-        output_final_state=output_final_state, eps=eps,
-    )
-    return out.to(q.dtype), None if state is None else state.to(torch.float32)
+def _largest_shift(q, k, fmap: FeatureMap, initial_state) -> torch.Tensor:
+    """The largest ``q_shift + key_shift`` of a row, as ``_attend`` computes it (float32, no
+    gradient), from all queries and keys at once."""
+    B, H, T, _ = q.shape
+    Hkv = k.shape[1]
+    with torch.no_grad():
+        q_shift = fmap.log_features(q.float(), is_query=True).reshape(B, Hkv, -1).amax(-1)
+        key_shift = fmap.log_features(k.float(), is_query=False).reshape(B, Hkv, -1).amax(-1)
+        if initial_state is not None:
+            old = initial_state.key_shift
+            key_shift = torch.maximum(key_shift, key_shift.new_zeros(()) if old is None else old.float())
+        return (q_shift + key_shift).amax()
+
+
+def _float64_if(wide: torch.Tensor, q, k, v, initial_state, form: tuple) -> tuple:
+    """``torch.cond``: ``_in_float64`` where ``wide``, else ``_attend`` in float32 ->
+    ``(out, S, z, key_shift)``. Every tensor crossing the cond gets contiguous gradients:
+    the backward of a cond needs the same strides from both branches."""
+    crossing = 4 if form[-1] else 1  # without a final state only out crosses (S may be None)
+    contiguous_grad = _ContiguousGrad.apply
+
+    def branch(compute):
+        def run():
+            results = compute(*(contiguous_grad(t) for t in (q, k, v)), initial_state, form)
+            return tuple(contiguous_grad(t) for t in results[:crossing])
+        return run
+
+    in_float32 = lambda q, k, v, state, form: _attend(q, k, v, state, *form)  # noqa: E731
+    chosen = torch.cond(wide, branch(_in_float64), branch(in_float32), ())
+    return (*chosen, None, None, None)[:4]
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (see ``_float64_if``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _in_float64(q, k, v, initial_state, form: tuple) -> tuple:
+    """``_attend`` in float64 (which reads the carried state in float64) -> ``(out in q's
+    dtype, S, z, key_shift)``, the state tensors in float32."""
+    out, S, z, key_shift, _ = _attend(q.double(), k.double(), v.double(), initial_state, *form)
+    return out.to(q.dtype), *(None if t is None else t.float() for t in (S, z, key_shift))

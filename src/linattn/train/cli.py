@@ -35,6 +35,7 @@ _TRAIN_FLAGS = {
     "seed": ("train", "seed"), "eval_every": ("train", "eval_every"),
     "checkpoint_every": ("train", "checkpoint_every"), "log_every": ("train", "log_every"),
     "device": ("train", "device"), "cache_dir": ("train", "cache_dir"), "bf16": ("train", "bf16"),
+    "compile": ("train", "compile"),
 }
 
 
@@ -73,6 +74,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--log-every", dest="log_every", type=_positive_int)
     p.add_argument("--device", type=device_name, help="cpu, cuda or cuda:N")
     p.add_argument("--bf16", action="store_true", default=None, help="bfloat16 autocast")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the model's forward and backward (the first steps take longer; on CPU "
+                        "it needs a C++ compiler)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                    help="any [model]/[train] setting, e.g. --set model.codebook_size=256 (repeatable)")
     p.add_argument("--out", required=False, metavar="DIR", help="run folder (checkpoints, metrics.jsonl)")

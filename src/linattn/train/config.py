@@ -56,6 +56,7 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     bf16: bool = False
+    compile: bool = False  # torch.compile the model's forward and backward (evaluation stays eager)
     carry_state: bool = True
     carry_windows: int = 8  # windows per carried sequence (state reset every N windows; 0 = whole pass)
     eval_every: int = 200
@@ -85,6 +86,7 @@ class TrainConfig:
         check_bool("train.tensorboard", self.tensorboard)
         check_bool("train.activation_checkpointing", self.activation_checkpointing)
         check_choice("train.parallel", self.parallel, STRATEGIES)
+        check_bool("train.compile", self.compile)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

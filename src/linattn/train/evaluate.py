@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .._checks import check_token_ids
 from ..data import TokenStreams
 from .distributed import Context, all_reduce_sum
 
@@ -37,6 +38,7 @@ def evaluate_bpb(
     dist_context = dist_context or Context()
     if max_tokens is not None:
         tokens = tokens[:max_tokens]
+    check_token_ids("tokens", tokens, model.config.vocab_size)  # once here, not in every forward
     streams = TokenStreams(tokens, batch_size=batch_size, context=context, rank=dist_context.rank,
                            world_size=dist_context.world_size, drop_last=False)
     was_training = model.training
@@ -49,7 +51,7 @@ def evaluate_bpb(
             if reset_every and index % reset_every == 0:
                 state = None
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits, state, _ = model(inputs.to(device), state)
+                logits, state, _ = model(inputs.to(device), state, check_inputs=False)
             totals[0] += F.cross_entropy(
                 logits.float().flatten(0, 1), targets.to(device).flatten(), reduction="sum"
             ).double()

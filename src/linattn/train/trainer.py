@@ -9,6 +9,7 @@ import json
 import math
 import signal
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .. import __version__
-from .._checks import is_int
+from .._checks import check_token_ids, is_int
 from ..data import TokenStreams, bits_per_byte, evaluated_bytes, load_corpus, open_shards
 from ..models import LM, LMConfig
 from . import distributed, parallel
@@ -115,7 +116,7 @@ def _silent(*args) -> None:
 
 
 def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, carries: list,
-                         *, device: torch.device, bf16: bool = False
+                         *, device: torch.device, bf16: bool = False, forward: Callable | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, list]:
     """Forward and backward of one optimizer step, as ``len(carries)`` micro-batches.
 
@@ -125,15 +126,18 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     gradients add up to those of the whole batch's mean loss; under DDP/FSDP they are
     reduced over processes only in the last block's backward. Returns the step's mean
     cross-entropy and mean commitment loss (detached) and the blocks' new states (not yet
-    detached: pass them through ``LM.carry``).
+    detached: pass them through ``LM.carry``). ``forward`` runs the model (default
+    ``trained``; its ``torch.compile`` wrapper under ``train.compile``); the ids are not
+    checked there (``check_inputs=False``): the trainer checks the split where it loads it.
     """
+    forward = trained if forward is None else forward
     n = len(carries)
     loss_sum = commit_sum = None
     states = []
     for m, (ids, target, carry) in enumerate(zip(split_rows(inputs, n), split_rows(targets, n), carries)):
         with parallel.gradient_sync(trained, enabled=m == n - 1):
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits, state, aux = trained(ids.to(device), carry)
+                logits, state, aux = forward(ids.to(device), carry, check_inputs=False)
             loss = F.cross_entropy(logits.flatten(0, 1), target.to(device).flatten())
             ((loss + aux["commit_loss"]) / n).backward()
         loss, commit = loss.detach(), aux["commit_loss"].detach()
@@ -141,6 +145,16 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
         commit_sum = commit if commit_sum is None else commit_sum + commit
         states.append(state)
     return loss_sum / n, commit_sum / n, states
+
+
+def compile_model(module: torch.nn.Module, **options) -> Callable:
+    """``torch.compile(module, **options)`` for training. Python state that a training forward
+    writes (a codebook's restart candidates) is not written again when activation
+    checkpointing recomputes a layer in the backward pass, as in eager mode, where the
+    recomputation counts nothing (``nn/quantizer.py``, ``_inside_backward``); dynamo would
+    otherwise refuse such writes inside a checkpointed region."""
+    compiled = torch.compile(module, **options)
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
 
 
 def code_perplexity(model: LM) -> torch.Tensor | None:
@@ -233,6 +247,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     if checkpoint is not None:
         model.load_state_dict(checkpoint.model, strict=True)
     trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
+    compiled = compile_model(trained) if cfg.compile else trained
     optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
@@ -245,6 +260,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     data = _load_data(cfg, context)
     tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
     byte_tokens = tokenizer.get("sha256") is None  # else bits per token are converted to bits per byte
+    if data.vocab_size > model_config.vocab_size:  # else every id of the data is one of the model's
+        check_token_ids(f"the tokens of {cfg.data}'s training split", data.tokens("train"), model_config.vocab_size)
     streams = TokenStreams(data.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
                            rank=context.rank, world_size=context.world_size)
     validation = data.tokens("validation")
@@ -310,8 +327,10 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                 group["lr"] = lr
             optimizer.zero_grad(set_to_none=True)
             inputs, targets = streams.window(window)
+            # A k-means codebook initialisation (the first step) runs eagerly: no compiled graph holds it.
+            forward = trained if any(q.initialization_pending() for q in model.quantizers()) else compiled
             loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
-                                                             bf16=cfg.bf16)
+                                                             bf16=cfg.bf16, forward=forward)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             perplexity = code_perplexity(model)
