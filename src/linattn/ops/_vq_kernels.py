@@ -93,7 +93,7 @@ def forward_kernel(Q, K, V, C, LOGN, MEANS, REL, OUT, LSE,
     tiles = tl.cdiv(L, BM)
     r = tl.program_id(0) // tiles
     a = (tl.program_id(0) % tiles) * BM + tl.arange(0, BM)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B H N D may pass 2^31
     b, h = bh // H, bh % H
     hkv, g = h // G, h % G
     bkv = b * Hkv + hkv
@@ -155,7 +155,7 @@ def query_grads_kernel(Q, K, V, C, LOGN, MEANS, REL, DO, LSE, DELTA, DQ, DREL,
     tiles = tl.cdiv(L, BM)
     r = tl.program_id(0) // tiles
     a = (tl.program_id(0) % tiles) * BM + tl.arange(0, BM)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B H N D may pass 2^31
     b, h = bh // H, bh % H
     hkv, g = h // G, h % G
     bkv = b * Hkv + hkv
@@ -241,7 +241,7 @@ def window_key_grads_kernel(Q, K, V, REL, DO, LSE, DELTA, DK, DV,
     tiles = tl.cdiv(L, BN)
     j = tl.program_id(0) // tiles
     c = (tl.program_id(0) % tiles) * BN + tl.arange(0, BN)
-    bkv = tl.program_id(1)
+    bkv = tl.program_id(1).to(tl.int64)
     b, hkv = bkv // Hkv, bkv % Hkv
     N = R * L
     d, e = tl.arange(0, BD), tl.arange(0, BE)
@@ -278,7 +278,7 @@ def cache_grads_kernel(Q, C, LOGN, MEANS, DO, LSE, DELTA, DC, DLOGN, DMEANS,
     also ``d logn[b, r, s] = sum_i dS_is`` and ``d means[b, r, s] = sum_i P_is do_i`` over
     block r's rows of every query head of the kv head."""
     slots = tl.program_id(0) * BS + tl.arange(0, BS)
-    hkv = tl.program_id(1)
+    hkv = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     slots_ok = slots < S
     N = R * L
@@ -288,7 +288,7 @@ def cache_grads_kernel(Q, C, LOGN, MEANS, DO, LSE, DELTA, DC, DLOGN, DMEANS,
     first = split * pairs_per_split
     last = tl.minimum(first + pairs_per_split, pairs)
     for pair in range(first, last):
-        b, r = pair // R, pair % R
+        b, r = pair // R, pair % R  # (int64 offsets below through hkv)
         cache = (b * Hkv + hkv) * R + r
         logn = tl.load(LOGN + cache * S + slots, mask=slots_ok, other=float("-inf"))
         mu = tl.load(MEANS + (cache * S + slots[:, None]) * E + e[None, :], mask=slots_ok[:, None] & (e[None, :] < E),
