@@ -5,7 +5,8 @@ Without a GPU the kernels run on CPU tensors in the Triton interpreter. It is ch
 the kernel module is first imported, so this module sets ``TRITON_INTERPRET=1`` at import,
 before any test runs (no other module imports the kernels; the setting then holds for the
 rest of the pytest process, where nothing else uses Triton). With a CUDA device the same
-tests run the compiled kernels on it instead.
+tests run the compiled kernels on it instead. The last test builds the kernels for a CUDA
+target in a process that compiles instead of interpreting.
 
 Tolerances (float32 kernels vs float64): each output is a softmax-weighted mean of at most
 ``2L + S = 128`` values computed with float32 products and sums, so its error is a few
@@ -19,6 +20,9 @@ round the probabilities and dS to bfloat16 before each product: ~1e-2 observed, 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -254,3 +258,17 @@ def test_several_tiles_per_block_and_ragged_sizes(monkeypatch):
     expected = attend(leaves_for(*inputs, F64, False), codes, L, mode="parallel")
     actual = attend(leaves_for(*inputs, F32, False), codes, L, pieces=[30, 60], impl="triton", grad_scope="none")
     assert_same(actual, expected)
+
+
+def test_kernels_build_for_a_cuda_target():
+    """The interpreter runs Python, not the compiler: every kernel and switch combination
+    (float32 and bfloat16) also goes through Triton's front end for sm_90, in a process that
+    compiles instead of interpreting (tools/compile_vq_kernels.py; without --front-end it
+    compiles to machine code and checks shared memory, minutes on this CPU)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root / "src"), TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, str(root / "tools" / "compile_vq_kernels.py"), "--front-end", "--dtypes",
+                           "float32", "bfloat16"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "built the Triton IR of 44 kernel variants" in done.stdout

@@ -32,9 +32,13 @@ on the raw bits, so under it the operands are rounded to the input dtype, then w
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from ._vq_triton import MAX_HEAD_DIM
 
 _NEG = tl.constexpr(-1.0e30)  # running maximum before any column: exp(-inf - _NEG) = 0 without a NaN
 
@@ -338,17 +342,45 @@ def _tile(n: int, most: int) -> int:
     return min(most, max(16, triton.next_power_of_2(n)))
 
 
+_IO = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+_SMALL_SHARED = 160 * 1024  # below this much shared memory per block (sm_86, sm_89), tiles are halved
+
+
+def compile_options(dtype: torch.dtype, L: int, S: int, D: int, E: int, interpreted: bool,
+                    shared_bytes: int | None = None) -> dict:
+    """The compile-time constants every kernel gets for these sizes: the input dtype, how
+    products are taken, and the tiles: whole rows of Dk, Dv; query rows, window columns and
+    codebook slots in tiles of 64, or 32 where a row of 64 elements would pass 256 bytes,
+    halved again on devices with less than 160 KiB of shared memory per block
+    (``shared_bytes``; None: as much as sm_80 and sm_90 have). tools/compile_vq_kernels.py
+    compiles them for sm_80, sm_86 and sm_90 within each one's shared memory."""
+    BD, BE = _tile(D, MAX_HEAD_DIM), _tile(E, MAX_HEAD_DIM)
+    row_bytes = max(BD, BE) * (4 if dtype == torch.float32 else 2)
+    rows = _MOST_ROWS if row_bytes <= 256 else _MOST_ROWS // 2
+    if shared_bytes is not None and shared_bytes < _SMALL_SHARED:
+        rows //= 2
+    return dict(IO=_IO[dtype], UPCAST=interpreted and dtype == torch.bfloat16,
+                PRECISION="ieee" if dtype == torch.float32 else None, BD=BD, BE=BE,
+                BM=_tile(L, rows), BN=_tile(L, rows), BS=_tile(S, rows))
+
+
+@functools.cache
+def _shared_bytes(device: torch.device) -> int | None:
+    """Shared memory a block may use on a CUDA device (None elsewhere)."""
+    if device.type != "cuda":
+        return None
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", None)
+
+
 def _options(q, k, v, codebook, L):
-    """Shapes and compile-time options shared by every kernel."""
+    """Shapes, and the compile-time options split into (dtype and row tiles, other tiles)."""
     B, Hkv, G, N, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
-    io = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[q.dtype]
     dims = dict(H=Hkv * G, G=G, Hkv=Hkv, R=N // L, L=L, D=D, E=E)
-    BD, BE = _tile(D, 256), _tile(E, 256)
-    rows = _MOST_ROWS if max(BD, BE) <= 128 else _MOST_ROWS // 2
-    constants = dict(IO=io, UPCAST=interpreted() and q.dtype == torch.bfloat16,
-                     PRECISION="ieee" if q.dtype == torch.float32 else None, BD=BD, BE=BE)
-    tiles = dict(BM=_tile(L, rows), BN=_tile(L, rows), BS=_tile(S, rows))
+    constants = compile_options(q.dtype, L, S, D, E, interpreted(), _shared_bytes(q.device))
+    tiles = {name: constants.pop(name) for name in ("BM", "BN", "BS")}
     return B, S, dims, constants, tiles
 
 

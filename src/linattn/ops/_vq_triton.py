@@ -34,6 +34,7 @@ from .._checks import check_choice
 from ._vq_cache import mean_values
 
 IMPLS = ("auto", "torch", "triton")
+MAX_HEAD_DIM = 256  # largest Dk and Dv the kernels take (one tile holds a whole row)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -49,10 +50,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def unavailable_reason(q: torch.Tensor) -> str | None:
-    """Why the kernels cannot run on inputs like ``q``, or None when they can."""
+def unavailable_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernels cannot run on inputs like ``q`` and ``v``, or None when they can."""
     if q.dtype not in _DTYPES:
         return f"takes float32, bfloat16 or float16 inputs, got {q.dtype}"
+    if max(q.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
+        return f"takes head dims Dk, Dv up to {MAX_HEAD_DIM}, got Dk={q.shape[-1]}, Dv={v.shape[-1]}"
     if q.device.type not in ("cuda", "cpu"):
         return f"runs on CUDA tensors, got a tensor on {q.device}"
     if q.device.type == "cpu" and not _interpreting():
@@ -67,18 +70,18 @@ def unavailable_reason(q: torch.Tensor) -> str | None:
     return None
 
 
-def resolve_impl(impl: str, q: torch.Tensor, causal: bool, mode: str) -> str:
+def resolve_impl(impl: str, q: torch.Tensor, v: torch.Tensor, causal: bool, mode: str) -> str:
     """``"torch"`` or ``"triton"`` for ``vq_attention``'s ``impl`` argument (see its docstring)."""
     check_choice("impl", impl, IMPLS)
     if impl == "torch":
         return impl
     block_form = causal and mode == "block"
     if impl == "auto":
-        return "triton" if block_form and q.device.type == "cuda" and unavailable_reason(q) is None else "torch"
+        return "triton" if block_form and q.device.type == "cuda" and unavailable_reason(q, v) is None else "torch"
     if not block_form:
         raise ValueError(f"impl='triton' runs the causal block form; causal={causal}, mode={mode!r} is torch only "
                          "(pass impl='torch' or 'auto')")
-    reason = unavailable_reason(q)
+    reason = unavailable_reason(q, v)
     if reason is not None:
         raise ValueError(f"impl='triton' {reason}; pass impl='torch' or 'auto'")
     return impl

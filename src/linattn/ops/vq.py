@@ -586,7 +586,7 @@ def vq_attention(
         codes, codebook = _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias,
                                            position_keys, initial_state, output_final_state)
     mode = mode or "block"
-    impl = fused.resolve_impl(impl, q, causal, mode)
+    impl = fused.resolve_impl(impl, q, v, causal, mode)
     B, H, T, Dk = q.shape
     Hkv, Dv = k_hat.shape[1], v.shape[-1]
     G = H // Hkv
