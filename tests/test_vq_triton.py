@@ -239,11 +239,11 @@ def test_auto_runs_triton_only_on_cuda(monkeypatch):
     args = (q.float(), k_hat.float(), v.float(), codes, codebook.float())
     linattn.vq_attention(*args, block_size=16)
     assert calls == []
-    linattn.vq_attention(*args, block_size=16, impl="triton")
+    on_device = [a.to(DEVICE) for a in args]
+    linattn.vq_attention(*on_device, block_size=16, impl="triton")
     assert calls == [1]
-    if DEVICE == "cuda":
-        linattn.vq_attention(*[a.cuda() for a in args], block_size=16)
-        assert calls == [1, 1]
+    linattn.vq_attention(*on_device, block_size=16)
+    assert calls == ([1, 1] if DEVICE == "cuda" else [1])
 
 
 def test_several_tiles_per_block_and_ragged_sizes(monkeypatch):
