@@ -1,12 +1,11 @@
 """``vq_attention(impl="triton")``: the causal block form on the fused Triton kernels
 (ops/_vq_kernels.py) against the float64 parallel reference and the float64 torch block form.
 
-Without a GPU the kernels run on CPU tensors in the Triton interpreter. It is chosen when
-the kernel module is first imported, so this module sets ``TRITON_INTERPRET=1`` at import,
-before any test runs (no other module imports the kernels; the setting then holds for the
-rest of the pytest process, where nothing else uses Triton). With a CUDA device the same
-tests run the compiled kernels on it instead. The last test builds the kernels for a CUDA
-target in a process that compiles instead of interpreting.
+Without a GPU the kernels run on CPU tensors in the Triton interpreter: Triton chooses
+at import, so tests/conftest.py sets ``TRITON_INTERPRET=1`` before any test module is
+imported. With a CUDA device the same tests run the compiled kernels on it instead. The
+last test builds the kernels for a CUDA target in a process that compiles instead of
+interpreting.
 
 Tolerances (float32 kernels vs float64): each output is a softmax-weighted mean of at most
 ``2L + S = 128`` values computed with float32 products and sums, so its error is a few
@@ -26,16 +25,14 @@ from pathlib import Path
 
 import torch
 
+import pytest
+
+import linattn
+import linattn.ops._vq_triton as fused
+from _helpers import assert_close_rel
+from test_vq_attention import gather_codes, make_bias, make_position_keys, make_vq
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are first imported
-
-import pytest  # noqa: E402
-
-import linattn  # noqa: E402
-import linattn.ops._vq_triton as fused  # noqa: E402
-from _helpers import assert_close_rel  # noqa: E402
-from test_vq_attention import gather_codes, make_bias, make_position_keys, make_vq  # noqa: E402
 
 F64, F32 = torch.float64, torch.float32
 OUT_RTOL, GRAD_RTOL = 2e-5, 2e-4

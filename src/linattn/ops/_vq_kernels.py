@@ -333,8 +333,9 @@ _MOST_ROWS = 64  # the largest tile side over query rows, window columns and cod
 
 
 def interpreted() -> bool:
-    """Whether these kernels run in the Triton interpreter (TRITON_INTERPRET=1 at import)."""
-    return not isinstance(forward_kernel, triton.runtime.JITFunction)
+    """Whether these kernels, and Triton's own library functions they call, run in the
+    interpreter (TRITON_INTERPRET=1 when each was imported)."""
+    return not any(isinstance(f, triton.runtime.JITFunction) for f in (forward_kernel, tl.standard.cdiv))
 
 
 def _tile(n: int, most: int) -> int:

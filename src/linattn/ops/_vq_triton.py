@@ -66,7 +66,8 @@ def unavailable_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     except ImportError as error:
         return f"needs the triton package (pip install triton==3.9.0): {error}"
     if q.device.type == "cpu" and not kernels.interpreted():
-        return "found triton imported before TRITON_INTERPRET=1 was set, so CPU tensors cannot run its kernels"
+        return ("found triton imported before TRITON_INTERPRET=1 was set (torch._dynamo imports it), so CPU "
+                "tensors cannot run its kernels; set it before anything imports triton")
     return None
 
 
