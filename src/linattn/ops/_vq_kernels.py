@@ -76,6 +76,17 @@ def _cache_logits(q, c, logn, scale, IO: tl.constexpr, UPCAST: tl.constexpr, PRE
 
 
 @triton.jit
+def _online_softmax_step(m_i, l_i, acc, s, values, IO: tl.constexpr, UPCAST: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """One tile of logits ``s [BM, n]`` and its values ``[n, BE]`` into the running row
+    maximum m, sum of exponentials l and unnormalised output acc (rescaled to the new m)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p, values, IO, UPCAST, PRECISION)
+
+
+@triton.jit
 def _window_span(r, a_last, L, HAS_PREV: tl.constexpr):
     """Window columns ``[lo, hi)`` some row <= a_last of block r can see."""
     lo = 0
@@ -119,12 +130,7 @@ def forward_kernel(Q, K, V, C, LOGN, MEANS, REL, OUT, LSE,
         k = tl.load(K + key_rows[:, None] * D + d[None, :], mask=cols_ok[:, None] & (d[None, :] < D), other=0.0)
         v = tl.load(V + key_rows[:, None] * E + e[None, :], mask=cols_ok[:, None] & (e[None, :] < E), other=0.0)
         s = _window_logits(q, k, a, w, rel_rows, rel_so, scale, L, HAS_REL, IO, UPCAST, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, v, IO, UPCAST, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, IO, UPCAST, PRECISION)
     cache = bkv * R + r
     for start in range(0, S, BS):
         slots = start + tl.arange(0, BS)
@@ -135,12 +141,7 @@ def forward_kernel(Q, K, V, C, LOGN, MEANS, REL, OUT, LSE,
         mu = tl.load(MEANS + (cache * S + slots[:, None]) * E + e[None, :], mask=slots_ok[:, None] & (e[None, :] < E),
                      other=0.0)
         s = _cache_logits(q, c, logn, scale, IO, UPCAST, PRECISION)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p, mu, IO, UPCAST, PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, mu, IO, UPCAST, PRECISION)
     out = acc / l_i[:, None]
     tl.store(OUT + (bh * N + t[:, None]) * E + e[None, :], out.to(IO), mask=rows_ok[:, None] & (e[None, :] < E))
     tl.store(LSE + bh * N + t, m_i + tl.log(l_i), mask=rows_ok)
