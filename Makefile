@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench mutate clean
+.PHONY: demo test test-gpu bench mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,15 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests tools
 	$(BIN)/python -m pytest -q
+
+# The tests that take a CUDA device when there is one (tests/test_vq_triton.py: the Triton
+# kernels compiled for it instead of interpreted on CPU); without one this says so and stops.
+test-gpu: $(STAMP)
+	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
+		$(BIN)/python -m pytest -q tests/test_vq_triton.py; \
+	else \
+		echo "make test-gpu: skipped: torch.cuda.is_available() is False here (no CUDA device or a CPU build of torch)"; \
+	fi
 
 bench: $(STAMP)
 	$(BIN)/linattn bench attention --out results/bench

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from linattn import __version__
-from linattn.bench.attention import CASES
+from linattn.bench.attention import CASES, default_cases
 from linattn.bench.harness import Case, profile_call, run_cases, time_call
 from linattn.reporting import peak_memory
 from linattn.cli import main
@@ -51,7 +51,9 @@ def test_bench_attention_writes_json_markdown_and_plots(tmp_path, capsys):
     assert meta["shapes"] == expected_shapes
 
     rows = result["rows"]
-    assert sorted((r["case"], r["length"]) for r in rows) == sorted((c, t) for c in CASES for t in (64, 128))
+    cases = default_cases("cpu")
+    assert set(CASES) - set(cases) == {"vq-b128-triton"}  # CUDA only
+    assert sorted((r["case"], r["length"]) for r in rows) == sorted((c, t) for c in cases for t in (64, 128))
     for row in rows:
         assert set(row) == ROW_KEYS
         assert row["forward_profile"] is None and row["forward_backward_profile"] is None  # no --profile
@@ -71,7 +73,7 @@ def test_bench_attention_writes_json_markdown_and_plots(tmp_path, capsys):
 
     table = (tmp_path / "results.md").read_text()
     assert "sdpa/case fwd" in table
-    for case in CASES:
+    for case in default_cases("cpu"):
         assert f"| {case} | 64 |" in table and f"| {case} | 128 |" in table
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -112,6 +114,13 @@ def test_library_errors_exit_2_without_traceback(tmp_path, capsys):
     assert main(["bench", "attention", "--device", "cuda", "--lengths", "8", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("linattn: error: ") and "cuda" in err and "Traceback" not in err
+
+
+def test_cuda_only_case_is_refused_on_cpu(tmp_path, capsys):
+    args = ["bench", "attention", "--cases", "vq-b128-triton", "--lengths", "8", "--out", str(tmp_path)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("linattn: error: ") and "vq-b128-triton" in err and "CUDA only" in err
 
 
 def test_version(capsys):

@@ -46,7 +46,7 @@ class AttentionBenchConfig:
     """Shapes and measurement settings of one ``bench attention`` run."""
 
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
-    cases: tuple[str, ...] = ()  # empty: every case in CASES
+    cases: tuple[str, ...] = ()  # empty: default_cases(device)
     batch: int = 1
     heads: int = 8
     dim: int = 64
@@ -111,17 +111,20 @@ def _delta_case(name: str, label: str, mode: str, **extra) -> Case:
     return Case(name, label, attend, **extra)
 
 
-def _vq_case(config: AttentionBenchConfig, block_size: int, codebook_size: int = 512) -> Case:
-    """Transformer-VQ: keys quantized (S codes per head, part of the timed call), block form."""
+def _vq_case(config: AttentionBenchConfig, block_size: int, codebook_size: int = 512, variant: str = "",
+             **options) -> Case:
+    """Transformer-VQ: keys quantized (S codes per head, part of the timed call), block form;
+    ``options`` (``schedule``, ``impl``) go to ``vq_attention`` and ``variant`` names them."""
     quantizer = VectorQuantizer(config.heads, config.dim, codebook_size).eval().to(config.device)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_hat, codes, _ = quantizer(k)
         codebook = quantizer.codebook.to(q.dtype)
-        return vq_attention(q, k_hat, v, codes, codebook, block_size=block_size, mode="block")[0]
+        return vq_attention(q, k_hat, v, codes, codebook, block_size=block_size, mode="block", **options)[0]
 
-    name = f"vq-b{block_size}"
-    return Case(name, f"Transformer-VQ (S={codebook_size}, block {block_size})", attend)
+    name = f"vq-b{block_size}" + (f"-{variant}" if variant else "")
+    how = f", {variant}" if variant else ""
+    return Case(name, f"Transformer-VQ (S={codebook_size}, block {block_size}{how})", attend)
 
 
 CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
@@ -153,8 +156,18 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
         lambda q, k, v: lsh_attention(q, v, n_hashes=4, bucket_size=64, seed=0),
     ),
     "vq-b128": lambda config: _vq_case(config, 128),
+    "vq-b128-batched": lambda config: _vq_case(config, 128, variant="batched", impl="torch", schedule="batched"),
+    "vq-b128-triton": lambda config: _vq_case(config, 128, variant="triton", impl="triton"),
     "vq-b256": lambda config: _vq_case(config, 256),
 }
+_VQ_CASES = ("vq-b128", "vq-b128-batched", "vq-b128-triton", "vq-b256")
+CUDA_ONLY = ("vq-b128-triton",)  # compiled Triton kernels (on CPU tensors they only run in the interpreter)
+
+
+def default_cases(device: str) -> tuple[str, ...]:
+    """The cases a run on ``device`` measures when none are named: all but the CUDA-only ones off CUDA."""
+    on_cuda = torch.device(device).type == "cuda"
+    return tuple(name for name in CASES if on_cuda or name not in CUDA_ONLY)
 
 
 def _make_inputs(config: AttentionBenchConfig) -> Callable[[int], Inputs]:
@@ -224,7 +237,7 @@ def summarize(rows: Sequence[dict]) -> dict:
         length = _longest_common(rows, [case, baseline], measured)
         if length is not None:
             summary[key] = _speedup(rows, case, baseline, length)
-    for case in ("vq-b128", "vq-b256"):
+    for case in _VQ_CASES:
         lengths = sorted({r["length"] for r in rows})
         common = [
             t for t in lengths if _measured(rows, case, t, "forward_s") and _measured(rows, BASELINE, t, "forward_s")
@@ -272,7 +285,7 @@ def format_summary(summary: dict) -> str:
                 f"  {case} vs {baseline} at T={s['length']}: {baseline}/{case} forward = "
                 f"{_x(s['forward_speedup'])}, forward+backward = {_x(s['forward_backward_speedup'])}"
             )
-    for case in ("vq-b128", "vq-b256"):
+    for case in _VQ_CASES:
         for s in summary.get(f"{case}_vs_sdpa", []):
             lines.append(
                 f"  {case} vs sdpa at T={s['length']}: sdpa/{case} forward = {_x(s['forward_speedup'])}, "
@@ -318,9 +331,12 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {config.device!r} requested but torch.cuda.is_available() is False")
+    off_cuda = [name for name in config.cases if name in CUDA_ONLY and torch.device(config.device).type != "cuda"]
+    if off_cuda:
+        raise ValueError(f"case(s) {', '.join(off_cuda)} run on CUDA only (--device cuda)")
     if config.threads is not None:
         torch.set_num_threads(config.threads)
-    cases = [CASES[name](config) for name in (config.cases or CASES)]
+    cases = [CASES[name](config) for name in (config.cases or default_cases(config.device))]
     rows = run_cases(
         cases, config.lengths, _make_inputs(config),
         repeats=config.repeats, warmup=config.warmup, device=config.device, progress=progress,
@@ -362,7 +378,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"lengths {' '.join(map(str, QUICK_LENGTHS))} and 2 repeats unless given")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), metavar="CASE",
-                        help=f"cases to run (default all: {' '.join(CASES)})")
+                        help=f"cases to run (default all but the CUDA-only {' '.join(CUDA_ONLY)} off CUDA: "
+                             f"{' '.join(CASES)})")
     parser.add_argument("--repeats", type=_positive_int, help="timed calls per measurement, median kept (default 3)")
     parser.add_argument("--warmup", type=_non_negative_int, default=defaults.warmup, help="untimed calls first")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)

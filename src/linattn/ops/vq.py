@@ -40,6 +40,7 @@ from ..state import VQAttentionState
 from ._bias import offset_rows, relative_bias_table
 from ._codebook import codebook_scores
 from . import _vq_resident as resident
+from . import _vq_triton as fused
 from ._vq_cache import code_statistics, fold_block, log_counts, mean_values
 from .._checks import (
     check_bool,
@@ -287,14 +288,12 @@ def _entering(codes, values, scope, S):
 _BATCHED_SCORES = 1 << 22  # score entries a group of blocks may hold at once (batched schedule)
 
 
-def _all_blocks(blocks, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope, S):
-    """The blocks all at once (``_block_loop``'s arguments and results). The cache each block
-    reads is the state's plus the statistics of the blocks that entered before it, a prefix
-    sum over blocks; scores and outputs are batched matmuls over groups of blocks (at most
-    ``_BATCHED_SCORES`` score entries at a time, so memory stays bounded for long inputs)."""
-    q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
-    B, Hkv, G, R, L, D = q_blocks.shape
-    cut = scope == "state"
+def _block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S):
+    """The cache every block reads, by a prefix sum over blocks: block r's previous block
+    (codes ``[B, Hkv, R, L(, S)]``, values ``[B, Hkv, R, L, E]``) enters it after block r, on
+    top of the state's ``run = (counts, sums)``. Returns log counts ``[B, Hkv, R, S]``, means
+    ``[B, Hkv, R, S, E]`` and the (counts, sums) before block ``full_blocks``."""
+    R = prev_v.shape[2]
     counts, sums = _entering(prev_codes, prev_v, scope, S)  # block r's previous block enters after block r
     if not has_prev:  # block 0 has no previous block
         keep = torch.ones(R, dtype=counts.dtype, device=counts.device)
@@ -305,7 +304,18 @@ def _all_blocks(blocks, codebook, window, window_without_prev, positions, run, h
     run_sums = torch.cumsum(torch.cat([run[1].unsqueeze(2), sums], dim=2), dim=2)
     final_cache = (run_counts[:, :, full_blocks], run_sums[:, :, full_blocks])
     run_counts, run_sums = run_counts[:, :, :R], run_sums[:, :, :R]
-    means, logs = mean_values(run_sums, run_counts), log_counts(run_counts)  # [B, Hkv, R, S(, E)]
+    return log_counts(run_counts), mean_values(run_sums, run_counts), final_cache
+
+
+def _all_blocks(blocks, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope, S):
+    """The blocks all at once (``_block_loop``'s arguments and results). The cache each block
+    reads is the state's plus the statistics of the blocks that entered before it, a prefix
+    sum over blocks; scores and outputs are batched matmuls over groups of blocks (at most
+    ``_BATCHED_SCORES`` score entries at a time, so memory stays bounded for long inputs)."""
+    q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
+    B, Hkv, G, R, L, D = q_blocks.shape
+    cut = scope == "state"
+    logs, means, final_cache = _block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S)
 
     masks = window.unsqueeze(-3).expand(*window.shape[:-2], R, L, 2 * L).clone()  # [(h, g,) R, L, 2L]
     if not has_prev:
@@ -522,6 +532,7 @@ def vq_attention(
     output_final_state: bool = False,
     check_inputs: bool = True,
     schedule: str = "auto",
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, VQAttentionState | None]:
     """Softmax attention over vector-quantized keys (Transformer-VQ).
 
@@ -557,6 +568,13 @@ def vq_attention(
             its working set stays in cache, the faster on a CPU), ``"batched"`` (all blocks as
             batched matmuls in groups, the caches from a prefix sum over blocks: few large
             kernels, for GPUs) or ``"auto"`` (batched on CUDA, loop elsewhere). Same results.
+        impl: ``"torch"`` (the forms above), ``"triton"`` (the causal block form as fused
+            Triton kernels, ``ops/_vq_triton.py``: inputs stay in their dtype, float32, bfloat16
+            or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
+            Triton interpreter, ``TRITON_INTERPRET=1``) or ``"auto"`` (triton for CUDA inputs
+            of those dtypes when ``triton`` imports, torch otherwise). Calls whose new positions
+            stay inside the current block (decoding steps) use the torch decode form either way;
+            ``mode="parallel"`` and ``causal=False`` are torch only.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
@@ -567,19 +585,26 @@ def vq_attention(
     if check_inputs:
         codes, codebook = _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias,
                                            position_keys, initial_state, output_final_state)
+    mode = mode or "block"
+    impl = fused.resolve_impl(impl, q, v, causal, mode)
     B, H, T, Dk = q.shape
     Hkv, Dv = k_hat.shape[1], v.shape[-1]
     G = H // Hkv
-    mode = mode or "block"
     scale = resolve_scale(scale, Dk)
     dtype = compute_dtype(q.dtype)
     L = block_size
-    qf = _as(q, dtype).reshape(B, Hkv, G, T, Dk)
-    qf = qf * scale if scale != 1.0 else qf
-    kf, vf, cb = _as(k_hat, dtype), _as(v, dtype), _as(codebook, dtype)
     table = _window_bias(bias, H, Hkv, L, q.device, dtype)
     positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
     positions_k = _as(positions_k, dtype) if positions_k is not None else None
+    filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
+    if impl == "triton" and filled + T > L:  # the block form on the kernels, inputs in their own dtype
+        if torch.is_grad_enabled():
+            resident.release(initial_state)
+        out, pieces = fused.block(q, k_hat, v, codes, codebook, table, positions_k, L, scope, initial_state, scale)
+        return _result(out, pieces, q.dtype, initial_state, output_final_state)
+    qf = _as(q, dtype).reshape(B, Hkv, G, T, Dk)
+    qf = qf * scale if scale != 1.0 else qf
+    kf, vf, cb = _as(k_hat, dtype), _as(v, dtype), _as(codebook, dtype)
 
     if not causal:
         if initial_state is not None:
@@ -590,7 +615,6 @@ def vq_attention(
         out = windowed_softmax(qf, kf, vf, table, positions_k, L, causal)
         return _as(out.reshape(B, H, T, Dv), q.dtype), None
 
-    filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
     if filled + T <= L and not torch.is_grad_enabled():
         out, state = resident.decode(qf, kf, vf, codes, codebook, _reversed(_relative_terms(qf, table, positions_k)), L,
                                      initial_state, dtype)
@@ -603,7 +627,14 @@ def vq_attention(
         if schedule == "auto":
             schedule = "batched" if q.device.type == "cuda" else "loop"
         out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
-    out = _as(out.reshape(B, H, T, Dv), q.dtype)
+    return _result(out, pieces, q.dtype, initial_state, output_final_state)
+
+
+def _result(out, pieces, out_dtype, initial_state, output_final_state):
+    """``vq_attention``'s return value from a causal form's output ``[B, Hkv, G, T, Dv]`` and
+    the pieces of its final state."""
+    B, Hkv, G, T, Dv = out.shape
+    out = _as(out.reshape(B, Hkv * G, T, Dv), out_dtype)
     if not output_final_state:
         return out, None
     counts, means = pieces["cache"]
