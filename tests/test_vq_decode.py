@@ -164,6 +164,14 @@ def _step(inputs, t, codebook, state, **kw):
                                 output_final_state=True, **kw)
 
 
+def _steps(inputs, n, codebook, **kw):
+    """The state after decoding positions ``0 .. n - 1`` of ``inputs`` one at a time."""
+    state = None
+    for t in range(n):
+        _, state = _step(inputs, t, codebook, state, **kw)
+    return state
+
+
 class _NewTensors(OpRecorder):
     """The largest tensor an op allocates (outputs that alias an input, views and in-place
     results, excluded)."""
@@ -230,9 +238,7 @@ def test_rebuilt_states_start_a_new_buffer():
     q, k_hat, v, codes, codebook = make_vq(T=9, Dk=DK, seed=21)
     inputs = (q, k_hat, v, codes)
     with torch.no_grad():
-        state = None
-        for t in range(6):
-            _, state = _step(inputs, t, codebook, state)
+        state = _steps(inputs, 6, codebook)
         want, _ = _step(inputs, 6, codebook, state)
         rebuilt = {
             "replace": dataclasses.replace(state, steps=state.steps),
@@ -254,9 +260,7 @@ def test_a_graph_that_read_a_buffer_survives_later_steps():
     q, k_hat, v, codes, codebook = make_vq(T=8, Dk=DK, seed=22)
     inputs = (q, k_hat, v, codes)
     with torch.no_grad():
-        state = None
-        for t in range(5):
-            _, state = _step(inputs, t, codebook, state)
+        state = _steps(inputs, 5, codebook)
     q5 = q[:, :, 5:6].clone().requires_grad_(True)
     out, _ = linattn.vq_attention(q5, k_hat[:, :, 5:6], v[:, :, 5:6], codes[:, :, 5:6], codebook, block_size=L,
                                   initial_state=state, output_final_state=True)
@@ -279,9 +283,7 @@ def test_a_codebook_written_between_steps_is_read_anew():
     inputs = (q, k_hat, v, codes)
     codebook = codebook.clone()
     with torch.no_grad():
-        state = None
-        for t in range(10):
-            _, state = _step(inputs, t, codebook, state)
+        state = _steps(inputs, 10, codebook)
         codebook.mul_(1.5)
         inputs = (q, gather_codes(codebook, codes), v, codes)
         got, _ = _step(inputs, 10, codebook, state)

@@ -54,10 +54,11 @@ def converted_config(config: LMConfig, to: str, codebook_size: int | None = None
     return LMConfig.from_dict(values)
 
 
-def _converted_units(model: LM) -> list:
-    """The GAU units of ``model``'s converted layers, in order."""
-    return [unit for spec, layer in zip(model.specs, model.layers) if spec.kind == "gau-softmax"
-            and isinstance(layer, GAUPair) for unit in layer.units]
+def _converted_units(source: LM, model: LM | None = None) -> list:
+    """The GAU units of ``model`` (default ``source``) at the places of ``source``'s
+    ``gau-softmax`` layers, in order."""
+    return [unit for spec, layer in zip(source.specs, (model or source).layers)
+            if spec.kind == "gau-softmax" and isinstance(layer, GAUPair) for unit in layer.units]
 
 
 @torch.no_grad()
@@ -94,7 +95,7 @@ def convert_model(source: LM, calibration: torch.Tensor, *, to: str = "vq", code
         raise ValueError(f"the models differ beyond the codebooks: missing {missing}, unexpected {unexpected}")
     generator = torch.Generator().manual_seed(seed)
     S = config.codebook_size
-    for unit, keys in zip(_converted_units_of(target, source), collect_keys(source, calibration)):
+    for unit, keys in zip(_converted_units(source, target), collect_keys(source, calibration)):
         centers, assignment = kmeans(keys.unsqueeze(0).cpu(), S, kmeans_iters, generator, seeding="kmeans++",
                                      return_assignment=True)
         if to == "soft-vq":
@@ -111,12 +112,6 @@ def convert_model(source: LM, calibration: torch.Tensor, *, to: str = "vq", code
         codebook.ema_sums.copy_((centers * counts.unsqueeze(-1)).to(device))
         codebook.initialized.fill_(True)
     return target
-
-
-def _converted_units_of(target: LM, source: LM) -> list:
-    """The units of ``target`` at the places of ``source``'s ``gau-softmax`` units."""
-    return [unit for spec, layer in zip(source.specs, target.layers) if spec.kind == "gau-softmax"
-            for unit in layer.units]
 
 
 def calibration_ids(data_spec: str, n_tokens: int, context: int, *, cache_dir=None) -> torch.Tensor:

@@ -15,27 +15,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from .. import reporting
 from .._checks import positive_int
 from ..train import train
 from ..train.config import build_configs, load_run_file, parse_override
+from .harness import in_fresh_process
 
 MODES = ("eager", "compiled")
 
 
-def time_training(model_values: dict, train_values: dict, *, compiled: bool, steps: int, warmup: int,
-                  threads: int | None) -> dict:
+def time_training(model_values: dict, train_values: dict, *, compiled: bool, steps: int, warmup: int) -> dict:
     """Train ``steps`` steps in a scratch folder -> one result row (seconds per step from
-    the trainer's own per-step log)."""
+    the trainer's own per-step log); the process's torch threads are left as they are."""
     with tempfile.TemporaryDirectory(prefix="linattn-bench-train-") as scratch:
         values = {**train_values, "steps": steps, "eval_every": 0, "checkpoint_every": 0, "log_every": 1,
-                  "compile": compiled, "threads": threads, "out": str(Path(scratch) / "run")}
+                  "compile": compiled, "threads": None, "out": str(Path(scratch) / "run")}
         model_config, train_config = build_configs(model_values, values)
         train(model_config, train_config, progress=False, echo=lambda *args: None)
         lines = (Path(scratch) / "run" / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
@@ -49,13 +47,6 @@ def time_training(model_values: dict, train_values: dict, *, compiled: bool, ste
             "tokens_per_s": tokens_per_step / step_s, "tokens_per_step": tokens_per_step,
             "step_times_s": seconds, "losses": [record["loss"] for record in records],
             "first_loss": records[0]["loss"], "last_loss": records[-1]["loss"]}
-
-
-def _in_fresh_process(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` in a newly spawned process: each mode starts with a clean
-    allocator, compile cache in memory and thread pool."""
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args, **kwargs).result()
 
 
 HELP = "training speed of a run file's model, eager and compiled (torch.compile)"
@@ -85,7 +76,7 @@ def run_command(args: argparse.Namespace) -> int:
         table, key, value = parse_override(text)
         tables[table][key] = value
     model_config, _ = build_configs(tables["model"], tables["train"])  # refuse a bad run file before spawning
-    rows = [_in_fresh_process(time_training, tables["model"], tables["train"], compiled=mode == "compiled",
+    rows = [in_fresh_process(time_training, tables["model"], tables["train"], compiled=mode == "compiled",
                               steps=args.steps, warmup=args.warmup, threads=args.threads) for mode in args.modes]
     header = ["mode", "step time (median)", "tokens/s", f"first {args.warmup} steps (warm-up)"]
     cells = [[r["case"], f"{r['step_s'] * 1e3:.0f} ms", f"{r['tokens_per_s']:,.0f}", f"{r['warmup_s']:.1f} s"]

@@ -97,17 +97,13 @@ def _window_span(r, a_last, L, HAS_PREV: tl.constexpr):
 
 
 @triton.jit
-def forward_kernel(Q, K, V, C, LOGN, MEANS, REL, OUT, LSE,
-                   rel_sb, rel_sh, rel_sg, rel_st, rel_so,
-                   scale, H, G, Hkv, R, L, S, D, E,
-                   HAS_PREV: tl.constexpr, HAS_REL: tl.constexpr, IO: tl.constexpr, UPCAST: tl.constexpr,
-                   PRECISION: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
-    """One program per (query tile of a block, batch x head): the output rows and their
-    log-sum-exp, by an online softmax over the window tiles and then the codebook tiles."""
+def _query_tile(Q, H, G, Hkv, R, L, D, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """Where a (query tile, batch x head) program stands, and its queries: block r, rows a of
+    the block (the last one a_last), the head indices, positions t, and q ``[BM, BD]``."""
     tiles = tl.cdiv(L, BM)
     r = tl.program_id(0) // tiles
-    a = (tl.program_id(0) % tiles) * BM + tl.arange(0, BM)
+    a_first = (tl.program_id(0) % tiles) * BM
+    a = a_first + tl.arange(0, BM)
     bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B H N D may pass 2^31
     b, h = bh // H, bh % H
     hkv, g = h // G, h % G
@@ -117,12 +113,25 @@ def forward_kernel(Q, K, V, C, LOGN, MEANS, REL, OUT, LSE,
     rows_ok = a < L
     t = r * L + a
     q = tl.load(Q + (bh * N + t[:, None]) * D + d[None, :], mask=rows_ok[:, None] & (d[None, :] < D), other=0.0)
+    return r, a, a_first + BM - 1, bh, b, hkv, g, bkv, N, d, e, rows_ok, t, q
+
+
+@triton.jit
+def forward_kernel(Q, K, V, C, LOGN, MEANS, REL, OUT, LSE,
+                   rel_sb, rel_sh, rel_sg, rel_st, rel_so,
+                   scale, H, G, Hkv, R, L, S, D, E,
+                   HAS_PREV: tl.constexpr, HAS_REL: tl.constexpr, IO: tl.constexpr, UPCAST: tl.constexpr,
+                   PRECISION: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
+    """One program per (query tile of a block, batch x head): the output rows and their
+    log-sum-exp, by an online softmax over the window tiles and then the codebook tiles."""
+    r, a, a_last, bh, b, hkv, g, bkv, N, d, e, rows_ok, t, q = _query_tile(Q, H, G, Hkv, R, L, D, BM, BD, BE)
     rel_rows = REL + b * rel_sb + hkv * rel_sh + g * rel_sg + t * rel_st
 
     m_i = tl.full([BM], _NEG, tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, BE], tl.float32)
-    lo, hi = _window_span(r, tl.program_id(0) % tiles * BM + BM - 1, L, HAS_PREV)
+    lo, hi = _window_span(r, a_last, L, HAS_PREV)
     for start in range(lo, hi, BN):
         w = start + tl.arange(0, BN)
         key_rows = bkv * (N + L) + r * L + w
@@ -157,18 +166,7 @@ def query_grads_kernel(Q, K, V, C, LOGN, MEANS, REL, DO, LSE, DELTA, DQ, DREL,
     """Same grid as the forward: ``dq = scale sum_j dS_ij k_j`` over window columns and
     codebook slots (``dS = P (dP - delta)``, ``dP = do.v``, ``delta = do.o``); the window's
     dS in the band ``0 <= o <= L`` is the gradient of ``rel`` (float32 ``[B, Hkv, G, N, L+1]``)."""
-    tiles = tl.cdiv(L, BM)
-    r = tl.program_id(0) // tiles
-    a = (tl.program_id(0) % tiles) * BM + tl.arange(0, BM)
-    bh = tl.program_id(1).to(tl.int64)  # offsets in int64: B H N D may pass 2^31
-    b, h = bh // H, bh % H
-    hkv, g = h // G, h % G
-    bkv = b * Hkv + hkv
-    N = R * L
-    d, e = tl.arange(0, BD), tl.arange(0, BE)
-    rows_ok = a < L
-    t = r * L + a
-    q = tl.load(Q + (bh * N + t[:, None]) * D + d[None, :], mask=rows_ok[:, None] & (d[None, :] < D), other=0.0)
+    r, a, a_last, bh, b, hkv, g, bkv, N, d, e, rows_ok, t, q = _query_tile(Q, H, G, Hkv, R, L, D, BM, BD, BE)
     do = tl.load(DO + (bh * N + t[:, None]) * E + e[None, :], mask=rows_ok[:, None] & (e[None, :] < E), other=0.0)
     lse = tl.load(LSE + bh * N + t, mask=rows_ok, other=0.0)
     delta = tl.load(DELTA + bh * N + t, mask=rows_ok, other=0.0)
@@ -176,7 +174,7 @@ def query_grads_kernel(Q, K, V, C, LOGN, MEANS, REL, DO, LSE, DELTA, DQ, DREL,
     drel_rows = DREL + (bh * N + t) * (L + 1)
 
     dq = tl.zeros([BM, BD], tl.float32)
-    lo, hi = _window_span(r, tl.program_id(0) % tiles * BM + BM - 1, L, HAS_PREV)
+    lo, hi = _window_span(r, a_last, L, HAS_PREV)
     for start in range(lo, hi, BN):
         w = start + tl.arange(0, BN)
         key_rows = bkv * (N + L) + r * L + w
