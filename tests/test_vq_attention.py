@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import linattn
+import linattn.ops.vq as vq
 from linattn.ops.soft_vq import soft_assignments
 
 from _helpers import assert_causal_jacobian, assert_close_rel
@@ -618,3 +619,38 @@ def test_soft_vq_returns_a_state_only_when_asked():
                                              output_final_state=True)
     assert state is not None and state.steps == 9
     assert torch.equal(out, asked)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 100])
+@pytest.mark.parametrize("state_first", [False, True])
+def test_schedules_agree_with_everything_on(state_first, group, monkeypatch):
+    """Loop and batched schedules side by side (GQA, batch 2, bias and position keys, a carried
+    state, a length that is not a multiple of the block) with groups of 1, 2, 3 and all blocks
+    (the last group partial, the final cache inside a group or after the last): outputs,
+    states and gradients."""
+    monkeypatch.setattr(vq, "_blocks_per_group", lambda device, scores_per_block: group)
+    q, k_hat, v, codes, codebook = make_vq(B=2, H=4, Hkv=2, T=23, Dk=4, Dv=3, S=8, seed=5)
+    kw = dict(block_size=4, bias=make_bias(4, 4), position_keys=make_position_keys(4, 4, 4), grad_scope="none")
+    _, state = linattn.vq_attention(q[:, :, :6], k_hat[:, :, :6], v[:, :, :6], codes[:, :, :6], codebook,
+                                    output_final_state=True, **kw)
+    start = 6 if state_first else 0
+    results = []
+    for schedule in ("loop", "batched"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, v)]
+        out, final = linattn.vq_attention(leaves[0][:, :, start:], k_hat[:, :, start:], leaves[1][:, :, start:],
+                                          codes[:, :, start:], codebook, initial_state=state if state_first else None,
+                                          output_final_state=True, schedule=schedule, **kw)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], dtype=F64)).sum(), leaves)
+        results.append((out, final, grads))
+    (out_a, state_a, grads_a), (out_b, state_b, grads_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    for name in ("partial_keys", "partial_values", "cache_counts", "cache_means", "prev_keys", "prev_values"):
+        torch.testing.assert_close(getattr(state_b, name), getattr(state_a, name), rtol=1e-10, atol=1e-12)
+
+
+def test_schedule_is_checked():
+    q, k_hat, v, codes, codebook = make_vq(T=5)
+    with pytest.raises(ValueError, match="schedule"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="gpu")

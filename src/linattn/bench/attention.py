@@ -156,11 +156,12 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
         lambda q, k, v: lsh_attention(q, v, n_hashes=4, bucket_size=64, seed=0),
     ),
     "vq-b128": lambda config: _vq_case(config, 128),
+    "vq-b128-loop": lambda config: _vq_case(config, 128, variant="loop", impl="torch", schedule="loop"),
     "vq-b128-batched": lambda config: _vq_case(config, 128, variant="batched", impl="torch", schedule="batched"),
     "vq-b128-triton": lambda config: _vq_case(config, 128, variant="triton", impl="triton"),
     "vq-b256": lambda config: _vq_case(config, 256),
 }
-_VQ_CASES = ("vq-b128", "vq-b128-batched", "vq-b128-triton", "vq-b256")
+_VQ_CASES = ("vq-b128", "vq-b128-loop", "vq-b128-batched", "vq-b128-triton", "vq-b256")
 CUDA_ONLY = ("vq-b128-triton",)  # compiled Triton kernels (on CPU tensors they only run in the interpreter)
 
 

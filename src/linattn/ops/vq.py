@@ -285,57 +285,79 @@ def _entering(codes, values, scope, S):
     return counts, sums
 
 
-_BATCHED_SCORES = 1 << 22  # score entries a group of blocks may hold at once (batched schedule)
+# Score entries a group of blocks may hold at once (batched schedule), by device type: on a
+# GPU few large kernels (memory stays bounded at 64k); on a CPU 2 MB of float32 scores, the
+# fastest of 2^15..2^22 over batch x heads 1..16, L 64/128, Dv 64/256 (docs/results.md).
+_BATCHED_SCORES = {"cuda": 1 << 22, "cpu": 1 << 19}
+
+
+def _blocks_per_group(device: torch.device, scores_per_block: int) -> int:
+    """Blocks the batched schedule takes at once: as many as ``_BATCHED_SCORES`` allows."""
+    return max(1, _BATCHED_SCORES.get(device.type, _BATCHED_SCORES["cuda"]) // scores_per_block)
+
+
+def _group_caches(prev_codes, prev_v, run, skip_first, scope, S):
+    """The caches a group of blocks reads, by a prefix sum over its blocks: block r's previous
+    block (codes ``[B, Hkv, g, L(, S)]``, values ``[B, Hkv, g, L, E]``) enters the cache after
+    block r, on top of ``run = (counts, sums)``, the cache before the group's first block
+    (``skip_first``: that block has no previous block). Returns the running (counts
+    ``[B, Hkv, g + 1, S]``, sums ``[B, Hkv, g + 1, S, E]``): index r is the cache before block r,
+    index g the cache after the group."""
+    counts, sums = _entering(prev_codes, prev_v, scope, S)
+    if skip_first:
+        keep = torch.ones(counts.shape[2], dtype=counts.dtype, device=counts.device)
+        keep[0] = 0
+        counts, sums = counts * keep[:, None], sums * keep[:, None, None]
+    # the loop's order of additions: the carried cache, then block by block
+    return (torch.cumsum(torch.cat([run[0].unsqueeze(2), counts], dim=2), dim=2),
+            torch.cumsum(torch.cat([run[1].unsqueeze(2), sums], dim=2), dim=2))
 
 
 def _block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S):
-    """The cache every block reads, by a prefix sum over blocks: block r's previous block
-    (codes ``[B, Hkv, R, L(, S)]``, values ``[B, Hkv, R, L, E]``) enters it after block r, on
-    top of the state's ``run = (counts, sums)``. Returns log counts ``[B, Hkv, R, S]``, means
-    ``[B, Hkv, R, S, E]`` and the (counts, sums) before block ``full_blocks``."""
+    """The cache every block of the call reads (``_group_caches`` over all R blocks). Returns
+    log counts ``[B, Hkv, R, S]``, means ``[B, Hkv, R, S, E]`` and the (counts, sums) before
+    block ``full_blocks``."""
     R = prev_v.shape[2]
-    counts, sums = _entering(prev_codes, prev_v, scope, S)  # block r's previous block enters after block r
-    if not has_prev:  # block 0 has no previous block
-        keep = torch.ones(R, dtype=counts.dtype, device=counts.device)
-        keep[0] = 0
-        counts, sums = counts * keep[:, None], sums * keep[:, None, None]
-    # the cache before block r: the state's, then block by block (the loop's order of additions)
-    run_counts = torch.cumsum(torch.cat([run[0].unsqueeze(2), counts], dim=2), dim=2)
-    run_sums = torch.cumsum(torch.cat([run[1].unsqueeze(2), sums], dim=2), dim=2)
-    final_cache = (run_counts[:, :, full_blocks], run_sums[:, :, full_blocks])
+    run_counts, run_sums = _group_caches(prev_codes, prev_v, run, not has_prev, scope, S)
+    final_cache = _owned(run_counts[:, :, full_blocks], run_sums[:, :, full_blocks])
     run_counts, run_sums = run_counts[:, :, :R], run_sums[:, :, :R]
     return log_counts(run_counts), mean_values(run_sums, run_counts), final_cache
 
 
 def _all_blocks(blocks, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope, S):
-    """The blocks all at once (``_block_loop``'s arguments and results). The cache each block
-    reads is the state's plus the statistics of the blocks that entered before it, a prefix
-    sum over blocks; scores and outputs are batched matmuls over groups of blocks (at most
-    ``_BATCHED_SCORES`` score entries at a time, so memory stays bounded for long inputs)."""
+    """The blocks in groups (``_block_loop``'s arguments and results). Within a group the cache
+    each block reads is the carried cache plus the statistics of the group's blocks that entered
+    before it, a prefix sum; scores and outputs are batched matmuls over the group's blocks. A
+    group holds at most ``_BATCHED_SCORES[device]`` score entries (``_blocks_per_group``)."""
     q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
     B, Hkv, G, R, L, D = q_blocks.shape
     cut = scope == "state"
-    logs, means, final_cache = _block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S)
-
     masks = window.unsqueeze(-3).expand(*window.shape[:-2], R, L, 2 * L).clone()  # [(h, g,) R, L, 2L]
     if not has_prev:
         masks[..., 0, :, :] = window_without_prev
     window_keys = torch.cat([_cut(prev_k, cut), k_blocks], dim=-2)  # [B, Hkv, R, 2L, D]
     window_values = torch.cat([_cut(prev_v, cut), v_blocks], dim=-2)
     codebook_t = codebook.transpose(-1, -2)[None, :, None, None]  # [1, Hkv, 1, 1, D, S]
-    group = max(1, _BATCHED_SCORES // (B * Hkv * G * L * (2 * L + S)))
-    outs = []
-    for start in range(0, R, group):
-        rs = slice(start, min(R, start + group))
-        q_g = q_blocks[:, :, :, rs]  # [B, Hkv, G, g, L, D]
-        scores_w = q_g @ window_keys[:, :, None, rs].transpose(-1, -2) + masks[..., rs, :, :]
+    group = _blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
+    # split, not sliced: the backward of a split is one concatenation, that of each slice a
+    # zero-filled gradient of the whole tensor
+    pieces = zip(q_blocks.split(group, dim=3), window_keys.split(group, dim=2), window_values.split(group, dim=2),
+                 prev_codes.split(group, dim=2), prev_v.split(group, dim=2), masks.split(group, dim=-3))
+    outs, final_cache = [], None
+    for start, (q_g, keys_g, values_g, prev_codes_g, prev_v_g, masks_g) in zip(range(0, R, group), pieces):
+        counts, sums = _group_caches(prev_codes_g, prev_v_g, run, start == 0 and not has_prev, scope, S)
+        if start <= full_blocks < start + group:
+            final_cache = _owned(counts[:, :, full_blocks - start], sums[:, :, full_blocks - start])
+        run = (counts[:, :, -1], sums[:, :, -1])
+        counts, sums = counts[:, :, :-1], sums[:, :, :-1]
+        scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2) + masks_g  # [B, Hkv, G, g, L, 2L]
         if positions is not None:
             scores_w = scores_w + _position_scores(q_g, positions.unsqueeze(3), L, 2 * L, L)
-        scores_c = q_g @ codebook_t + logs[:, :, None, rs, None, :]
+        scores_c = q_g @ codebook_t + log_counts(counts)[:, :, None, :, None, :]
         probs = torch.softmax(torch.cat([scores_w, scores_c], dim=-1), dim=-1)
-        out = probs[..., : 2 * L] @ window_values[:, :, None, rs] + probs[..., 2 * L :] @ means[:, :, None, rs]
-        outs.append(out)
-    return torch.cat(outs, dim=3), final_cache
+        means = mean_values(sums, counts)[:, :, None]
+        outs.append(probs[..., : 2 * L] @ values_g.unsqueeze(2) + probs[..., 2 * L :] @ means)
+    return torch.cat(outs, dim=3), (final_cache if final_cache is not None else _owned(*run))
 
 
 def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype):
@@ -564,10 +586,11 @@ def vq_attention(
             are not their codes would give two answers). ``False`` skips all of it, for callers
             whose inputs are valid by construction: the GAU layer, whose keys come from its
             ``VectorQuantizer``, decodes a token in less time than the checks take.
-        schedule: how the block form walks the blocks: ``"loop"`` (one block after another;
-            its working set stays in cache, the faster on a CPU), ``"batched"`` (all blocks as
-            batched matmuls in groups, the caches from a prefix sum over blocks: few large
-            kernels, for GPUs) or ``"auto"`` (batched on CUDA, loop elsewhere). Same results.
+        schedule: how the block form walks the blocks: ``"loop"`` (one block after another,
+            the readable form) or ``"batched"`` (groups of blocks as batched matmuls, each
+            block's cache from a prefix sum over the group's blocks: fewer, larger kernels; the
+            faster on CPUs too, by up to 4x when batch x heads is small). ``"auto"``: batched.
+            Same results.
         impl: ``"torch"`` (the forms above), ``"triton"`` (the causal block form as fused
             Triton kernels, ``ops/_vq_triton.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
@@ -625,7 +648,7 @@ def vq_attention(
         out, pieces = _decode(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
     else:
         if schedule == "auto":
-            schedule = "batched" if q.device.type == "cuda" else "loop"
+            schedule = "batched"
         out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
     return _result(out, pieces, q.dtype, initial_state, output_final_state)
 
