@@ -28,7 +28,7 @@ test: $(STAMP)
 # kernels compiled for it instead of interpreted on CPU); without one this says so and stops.
 test-gpu: $(STAMP)
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-		$(BIN)/python -m pytest -q tests/test_vq_triton.py; \
+		LINATTN_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/test_vq_triton.py tests/test_device.py; \
 	else \
 		echo "make test-gpu: skipped: torch.cuda.is_available() is False here (no CUDA device or a CPU build of torch)"; \
 	fi

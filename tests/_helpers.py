@@ -184,3 +184,90 @@ def english_like(n_bytes: int, seed: int = 0) -> str:
         parts.append(sentence)
         size += len(sentence)
     return "".join(parts)[:n_bytes]
+
+
+# ------------------------------------------------------------------ host round-trips
+
+# Ops after which the host waits for a device's values: ``_local_scalar_dense`` is ``.item()``,
+# ``bool()``, ``int()``, ``float()`` of a tensor (a Python ``if`` on one, a format string);
+# the others have an output size that depends on the values.
+_SYNCING_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+                "unique_consecutive", "bincount"}
+_SYNCING_METHODS = {"tolist", "numpy", "cpu"}
+# frames between a call in Python code and the mode that sees it
+_MACHINERY = ("/torch/utils/_python_dispatch.py", "/torch/overrides.py", "/torch/_tensor.py", "/torch/_compile.py",
+              "/torch/_dynamo/eval_frame.py", "/tests/_helpers.py")
+
+
+def _linattn_caller() -> str | None:
+    """``file:line (function)`` of the Python code that made the call, if it is linattn's
+    (a call torch makes for its own reasons, e.g. in an optimizer, is torch's business)."""
+    import traceback
+
+    for frame in reversed(traceback.extract_stack()):
+        path = frame.filename.replace("\\", "/")
+        if path.endswith(_MACHINERY):
+            continue
+        if "/linattn/" in path and "/tests/" not in path:
+            return f"{path.rsplit('/linattn/', 1)[-1]}:{frame.lineno} ({frame.name})"
+        return None
+    return None
+
+
+def _boolean_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
+
+
+class _SyncingOps(TorchDispatchMode):
+    def __init__(self, found: list):
+        super().__init__()
+        self.found = found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if (name in _SYNCING_OPS or (name in ("index", "index_put", "index_put_") and _boolean_index(args))
+                or (name == "repeat_interleave" and func.name().endswith("Tensor"))):
+            where = _linattn_caller()
+            if where is not None:
+                self.found.append((f"aten.{name}", where))
+        return func(*args, **(kwargs or {}))
+
+
+class _SyncingMethods(torch.overrides.TorchFunctionMode):
+    def __init__(self, found: list):
+        super().__init__()
+        self.found = found
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _SYNCING_METHODS:
+            where = _linattn_caller()
+            if where is not None:
+                self.found.append((f"Tensor.{func.__name__}", where))
+        return func(*args, **(kwargs or {}))
+
+
+class HostRoundTrips:
+    """``with HostRoundTrips() as trips:`` records, as ``(what, where)`` pairs in ``trips``,
+    every call linattn's code makes inside that would make the host wait for a device's
+    values on CUDA: a tensor read as a Python number or bool (``aten._local_scalar_dense``:
+    ``.item()``, ``bool()``, ``int()``, ``float()``, an ``if`` on a tensor), ``.tolist()``,
+    ``.numpy()``, ``.cpu()``, and ops whose output size depends on values (``nonzero``,
+    ``masked_select``, ``unique``, boolean-mask indexing and assignment, ``repeat_interleave``
+    with tensor repeats, ``bincount``). It works on CPU tensors, where nothing waits, so a CPU
+    run finds the round trips a GPU run would pay for. ``where`` is the linattn source line
+    that made the call; calls made inside torch (an optimizer reading its CPU step counter)
+    are not linattn's and are left out, and so is ``.to(device)`` (on a CPU run it cannot be
+    told from a copy to the host; ``make test-gpu`` adds ``torch.cuda.set_sync_debug_mode``,
+    which sees every real synchronisation)."""
+
+    def __enter__(self) -> list:
+        self.found: list = []
+        self._modes = (_SyncingMethods(self.found), _SyncingOps(self.found))
+        for mode in self._modes:
+            mode.__enter__()
+        return self.found
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)

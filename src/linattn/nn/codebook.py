@@ -236,40 +236,40 @@ class Codebook(nn.Module):
     def update(self) -> None:
         """Apply the EMA update with the statistics gathered since the last call, summed over
         ranks by ``sync("sum", ...)``, then restart dead codes. Without statistics on any rank
-        this changes nothing."""
+        this changes nothing. No value is read on the host (no device sync): the updates are
+        selected with ``torch.where``."""
         counts, sums = self._pending_counts.clone(), self._pending_sums.clone()
         self._pending_counts.zero_()
         self._pending_sums.zero_()
         self._recent_complete = True
         self.sync("sum", [counts, sums])
-        if counts.sum() == 0:
-            return
+        seen = counts.sum() > 0
         g = self.ema_decay
-        self.ema_counts.mul_(g).add_(counts, alpha=1.0 - g)
-        self.ema_sums.mul_(g).add_(sums, alpha=1.0 - g)
-        self.codebook.copy_(self.ema_sums / self.ema_counts.clamp_min(0.01).unsqueeze(-1))
+        self.ema_counts.copy_(torch.where(seen, torch.add(self.ema_counts * g, counts, alpha=1.0 - g), self.ema_counts))
+        self.ema_sums.copy_(torch.where(seen, torch.add(self.ema_sums * g, sums, alpha=1.0 - g), self.ema_sums))
+        self.codebook.copy_(torch.where(seen, self.ema_sums / self.ema_counts.clamp_min(0.01).unsqueeze(-1),
+                                        self.codebook))
         if self.dead_code_threshold > 0:
-            self._restart_dead_codes()
+            self._restart_dead_codes(seen)
 
     @torch.no_grad()
-    def _restart_dead_codes(self) -> None:
-        """Move every code with ``ema_counts < dead_code_threshold`` onto a random recent key
-        (rank 0's draw), restarting its statistics there (count 1, sum = key). The candidates
-        are the real tokens' keys of the forwards since the previous update, in order (those of
-        the last forwards that had any, if none since)."""
-        dead = self.ema_counts < self.dead_code_threshold  # [H, S], equal on all ranks
-        if not bool(dead.any()):
-            return
-        values, chosen = self.codebook.clone(), torch.zeros_like(dead)
+    def _restart_dead_codes(self, updated: torch.Tensor) -> None:
+        """If ``updated`` (a bool tensor), move every code with ``ema_counts <
+        dead_code_threshold`` onto a random recent key (rank 0's draw), restarting its
+        statistics there (count 1, sum = key). The candidates are the real tokens' keys of the
+        forwards since the previous update, in order (those of the last forwards that had any,
+        if none since). One key index is drawn per code, dead or not, so nothing depends on
+        how many codes are dead and no value is read on the host."""
+        dead = (self.ema_counts < self.dead_code_threshold) & updated  # [H, S], equal on all ranks
+        values = self.codebook
         if self._recent_keys:
             recent = torch.cat(self._recent_keys, dim=1) if len(self._recent_keys) > 1 else self._recent_keys[0]
-            for h in range(self.n_heads):
-                idx = dead[h].nonzero().flatten()
-                if idx.numel():
-                    pick = torch.randint(recent.shape[1], (idx.numel(),), device=recent.device)
-                    values[h, idx] = recent[h, pick]
-            chosen = dead
-        self._replace_codes(chosen, values)
+            pick = torch.randint(recent.shape[1], dead.shape, device=recent.device)  # [H, S]
+            keys = recent.gather(1, pick.unsqueeze(-1).expand(-1, -1, recent.shape[2]))
+            values = torch.where(dead.unsqueeze(-1), keys, self.codebook)
+        else:
+            dead = torch.zeros_like(dead)
+        self._replace_codes(dead, values.clone())
 
     @torch.no_grad()
     def _replace_codes(self, where: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -279,9 +279,9 @@ class Codebook(nn.Module):
         chosen = where.float()
         self.sync("broadcast", [values, chosen])
         where = chosen > 0
-        self.codebook[where] = values[where]
-        self.ema_sums[where] = values[where]
-        self.ema_counts[where] = 1.0
+        self.codebook.copy_(torch.where(where.unsqueeze(-1), values, self.codebook))
+        self.ema_sums.copy_(torch.where(where.unsqueeze(-1), values, self.ema_sums))
+        self.ema_counts.masked_fill_(where, 1.0)
         return where
 
     # -- k-means initialisation ----------------------------------------------------------
