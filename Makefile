@@ -25,10 +25,11 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # The tests that take a CUDA device when there is one (tests/test_vq_triton.py: the Triton
-# kernels compiled for it instead of interpreted on CPU); without one this says so and stops.
+# kernels compiled for it instead of interpreted on CPU; tests/test_bench_cuda.py: every
+# `linattn bench` with --device cuda); without one this says so and stops.
 test-gpu: $(STAMP)
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-		$(BIN)/python -m pytest -q tests/test_vq_triton.py; \
+		$(BIN)/python -m pytest -q tests/test_vq_triton.py tests/test_bench_cuda.py; \
 	else \
 		echo "make test-gpu: skipped: torch.cuda.is_available() is False here (no CUDA device or a CPU build of torch)"; \
 	fi
