@@ -25,10 +25,12 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # The tests that take a CUDA device when there is one (tests/test_vq_triton.py: the Triton
-# kernels compiled for it instead of interpreted on CPU); without one this says so and stops.
+# kernels compiled for it instead of interpreted on CPU; tests/test_device.py on CUDA: the LM,
+# evaluation and the trainer without host syncs; tests/test_bench_cuda.py: every `linattn bench`
+# with --device cuda); without one this says so and stops.
 test-gpu: $(STAMP)
 	@if $(BIN)/python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then \
-		LINATTN_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/test_vq_triton.py tests/test_device.py; \
+		LINATTN_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/test_vq_triton.py tests/test_device.py tests/test_bench_cuda.py; \
 	else \
 		echo "make test-gpu: skipped: torch.cuda.is_available() is False here (no CUDA device or a CPU build of torch)"; \
 	fi

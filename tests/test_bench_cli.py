@@ -1,9 +1,12 @@
-"""The benchmark harness and ``linattn bench attention`` end to end, at tiny sizes."""
+"""The benchmark harness, ``linattn bench attention``, ``decode`` and ``train`` end to end at
+tiny sizes, and the ``--device`` every benchmark takes (the runs on CUDA: test_bench_cuda.py)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +15,8 @@ import pytest
 import torch
 
 from linattn import __version__
+from linattn._checks import available_device_name
+from linattn.bench import attention
 from linattn.bench.attention import CASES, default_cases
 from linattn.bench.harness import Case, profile_call, run_cases, time_call
 from linattn.reporting import peak_memory
@@ -109,11 +114,40 @@ def test_bad_arguments_exit_2_naming_the_argument(args, named, capsys):
     assert "error:" in err and named in err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_library_errors_exit_2_without_traceback(tmp_path, capsys):
-    assert main(["bench", "attention", "--device", "cuda", "--lengths", "8", "--out", str(tmp_path)]) == 2
+def _no_cuda(monkeypatch) -> None:
+    """Make this process see no CUDA device, as on a CPU-only machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+NO_CUDA = "'cuda' requested but torch.cuda.is_available() is False"
+
+
+@pytest.mark.parametrize("benchmark", ["attention", "decode", "lm", "train"])
+def test_cuda_device_is_refused_at_argument_time_without_cuda(benchmark, monkeypatch, tmp_path, capsys):
+    _no_cuda(monkeypatch)
+    assert main(["bench", benchmark, "--device", "cuda", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("linattn: error: ") and "cuda" in err and "Traceback" not in err
+    assert f"linattn bench {benchmark}: error: argument --device: {NO_CUDA}" in err
+    assert "Traceback" not in err and not any(tmp_path.iterdir())
+
+
+def test_device_argument_names_the_cuda_devices_there_are(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [available_device_name(text) for text in ("cpu", "cuda", "cuda:1")] == ["cpu", "cuda", "cuda:1"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"'cuda:2' requested but torch.cuda.device_count\(\) is 2"):
+        available_device_name("cuda:2")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a device \\(cpu, cuda or cuda:N\\), got 'gpu'"):
+        available_device_name("gpu")
+
+
+def test_library_refuses_cuda_without_cuda(monkeypatch, tmp_path):
+    """The Python entry point checks too (a config built without the command line)."""
+    _no_cuda(monkeypatch)
+    with pytest.raises(ValueError, match=re.escape(f"device {NO_CUDA}")):
+        attention.run(attention.AttentionBenchConfig(lengths=(8,), device="cuda"), out_dir=tmp_path, command="x")
+    assert not any(tmp_path.iterdir())
 
 
 def test_cuda_only_case_is_refused_on_cpu(tmp_path, capsys):
@@ -121,6 +155,7 @@ def test_cuda_only_case_is_refused_on_cpu(tmp_path, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.startswith("linattn: error: ") and "vq-b128-triton" in err and "CUDA only" in err
+    assert "Traceback" not in err
 
 
 def test_version(capsys):
@@ -175,15 +210,17 @@ def test_runner_skips_over_max_length_and_after_out_of_memory():
 
 
 def test_bench_decode_writes_rows_and_growth(tmp_path):
-    assert main(["bench", "decode", "--contexts", "32", "64", "--tokens", "2", "--models", "--out",
+    assert main(["bench", "decode", "--contexts", "32", "64", "--tokens", "2", "--models", "--device", "cpu", "--out",
                  str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
+    assert result["metadata"]["device"] == "cpu"
     cases = {row["case"] for row in result["rows"]}
     assert cases == {"vq-b128", "linear-elu", "delta", "sdpa-kvcache"}
     assert all(row["per_token_s"] > 0 and len(row["times_s"]) == 2 for row in result["rows"])
     ops = result["summary"]["ops"]
     assert set(ops) == cases and all(s["growth"] > 0 for s in ops.values())
-    assert "per-token time" in (tmp_path / "results.md").read_text()
+    text = (tmp_path / "results.md").read_text()
+    assert "per-token time" in text and f"on cpu ({result['metadata']['device_name']})" in text
 
 
 def test_bench_decode_models_at_equal_size(tmp_path):
@@ -241,23 +278,55 @@ def test_bench_attention_profile_writes_the_top_operators(tmp_path):
     assert "| operator | self ms | share | calls |" in text
 
 
-def test_bench_train_times_the_trainer_after_its_warm_up(tmp_path, capsys):
-    """``bench train`` runs the trainer on the run file's model and data and reports the
-    median of the steps after the warm-up (the compiled mode is the trainer's
-    ``train.compile``, tested in test_train_units; here only eager, for time)."""
+def _run_file(tmp_path: Path, device: str) -> Path:
+    """A tiny run file training on ``device``."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(english_like(4000))
     config = tmp_path / "run.toml"
     config.write_text(f'[model]\nattention = "linear:elu"\nd_model = 16\nn_layers = 1\nn_heads = 2\n\n'
-                      f'[train]\ndata = "{corpus}"\nbatch_size = 2\ncontext = 16\n')
+                      f'[train]\ndata = "{corpus}"\nbatch_size = 2\ncontext = 16\ndevice = "{device}"\n')
+    return config
+
+
+def test_bench_train_times_the_trainer_after_its_warm_up(tmp_path, monkeypatch, capsys):
+    """``bench train`` runs the trainer on the run file's model and data and reports the
+    median of the steps after the warm-up (the compiled mode is the trainer's
+    ``train.compile``, tested in test_train_units; here only eager, for time). ``--device
+    cpu`` overrides the run file's CUDA device, which this process cannot see."""
+    _no_cuda(monkeypatch)
+    config = _run_file(tmp_path, "cuda")
     argv = ["bench", "train", "--config", str(config), "--modes", "eager", "--steps", "4", "--warmup", "1",
-            "--set", "train.batch_size=3", "--threads", "1", "--out", str(tmp_path / "out")]
+            "--set", "train.batch_size=3", "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "out")]
     assert main(argv) == 0
-    (row,) = _load(tmp_path / "out")["rows"]
+    result = _load(tmp_path / "out")
+    assert result["metadata"]["device"] == "cpu" and result["metadata"]["shapes"]["train"]["device"] == "cpu"
+    (row,) = result["rows"]
     assert row["case"] == "eager" and row["steps"] == 4 and row["tokens_per_step"] == 3 * 16  # --set applied
     assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(48 / row["step_s"])
     assert row["warmup_s"] > 0 and math.isfinite(row["last_loss"]) and len(row["losses"]) == 4
     assert row["step_s"] == sorted(row["step_times_s"][1:])[1]  # the median of steps 2..4
-    assert "| eager |" in (tmp_path / "out" / "results.md").read_text()
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "| eager |" in text and f"on cpu ({result['metadata']['device_name']}): linear:elu" in text
     assert main([*argv[:-2], "--warmup", "4", "--out", str(tmp_path / "other")]) == 2
     assert "--warmup (4) must be smaller than --steps (4)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # the run file's device, then --set's: library errors before any process starts
+        ([], f"train.device {NO_CUDA}"),
+        (["--set", "train.device=cpu", "--set", "train.device=cuda"], f"train.device {NO_CUDA}"),
+        (["--set", "train.device=cpu", "--device", "cuda:0"], "argument --device: 'cuda:0' requested but"),
+        (["--set", "train.device=cuda", "--device", "cpu"],
+         "--device cpu and --set train.device=cuda disagree; give the device once"),
+    ],
+)
+def test_bench_train_device_from_the_run_file_set_or_flag(args, message, tmp_path, monkeypatch, capsys):
+    _no_cuda(monkeypatch)
+    argv = ["bench", "train", "--config", str(_run_file(tmp_path, "cuda")), "--modes", "eager", "--steps", "2",
+            "--warmup", "1", *args, "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from linattn.bench import lm
 from linattn.bench.harness import Measurement
@@ -30,13 +31,16 @@ def _config(**changes) -> lm.LMBenchConfig:
 
 def test_bench_lm_end_to_end(tmp_path, capsys):
     models = ["softmax", "local,local,vq"]
-    assert main(["bench", "lm", "--quick", "--models", *models, *TINY, "--out", str(tmp_path)]) == 0
+    assert main(["bench", "lm", "--quick", "--models", *models, *TINY, "--device", "cpu", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "targets:" in printed and "| `softmax` |" in printed
 
     result = json.loads((tmp_path / "results.json").read_text())
-    assert result["metadata"]["command"].startswith("linattn bench lm --quick --models softmax local,local,vq")
-    assert result["metadata"]["shapes"]["tokens_per_step"] == 64 and result["metadata"]["shapes"]["d_model"] == 32
+    meta = result["metadata"]
+    assert meta["command"].startswith("linattn bench lm --quick --models softmax local,local,vq")
+    assert meta["shapes"]["tokens_per_step"] == 64 and meta["shapes"]["d_model"] == 32
+    assert meta["device"] == "cpu" and meta["shapes"]["device"] == "cpu"
+    assert meta["shapes"]["dtype"] == "float32" and meta["shapes"]["autocast"] is False
     rows = result["rows"]
     assert [(r["case"], r["context"]) for r in rows] == [(m, c) for m in models for c in (16, 32)]
     for row in rows:
@@ -63,6 +67,7 @@ def test_bench_lm_end_to_end(tmp_path, capsys):
     assert result["summary"]["parameters"] == sizes
 
     table = (tmp_path / "results.md").read_text()
+    assert f"Whole models on cpu ({meta['device_name']}), float32," in table
     for row in rows:
         assert (f"| `{row['case']}` | {row['parameters']:,} | {row['context']} | {row['batch']} | "
                 f"{row['train_tokens_per_s']:,.0f} |") in table
@@ -103,6 +108,39 @@ def test_memory_budget_and_out_of_memory_skip_contexts(monkeypatch):
     rows = lm.measure_model("linear:elu", _config(contexts=(16, 32, 128), tokens_per_step=32))
     assert [row["skip_reason"] for row in rows] == [
         None, "out of memory: no more", "skipped after out of memory: no more at C=32"]
+
+
+def test_bfloat16_runs_every_forward_under_autocast(monkeypatch):
+    """``dtype="bfloat16"``: the training step, the prefill and every decoding step run their
+    forward pass under bfloat16 autocast (as ``train.bf16``); float32 runs none."""
+    under_autocast = []
+
+    class Recording(LM):
+        def _run(self, *args, **kwargs):
+            under_autocast.append(torch.is_autocast_enabled("cpu")
+                                  and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+            return super()._run(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "LM", Recording)
+    for dtype, expected in (("bfloat16", True), ("float32", False)):
+        under_autocast.clear()
+        (row,) = lm.measure_model("vq", _config(contexts=(16,), dtype=dtype))
+        assert row["train_s"] > 0 and row["prefill_s"] > 0 and len(row["decode_times_s"]) == 2
+        # the training step and the prefill (one timed call, one for the peak memory each), the
+        # prefilled state, and the two decoding steps
+        assert len(under_autocast) == 2 + 2 + 1 + 2
+        assert set(under_autocast) == {expected}
+
+
+def test_config_refuses_a_bad_device_or_dtype(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N, got 'gpu'"):
+        _config(device="gpu")
+    with pytest.raises(ValueError, match="dtype must be one of 'float32', 'bfloat16'; got 'float16'"):
+        _config(dtype="float16")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device 'cuda' requested but torch.cuda.is_available\(\) is False"):
+        lm.run(_config(device="cuda"), ["vq"], out_dir=tmp_path, command="x")
+    assert not any(tmp_path.iterdir())
 
 
 def test_profile_at_the_longest_context(tmp_path):
@@ -168,6 +206,8 @@ def test_summary_targets_from_the_rows():
         (["--memory-gb", "-1"], "--memory-gb"),
         (["--repeats", "0"], "--repeats"),
         (["--profile", "0"], "--profile"),
+        (["--device", "gpu"], "--device"),
+        (["--dtype", "float16"], "--dtype"),
         (["--models", "local,local,vq", "--n-layers", "2"], "--models 'local,local,vq'"),
     ],
 )

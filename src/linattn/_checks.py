@@ -340,3 +340,34 @@ def device_name(text: str) -> str:
         return check_device("--device", text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a device ({_DEVICE_HELP}), got {text!r}") from None
+
+
+def _missing_cuda(device: torch.device) -> str | None:
+    """Why the CUDA device ``device`` cannot be used in this process (None: it can, or it is
+    not a CUDA device)."""
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False (no CUDA device, or a CPU-only build of torch)"
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        return f"torch.cuda.device_count() is {count}"
+    return None
+
+
+def check_cuda_available(name: str, device: torch.device | str) -> None:
+    """A CUDA ``device`` exists here: ``torch.cuda.is_available()`` and, for ``cuda:N``,
+    ``N < torch.cuda.device_count()``; else ValueError naming ``name``. Other devices pass."""
+    reason = _missing_cuda(torch.device(device))
+    if reason is not None:
+        raise ValueError(f"{name} {str(device)!r} requested but {reason}")
+
+
+def available_device_name(text: str) -> str:
+    """An argparse type for ``--device`` of a command that runs in this process: ``device_name``'s
+    forms, and a CUDA device only where torch sees one, so the command fails before it starts."""
+    device_name(text)
+    reason = _missing_cuda(torch.device(text))
+    if reason is not None:
+        raise argparse.ArgumentTypeError(f"{text!r} requested but {reason}")
+    return text

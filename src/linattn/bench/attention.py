@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import reporting
+from .._checks import available_device_name, check_cuda_available
 from .._checks import non_negative_int as _non_negative_int
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
@@ -330,8 +331,7 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     unknown = [name for name in config.cases if name not in CASES]
     if unknown:
         raise ValueError(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    if torch.device(config.device).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {config.device!r} requested but torch.cuda.is_available() is False")
+    check_cuda_available("device", config.device)
     off_cuda = [name for name in config.cases if name in CUDA_ONLY and torch.device(config.device).type != "cuda"]
     if off_cuda:
         raise ValueError(f"case(s) {', '.join(off_cuda)} run on CUDA only (--device cuda)")
@@ -383,7 +383,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{' '.join(CASES)})")
     parser.add_argument("--repeats", type=_positive_int, help="timed calls per measurement, median kept (default 3)")
     parser.add_argument("--warmup", type=_non_negative_int, default=defaults.warmup, help="untimed calls first")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=defaults.device)
+    parser.add_argument("--device", type=available_device_name, default=defaults.device,
+                        help="cpu, cuda or cuda:N (default %(default)s)")
     parser.add_argument("--dtype", choices=list(DTYPES), default=defaults.dtype)
     parser.add_argument("--batch", type=_positive_int, default=defaults.batch)
     parser.add_argument("--heads", type=_positive_int, default=defaults.heads)

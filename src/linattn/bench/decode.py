@@ -13,6 +13,9 @@ random prompt of P tokens (prefill, timed) and then generate ``--new-tokens`` to
 ``LM.generate`` (greedy, each step timed), each model in a freshly spawned process: prefill
 tokens/s and generation tokens/s from the median step time (robust to a busy machine's
 bursts; the mean is in the JSON) for every prompt length and batch size.
+
+``--device cuda`` (or ``cuda:N``) runs both tables on that GPU: inputs, states and models
+live there, and the clock is read only after the device has finished each timed step.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.vq import vq_attention
 from ..nn.quantizer import VectorQuantizer
-from .._checks import positive_int
-from .harness import in_fresh_process, median
+from .._checks import available_device_name, positive_int
+from .harness import in_fresh_process, median, synchronize
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
 
-# A decoding case: prefill(q, k, v) -> state; step(q1, k1, v1, state) -> state.
+# A decoding case: prefill(q, k, v) -> state; step(q1, k1, v1, state) -> state; built by a
+# factory (heads, dim, device) -> DecodeCase.
 DecodeCase = tuple[Callable, Callable]
 
 
@@ -47,8 +51,8 @@ def _recurrent(run: Callable) -> DecodeCase:
     return (lambda q, k, v: run(q, k, v, None)), run
 
 
-def _vq(heads: int, dim: int, block_size: int = 128) -> DecodeCase:
-    quantizer = VectorQuantizer(heads, dim, 512).eval()
+def _vq(heads: int, dim: int, device: torch.device, block_size: int = 128) -> DecodeCase:
+    quantizer = VectorQuantizer(heads, dim, 512).to(device).eval()
 
     def run(q, k, v, state):  # as the GAU layer calls it: the quantizer's keys need no checks
         k_hat, codes, _ = quantizer(k)
@@ -58,22 +62,22 @@ def _vq(heads: int, dim: int, block_size: int = 128) -> DecodeCase:
     return _recurrent(run)
 
 
-def _linear(heads: int, dim: int) -> DecodeCase:
+def _linear(heads: int, dim: int, device: torch.device) -> DecodeCase:
     def run(q, k, v, state):
         return linear_attention(q, k, v, feature_map="elu", initial_state=state, output_final_state=True)[1]
 
     return _recurrent(run)
 
 
-def _delta(heads: int, dim: int) -> DecodeCase:
-    def run(q, k, v, state):
-        beta = torch.full(k.shape[:3], 0.5)
-        return delta_rule(q, k, v, beta, initial_state=state, output_final_state=True)[1]
+def _delta(heads: int, dim: int, device: torch.device) -> DecodeCase:
+    def run(q, k, v, state):  # beta = 0.5 lies in [0, 1]: no check that reads it back
+        beta = torch.full(k.shape[:3], 0.5, dtype=k.dtype, device=k.device)
+        return delta_rule(q, k, v, beta, initial_state=state, output_final_state=True, check_inputs=False)[1]
 
     return _recurrent(run)
 
 
-def _kv_cache(heads: int, dim: int) -> DecodeCase:
+def _kv_cache(heads: int, dim: int, device: torch.device) -> DecodeCase:
     """Exact attention: the state is every key and value so far (the KV cache)."""
 
     def prefill(q, k, v):
@@ -87,7 +91,7 @@ def _kv_cache(heads: int, dim: int) -> DecodeCase:
     return prefill, step
 
 
-DECODE_CASES: dict[str, Callable[[int, int], DecodeCase]] = {
+DECODE_CASES: dict[str, Callable[[int, int, torch.device], DecodeCase]] = {
     "vq-b128": _vq,
     "linear-elu": _linear,
     "delta": _delta,
@@ -95,25 +99,30 @@ DECODE_CASES: dict[str, Callable[[int, int], DecodeCase]] = {
 }
 
 
-def measure(name: str, contexts, *, heads: int, dim: int, tokens: int, seed: int = 0) -> list[dict]:
-    """Median seconds per decoded token of the case ``name`` at each context length. The
-    contexts take their steps in turns (one step of each, then the next), so a slow spell of
-    a shared machine falls on all of them alike and their ratio stays fair."""
-    prefill, step = DECODE_CASES[name](heads, dim)
+def measure(name: str, contexts, *, heads: int, dim: int, tokens: int, seed: int = 0,
+            device: torch.device | str = "cpu") -> list[dict]:
+    """Median seconds per decoded token of the case ``name`` at each context length, on
+    ``device``. The contexts take their steps in turns (one step of each, then the next), so
+    a slow spell of a shared machine falls on all of them alike and their ratio stays fair."""
+    device = torch.device(device)
+    prefill, step = DECODE_CASES[name](heads, dim, device)
     states, inputs = {}, {}
     with torch.no_grad():
-        for context in contexts:
+        for context in contexts:  # drawn on the CPU: the same numbers on every device
             generator = torch.Generator().manual_seed(seed + context)
-            states[context] = prefill(*(torch.randn(1, heads, context, dim, generator=generator) for _ in range(3)))
+            states[context] = prefill(*(torch.randn(1, heads, context, dim, generator=generator).to(device)
+                                        for _ in range(3)))
             # each step's inputs are their own small tensors, as in generation (a slice of one long
             # tensor would put the heads' rows megabytes apart and slow every step as C grows)
-            inputs[context] = [[torch.randn(1, heads, 1, dim, generator=generator) for _ in range(3)]
+            inputs[context] = [[torch.randn(1, heads, 1, dim, generator=generator).to(device) for _ in range(3)]
                                for _ in range(tokens)]
         times = {context: [] for context in contexts}
         for index in range(tokens):
             for context in contexts:
+                synchronize(device)
                 start = time.perf_counter()
                 states[context] = step(*inputs[context][index], states[context])
+                synchronize(device)
                 times[context].append(time.perf_counter() - start)
     return [{"kind": "op", "case": name, "context": context, "per_token_s": median(times[context]),
              "times_s": times[context]} for context in contexts]
@@ -131,21 +140,28 @@ def model_config(name: str) -> LMConfig:
                     gau_d_v=matched_gau_value_width(d_model, gau_d_k), codebook_size=128, block_size=64)
 
 
-def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: int = 0) -> list[dict]:
-    """Prefill and generation throughput of the ``name`` model for every prompt length and batch."""
+def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: int = 0,
+                       device: torch.device | str = "cpu") -> list[dict]:
+    """Prefill and generation throughput of the ``name`` model on ``device`` for every prompt
+    length and batch. The prompt's tokens are drawn in range, so the timed prefill does not
+    read them back to check them (``check_inputs=False``)."""
+    device = torch.device(device)
     torch.manual_seed(seed)
-    model = LM(model_config(name)).eval()
+    model = LM(model_config(name)).to(device).eval()
     rows = []
     for batch in batches:
         for prompt in prompts:
             generator = torch.Generator().manual_seed(seed + prompt + batch)
-            ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=generator)
+            ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=generator).to(device)
             with torch.no_grad():
+                synchronize(device)
                 start = time.perf_counter()
-                _, state, _ = model(ids[:, :-1])
+                _, state, _ = model(ids[:, :-1], check_inputs=False)
+                synchronize(device)
                 prefill_s = time.perf_counter() - start
             steps, start = [], time.perf_counter()
             for _ in model.generate(ids[:, -1:], new_tokens, temperature=0, state=state):
+                synchronize(device)
                 now = time.perf_counter()
                 steps.append(now - start)
                 start = now
@@ -180,6 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
     models.add_argument("--new-tokens", type=positive_int, default=128,
                         help="tokens generated after each prompt (enough to average out timer noise)")
+    parser.add_argument("--device", type=available_device_name, default="cpu",
+                        help="cpu, cuda or cuda:N: both tables run there (default %(default)s)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=Path("results/bench-decode"), help="output directory")
 
@@ -237,12 +255,15 @@ def run_command(args: argparse.Namespace) -> int:
         raise ValueError(f"--prompts must be at least 2 tokens (one is read with the state), got {prompts}")
     op_rows, model_rows = [], []
     for name in args.cases:
-        op_rows += measure(name, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens)
+        op_rows += measure(name, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens, device=args.device)
     for name in args.models:
         model_rows += in_fresh_process(measure_generation, name, prompts, batches, new_tokens=args.new_tokens,
-                                       threads=args.threads)
+                                       device=args.device, threads=args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
-    text = f"# bench decode\n\n`{args.command_line}`\n"
+    shapes = {"heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts, "prompts": prompts,
+              "batches": batches, "models": {name: model_config(name).to_dict() for name in args.models}}
+    metadata = reporting.collect_metadata(device=args.device, command=args.command_line, shapes=shapes)
+    text = f"# bench decode\n\n`{args.command_line}`\n\non {metadata['device']} ({metadata['device_name']})\n"
     summary, files = {"ops": {}, "models": {}}, [args.out / "results.json", args.out / "results.md"]
     if op_rows:
         table, summary["ops"] = _op_table(op_rows, args.cases, contexts)
@@ -252,9 +273,6 @@ def run_command(args: argparse.Namespace) -> int:
         text += (f"\nwhole models: generated tokens/s (greedy, {args.new_tokens} tokens after the prompt, from the "
                  f"median step time) and prefill tokens/s\n\n{table}\n")
         files.append(_model_plot(model_rows, args.models, prompts, batches, args.out / "generation.png"))
-    shapes = {"heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts, "prompts": prompts,
-              "batches": batches, "models": {name: model_config(name).to_dict() for name in args.models}}
-    metadata = reporting.collect_metadata(device="cpu", command=args.command_line, shapes=shapes)
     reporting.write_json(args.out / "results.json", rows=op_rows + model_rows, metadata=metadata, summary=summary)
     reporting.write_markdown(args.out / "results.md", text)
     print(text)

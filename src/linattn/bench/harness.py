@@ -59,7 +59,9 @@ def median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the work queued on ``device`` (CUDA); a no-op on the CPU. Brackets every timed call."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -71,10 +73,10 @@ def time_call(fn: Callable[[], object], *, repeats: int, warmup: int = 1, device
         fn()
     times = []
     for _ in range(repeats):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return times
 
@@ -93,10 +95,10 @@ def profile_call(fn: Callable[[], object], *, device: torch.device | str, top: i
     device = torch.device(device)
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    _synchronize(device)
+    synchronize(device)
     with profile(activities=activities) as profiler:
         fn()
-        _synchronize(device)
+        synchronize(device)
     field = "self_device_time_total" if on_cuda else "self_cpu_time_total"
     events = [(e.key, getattr(e, field) / 1e3, e.count) for e in profiler.key_averages()]
     events = [e for e in events if e[1] > 0]

@@ -25,6 +25,14 @@ a context whose estimate exceeds ``--memory-gb`` is skipped with the estimate as
 whose CPU kernel keeps no T x T scores, so the memory of every model grows with the tokens
 per step, not with C. ``--profile N`` adds the N operators with the most self time of a
 training step, a prefill and a decoding step of each model at its longest measured context.
+
+Device and precision: ``--device cuda`` (or ``cuda:N``) puts every model, its optimizer, the
+tokens and the decoding state on that GPU; each timed call is bracketed by a synchronization
+and the peak memory is the CUDA allocator's. ``--dtype bfloat16`` runs the forward passes
+under bfloat16 autocast, weights and optimizer state in float32, as the trainer's
+``train.bf16``. The timed calls read no values back to the host themselves (the tokens are
+drawn in range and not checked again there: ``check_inputs=False``); the model does where it
+must: ``LM.generate`` for each sampled token, a VQ model's codebook update once per step.
 """
 
 from __future__ import annotations
@@ -41,15 +49,17 @@ import torch
 import torch.nn.functional as F
 
 from .. import reporting
-from .._checks import non_negative_int, positive_float, positive_int
+from .._checks import (available_device_name, check_choice, check_cuda_available, check_device, non_negative_int,
+                       positive_float, positive_int)
 from ..models import LM, LMConfig, parse_layer_spec
 from ..models.config import matched_gau_value_width
 from ..train.optim import parameter_groups
 from . import report
-from .harness import in_fresh_process, measure, median, profile_call
+from .harness import in_fresh_process, measure, median, profile_call, synchronize
 
 DEFAULT_MODELS = ("softmax", "vq", "delta", "linear:elu", "local", "local,local,vq")
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384)
+DTYPES = ("float32", "bfloat16")  # bfloat16: autocast, as train.bf16
 _MIB = 2**20
 
 # The targets of issue 21 on this CPU, checked against the measured rows (never in tests).
@@ -77,6 +87,18 @@ class LMBenchConfig:
     memory_gb: float = 8.0
     profile_top: int = 0
     seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        check_device("device", self.device)
+        check_choice("dtype", self.dtype, DTYPES)
+
+    def autocast(self) -> torch.autocast:
+        """The precision of the forward passes: bfloat16 autocast on ``device`` when ``dtype``
+        is bfloat16 (as ``train.bf16``), else a disabled autocast (float32)."""
+        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16,
+                              enabled=self.dtype == "bfloat16")
 
     def model_config(self, spec: str) -> LMConfig:
         """The ``LMConfig`` of the model ``spec`` (a layer spec or comma-separated pattern)."""
@@ -97,11 +119,12 @@ QUICK = LMBenchConfig(contexts=(64, 128), tokens_per_step=256, d_model=32, n_hea
 # --- measuring one model (in its own process) ----------------------------------------------
 
 
-def _training_step(model: LM, optimizer: torch.optim.Optimizer, ids: torch.Tensor):
+def _training_step(model: LM, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: LMBenchConfig):
     """One optimizer step as ``train.trainer`` takes it, on ``ids [B, C + 1]`` (inputs and targets)."""
 
     def step() -> None:
-        logits, _, aux = model(ids[:, :-1])
+        with config.autocast():
+            logits, _, aux = model(ids[:, :-1], check_inputs=False)
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         (loss + aux["commit_loss"]).backward()
@@ -112,30 +135,35 @@ def _training_step(model: LM, optimizer: torch.optim.Optimizer, ids: torch.Tenso
     return step
 
 
-def _prefill(model: LM, ids: torch.Tensor):
+def _prefill(model: LM, ids: torch.Tensor, config: LMBenchConfig):
     def prefill() -> None:
-        with torch.no_grad():
-            model(ids)
+        with torch.no_grad(), config.autocast():
+            model(ids, check_inputs=False)
 
     return prefill
 
 
-def _prefilled_state(model: LM, context: int, seed: int) -> tuple[torch.Tensor, object]:
-    """``(next token [1, 1], state after C random tokens)`` of the model in eval mode."""
+def _prefilled_state(model: LM, config: LMBenchConfig, context: int, seed: int) -> tuple[torch.Tensor, object]:
+    """``(next token [1, 1], state after C random tokens)`` of the model in eval mode, on its device."""
     ids = torch.randint(0, model.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
+    ids = ids.to(config.device)
+    with torch.no_grad(), config.autocast():
         _, state, _ = model(ids[:, :context])
     return ids[:, context:], state
 
 
-def _decode_times(model: LM, context: int, tokens: int, seed: int) -> list[float]:
-    """Seconds of each of ``tokens`` greedy ``LM.generate`` steps after a context of C tokens."""
-    token, state = _prefilled_state(model, context, seed)
-    times, start = [], time.perf_counter()
-    for _ in model.generate(token, tokens, temperature=0, state=state):
-        now = time.perf_counter()
-        times.append(now - start)
-        start = now
+def _decode_times(model: LM, config: LMBenchConfig, context: int, seed: int) -> list[float]:
+    """Seconds of each of ``config.decode_tokens`` greedy ``LM.generate`` steps after a context
+    of C tokens (each step waits for the device before the clock is read)."""
+    token, state = _prefilled_state(model, config, context, seed)
+    with config.autocast():
+        synchronize(config.device)
+        times, start = [], time.perf_counter()
+        for _ in model.generate(token, config.decode_tokens, temperature=0, state=state):
+            synchronize(config.device)
+            now = time.perf_counter()
+            times.append(now - start)
+            start = now
     return times
 
 
@@ -148,28 +176,30 @@ def _empty_row(spec: str, parameters: int, context: int, batch: int) -> dict:
             "profile": None}
 
 
-def _decode_step(model: LM, token: torch.Tensor, state):
+def _decode_step(model: LM, token: torch.Tensor, state, config: LMBenchConfig):
     def step() -> None:
-        with torch.no_grad():
-            model(token, state)
+        with torch.no_grad(), config.autocast():
+            model(token, state, check_inputs=False)
 
     return step
 
 
 def _ids(model: LM, config: LMBenchConfig, context: int) -> torch.Tensor:
+    """``[batch, C + 1]`` random tokens on the run's device (drawn on the CPU: the same on every device)."""
     generator = torch.Generator().manual_seed(config.seed + context)
-    return torch.randint(0, model.config.vocab_size, (config.batch(context), context + 1), generator=generator)
+    ids = torch.randint(0, model.config.vocab_size, (config.batch(context), context + 1), generator=generator)
+    return ids.to(config.device)
 
 
 def _profiles(model: LM, optimizer, config: LMBenchConfig, context: int) -> dict:
     """Top operators of one training step, one prefill and one decoding step at ``context``."""
-    ids = _ids(model, config, context)
-    train = profile_call(_training_step(model, optimizer, ids), device="cpu", top=config.profile_top)
+    ids, device, top = _ids(model, config, context), config.device, config.profile_top
+    train = profile_call(_training_step(model, optimizer, ids, config), device=device, top=top)
     model.eval()
     try:
-        prefill = profile_call(_prefill(model, ids[:, :-1]), device="cpu", top=config.profile_top)
-        token, state = _prefilled_state(model, context, config.seed + context)
-        decode = profile_call(_decode_step(model, token, state), device="cpu", top=config.profile_top)
+        prefill = profile_call(_prefill(model, ids[:, :-1], config), device=device, top=top)
+        token, state = _prefilled_state(model, config, context, config.seed + context)
+        decode = profile_call(_decode_step(model, token, state, config), device=device, top=top)
     finally:
         model.train()
     return {"train": train, "prefill": prefill, "decode": decode}
@@ -177,9 +207,9 @@ def _profiles(model: LM, optimizer, config: LMBenchConfig, context: int) -> dict
 
 def measure_model(spec: str, config: LMBenchConfig) -> list[dict]:
     """One row per context of ``config.contexts`` (ascending) for the model ``spec`` (see the
-    module docstring); run it in a fresh process (``harness.in_fresh_process``)."""
+    module docstring) on ``config.device``; run it in a fresh process (``harness.in_fresh_process``)."""
     torch.manual_seed(config.seed)
-    model = LM(config.model_config(spec)).train()
+    model = LM(config.model_config(spec)).to(config.device).train()
     optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-4)
     rows, failed, measured = [], None, None
     bytes_per_token, reference = None, None  # training-step peak per token, at the context ``reference``
@@ -196,8 +226,8 @@ def measure_model(spec: str, config: LMBenchConfig) -> list[dict]:
                                       f"bytes per token at C={reference}) > --memory-gb {config.memory_gb:g}")
                 continue
         ids = _ids(model, config, context)
-        train = measure(_training_step(model, optimizer, ids), repeats=config.repeats, warmup=config.warmup,
-                        device="cpu")
+        train = measure(_training_step(model, optimizer, ids, config), repeats=config.repeats, warmup=config.warmup,
+                        device=config.device)
         if train.failure is not None:
             row["skip_reason"], failed = train.failure, f"skipped after {train.failure} at C={context}"
             continue
@@ -207,13 +237,13 @@ def measure_model(spec: str, config: LMBenchConfig) -> list[dict]:
             bytes_per_token, reference = train.peak_bytes / row["tokens_per_step"], context
         model.eval()
         try:
-            prefill = measure(_prefill(model, ids[:, :-1]), repeats=config.repeats, warmup=config.warmup,
-                              device="cpu")
+            prefill = measure(_prefill(model, ids[:, :-1], config), repeats=config.repeats, warmup=config.warmup,
+                              device=config.device)
             if prefill.failure is None:
                 row.update(prefill_s=prefill.median_s, prefill_times_s=list(prefill.times_s),
                            prefill_peak_bytes=prefill.peak_bytes,
                            prefill_tokens_per_s=row["tokens_per_step"] / prefill.median_s)
-                times = _decode_times(model, context, config.decode_tokens, config.seed + context)
+                times = _decode_times(model, config, context, config.seed + context)
                 row.update(decode_times_s=times, decode_ms_per_token=median(times) * 1e3)
             else:
                 row["skip_reason"] = f"prefill: {prefill.failure}"
@@ -360,10 +390,12 @@ def write_results(rows: Sequence[dict], config: LMBenchConfig, out_dir: Path, *,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = summarize(rows)
-    shapes = {**dataclasses.asdict(config), "device": "cpu", "dtype": "float32", "decode_batch": 1,
+    shapes = {**dataclasses.asdict(config), "autocast": config.dtype != "float32", "decode_batch": 1,
               "models": {spec: config.model_config(spec).to_dict() for spec in models}}
-    metadata = reporting.collect_metadata(device="cpu", command=command, shapes=shapes)
-    text = (f"# bench lm\n\n`{command}`\n\nWhole models, {config.tokens_per_step:,} tokens per training step and "
+    metadata = reporting.collect_metadata(device=config.device, command=command, shapes=shapes)
+    precision = "bfloat16 autocast" if config.dtype == "bfloat16" else "float32"
+    text = (f"# bench lm\n\n`{command}`\n\nWhole models on {metadata['device']} ({metadata['device_name']}), "
+            f"{precision}, {config.tokens_per_step:,} tokens per training step and "
             f"prefill (batch = tokens / C), decode at batch 1 (median of {config.decode_tokens} greedy tokens); "
             f"each model in a fresh process.\n\n{markdown_table(rows)}\n```\n{format_summary(summary)}\n```\n")
     files = [reporting.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary),
@@ -378,6 +410,7 @@ def run(config: LMBenchConfig, models: Sequence[str], *, out_dir: Path, command:
         threads: int | None = None) -> dict:
     """Measure every model in its own process; after each, (re)write the result files, so an
     interrupted run keeps the models it finished. Returns ``write_results``'s dict and ``rows``."""
+    check_cuda_available("device", config.device)
     for spec in models:  # every configuration is checked before the first measurement
         try:
             config.model_config(spec)
@@ -449,13 +482,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", type=positive_int, metavar="N",
                         help="profile a training step, a prefill and a decoding step of each model at its longest "
                              "context; write the N operators with the most self time to profile.md")
+    parser.add_argument("--device", type=available_device_name, default="cpu",
+                        help="cpu, cuda or cuda:N: models, optimizer, tokens and states there (default %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="bfloat16: forward passes under bfloat16 autocast, float32 weights, as train.bf16 "
+                             "(default %(default)s)")
     parser.add_argument("--seed", type=non_negative_int, help="seed of the weights and tokens (default 0)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", type=Path, default=Path("results/bench-lm"), help="output directory")
 
 
 _FLAGS = ("contexts", "tokens_per_step", "d_model", "n_layers", "n_heads", "gau_d_k", "codebook_size", "block_size",
-          "window", "repeats", "warmup", "decode_tokens", "memory_gb", "seed")
+          "window", "repeats", "warmup", "decode_tokens", "memory_gb", "seed", "device", "dtype")
 
 
 def config_from_args(args: argparse.Namespace) -> LMBenchConfig:

@@ -9,6 +9,10 @@ state, one with it, one more once the carried position is treated as a symbolic 
 for k-means codebooks a graph before and one after the initialisation) and the allocator's
 warm-up. Reported per mode: the median step time and tokens/s of the remaining steps, and
 the warm-up time (for the compiled mode mostly compilation).
+
+``--device cuda`` (or ``cuda:N``) trains on that GPU: it sets ``train.device``, as
+``--set train.device=...`` does (giving both with different devices is an error); without
+either the run file's ``train.device`` applies (default cpu).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from .. import reporting
-from .._checks import positive_int
+from .._checks import available_device_name, check_cuda_available, positive_int
 from ..train import train
 from ..train.config import build_configs, load_run_file, parse_override
 from .harness import in_fresh_process
@@ -63,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps per mode")
     parser.add_argument("--warmup", type=positive_int, default=10,
                         help="first steps left out of the timing (they hold the compilation)")
+    parser.add_argument("--device", type=available_device_name,
+                        help="cpu, cuda or cuda:N: sets train.device (default: the run file's, else cpu)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument("--out", type=Path, default=Path("results/bench-train"), help="output directory")
 
@@ -72,10 +78,17 @@ def run_command(args: argparse.Namespace) -> int:
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup ({args.warmup}) must be smaller than --steps ({args.steps})")
     tables = dict(zip(("model", "train"), load_run_file(args.config)))
+    overridden = {}
     for text in args.overrides:
         table, key, value = parse_override(text)
-        tables[table][key] = value
-    model_config, _ = build_configs(tables["model"], tables["train"])  # refuse a bad run file before spawning
+        tables[table][key] = overridden[table, key] = value
+    if args.device is not None:
+        if overridden.get(("train", "device"), args.device) != args.device:
+            raise ValueError(f"--device {args.device} and --set train.device={overridden['train', 'device']} "
+                             "disagree; give the device once")
+        tables["train"]["device"] = args.device
+    model_config, train_config = build_configs(tables["model"], tables["train"])  # refuse a bad run before spawning
+    check_cuda_available("train.device", train_config.device)
     rows = [in_fresh_process(time_training, tables["model"], tables["train"], compiled=mode == "compiled",
                               steps=args.steps, warmup=args.warmup, threads=args.threads) for mode in args.modes]
     header = ["mode", "step time (median)", "tokens/s", f"first {args.warmup} steps (warm-up)"]
@@ -84,15 +97,15 @@ def run_command(args: argparse.Namespace) -> int:
     summary = {}
     if len(rows) == 2:
         summary["compiled_speedup"] = rows[0]["step_s"] / rows[1]["step_s"]
-    text = (f"# bench train\n\n`{args.command_line}`\n\n{model_config.attention} x {model_config.n_layers} layers, "
-            f"d_model {model_config.d_model}, {rows[0]['tokens_per_step']:,} tokens per step; median over steps "
+    shapes = {"model": tables["model"], "train": tables["train"], "steps": args.steps, "warmup": args.warmup}
+    metadata = reporting.collect_metadata(device=train_config.device, command=args.command_line, shapes=shapes)
+    text = (f"# bench train\n\n`{args.command_line}`\n\non {metadata['device']} ({metadata['device_name']}): "
+            f"{model_config.attention} x {model_config.n_layers} layers, d_model {model_config.d_model}, "
+            f"{rows[0]['tokens_per_step']:,} tokens per step; median over steps "
             f"{args.warmup + 1}..{args.steps}\n\n" + "\n".join(reporting.markdown_table_lines(header, cells)) + "\n")
     if "compiled_speedup" in summary:
         text += f"\ncompiled / eager speed: {summary['compiled_speedup']:.2f}x\n"
     args.out.mkdir(parents=True, exist_ok=True)
-    shapes = {"model": tables["model"], "train": tables["train"], "steps": args.steps, "warmup": args.warmup}
-    metadata = reporting.collect_metadata(device=tables["train"].get("device", "cpu"), command=args.command_line,
-                                          shapes=shapes)
     reporting.write_json(args.out / "results.json", rows=rows, metadata=metadata, summary=summary)
     reporting.write_markdown(args.out / "results.md", text)
     print(text)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_int, check_positive_number, int_at_least, is_int, positive_float
+from .._checks import check_cuda_available, check_int, check_positive_number, int_at_least, is_int, positive_float
 from ..train.optim import parameter_groups
 from . import framework
 from .framework import Experiment, ExperimentSpec, Grid, RunJournal, seeded_generator
@@ -195,8 +195,7 @@ class RetrievalTrainConfig:
         check_int("emb_dim", self.emb_dim, optional=True)
         for name in ("lr", "target_loss"):
             check_positive_number(name, getattr(self, name), finite=True)
-        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} requested but torch.cuda.is_available() is False")
+        check_cuda_available("device", self.device)
 
 
 @torch.no_grad()

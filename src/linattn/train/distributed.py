@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .._checks import check_cuda_available
+
 
 @dataclass
 class Context:
@@ -49,8 +51,7 @@ def setup(device: str = "cpu") -> Context:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     target = torch.device(device)
     if target.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was requested but torch.cuda.is_available() is False")
+        check_cuda_available("--device", device)
         target = torch.device("cuda", local_rank if world_size > 1 else (target.index or 0))
         torch.cuda.set_device(target)
     if world_size == 1:
