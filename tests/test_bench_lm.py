@@ -194,6 +194,12 @@ def test_summary_targets_from_the_rows():
     assert _verdicts(short) == ["not measured"] * 3
     assert "targets" not in lm.summarize([_row("vq", 512, 50, 1.0)])
 
+    # only long contexts (a 32k/64k run), VQ ahead from the first: where it overtook is unknown
+    long = [_row("softmax", 32768, 10), _row("vq", 32768, 60), _row("softmax", 65536, 5), _row("vq", 65536, 40)]
+    assert _verdicts(long) == ["not measured"] * 3
+    behind = [_row("softmax", 32768, 10), _row("vq", 32768, 6), _row("softmax", 65536, 5), _row("vq", 65536, 40)]
+    assert _verdicts(behind)[0] == "fail"
+
 
 @pytest.mark.parametrize(
     ("args", "named"),

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn import LM, LMConfig
+from linattn.bench import lm as bench_lm
 from linattn.train import TrainConfig, evaluate_bpb, train
 from linattn.train.optim import parameter_groups
 from _helpers import F64, HostRoundTrips, english_like
@@ -83,15 +84,7 @@ def test_training_step_makes_no_round_trip(spec):
     optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-3)
     ids = token_ids(2, 21)
 
-    def step() -> torch.Tensor:
-        logits, _, aux = model(ids[:, :-1], check_inputs=False)
-        loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad(set_to_none=True)
-        (loss + aux["commit_loss"]).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        model.update_codebooks()
-        return loss.detach()
+    step = bench_lm._training_step(model, optimizer, ids, bench_lm.LMBenchConfig(device=str(DEVICE)))
 
     first = step()
     with no_round_trips(ALLOWED.get(spec, ())):

@@ -120,9 +120,10 @@ QUICK = LMBenchConfig(contexts=(64, 128), tokens_per_step=256, d_model=32, n_hea
 
 
 def _training_step(model: LM, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: LMBenchConfig):
-    """One optimizer step as ``train.trainer`` takes it, on ``ids [B, C + 1]`` (inputs and targets)."""
+    """One optimizer step as ``train.trainer`` takes it, on ``ids [B, C + 1]`` (inputs and
+    targets); the step returns the loss (detached)."""
 
-    def step() -> None:
+    def step() -> torch.Tensor:
         with config.autocast():
             logits, _, aux = model(ids[:, :-1], check_inputs=False)
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
@@ -131,6 +132,7 @@ def _training_step(model: LM, optimizer: torch.optim.Optimizer, ids: torch.Tenso
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         model.update_codebooks()
+        return loss.detach()
 
     return step
 
@@ -301,6 +303,8 @@ def summarize(rows: Sequence[dict]) -> dict:
     overtake = next((c for c in ratios if all(ratios[d] >= 1 for d in ratios if d >= c)), None)
     if overtake is not None and overtake <= OVERTAKE_BY:
         overtaken = True
+    elif overtake is not None and overtake == min(ratios):  # ahead from the first measured C, past OVERTAKE_BY
+        overtaken = None
     else:
         overtaken = False if ratios and max(ratios) >= OVERTAKE_BY else None
     speedup = ratios.get(SPEEDUP_AT)
