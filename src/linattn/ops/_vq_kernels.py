@@ -97,6 +97,13 @@ def _window_span(r, a_last, L, HAS_PREV: tl.constexpr):
 
 
 @triton.jit
+def _rows(PTR, rows, ok, cols, width):
+    """``PTR[rows, cols]`` of a row-major array ``[*, width]``, zero for rows where ``ok`` is
+    False and for columns past ``width``."""
+    return tl.load(PTR + rows[:, None] * width + cols[None, :], mask=ok[:, None] & (cols[None, :] < width), other=0.0)
+
+
+@triton.jit
 def _query_tile(Q, H, G, Hkv, R, L, D, BM: tl.constexpr, BD: tl.constexpr, BE: tl.constexpr):
     """Where a (query tile, batch x head) program stands, and its queries: block r, rows a of
     the block (the last one a_last), the head indices, positions t, and q ``[BM, BD]``."""
@@ -136,19 +143,17 @@ def forward_kernel(Q, K, V, C, LOGN, MEANS, REL, OUT, LSE,
         w = start + tl.arange(0, BN)
         key_rows = bkv * (N + L) + r * L + w
         cols_ok = w < hi
-        k = tl.load(K + key_rows[:, None] * D + d[None, :], mask=cols_ok[:, None] & (d[None, :] < D), other=0.0)
-        v = tl.load(V + key_rows[:, None] * E + e[None, :], mask=cols_ok[:, None] & (e[None, :] < E), other=0.0)
+        k = _rows(K, key_rows, cols_ok, d, D)
+        v = _rows(V, key_rows, cols_ok, e, E)
         s = _window_logits(q, k, a, w, rel_rows, rel_so, scale, L, HAS_REL, IO, UPCAST, PRECISION)
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, IO, UPCAST, PRECISION)
     cache = bkv * R + r
     for start in range(0, S, BS):
         slots = start + tl.arange(0, BS)
         slots_ok = slots < S
-        c = tl.load(C + (hkv * S + slots[:, None]) * D + d[None, :], mask=slots_ok[:, None] & (d[None, :] < D),
-                    other=0.0)
+        c = _rows(C, hkv * S + slots, slots_ok, d, D)
         logn = tl.load(LOGN + cache * S + slots, mask=slots_ok, other=float("-inf"))
-        mu = tl.load(MEANS + (cache * S + slots[:, None]) * E + e[None, :], mask=slots_ok[:, None] & (e[None, :] < E),
-                     other=0.0)
+        mu = _rows(MEANS, cache * S + slots, slots_ok, e, E)
         s = _cache_logits(q, c, logn, scale, IO, UPCAST, PRECISION)
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, mu, IO, UPCAST, PRECISION)
     out = acc / l_i[:, None]
@@ -179,8 +184,8 @@ def query_grads_kernel(Q, K, V, C, LOGN, MEANS, REL, DO, LSE, DELTA, DQ, DREL,
         w = start + tl.arange(0, BN)
         key_rows = bkv * (N + L) + r * L + w
         cols_ok = w < hi
-        k = tl.load(K + key_rows[:, None] * D + d[None, :], mask=cols_ok[:, None] & (d[None, :] < D), other=0.0)
-        v = tl.load(V + key_rows[:, None] * E + e[None, :], mask=cols_ok[:, None] & (e[None, :] < E), other=0.0)
+        k = _rows(K, key_rows, cols_ok, d, D)
+        v = _rows(V, key_rows, cols_ok, e, E)
         s = _window_logits(q, k, a, w, rel_rows, rel_so, scale, L, HAS_REL, IO, UPCAST, PRECISION)
         p = tl.exp(s - lse[:, None])
         ds = p * (_dot(do, tl.trans(v), IO, UPCAST, PRECISION) - delta[:, None])
@@ -193,11 +198,9 @@ def query_grads_kernel(Q, K, V, C, LOGN, MEANS, REL, DO, LSE, DELTA, DQ, DREL,
     for start in range(0, S, BS):
         slots = start + tl.arange(0, BS)
         slots_ok = slots < S
-        c = tl.load(C + (hkv * S + slots[:, None]) * D + d[None, :], mask=slots_ok[:, None] & (d[None, :] < D),
-                    other=0.0)
+        c = _rows(C, hkv * S + slots, slots_ok, d, D)
         logn = tl.load(LOGN + cache * S + slots, mask=slots_ok, other=float("-inf"))
-        mu = tl.load(MEANS + (cache * S + slots[:, None]) * E + e[None, :], mask=slots_ok[:, None] & (e[None, :] < E),
-                     other=0.0)
+        mu = _rows(MEANS, cache * S + slots, slots_ok, e, E)
         p = tl.exp(_cache_logits(q, c, logn, scale, IO, UPCAST, PRECISION) - lse[:, None])
         ds = p * (_dot(do, tl.trans(mu), IO, UPCAST, PRECISION) - delta[:, None])
         dq += _dot(ds, c, IO, UPCAST, PRECISION)
@@ -250,8 +253,8 @@ def window_key_grads_kernel(Q, K, V, REL, DO, LSE, DELTA, DK, DV,
     d, e = tl.arange(0, BD), tl.arange(0, BE)
     keys_ok = c < L
     key_rows = bkv * (N + L) + j * L + c
-    k = tl.load(K + key_rows[:, None] * D + d[None, :], mask=keys_ok[:, None] & (d[None, :] < D), other=0.0)
-    v = tl.load(V + key_rows[:, None] * E + e[None, :], mask=keys_ok[:, None] & (e[None, :] < E), other=0.0)
+    k = _rows(K, key_rows, keys_ok, d, D)
+    v = _rows(V, key_rows, keys_ok, e, E)
     dk = tl.zeros([BN, BD], tl.float32)
     dv = tl.zeros([BN, BE], tl.float32)
     for g in range(G):
@@ -286,7 +289,7 @@ def cache_grads_kernel(Q, C, LOGN, MEANS, DO, LSE, DELTA, DC, DLOGN, DMEANS,
     slots_ok = slots < S
     N = R * L
     d, e = tl.arange(0, BD), tl.arange(0, BE)
-    c = tl.load(C + (hkv * S + slots[:, None]) * D + d[None, :], mask=slots_ok[:, None] & (d[None, :] < D), other=0.0)
+    c = _rows(C, hkv * S + slots, slots_ok, d, D)
     dc = tl.zeros([BS, BD], tl.float32)
     first = split * pairs_per_split
     last = tl.minimum(first + pairs_per_split, pairs)
@@ -294,8 +297,7 @@ def cache_grads_kernel(Q, C, LOGN, MEANS, DO, LSE, DELTA, DC, DLOGN, DMEANS,
         b, r = pair // R, pair % R  # (int64 offsets below through hkv)
         cache = (b * Hkv + hkv) * R + r
         logn = tl.load(LOGN + cache * S + slots, mask=slots_ok, other=float("-inf"))
-        mu = tl.load(MEANS + (cache * S + slots[:, None]) * E + e[None, :], mask=slots_ok[:, None] & (e[None, :] < E),
-                     other=0.0)
+        mu = _rows(MEANS, cache * S + slots, slots_ok, e, E)
         dmu = tl.zeros([BS, BE], tl.float32)
         dlogn = tl.zeros([BS], tl.float32)
         for g in range(G):
