@@ -18,7 +18,6 @@ import argparse
 import ast
 import hashlib
 import json
-import os
 import random
 import re
 import shlex
@@ -28,6 +27,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import _mutation_runner as runner
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "mutate"
@@ -137,18 +138,17 @@ def sync_stage(stage: Path) -> None:
     shutil.copy2(ROOT / "pyproject.toml", stage / "pyproject.toml")
 
 
-def pytest_command(target: Target, stage: Path) -> str:
-    args = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider"]
-    args += [str(stage / test) for test in target.tests]
-    if target.select:
-        args += ["-k", target.select]
-    return shlex.join(args)
+PYTEST_OPTIONS = ["-x", "-q", "-p", "no:cacheprovider"]
 
 
-def pytest_environment(stage: Path) -> dict[str, str]:
-    """The staged (mutated) sources come first on the path, ahead of the editable install."""
-    return {**os.environ, "PYTHONPATH": str(stage / "src"), "PYTHONDONTWRITEBYTECODE": "1",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+def pytest_args(target: Target) -> list[str]:
+    """The module's whole tests, as pytest arguments relative to the stage."""
+    return [*PYTEST_OPTIONS, *target.tests, *(["-k", target.select] if target.select else [])]
+
+
+def pytest_command(target: Target) -> str:
+    """The same run as a command line (for the summary; run it from the module's stage)."""
+    return shlex.join(["python", "-m", "pytest", *pytest_args(target)])
 
 
 def fingerprint(target: Target) -> str:
@@ -224,17 +224,64 @@ def open_session(target: Target, stage: Path) -> Path:
 # -- running -------------------------------------------------------------------------------
 
 
-def run_baseline(command: str, stage: Path) -> tuple[bool, float, str]:
+def run_baseline(target: Target, stage: Path) -> tuple[bool, float, str, dict[int, set[str]]]:
+    """The unmutated tests once: passed?, seconds, output, and the tests that run each line."""
+    lines = stage / "lines.json"
+    lines.unlink(missing_ok=True)
+    recorder = runner.LineRecorder(stage / target.module, lines)
     start = time.monotonic()
-    done = subprocess.run(shlex.split(command), cwd=stage, env=pytest_environment(stage), capture_output=True,
-                          text=True)
-    return done.returncode == 0, time.monotonic() - start, (done.stdout + done.stderr)[-3000:]
+    code, output = runner.run_pytest(pytest_args(target), stage=stage, timeout=float("inf"),
+                                     log=stage / "baseline.log", plugins=(recorder,))
+    seconds = time.monotonic() - start
+    passed = code == 0 and lines.exists()
+    return passed, seconds, output, runner.LineRecorder.read(lines) if passed else {}
 
 
-def run_mutants(session: Path, command: str, timeout: float, until: float, seed: str) -> int:
-    """Test pending mutants in a seeded random order until the wall-clock time ``until``."""
-    from cosmic_ray.mutating import mutate_and_test
+@dataclass(frozen=True)
+class Judge:
+    """Runs a mutant's tests: those that execute its statement, or the module's whole tests."""
+
+    target: Target
+    stage: Path
+    lines: dict[int, set[str]]
+    spans: dict[int, range]
+    timeout: float
+
+    def tests(self, line: int, whole: bool) -> tuple[str, list[str]]:
+        chosen = None if whole else runner.tests_for(line, self.spans, self.lines)
+        if chosen is None:
+            return WHOLE, pytest_args(self.target)
+        return f"{SELECTED} ({len(chosen)})", [*PYTEST_OPTIONS, *chosen]
+
+    def __call__(self, mutation, whole: bool = False):
+        """cosmic-ray's ``mutate_and_test``, with the tests run in a forked child."""
+        import cosmic_ray.plugins
+        from cosmic_ray.mutating import _make_diff, use_mutation
+        from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
+
+        operator = cosmic_ray.plugins.get_operator(mutation.operator_name)()
+        with use_mutation(mutation.module_path, operator, mutation.occurrence) as (original, mutated):
+            if mutated is None:
+                return WorkResult(worker_outcome=WorkerOutcome.NO_TEST)
+            which, args = self.tests(mutation.start_pos[0], whole)
+            code, output = runner.run_pytest(args, stage=self.stage, timeout=self.timeout,
+                                             log=self.stage / "mutant.log")
+        if code is None:
+            outcome, output = TestOutcome.KILLED, "timeout"
+        else:
+            outcome, output = (TestOutcome.SURVIVED if code == 0 else TestOutcome.KILLED), f"{which}\n{output}"
+        diff = "\n".join(_make_diff(original, mutated, mutation.module_path))
+        return WorkResult(output=output, diff=diff, test_outcome=outcome, worker_outcome=WorkerOutcome.NORMAL)
+
+
+WHOLE, SELECTED = "tests: the module's whole tests", "tests: those that run the statement"
+
+
+def run_mutants(session: Path, judge: Judge, until: float, seed: str) -> int:
+    """Test pending mutants in a seeded random order until the wall-clock time ``until``; with
+    time left, retest the survivors of a selection of tests on the module's whole tests."""
     from cosmic_ray.work_db import WorkDB, use_db
+    from cosmic_ray.work_item import TestOutcome
 
     with use_db(str(session), WorkDB.Mode.open) as db:
         pending = sorted(db.pending_work_items, key=lambda item: (item.mutations[0].start_pos,
@@ -244,9 +291,16 @@ def run_mutants(session: Path, command: str, timeout: float, until: float, seed:
         tested = 0
         for item in pending:
             if time.time() >= until:
-                break
-            db.set_result(item.job_id, mutate_and_test(item.mutations, command, timeout))
+                return tested
+            db.set_result(item.job_id, judge(item.mutations[0]))
             tested += 1
+        selected_survivors = [item for item, result in db.completed_work_items
+                              if result.test_outcome == TestOutcome.SURVIVED
+                              and (result.output or "").startswith(SELECTED)]
+        for item in sorted(selected_survivors, key=lambda item: item.job_id):
+            if time.time() >= until:
+                break
+            db.set_result(item.job_id, judge(item.mutations[0], whole=True))
     return tested
 
 
@@ -267,7 +321,8 @@ def summarise_session(session: Path) -> dict:
                 counts["survived"] += 1
                 diff = result.diff.replace(f"{session.parent}/", "").replace("--- mutation diff ---\n", "")
                 survivors.append({"line": mutation.start_pos[0], "operator": mutation.operator_name,
-                                  "occurrence": mutation.occurrence, "diff": diff})
+                                  "occurrence": mutation.occurrence, "diff": diff,
+                                  "whole_tests": (result.output or "").startswith(WHOLE)})
             elif result.test_outcome == TestOutcome.KILLED:
                 counts["timeout" if result.output == "timeout" else "killed"] += 1
             else:
@@ -295,15 +350,14 @@ def mutate_staged(target: Target, stage: Path, until: float) -> dict:
     started = time.monotonic()
     sync_stage(stage)
     session = open_session(target, stage)
-    command = pytest_command(target, stage)
-    passed, baseline, output = run_baseline(command, stage)
-    result = {"baseline_seconds": round(baseline, 1), "command": command}
+    passed, baseline, output, lines = run_baseline(target, stage)
+    result = {"baseline_seconds": round(baseline, 1), "command": pytest_command(target)}
     if not passed:
         result.update(status="baseline failed: the unmutated tests do not pass", output=output)
     else:
-        os.chdir(stage)
-        os.environ.update(pytest_environment(stage))
-        tested = run_mutants(session, command, max(60.0, 4 * baseline), until, seed=target.module)
+        spans = runner.statement_lines((stage / target.module).read_text(encoding="utf-8"))
+        judge = Judge(target, stage, lines, spans, timeout=max(60.0, 4 * baseline))
+        tested = run_mutants(session, judge, until, seed=target.module)
         result.update(status="ok", tested_this_run=tested)
     return {**result, **summarise_session(session), "seconds": round(time.monotonic() - started, 1)}
 
@@ -346,7 +400,8 @@ def markdown_summary(results: list[dict], elapsed: float) -> str:
     lines += ["", "## Surviving mutants", ""]
     for r in results:
         for survivor in r.get("survivors", []):
-            lines += [f"### {r['module']}:{survivor['line']} ({survivor['operator']})", "", "```diff",
+            judged = "" if survivor.get("whole_tests", True) else ", whole tests not run yet"
+            lines += [f"### {r['module']}:{survivor['line']} ({survivor['operator']}{judged})", "", "```diff",
                       survivor["diff"].strip(), "```", ""]
     return "\n".join(lines) + "\n"
 
@@ -368,7 +423,15 @@ def share_until(deadline: float, remaining: int, jobs: int) -> float:
     return now + (deadline - now) * min(1.0, jobs / remaining)
 
 
+def _unfinished(target: Target) -> bool:
+    stored = WORK / target.name / "result.json"
+    result = json.loads(stored.read_text()) if stored.exists() else {}
+    return result.get("status") == "ok" and result["counts"]["not_reached"] > 0
+
+
 def run_all(targets: list[Target], budget_minutes: float, jobs: int) -> list[dict]:
+    """Every module in turn, each with a fair share of the time left; modules with mutants left
+    untested go round again while the budget lasts."""
     deadline = time.time() + 60 * budget_minutes
     queue = list(targets)
     running: dict[str, subprocess.Popen] = {}
@@ -383,6 +446,8 @@ def run_all(targets: list[Target], budget_minutes: float, jobs: int) -> list[dic
         for name, process in list(running.items()):
             if process.poll() is not None:
                 del running[name]
+        if not queue and not running and deadline - time.time() > 60:
+            queue = [target for target in targets if _unfinished(target)]  # the time left goes round again
     results = []
     for target in targets:
         stored = WORK / target.name / "result.json"
@@ -414,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.one:
         (target,) = [t for t in TARGETS if t.module == args.one]
+        runner.preload()
         run_target(target, args.until)
         return 0
     targets = select_targets(args.only)
