@@ -151,12 +151,17 @@ def pytest_command(target: Target) -> str:
     return shlex.join(["python", "-m", "pytest", *pytest_args(target)])
 
 
-def fingerprint(target: Target) -> str:
-    digest = hashlib.sha256(HARNESS_VERSION.encode())
-    for path in (target.module, *target.tests):
-        digest.update((ROOT / path).read_bytes())
-    digest.update(json.dumps([target.select, KEPT_OPERATORS]).encode())
-    return digest.hexdigest()
+def fingerprints(target: Target) -> dict[str, str]:
+    """What a session depends on: the module with the selection of mutants, and its tests."""
+
+    def digest(*parts: bytes) -> str:
+        value = hashlib.sha256(HARNESS_VERSION.encode())
+        for part in parts:
+            value.update(part)
+        return value.hexdigest()
+
+    return {"module": digest((ROOT / target.module).read_bytes(), json.dumps(KEPT_OPERATORS).encode()),
+            "tests": digest(*((ROOT / path).read_bytes() for path in target.tests), json.dumps(target.select).encode())}
 
 
 # -- the session: every mutant, then the selection ----------------------------------------
@@ -212,13 +217,32 @@ def create_session(target: Target, stage: Path, session: Path) -> None:
 
 
 def open_session(target: Target, stage: Path) -> Path:
-    """The module's session, created again when the module, its tests or the selection changed."""
+    """The module's session. Created again when the module or the selection of mutants
+    changed; when only the tests changed, its survivors are tested again (killed mutants stay
+    killed: delete the stage to retest everything after tests were removed)."""
     session, stamp = stage / "session.sqlite", stage / "fingerprint"
-    current = fingerprint(target)
-    if not session.exists() or not stamp.exists() or stamp.read_text() != current:
+    current = fingerprints(target)
+    try:
+        stored = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        stored = None
+    if not session.exists() or not isinstance(stored, dict) or stored.get("module") != current["module"]:
         create_session(target, stage, session)
-        stamp.write_text(current)
+    elif stored.get("tests") != current["tests"]:
+        forget_survivors(session)
+    stamp.write_text(json.dumps(current))
     return session
+
+
+def forget_survivors(session: Path) -> int:
+    """Make the surviving mutants pending again; returns how many."""
+    from cosmic_ray.work_db import WorkDB, WorkResultStorage, use_db
+    from cosmic_ray.work_item import TestOutcome
+
+    with use_db(str(session), WorkDB.Mode.open) as db:
+        with db._session_maker.begin() as transaction:
+            return transaction.query(WorkResultStorage).filter(
+                WorkResultStorage.test_outcome == TestOutcome.SURVIVED).delete()
 
 
 # -- running -------------------------------------------------------------------------------
