@@ -539,3 +539,30 @@ def test_queries_and_keys_get_their_own_features():
                       mode=mode, chunk_size=4)
         assert_close(out, expected, 1e-12, 1e-10, f"{mode} out")
         assert_close(st.memory, expected_memory, 1e-12, 1e-10, f"{mode} memory")
+
+
+def test_beta_outside_zero_one_is_refused_unless_the_check_is_off():
+    """Default ``check_inputs=True``: one write strength below 0, above 1 or NaN is refused
+    by name; 0 and 1 themselves are allowed. ``check_inputs=False`` does not read beta."""
+    q, k, v, beta = _good()
+    for bad in (-0.25, 1.25, float("nan")):
+        wrong = beta.clone()
+        wrong[1, 0, 3] = bad
+        with pytest.raises(ValueError, match=r"beta must lie in \[0, 1\]"):
+            delta_rule(q, k, v, wrong)
+        out, _ = delta_rule(q, k, v, wrong, check_inputs=False)
+        assert out.shape == (2, 4, 5, 6)
+    bounds = beta.clone()
+    bounds[0, 0, 0], bounds[1, 1, 4] = 0.0, 1.0
+    out, _ = delta_rule(q, k, v, bounds)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("T, mode", [(3, "recurrent"), (1, None)])
+def test_recurrent_form_has_second_derivatives(T, mode):
+    """``mode="recurrent"`` (and the default for T == 1, the decoding step) is the plain
+    autograd reference: its second derivatives pass gradgradcheck against finite differences.
+    (The chunk form's hand-written backward is first order only.)"""
+    q, k, v, beta, _ = make_inputs(B=1, H=2, Hkv=1, T=T, Dk=3, Dv=2, seed=8)
+    inputs = tuple(t.clone().requires_grad_(True) for t in (q, k, v, beta))
+    assert torch.autograd.gradgradcheck(lambda *a: delta_rule(*a, mode=mode)[0], inputs)

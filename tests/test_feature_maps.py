@@ -271,3 +271,27 @@ def test_normalized_features_formulas(name, normalize):
 def test_soft_vq_codebook_must_be_a_float_matrix(codebook):
     with pytest.raises(ValueError, match="SoftVQ codebook must be a floating-point tensor"):
         fm.SoftVQ(codebook)
+
+
+def test_favor_under_compile_reads_only_prepared_draws(monkeypatch):
+    """While torch.compile traces, the projection is never drawn: a dimension prepared before
+    (and redrawn since: ``redraw`` prepares again what was prepared) is returned; another one
+    raises, naming ``prepare(d)``."""
+    f = fm.FAVOR(16, seed=3)
+    f.prepare(D)
+    f.redraw(7)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = f.projection(D, dtype=F64)
+    with pytest.raises(RuntimeError, match=rf"prepare\({D + 1}\)"):
+        f.projection(D + 1)
+    monkeypatch.undo()
+    assert torch.equal(traced, fm.FAVOR(16, seed=7).projection(D, dtype=F64))
+
+
+def test_get_feature_map_takes_one_as_the_smallest_argument():
+    """'favor:1' is one random feature and 'dpfp:1' is nu = 1; 'favor:0' and 'dpfp:0' are refused."""
+    assert fm.get_feature_map("favor:1").num_features == 1
+    assert fm.get_feature_map("dpfp:1").nu == 1
+    for spec in ("favor:0", "dpfp:0"):
+        with pytest.raises(ValueError, match=r"feature_map.*" + re.escape(repr(spec))):
+            fm.get_feature_map(spec)

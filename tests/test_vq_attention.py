@@ -654,3 +654,56 @@ def test_schedule_is_checked():
     q, k_hat, v, codes, codebook = make_vq(T=5)
     with pytest.raises(ValueError, match="schedule"):
         linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="gpu")
+
+
+def test_soft_vq_gradients_through_carried_states_equal_one_call():
+    """Soft VQ keeps every gradient (``grad_scope="none"``): pieces decoded one token at a
+    time, whose states fold a completed block's soft counts into the cache, give the
+    gradients of one call (block size 2; pieces 3, 1, 1, 2, 2: the second piece folds block 0,
+    the third reads it from the cache)."""
+    L = 2
+    q, k, v, codebook = make_soft(B=1, H=2, Hkv=1, T=9, Dk=3, Dv=2, S=4, seed=45, noise=0.5)
+    w = torch.randn(1, 2, 9, 2, generator=torch.Generator().manual_seed(5), dtype=F64)
+
+    def grads(pieces):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v, codebook)]
+        qq, kk, vv, cb = leaves
+        outs, state, start = [], None, 0
+        for n in pieces:
+            sl = slice(start, start + n)
+            out, state = linattn.soft_vq_attention(qq[:, :, sl], kk[:, :, sl], vv[:, :, sl], cb, temperature=0.7,
+                                                   block_size=L, initial_state=state, output_final_state=True)
+            outs.append(out)
+            start += n
+        return torch.autograd.grad((torch.cat(outs, dim=2) * w).sum(), leaves)
+
+    for name, got, ref in zip(["q", "k", "v", "codebook"], grads((3, 1, 1, 2, 2)), grads((9,))):
+        assert_close_rel(got, ref, rtol=1e-10, name=f"d{name}")
+
+
+def test_fold_block_passes_soft_count_gradients_unless_detached():
+    """``fold_block`` with soft codes a ``[B, Hkv, L, S]``: ``n' = n + sum_j a_j``,
+    ``m' = (n m + a^T v) / n'``; by default the gradient reaches a through both the counts and
+    the sums, with ``detach_counts=True`` only through the sums."""
+    from linattn.ops._vq_cache import fold_block
+
+    g = torch.Generator().manual_seed(9)
+    counts = 1.0 + torch.rand(1, 2, 3, generator=g, dtype=F64)
+    means = torch.randn(1, 2, 3, 4, generator=g, dtype=F64)
+    soft = torch.softmax(torch.randn(1, 2, 5, 3, generator=g, dtype=F64), dim=-1)
+    values = torch.randn(1, 2, 5, 4, generator=g, dtype=F64)
+    w_n, w_m = torch.randn(1, 2, 3, generator=g, dtype=F64), torch.randn(1, 2, 3, 4, generator=g, dtype=F64)
+
+    def loss(total, new_means):
+        return (total * w_n).sum() + (new_means * w_m).sum()
+
+    for detach in (False, True):
+        a = soft.clone().requires_grad_(True)
+        options = {"detach_counts": True} if detach else {}  # the default passes the gradient
+        got = torch.autograd.grad(loss(*fold_block(counts, means, a, values, **options)), a)[0]
+        b = soft.clone().requires_grad_(True)
+        added = b.sum(2).detach() if detach else b.sum(2)
+        total = counts + added
+        sums = torch.einsum("bhls,bhle->bhse", b, values)
+        ref = torch.autograd.grad(loss(total, (counts.unsqueeze(-1) * means + sums) / total.unsqueeze(-1)), b)[0]
+        assert_close_rel(got, ref, rtol=1e-12, name=f"d soft codes (detach_counts={detach})")
