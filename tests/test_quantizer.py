@@ -549,3 +549,203 @@ def test_quantizer_input_errors_name_the_problem():
     for mask in (torch.ones(2, 5), torch.ones(2, 4, dtype=torch.bool)):  # float, wrong shape
         with pytest.raises(ValueError, match=r"mask must be a bool tensor \[2, 5\]"):
             vq(k, mask)
+
+
+# ----------------------------------------------------------------------------- mutation gaps, codebook (2026-12-01b)
+
+
+def test_default_sync_runs_the_collectives_of_the_default_group(monkeypatch):
+    """With a process group, ``"sum"`` all-reduces each tensor and ``"broadcast"`` sends rank
+    0's values of each tensor (torch.distributed replaced by a recorder: one process cannot
+    run a collective; tests/test_quantizer_distributed.py runs the real one)."""
+    from linattn.nn.codebook import distributed_sync
+
+    calls = []
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+
+    def all_reduce(tensor, **kw):
+        calls.append(("all_reduce", tensor, kw))
+
+    def broadcast(tensor, src, **kw):
+        calls.append(("broadcast", tensor, {"src": src, **kw}))
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
+    a, b = torch.zeros(2), torch.ones(3)
+    distributed_sync("sum", [a, b])
+    assert [(name, t is x, kw) for (name, t, kw), x in zip(calls, (a, b))] == [("all_reduce", True, {})] * 2
+    assert len(calls) == 2
+    calls.clear()
+    distributed_sync("broadcast", [b, a])
+    assert [(name, t is x, kw) for (name, t, kw), x in zip(calls, (b, a))] == [("broadcast", True, {"src": 0})] * 2
+    assert len(calls) == 2
+
+
+def separated_clusters(scale=1.0, per=5, seed=0):
+    """``[2, 6 per, 2]`` keys: per head, ``per`` keys within 0.01 of each of 6 centers at least
+    15 apart (all coordinates positive), and the ``[2, 6, 2]`` centers."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.tensor([[10.0, 10.0], [10.0, 40.0], [40.0, 10.0], [40.0, 40.0], [25.0, 25.0], [60.0, 30.0]])
+    centers = torch.stack([base, base + 5.0])
+    pts = centers.repeat_interleave(per, dim=1) + 0.01 * torch.randn(2, 6 * per, 2, generator=g)
+    return scale * pts, scale * centers
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e12])
+def test_kmeans_plus_plus_seeds_fall_in_distinct_clusters(scale):
+    """k-means++ draws each seed after the first with probability proportional to its squared
+    distance to the nearest seed so far: with 6 well-separated clusters and 6 codes, a second
+    seed in an occupied cluster has probability below 1e-5, so the seeds (iters=0) are one key
+    of each cluster, at any magnitude of the keys (uniform random seeds share a cluster with
+    probability ~0.97)."""
+    keys, centers = separated_clusters(scale)
+    for seed in range(4):
+        seeds = linattn.nn.kmeans(keys, 6, iters=0, generator=torch.Generator().manual_seed(seed), seeding="kmeans++")
+        assert seeds.shape == (2, 6, 2)
+        for h in range(2):
+            assert any(torch.equal(s, key) for s in seeds[h] for key in keys[h])
+            cluster = ((seeds[h].to(F64)[:, None] - centers[h].to(F64)[None]) ** 2).sum(-1).argmin(-1)
+            assert sorted(cluster.tolist()) == list(range(6)), (seed, h, cluster)
+            assert all(any(torch.equal(s, key) for key in keys[h]) for s in seeds[h])
+
+
+def test_kmeans_plus_plus_with_fewer_distinct_keys_than_codes():
+    """Once every distinct key is a seed (all distances 0) the remaining seeds repeat keys
+    uniformly: 3 distinct keys (one twice), 5 codes -> every distinct key is a seed, and every
+    seed is a key."""
+    keys = torch.tensor([[[0.0, 0.0], [3.0, 1.0], [0.0, 0.0], [-2.0, 5.0]]])
+    distinct = {(0.0, 0.0), (3.0, 1.0), (-2.0, 5.0)}
+    for seed in range(4):
+        seeds = linattn.nn.kmeans(keys, 5, iters=0, generator=torch.Generator().manual_seed(seed), seeding="kmeans++")
+        got = [tuple(s) for s in seeds[0].tolist()]
+        assert len(got) == 5 and set(got) == distinct, (seed, got)
+
+
+def test_kmeans_returns_the_nearest_center_of_each_key():
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(2, 11, 3, generator=g)
+    for seeding in ("random", "kmeans++"):
+        centers, assign = linattn.nn.kmeans(keys, 4, iters=2, generator=g, seeding=seeding, return_assignment=True)
+        d = ((keys.to(F64)[:, :, None] - centers.to(F64)[:, None]) ** 2).sum(-1)  # [H, N, S]
+        assert torch.equal(assign, d.argmin(-1))
+
+
+def test_codebook_defaults_to_initialized_random_codes():
+    cb = linattn.Codebook(2, 3, 4)
+    assert bool(cb.initialized) and cb.initialization_pending() is False
+
+
+@pytest.mark.parametrize("name", ["n_heads", "head_dim", "codebook_size", "kmeans_iters"])
+@pytest.mark.parametrize("value", [0, 2.0, True])
+def test_codebook_sizes_must_be_positive_ints(name, value):
+    args = {"n_heads": 1, "head_dim": 2, "codebook_size": 4, "kmeans_iters": 3}
+    args[name] = value
+    with pytest.raises(ValueError, match=f"{name} must be a positive int, got {value!r}"):
+        linattn.Codebook(args["n_heads"], args["head_dim"], args["codebook_size"], kmeans_iters=args["kmeans_iters"])
+
+
+def test_init_scale_is_the_standard_deviation_of_the_random_codes():
+    torch.manual_seed(0)
+    cb = linattn.Codebook(1, 8, 1000, init_scale=4.0)  # 8000 normal draws: std within ~1%
+    assert 3.8 < cb.codebook.to(F64).std().item() < 4.2
+    assert abs(cb.codebook.to(F64).mean().item()) < 0.2
+    assert torch.equal(cb.ema_sums, cb.codebook)
+
+
+def test_initialization_pending_follows_the_loaded_flag():
+    """``load_state_dict`` reads the loaded ``initialized``; on the meta device (a model built
+    before its weights) it is read at the first use, once the buffers are real."""
+    uninitialized = linattn.Codebook(1, 2, 4, kmeans_init=True).state_dict()
+    cb = linattn.Codebook(1, 2, 4)
+    cb.load_state_dict(uninitialized)
+    assert cb.initialization_pending() is True
+    cb.load_state_dict(linattn.Codebook(1, 2, 4).state_dict())
+    assert cb.initialization_pending() is False
+    with torch.device("meta"):
+        lazy = linattn.Codebook(1, 2, 4)
+    lazy.load_state_dict({name: t.to("meta") for name, t in uninitialized.items()})  # no host read
+    lazy.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, t in uninitialized.items():
+            getattr(lazy, name).copy_(t)
+    assert lazy.initialization_pending() is True
+
+
+def test_restart_after_a_fully_masked_step_draws_from_the_step_before():
+    """A rank whose forwards since the last update were all padding proposes the keys of the
+    last forward that had real tokens (here the other rank's statistics make the update run)."""
+    torch.manual_seed(0)
+    sync = RecordingSync()
+    vq = tiny_quantizer([0.0, 100.0, 200.0], ema_decay=0.5, dead_code_threshold=0.6, sync=sync)
+    first = [1.0, 2.0, 3.0]
+    vq(as_keys(first))
+    vq.update()  # codes 1 and 2 got no keys: restarted onto keys of `first`, count 1
+    sync.other_rank = (torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([[[4.0], [0.0], [0.0]]]))
+    vq(as_keys([50.0, 60.0]), mask=torch.zeros(1, 2, dtype=torch.bool))
+    vq.update()  # codes 1 and 2 again got no keys (count 1 -> 0.5): restarted
+    assert [op for op, _ in sync.calls] == ["sum", "broadcast"] * 2
+    for s in (1, 2):
+        assert vq.codebook[0, s].item() in first
+        assert vq.ema_counts[0, s].item() == 1.0
+
+
+def test_restart_candidates_are_the_keys_since_the_previous_update():
+    """Step 1's keys (30 in [0, 1)) are not candidates of step 2's restart: the codes that
+    die in step 2 move onto step 2's keys {-50, -60}."""
+    torch.manual_seed(0)
+    vq = tiny_quantizer([0.0, 100.0, 200.0, 300.0, 400.0], ema_decay=0.5, dead_code_threshold=0.6)
+    step1 = [i / 32 for i in range(30)]
+    vq(as_keys(step1))
+    vq.update()  # codes 1..4 restarted onto keys of step 1 (count 1)
+    step2 = [-50.0, -60.0]
+    _, codes, _ = vq(as_keys(step2))
+    assert codes[0, 0, 0] == codes[0, 0, 1]  # both go to the lowest code
+    vq.update()  # the 3 restarted codes without keys decay to 0.5 and restart again
+    values = vq.codebook.flatten().tolist()
+    assert not any(v in step1 for v in values), values
+    assert sum(v in step2 for v in values) >= 3, values
+
+
+def test_restart_candidates_are_the_keys_of_every_forward_since_the_update():
+    """Two micro-batches before one update: the 11 dead codes draw from both (with one
+    batch's keys only, all 11 would come from one side; both sides appear w.p. 1 - 2^-10)."""
+    torch.manual_seed(0)
+    vq = tiny_quantizer([0.0] + [100.0 * s for s in range(1, 12)], ema_decay=0.5, dead_code_threshold=0.6)
+    a, b = [0.125 * i for i in range(1, 7)], [-0.125 * i for i in range(1, 7)]  # exact in float32
+    vq(as_keys(a))
+    vq(as_keys(b))
+    vq.update()
+    restarted = vq.codebook.flatten().tolist()[1:]
+    assert all(v in a + b for v in restarted), restarted
+    assert any(v in a for v in restarted) and any(v in b for v in restarted), restarted
+
+
+def test_restart_draws_each_heads_codes_from_its_own_keys():
+    torch.manual_seed(0)
+    vq = linattn.VectorQuantizer(2, 1, 3, ema_decay=0.5, dead_code_threshold=0.6)
+    cb = torch.tensor([[0.0, 100.0, 200.0], [0.0, -100.0, -200.0]]).unsqueeze(-1)
+    with torch.no_grad():
+        vq.codebook.copy_(cb)
+        vq.ema_sums.copy_(cb)
+        vq.ema_counts.fill_(1.0)
+    k = torch.tensor([[0.1, 0.2, 0.3, 0.4], [-1.0, -2.0, -3.0, -4.0]]).reshape(1, 2, 4, 1)
+    vq(k)
+    vq.update()  # codes 1, 2 of both heads got no keys: restarted
+    for h in range(2):
+        for s in (1, 2):
+            assert vq.codebook[h, s, 0].item() in k[0, h, :, 0].tolist(), (h, s)
+            assert vq.ema_counts[h, s].item() == 1.0
+
+
+def test_kmeans_init_waits_for_a_batch_with_real_tokens():
+    torch.manual_seed(0)
+    vq = linattn.VectorQuantizer(2, 3, 8, kmeans_init=True)
+    before = vq.codebook.clone()
+    k = clustered()
+    vq(k, mask=torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool))
+    assert not bool(vq.initialized) and vq.initialization_pending() is True
+    assert torch.equal(vq.codebook, before)
+    vq(k)
+    assert bool(vq.initialized) and torch.equal(vq.ema_sums, vq.codebook)
+    assert mean_nearest_distance(k, vq.codebook) < 0.2 * mean_nearest_distance(k, before)
