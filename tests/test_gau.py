@@ -345,3 +345,82 @@ def test_training_passes_keep_no_graph_in_the_caches(attention):
     copied = copy.deepcopy(gau)
     with torch.no_grad():
         torch.testing.assert_close(copied(x)[0], gau(x)[0], rtol=0, atol=0)
+
+
+def test_entropy_scale_and_sinusoid_dropout_outside_their_range_are_refused_by_name():
+    """``scale="entropy"`` is for the exact softmax unit only; ``sinusoid_dropout`` lies in [0, 1)."""
+    GAU(8, d_k=8, attention="softmax", scale="entropy")  # the one unit that takes it
+    for attention in ("vq", "soft-vq", "fsq"):
+        with pytest.raises(ValueError, match="scale='entropy' is for the exact softmax unit"):
+            GAU(8, d_k=8, attention=attention, scale="entropy")
+    for dropout in (1.0, 1.5, -0.1, "0.5", None):
+        with pytest.raises(ValueError, match=r"sinusoid_dropout must be in \[0, 1\)"):
+            GAU(8, d_k=8, sinusoid_dropout=dropout)
+
+
+def test_sinusoids_stay_out_of_the_state_dict_and_are_rebuilt_on_reset():
+    """The sinusoids are a function of block size and width: not saved, and ``_reset_buffers``
+    (used after a weights-only materialisation) rebuilds all L + 1 offsets."""
+    gau = GAU(10, d_k=6, block_size=20, attention="softmax").double()
+    assert "sinusoids" not in gau.state_dict()
+    gau.sinusoids = torch.zeros(1, 6)
+    gau._reset_buffers()
+    offsets = torch.arange(21, dtype=F64)[:, None]
+    frequencies = 10000.0 ** (-torch.arange(0, 6, 2, dtype=F64) / 6)
+    expected = torch.cat([torch.sin(offsets * frequencies), torch.cos(offsets * frequencies)], dim=-1)
+    assert gau.sinusoids.dtype == F64 and gau.sinusoids.shape == (21, 6)
+    torch.testing.assert_close(gau.sinusoids, expected, rtol=0, atol=1e-6)
+
+
+def test_initial_fsq_projections_have_the_scale_of_the_keys():
+    """FSQ's ``init_scale`` is the key scale ``d_k^-1/4``: ``w_in`` has rms ``1 / (d_k^-1/4 sqrt(d_k))``
+    (so z is O(1)) and ``w_out`` rms ``d_k^-1/4 / sqrt(d)`` for d = 4 bounded dimensions."""
+    torch.manual_seed(0)
+    d_k = 256
+    gau = GAU(8, d_k=d_k, attention="fsq", fsq_levels=(8, 5, 5, 5))
+    key_scale = d_k**-0.25
+    for weight, expected in ((gau.quantizer.w_in, 1.0 / (key_scale * d_k**0.5)), (gau.quantizer.w_out, key_scale / 2)):
+        rms = weight.detach().double().pow(2).mean().sqrt().item()
+        assert abs(rms - expected) < 0.15 * expected, (rms, expected)
+
+
+def test_entropy_scaled_softmax_unit_decodes_token_by_token_as_in_one_pass():
+    """With ``scale="entropy"`` row n of the logits is scaled by log_512(n) (n = position + 1,
+    counting the cached tokens): decoding token by token from a cache equals one pass."""
+    torch.manual_seed(3)
+    gau = GAU(8, d_k=8, block_size=4, attention="softmax", scale="entropy").double().eval()
+    x = torch.randn(2, 7, 8, dtype=F64)
+    with torch.no_grad():
+        full, _, _ = gau(x)
+        _, state, _ = gau(x[:, :3])
+        rest, _, _ = gau(x[:, 3:5], state)
+        steps = []
+        for t in range(7):
+            y, state, _ = gau(x[:, t : t + 1], None if t == 0 else state)
+            steps.append(y)
+    assert full.shape == (2, 7, 8)
+    torch.testing.assert_close(rest, full[:, 3:5], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-12, atol=1e-12)
+
+
+def test_relative_terms_are_computed_once_without_gradients_unless_dropout_draws_them(monkeypatch):
+    """Without gradients the relative terms are cached, in eval mode (sinusoid dropout is off
+    there) and in training mode without dropout; training mode with dropout redraws them each call."""
+    import linattn.nn.gau as gau_module
+
+    calls = []
+    original = gau_module._compute_relative_terms
+
+    def counting(unit, dtype):
+        calls.append(unit.training)
+        return original(unit, dtype)
+
+    monkeypatch.setattr(gau_module, "_compute_relative_terms", counting)
+    x = torch.randn(1, 3, 8, dtype=F64)
+    for dropout, training, expected in ((0.5, False, 1), (0.0, True, 1), (0.0, False, 1), (0.5, True, 2)):
+        gau = GAU(8, d_k=8, attention="softmax", variant="paper", sinusoid_dropout=dropout).double().train(training)
+        calls.clear()
+        with torch.no_grad():
+            gau(x)
+            gau(x)
+        assert len(calls) == expected, (dropout, training, calls)

@@ -165,3 +165,18 @@ def test_token_steps_fill_one_buffer_per_block():
             if not buffers or state._resident is not buffers[-1]:
                 buffers.append(state._resident)
     assert len(buffers) == 4  # positions 2..14 with blocks of 4: the blocks of 2-3, 4-7, 8-11, 12-14
+
+
+def test_a_partial_block_as_long_as_the_block_size_is_refused():
+    """A unit's carried partial block is always shorter than its block size (a full block
+    moves to ``prev_keys``): a state holding L pending positions was made with a larger block
+    and is refused by name, on the one-token fast path and on the general path alike."""
+    unit = _unit()  # block_size 4
+    other = GAU(12, d_k=8, d_v=10, block_size=8, codebook_size=6).double().eval()
+    x = torch.randn(2, 6, 12, dtype=F64)
+    with torch.no_grad():
+        _, foreign, _ = other(x[:, :4])
+        assert foreign.partial_keys.shape[2] == 4 and foreign.prev_keys is None
+        for length in (1, 2):
+            with pytest.raises(ValueError, match="this unit's block_size is 4"):
+                unit(x[:, 4 : 4 + length], foreign)
