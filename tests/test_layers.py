@@ -257,3 +257,56 @@ def test_growing_cache_flag_says_whether_the_decode_state_grows(spec):
     _, state, _ = model(ids[:, 8:], state)  # 16 more tokens, the same phase of every block and window
     assert before > 0
     assert model.has_growing_cache == (_state_numel(state) > before), (spec, before, _state_numel(state))
+
+
+def test_parsed_specs_are_frozen_and_hashable():
+    spec = layer_registry.parse_layer_spec("local:4")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.option = "8"
+    assert {spec: 1}[layer_registry.LayerSpec("local", "4")] == 1
+
+
+@pytest.mark.parametrize("spec", ["favor:1", "local:1", "local:1:nope"])
+def test_counts_of_one_are_accepted(spec):
+    parsed = layer_registry.parse_layer_spec(spec)
+    assert str(parsed) == spec
+
+
+@pytest.mark.parametrize("spec", ["favor:0", "local:0"])
+def test_counts_of_zero_are_refused(spec):
+    with pytest.raises(ValueError, match="unknown layer attention spec"):
+        layer_registry.parse_layer_spec(spec)
+
+
+@pytest.mark.parametrize("spec", [3, None, "", "   "])
+def test_specs_that_are_not_non_empty_strings_are_refused_by_name(spec):
+    with pytest.raises(ValueError, match="must be a non-empty string"):
+        layer_registry.parse_layer_spec(spec)
+
+
+def test_entropy_flag_sets_the_scale_and_its_absence_keeps_the_config_scale():
+    config = linattn.LMConfig(n_layers=2, attention="softmax:entropy,softmax", **TINY)
+    model = linattn.LM(config)
+    assert model.layers[0].mixer.scale == "entropy"
+    assert model.layers[1].mixer.scale == config.attention_scale != "entropy"
+
+
+def test_delta_layers_normalize_identity_features_by_l2_and_others_by_their_sum():
+    model = linattn.LM(linattn.LMConfig(n_layers=2, attention="delta,delta:elu", **TINY))
+    assert model.layers[0].mixer.normalize == "l2"
+    assert model.layers[1].mixer.normalize == "sum"
+
+
+def test_rotary_head_dim_is_the_floor_of_d_model_over_n_heads():
+    # 8 // 3 = 2 channels per head: even, so rotary positions fit
+    linattn.LMConfig(n_layers=1, attention="softmax", **{**TINY, "d_model": 8, "n_heads": 3})
+    with pytest.raises(ValueError, match="got head_dim=1 "):  # 6 // 4 = 1
+        linattn.LMConfig(n_layers=1, attention="softmax", **{**TINY, "d_model": 6, "n_heads": 4})
+
+
+@pytest.mark.parametrize("kind", ["softmax", "local"])
+def test_only_nope_layers_accept_an_odd_head_dim(kind):
+    odd = {**TINY, "d_model": 6, "n_heads": 2}  # head_dim 3
+    linattn.LMConfig(n_layers=1, attention=f"{kind}:nope", **odd)
+    with pytest.raises(ValueError, match="even head dimension"):
+        linattn.LMConfig(n_layers=1, attention=kind, **odd)

@@ -710,3 +710,62 @@ def test_default_codebooks_are_ready_before_training():
     assert model.quantizers() and all(bool(q.initialized) for q in model.quantizers())
     opted = LM(LMConfig(d_model=16, n_layers=1, gau_d_k=8, codebook_size=8, block_size=4, kmeans_init=True))
     assert not any(bool(q.initialized) for q in opted.quantizers())
+
+
+@pytest.mark.parametrize("value", [0.0, 0.5])
+def test_sinusoid_dropout_in_zero_to_one_is_accepted(value):
+    assert LMConfig(sinusoid_dropout=value).gau_options()["sinusoid_dropout"] == value
+
+
+@pytest.mark.parametrize("value", [1.0, -0.1, "0.1"])
+def test_sinusoid_dropout_outside_zero_to_one_is_refused_by_name(value):
+    with pytest.raises(ValueError, match=r"LMConfig.sinusoid_dropout must be in \[0, 1\) or None"):
+        LMConfig(sinusoid_dropout=value)
+
+
+def test_gau_options_fill_unset_fields_from_the_variant():
+    # the defaults documented in LMConfig: linattn 0 / "cache" / "mean", paper 0.2 / "state" / "paper"
+    assert LMConfig().gau_options() == dict(variant="linattn", sinusoid_dropout=0.0, grad_scope="cache",
+                                            commitment_reduction="mean")
+    assert LMConfig(gau_variant="paper").gau_options() == dict(variant="paper", sinusoid_dropout=0.2,
+                                                               grad_scope="state", commitment_reduction="paper")
+
+
+def test_check_inputs_false_does_not_read_the_ids():
+    model = make_model("linear:elu", vocab_size=8)
+    ids = torch.tensor([[1, 8]])
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 8\)"):
+        model(ids)
+    with pytest.raises(IndexError):  # not range-checked: the embedding's indexing fails instead
+        model(ids, check_inputs=False)
+
+
+def test_update_codebooks_updates_every_quantizer(monkeypatch):
+    model = make_model("vq,vq")
+    calls = []
+    for quantizer in model.quantizers():
+        monkeypatch.setattr(quantizer, "update", lambda quantizer=quantizer: calls.append(quantizer))
+    model.update_codebooks()
+    assert len(calls) >= 2 and calls == model.quantizers()
+
+
+def test_activation_checkpointing_recomputes_only_when_on_and_under_grad():
+    plain = make_model("linear:elu", vocab_size=32)
+    assert plain.activation_checkpointing is False
+    recomputed = make_model("linear:elu", vocab_size=32)
+    recomputed.activation_checkpointing = True
+    ids = random_ids(2, 5, vocab=32)
+    grads = []
+    for model, forwards in ((plain, 1), (recomputed, 2)):
+        calls = []
+        model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        with torch.no_grad():
+            model(ids)
+        assert len(calls) == 1
+        logits, _, _ = model(ids)
+        grads.append(torch.autograd.grad(logits.square().sum(), list(model.parameters()), allow_unused=True))
+        assert len(calls) == 1 + forwards
+    for a, b in zip(*grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
