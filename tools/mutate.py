@@ -261,6 +261,10 @@ def run_baseline(target: Target, stage: Path) -> tuple[bool, float, str, dict[in
     return passed, seconds, output, runner.LineRecorder.read(lines) if passed else {}
 
 
+# How a result names the tests that judged it (the first line of its output).
+WHOLE, SELECTED = "tests: the module's whole tests", "tests: those that run the statement"
+
+
 @dataclass(frozen=True)
 class Judge:
     """Runs a mutant's tests: those that execute its statement, or the module's whole tests."""
@@ -296,9 +300,6 @@ class Judge:
             outcome, output = (TestOutcome.SURVIVED if code == 0 else TestOutcome.KILLED), f"{which}\n{output}"
         diff = "\n".join(_make_diff(original, mutated, mutation.module_path))
         return WorkResult(output=output, diff=diff, test_outcome=outcome, worker_outcome=WorkerOutcome.NORMAL)
-
-
-WHOLE, SELECTED = "tests: the module's whole tests", "tests: those that run the statement"
 
 
 def run_mutants(session: Path, judge: Judge, until: float, seed: str) -> int:
