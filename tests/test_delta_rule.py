@@ -566,3 +566,17 @@ def test_recurrent_form_has_second_derivatives(T, mode):
     q, k, v, beta, _ = make_inputs(B=1, H=2, Hkv=1, T=T, Dk=3, Dv=2, seed=8)
     inputs = tuple(t.clone().requires_grad_(True) for t in (q, k, v, beta))
     assert torch.autograd.gradgradcheck(lambda *a: delta_rule(*a, mode=mode)[0], inputs)
+
+
+def test_chunk_form_refuses_second_derivatives_naming_the_recurrent_form():
+    """``create_graph=True`` through the chunk form raises an error that points to
+    ``mode="recurrent"`` (its hand-written backward has no derivative), also when the
+    incoming gradient is a constant; a plain backward still works."""
+    q, k, v, beta, _ = make_inputs(B=1, H=2, Hkv=1, T=5, Dk=3, Dv=2, seed=9)
+    q = q.clone().requires_grad_(True)
+    out, _ = delta_rule(q, k, v, beta, mode="chunk", chunk_size=2)
+    with pytest.raises(RuntimeError, match="mode='recurrent'"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    out, _ = delta_rule(q, k, v, beta, mode="chunk", chunk_size=2)
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    assert torch.isfinite(grad).all()

@@ -71,6 +71,8 @@ class _ChunkDeltaRule(torch.autograd.Function):
     ``O_c = scale (Q_c S_c + (Q_c K_c^T * tril) U'_c)``. T is padded to a multiple of C
     with beta = 0 (no writes).
 
+    The backward is first order: under ``create_graph=True`` it raises (use the recurrent form).
+
     Backward, with ``dS_{c+1}`` the gradient reaching the state after chunk c and
     ``dO`` already multiplied by scale:
     ``dU'_c = P_c^T dO_c + K_c dS_{c+1}`` (P = masked Q K^T), ``dS_c = Q_c^T dO_c + dS_{c+1}
@@ -125,6 +127,11 @@ class _ChunkDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_memory):
+        if torch.is_grad_enabled():  # create_graph=True: this backward has no derivative of its own
+            raise RuntimeError(
+                "delta_rule(mode='chunk') has a first-order backward only, and create_graph=True asks for "
+                "second derivatives; use mode='recurrent' for them"
+            )
         rows, keys, vals, betas, inverse, w, states, corrected, scores, gram = ctx.saved_tensors
         N, G, T, Fd, E, C, n_chunks, scale = ctx.shape
         M = N * n_chunks
@@ -207,7 +214,8 @@ def delta_rule(
             update is only stable for ``beta |k|^2 < 2``).
         scale: output scale; ``None`` means ``F^-1/2`` (F = feature dimension).
         mode: ``"chunk"`` (WY/UT) or ``"recurrent"`` (token by token, the reference and
-            the decoding step); ``None`` picks recurrent for T == 1, else chunk.
+            the decoding step); ``None`` picks recurrent for T == 1, else chunk. Only the
+            recurrent form has second derivatives (``create_graph=True``).
         chunk_size: chunk length of ``mode="chunk"``.
         initial_state / output_final_state: carry a ``DeltaRuleState``.
         check_inputs: also check that beta lies in [0, 1], which reads its values (a host
