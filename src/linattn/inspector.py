@@ -329,7 +329,7 @@ def run_command(args: argparse.Namespace) -> int:
     data = open_data(args.data or train_config["data"], cache_dir=train_config.get("cache_dir"))
     tokens = data.tokens(args.split)[: args.tokens].long()
     if tokens.numel() < 2:
-        raise ValueError(f"the {args.split} split has {tokens.numel()} tokens; inspecting needs at least 2")
+        raise ValueError(f"--tokens {args.tokens} of the {args.split} split gives {tokens.numel()}; inspecting needs 2")
     entries = inspect_model(model, tokens.unsqueeze(0))
     args.out.mkdir(parents=True, exist_ok=True)
     header = (f"# linattn inspect\n\n`{args.command_line}`\n\n{checkpoint.path} (step {checkpoint.step}), "
