@@ -216,6 +216,20 @@ def test_inspect_model_leaves_no_hooks_and_the_original_ops():
     assert all(getattr(attention_module, name) is op for name, op in ops.items())
 
 
+def test_inspect_model_restores_the_training_mode():
+    """The model runs in eval mode for the inspection and is left in the mode it was in."""
+    config = linattn.LMConfig(d_model=16, n_layers=2, n_heads=2, gau_d_k=8, block_size=4, codebook_size=8,
+                              attention="vq,softmax")
+    model = linattn.LM(config)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+    for training in (True, False):
+        model.train(training)
+        inspect_model(model, torch.randint(0, 256, (1, 8)))
+        assert seen[-1] is False
+        assert model.training is training and all(m.training is training for m in model.modules())
+
+
 def test_markdown_lists_the_effective_rank_of_every_head():
     """Kernel layers get one row per head with the state's effective rank (two decimals)."""
     text = markdown([{"module": "layers.0.mixer", "kind": "linear", "effective_rank": [1.5, 2.25]}], "# header")
@@ -309,7 +323,7 @@ def test_inspect_command_reads_two_tokens_and_refuses_one(trained, tmp_path):  #
     assert with_heads and all(list(row["heads"][0]["entropy_by_position"]) == ["1-1"] for row in with_heads)
     code, _, stderr = run_captured(["inspect", "--ckpt", str(run), "--tokens", "1", "--out", str(tmp_path / "one")])
     assert code == 2
-    assert "--tokens 1 of the validation split gives 1; inspecting needs 2" in stderr
+    assert "inspecting needs 2 tokens; --tokens 1 of the validation split" in stderr and "gives 1" in stderr
 
 
 def test_inspect_command_creates_nested_out_and_writes_into_an_existing_one(trained, tmp_path):  # noqa: F811

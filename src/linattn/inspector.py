@@ -230,13 +230,15 @@ def head_summaries(weights: torch.Tensor, kind: str, block_size: int | None = No
 
 
 def inspect_model(model, ids: torch.Tensor) -> list[dict]:
-    """Run ``model`` on ``ids [1, T]`` and summarise every layer's heads (one entry per unit)."""
-    recorder = _Recorder(model)
+    """Run ``model`` on ``ids [1, T]`` and summarise every layer's heads (one entry per unit).
+    The model runs in eval mode; its training mode is restored afterwards."""
+    recorder, training = _Recorder(model), model.training
     try:
         with torch.no_grad(), recorder.patched():
             model.eval()(ids)
     finally:
         recorder.close()
+        model.train(training)
     entries = []
     for name, kind in recorder.kinds.items():
         entry = {"module": name, "kind": kind}
@@ -327,9 +329,11 @@ def run_command(args: argparse.Namespace) -> int:
     model, checkpoint = load_model(args.ckpt)
     train_config = checkpoint.meta["train_config"]
     data = open_data(args.data or train_config["data"], cache_dir=train_config.get("cache_dir"))
-    tokens = data.tokens(args.split)[: args.tokens].long()
+    split = data.tokens(args.split)
+    tokens = split[: args.tokens].long()
     if tokens.numel() < 2:
-        raise ValueError(f"--tokens {args.tokens} of the {args.split} split gives {tokens.numel()}; inspecting needs 2")
+        raise ValueError(f"inspecting needs 2 tokens; --tokens {args.tokens} of the {args.split} split "
+                         f"({split.numel()} tokens) gives {tokens.numel()}")
     entries = inspect_model(model, tokens.unsqueeze(0))
     args.out.mkdir(parents=True, exist_ok=True)
     header = (f"# linattn inspect\n\n`{args.command_line}`\n\n{checkpoint.path} (step {checkpoint.step}), "
