@@ -36,21 +36,26 @@ def make_qkv(B=2, H=4, Hkv=2, T=7, Dk=4, Dv=3, *, S=None, dtype=F64, positive=Fa
     return tuple(out)
 
 
-def wide_shift_inputs():
+def wide_shift_inputs(key=60.0, query=40.0, at=0):
     """float64 q, k, v for the exp map whose query + key shifts sum to ~100: a late key
     with log-feature 60 sets the key shift, and early queries with log-features up to 40
     see only far weaker keys (true denominators far below eps). In float32 the shifted
-    eps term, exp(-100) * eps, is below the float range."""
+    eps term, exp(-100) * eps, is below the float range.
+
+    ``key`` and ``query`` set the two log-features (their sum is the largest shift);
+    ``at`` moves the wide queries to positions ``at`` and ``at + 1``, every key before
+    them made weak too, so the queries before ``at`` keep ordinary shifts."""
     g = torch.Generator().manual_seed(5)
     T = 13
     q = torch.randn(1, 2, T, 2, generator=g, dtype=F64)
     k = torch.randn(1, 1, T, 2, generator=g, dtype=F64)
     v = torch.randn(1, 1, T, 3, generator=g, dtype=F64)
-    k[0, 0, T - 2] = torch.tensor([60.0, 0.0])
-    q[0, :, 0] = torch.tensor([40.0, -200.0])
-    k[0, 0, 0] = torch.tensor([-200.0, 0.0])
-    q[0, :, 1] = torch.tensor([35.0, 0.0])
-    k[0, 0, 1] = torch.tensor([-110.0, -75.0])
+    k[0, 0, T - 2] = torch.tensor([key, 0.0])
+    k[0, 0, :at, 0] = -200.0
+    q[0, :, at] = torch.tensor([query, -200.0])
+    k[0, 0, at] = torch.tensor([-200.0, 0.0])
+    q[0, :, at + 1] = torch.tensor([query - 5.0, 0.0])
+    k[0, 0, at + 1] = torch.tensor([-110.0, -75.0])
     return q, k, v
 
 

@@ -26,7 +26,7 @@ from _helpers import (
     wide_shift_inputs,
 )
 from linattn import LinearAttentionState, linear_attention
-from linattn.feature_maps import DPFP, FAVOR, Exp, get_feature_map
+from linattn.feature_maps import DPFP, FAVOR, Exp, FeatureMap, SoftVQ, get_feature_map
 
 MODES = ("parallel", "chunk", "recurrent")
 NORMALIZE = ("attention", "sum", None)
@@ -66,15 +66,20 @@ def true_sums(state):
     return state.kv * factor[..., None, None], z
 
 
-def loop_reference(q, k, v, fmap, *, causal, normalize, eps=EPS, initial=None):
+def loop_reference(q, k, v, fmap, *, causal, normalize, eps=EPS, initial=None, features=None):
     """The formula, one query position at a time, with unstabilised features.
 
     ``initial``: optional ``(S_0 [B, Hkv, F, Dv], z_0 [B, Hkv, F] or None)`` true sums.
+    ``features``: optional ``(phi(q), phi(k))`` computed by the caller, for maps whose
+    query and key features differ.
     Returns ``(out, S_final, z_final)`` with the final sums per key/value head.
     """
     B, H, T, _ = q.shape
     Hkv = k.shape[1]
-    phi_q, phi_k = independent_features(fmap, q), independent_features(fmap, k)
+    if features is None:
+        phi_q, phi_k = independent_features(fmap, q), independent_features(fmap, k)
+    else:
+        phi_q, phi_k = features
     if normalize == "sum":
         extra = 0.0 if is_exponential(fmap) else eps  # exponential maps normalise exactly
         phi_q = phi_q / (phi_q.sum(-1, keepdim=True) + extra)
@@ -95,6 +100,36 @@ def loop_reference(q, k, v, fmap, *, causal, normalize, eps=EPS, initial=None):
     S_final = S0 + torch.einsum("bgnf,bgne->bgfe", phi_k, v)
     z_final = z0 + phi_k.sum(2)
     return out, S_final, z_final
+
+
+class AsymmetricExp(FeatureMap):
+    """A user's exponential map whose query and key features differ:
+    ``log phi(q) = q``, ``log phi(k) = 2 k - 1``."""
+
+    name = "asymmetric-exp"
+    exponential = True
+
+    def dim_out(self, d):
+        return d
+
+    def log_features(self, x, *, is_query):
+        return x if is_query else 2 * x - 1
+
+
+def soft_vq_codebook(Dk=4, S=5):
+    return torch.randn(S, Dk, generator=torch.Generator().manual_seed(11), dtype=F64)
+
+
+def own_features(map_name, q, k):
+    """``(phi(q), phi(k))`` of the maps whose queries and keys differ, from their formulas:
+    SoftVQ (temperature 0.5) ``exp(q.c - max q.c)`` and ``softmax(-|k - c|^2 / 2 tau)``;
+    ``AsymmetricExp`` ``exp(q)`` and ``exp(2 k - 1)``."""
+    if map_name == "asymmetric-exp":
+        return torch.exp(q), torch.exp(2 * k - 1)
+    C = soft_vq_codebook(q.shape[-1])
+    logits = torch.einsum("...d,sd->...s", q, C)
+    distances = ((k.unsqueeze(-2) - C) ** 2).sum(-1)
+    return torch.exp(logits - logits.max(-1, keepdim=True).values), torch.softmax(-distances / (2 * 0.5), dim=-1)
 
 
 def run(q, k, v, fmap, **kwargs):
@@ -139,6 +174,24 @@ def test_modes_match_formula(map_name, normalize, causal, T, with_state):
         assert_close_rel(kv, S_final, rtol=1e-9, name=f"{mode} state.kv")
         if normalize == "attention":
             assert_close_rel(z, z_final, rtol=1e-9, name=f"{mode} state.normalizer")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+@pytest.mark.parametrize("map_name", ["soft-vq", "asymmetric-exp"])
+def test_queries_and_keys_get_their_own_features(map_name, causal):
+    """Maps whose query and key features differ (SoftVQ; a user's exponential map, which
+    "attention" stabilises by shifts) == the formula with each side's own features, in
+    every mode (chunk 4 of T=9) and normalisation."""
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, T=9, Dk=4, Dv=3, seed=12)
+    features = own_features(map_name, q, k)
+    normalizations = NORMALIZE if map_name == "soft-vq" else ("attention", None)
+    fmap = SoftVQ(soft_vq_codebook(), temperature=0.5) if map_name == "soft-vq" else AsymmetricExp()
+    for normalize in normalizations:
+        expected, S_final, _ = loop_reference(q, k, v, fmap, causal=causal, normalize=normalize, features=features)
+        for mode in MODES:
+            out, state = run(q, k, v, fmap, causal=causal, normalize=normalize, mode=mode, chunk_size=4)
+            assert_close_rel(out, expected, rtol=1e-9, name=f"{normalize} {mode} output")
+            assert_close_rel(true_sums(state)[0], S_final, rtol=1e-9, name=f"{normalize} {mode} state.kv")
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -319,14 +372,47 @@ def test_state_without_key_shift_holds_unshifted_sums(map_name):
     assert final.steps == 37
 
 
+def test_final_state_is_returned_only_when_asked():
+    """By default (``output_final_state=False``) the second result is None; asked for, it is
+    the state after the last position."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=5, Dk=3, Dv=2)
+    for fmap in ("elu", "exp"):
+        out, state = linear_attention(q, k, v, feature_map=fmap)
+        assert state is None
+        asked, state = linear_attention(q, k, v, feature_map=fmap, output_final_state=True)
+        assert isinstance(state, LinearAttentionState) and state.steps == 5
+        assert torch.equal(asked, out)
+
+
+def test_state_key_shift_of_the_wrong_shape_is_refused_by_name():
+    """An exponential map's carried ``key_shift`` must be ``[B, Hkv]``: flattened (the same
+    size) or of the wrong length, it is refused naming ``initial_state.key_shift``."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=2, T=5, Dk=3, Dv=2)
+    _, state = run(q, k, v, "exp")
+    for bad in (state.key_shift.reshape(2), torch.zeros(1, 3, dtype=F64)):
+        carried = LinearAttentionState(kv=state.kv, normalizer=state.normalizer, key_shift=bad, steps=5)
+        with pytest.raises(ValueError, match=r"initial_state\.key_shift has shape \[.*\], expected \[1, 2\]"):
+            run(q, k, v, "exp", initial_state=carried)
+
+
 # ----------------------------------------------------------------------------- float32 range
 
 
+# (key, query, at) of wide_shift_inputs: shifts summing to 100, and to 80 on queries of the
+# second chunk of 4, the first chunk's shifts staying ordinary. 80 is past the guard's limit
+# (log(eps) - log(float32 tiny) - 17 = 56.5 for eps = 1e-6) but below that limit + 34, and the
+# float32 gradients already overflow there (NaN from about 75).
+WIDE_SHIFTS = {"shift100": (60.0, 40.0, 0), "shift80-second-chunk": (30.0, 50.0, 4)}
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_float32_wide_shifts_match_float64_formula(mode):
+@pytest.mark.parametrize("shifts", list(WIDE_SHIFTS))
+def test_float32_wide_shifts_match_float64_formula(shifts, mode):
     """float32 inputs whose shifts leave float32's range: output and gradients are finite
-    and equal the float64 formula; the output keeps the input dtype."""
-    q, k, v = wide_shift_inputs()
+    and equal the float64 formula; the output keeps the input dtype. The guard reads the
+    largest shift of every chunk, and takes shifts that sum to 80 as well as 100."""
+    key, query, at = WIDE_SHIFTS[shifts]
+    q, k, v = wide_shift_inputs(key, query, at)
     grad_out = torch.randn(1, 2, q.shape[2], 3, generator=torch.Generator().manual_seed(6), dtype=F64)
     ref_inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
     expected, _, _ = loop_reference(*ref_inputs, "exp", causal=True, normalize="attention")
@@ -373,6 +459,65 @@ def test_float32_ordinary_shifts_stay_in_float32(map_name, monkeypatch):
     for mode in MODES:
         out, _ = run(q, k, v, MAPS[map_name](), mode=mode, chunk_size=8)
         assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("map_name", ["exp", "favor"])
+def test_float32_exponential_maps_accept_zero_eps(map_name):
+    """``eps=0`` (allowed: eps >= 0) with an exponential map in float32, where the range
+    guard has no eps term to protect, == the float64 formula without eps."""
+    q, k, v = (t.float() for t in inputs_for(map_name, B=1, H=2, Hkv=1, T=9, Dk=4, Dv=3))
+    expected, _, _ = loop_reference(q.double(), k.double(), v.double(), MAPS[map_name](), causal=True,
+                                    normalize="attention", eps=0.0)
+    for mode in MODES:
+        out, _ = run(q, k, v, MAPS[map_name](), mode=mode, chunk_size=4, eps=0.0)
+        assert_close_rel(out, expected, rtol=1e-5, name=f"{mode} output")
+
+
+@pytest.mark.parametrize("map_name", ["exp", "asymmetric-exp"])
+def test_largest_shift_is_the_largest_query_plus_key_shift_of_a_row(map_name):
+    """The shift on which a compiled call decides the float64 recomputation (in the graph,
+    before either computation) == max over rows of (the row's largest query log-feature +
+    its key/value head's key shift); the key shift is merged with a carried state's (0 for
+    a state without one). GQA (H=4 over Hkv=2); keys below 0 so that the merge matters."""
+    from linattn.ops.linear import _largest_shift
+
+    fmap = Exp() if map_name == "exp" else AsymmetricExp()
+    q, k, _ = make_qkv(B=2, H=4, Hkv=2, T=5, Dk=3, Dv=2, dtype=torch.float32, seed=13)
+    k = k - 5
+    log_q, log_k = q.double(), (k.double() if map_name == "exp" else 2 * k.double() - 1)
+    row_shifts = log_q.amax(-1)  # [B, H, T]
+    heads = torch.arange(4) // 2
+    key_shift = log_k.amax((-1, -2))  # [B, Hkv]
+    carried = torch.tensor([[4.0, -30.0], [-30.0, -30.0]])
+    cases = {  # name: (carried key_shift or None, the key shift the rows see)
+        "no state": (None, key_shift),
+        "state with a shift": (carried, torch.maximum(key_shift, carried.double())),
+        "state without a shift": (None, key_shift.clamp_min(0.0)),
+    }
+    for name, (shift, merged) in cases.items():
+        state = None
+        if name != "no state":
+            state = LinearAttentionState(kv=torch.zeros(2, 2, 3, 2), normalizer=torch.zeros(2, 2, 3), key_shift=shift,
+                                         steps=5)
+        expected = (row_shifts + merged[:, heads, None]).max()
+        torch.testing.assert_close(_largest_shift(q, k, fmap, state).double(), expected, rtol=1e-6, atol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_compiled_noncausal_call_returns_the_whole_state():
+    """Compiled (fullgraph), a non-causal exp-map call in float32 with a final state, on
+    ordinary and on wide shifts (the two branches of the graph's float64 choice), returns
+    the float64 formula's output and the whole state (the layers' compiled calls are causal)."""
+    compiled = torch.compile(functools.partial(linear_attention, feature_map="exp", causal=False,
+                                               output_final_state=True), backend="eager", fullgraph=True)
+    for q, k, v in (make_qkv(B=1, H=2, Hkv=1, T=13, Dk=2, Dv=3), wide_shift_inputs()):
+        expected, S_ref, z_ref = loop_reference(q, k, v, "exp", causal=False, normalize="attention")
+        out, state = compiled(q.float(), k.float(), v.float())
+        assert out.dtype == state.kv.dtype == state.normalizer.dtype == state.key_shift.dtype == torch.float32
+        kv, normalizer = true_sums(state)
+        assert_close_rel(out, expected, rtol=1e-5, name="output")
+        assert_close_rel(kv, S_ref, rtol=1e-5, name="kv")
+        assert_close_rel(normalizer, z_ref, rtol=1e-5, name="normalizer")
 
 
 # ----------------------------------------------------------------------------- half precision
