@@ -544,3 +544,23 @@ def test_half_precision_long_sequence(map_name, dtype):
     assert torch.isfinite(out).all()
     assert state.kv.dtype == torch.float32 and torch.isfinite(state.kv).all()
     assert_close_rel(out, expected, rtol=1e-2 if dtype == torch.float16 else 3e-2)
+
+
+@pytest.mark.parametrize("causal, T, mode, expected", [
+    (True, 5, "parallel", "_parallel"), (True, 5, "chunk", "_chunk"), (True, 5, "recurrent", "_recurrent"),
+    (False, 5, "parallel", "_parallel"), (False, 1, "recurrent", "_recurrent"),
+    (True, 5, None, "_chunk"), (True, 1, None, "_recurrent"), (False, 1, None, "_chunk"), (False, 5, None, "_chunk"),
+])
+def test_mode_runs_the_form_it_names(monkeypatch, causal, T, mode, expected):
+    """An explicit ``mode`` runs that form (their memory differs: the parallel form is
+    quadratic); ``None`` runs the recurrent form for a causal T == 1 call, else the chunk form."""
+    import linattn.ops.linear as module
+
+    ran = []
+    for name in ("_parallel", "_chunk", "_recurrent"):
+        form = getattr(module, name)
+        monkeypatch.setattr(module, name, functools.partial(lambda form, name, *a: ran.append(name) or form(*a),
+                                                            form, name))
+    q, k, v = (torch.randn(1, 2, T, 4, dtype=torch.float64) for _ in range(3))
+    linear_attention(q, k, v, causal=causal, mode=mode, chunk_size=2)
+    assert ran == [expected]

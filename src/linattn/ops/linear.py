@@ -194,7 +194,7 @@ def linear_attention(
         mode: ``"parallel"`` (quadratic reference; also the cheaper order for a few
             non-causal queries over many keys, ``T T_k (F + Dv)`` instead of
             ``T_k F Dv`` work), ``"chunk"``, ``"recurrent"``; ``None`` picks
-            ``"recurrent"`` for T == 1 (decoding) and ``"chunk"`` otherwise.
+            ``"recurrent"`` for a causal T == 1 call (decoding) and ``"chunk"`` otherwise.
         chunk_size: chunk length of ``mode="chunk"`` (any T: the sequence is split, the last chunk is shorter).
         initial_state / output_final_state: carry a ``LinearAttentionState`` across calls.
         eps: added to the denominator of ``normalize="attention"`` (and to the sums of
