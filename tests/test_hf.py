@@ -4,6 +4,7 @@ recurrent cache, left padding, beam search, save/load, Auto classes, tokenizer, 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -472,3 +473,327 @@ def test_cache_row_selection_keeps_padding_only_rows_stateless():
     logits = model(step, cache=cache, attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)).logits
     assert torch.allclose(logits[0], lm(step[:1])[0][0], rtol=0, atol=1e-12)  # row 0 starts fresh
     assert torch.allclose(logits[1], lm(torch.cat([ids[1:2, 2:], step[1:2]], 1))[0][0, -1:], rtol=0, atol=1e-12)
+
+
+# -- mutation-testing gaps of hf/modeling.py (2026-12-01 run) -----------------------------------
+
+
+def test_gradient_checkpointing_is_refused_by_name_and_a_legacy_config_flag_is_ignored():
+    """The model tells HF it has no HF gradient checkpointing (LM has its own): enabling it is a
+    named error, and a config carrying the legacy ``gradient_checkpointing=True`` still builds."""
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq")).eval()
+    assert model.supports_gradient_checkpointing is False
+    with pytest.raises(ValueError, match="LinattnForCausalLM does not support activation checkpointing"):
+        model.activation_checkpointing_enable()
+    legacy = H.LinattnConfig(d_model=16, n_layers=1, n_heads=2, gau_d_k=8, codebook_size=8,
+                             gradient_checkpointing=True)
+    built = H.LinattnForCausalLM(legacy)
+    assert built.lm.activation_checkpointing is False
+
+
+@pytest.mark.parametrize("decoding", [{"prompt_lookup_num_tokens": 2}, "assistant"])
+def test_assisted_and_prompt_lookup_decoding_are_refused_up_front(decoding):
+    """A recurrent state cannot take back rejected draft tokens: generate refuses candidate-based
+    decoding by name (``_is_stateful``), before anything runs."""
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq")).eval()
+    kwargs = {"assistant_model": model} if decoding == "assistant" else decoding
+    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+        model.generate(random_ids(1, 4), max_new_tokens=3, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("implementation", ["static", "sliding_window"])
+def test_generate_ignores_a_kv_cache_implementation_and_carries_its_own_cache(implementation):
+    """``generate`` must not build a KV cache for this model: a ``cache_implementation`` asking for
+    one is ignored, and the tokens and the returned cache are linattn's."""
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    prompt = random_ids(2, 5, seed=16)
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, cache_implementation=implementation,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences[:, 5:], greedy_ours(lm, prompt, 4))
+    assert isinstance(out.cache, H.LinattnCache)
+
+
+def _write_header_padded(path, data_start_mod_64: int) -> None:
+    """Rewrite a safetensors file with its JSON header padded by spaces (the format allows it)
+    so that the tensor data starts at ``data_start_mod_64`` modulo 64 bytes of the file."""
+    raw = path.read_bytes()
+    size = int.from_bytes(raw[:8], "little")
+    header, data = raw[8:8 + size].rstrip(b" "), raw[8 + size:]
+    padding = (data_start_mod_64 - 8 - len(header)) % 64
+    header = header + b" " * padding
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize("data_start_mod_64", [0, 8])
+def test_a_loaded_model_owns_fresh_aligned_memory(saved, tmp_path, data_start_mod_64):
+    """``from_pretrained`` copies every loaded tensor to a fresh allocation: all are 64-byte aligned
+    whatever the file's layout, and rewriting the file in place afterwards changes nothing."""
+    lm, out = saved
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for path in out.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    weights = copy / "model.safetensors"
+    _write_header_padded(weights, data_start_mod_64)
+    loaded = H.LinattnForCausalLM.from_pretrained(copy)
+    tensors = dict(loaded.lm.named_parameters()) | dict(loaded.lm.named_buffers())
+    assert [name for name, t in tensors.items() if t.data_ptr() % 64] == []
+    size = int.from_bytes(weights.read_bytes()[:8], "little")
+    with open(weights, "r+b") as f:  # same length, same header, every weight byte zero
+        f.seek(8 + size)
+        f.write(bytes(weights.stat().st_size - 8 - size))
+    reference = dict(lm.named_parameters()) | dict(lm.named_buffers())
+    assert [name for name, t in reference.items() if not torch.equal(tensors[name], t)] == []
+
+
+def test_base_model_continues_from_a_cache_passed_as_cache_or_past_key_values():
+    """``LinattnModel.forward`` takes the cache under either name; continuing gives the hidden
+    states of the whole sequence at once."""
+    lm = tiny_lm("vq,delta")
+    base = H.LinattnForCausalLM.from_lm(lm).eval().model
+    ids = random_ids(2, 9, seed=17)
+    full = base(ids).last_hidden_state
+    for name in ("cache", "past_key_values"):
+        first = base(ids[:, :6])
+        second = base(ids[:, 6:], **{name: first.cache})
+        assert torch.allclose(second.last_hidden_state, full[:, 6:], rtol=0, atol=1e-12), name
+        assert second.cache.get_seq_length() == 9
+
+
+def test_a_cache_of_another_kind_is_refused_unless_it_is_empty():
+    """Generic HF code may pass an empty ``DynamicCache``: it is taken as no cache. A filled one,
+    or something that is no ``Cache`` at all, is refused naming the type."""
+    from transformers import DynamicCache
+
+    lm = tiny_lm("vq")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 5)
+    output = model(ids, cache=DynamicCache())
+    assert torch.allclose(output.logits, lm(ids)[0], rtol=0, atol=1e-12)
+    assert isinstance(output.cache, H.LinattnCache) and output.cache.get_seq_length() == 5
+    filled = DynamicCache()
+    filled.update(torch.zeros(2, 2, 3, 8, dtype=torch.float64), torch.zeros(2, 2, 3, 8, dtype=torch.float64), 0)
+    with pytest.raises(TypeError, match="cache must be a LinattnCache .*got DynamicCache"):
+        model(ids, cache=filled)
+    with pytest.raises(TypeError, match="cache must be a LinattnCache .*got tuple"):
+        model(ids, past_key_values=((torch.zeros(2, 2, 3, 8), torch.zeros(2, 2, 3, 8)),))
+
+
+def test_rows_padded_by_the_same_amount_compute_what_they_compute_alone():
+    """Every row left-padded by the same amount (one group that is not the whole input): the
+    padding enters no state, so the real columns and a continuation equal the unpadded run."""
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 7, seed=18)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1]] * 2)
+    padded = model(ids, attention_mask=mask)
+    assert torch.allclose(padded.logits[:, 2:], lm(ids[:, 2:])[0], rtol=0, atol=1e-12)
+    assert torch.equal(padded.logits[:, :2], torch.zeros_like(padded.logits[:, :2]))
+    step = random_ids(2, 1, seed=19)
+    continued = model(step, cache=padded.cache, attention_mask=torch.cat([mask, torch.ones(2, 1).long()], 1))
+    expected = lm(torch.cat([ids[:, 2:], step], 1))[0][:, -1:]
+    assert torch.allclose(continued.logits, expected, rtol=0, atol=1e-12)
+
+
+def test_hidden_states_of_a_left_padded_batch_are_each_rows_own():
+    """With rows of different real lengths (the grouped path) every hidden state (embedding,
+    each layer, the normed output) of a row equals that row's alone, and is zero on padding."""
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 7, seed=20)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1], [1] * 7])
+    hidden = model(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert len(hidden) == lm.config.n_layers + 1
+    for row, pad in [(0, 3), (1, 0)]:
+        alone = []
+        normed, _, _, _ = lm._trunk(lm.embed(ids[row:row + 1, pad:]), None, alone)
+        alone[-1] = normed  # HF's convention: the last entry is the normed output
+        assert len(alone) == len(hidden)
+        for i, (got, want) in enumerate(zip(hidden, alone)):
+            assert torch.allclose(got[row, pad:], want[0], rtol=0, atol=1e-12), (row, i)
+            assert torch.equal(got[row, :pad], torch.zeros_like(got[row, :pad])), (row, i)
+
+
+def test_commit_loss_of_a_left_padded_batch_is_the_token_weighted_mean_of_its_rows():
+    """The VQ commitment term of a batch whose rows run as groups is the mean over real tokens:
+    each row's own commitment loss weighted by its real length (as one unpadded batch counts)."""
+    lm = tiny_lm("vq,delta", commitment_weight=0.5)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(3, 8, seed=21)
+    pad = 5
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    labels = ids.clone()
+    labels[0, :pad + 1] = -100  # no target is predicted from a padded position
+    with torch.no_grad():
+        loss = model(ids, attention_mask=mask, labels=labels).loss
+    nll, counted, commit, tokens = 0.0, 0, 0.0, 0
+    for row, start in [(0, pad), (1, 0), (2, 0)]:
+        with torch.no_grad():
+            logits, _, aux = lm(ids[row:row + 1, start:])
+        targets = ids[row, start + 1:]
+        nll += float(F.cross_entropy(logits[0, :-1], targets, reduction="sum"))
+        counted += targets.numel()
+        commit += float(aux["commit_loss"]) * (8 - start)
+        tokens += 8 - start
+    assert commit > 0
+    assert float(loss) == pytest.approx(nll / counted + commit / tokens, rel=1e-6)
+
+
+@pytest.mark.parametrize("embeds", [
+    lambda: torch.zeros(2, 5, 16).tolist(),  # not a tensor
+    lambda: torch.zeros(5, 16, dtype=torch.float64),  # 2-D
+    lambda: torch.zeros(2, 5, 8, dtype=torch.float64),  # width is not d_model
+    lambda: torch.zeros(2, 0, 16, dtype=torch.float64),  # no positions
+], ids=["list", "2-D", "width", "empty"])
+def test_inputs_embeds_that_are_not_batch_length_d_model_are_refused_by_name(embeds):
+    """``inputs_embeds`` must be a ``[batch, length >= 1, d_model]`` tensor; anything else is a
+    ValueError naming the argument, before any layer runs."""
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq")).eval()
+    with pytest.raises(ValueError, match=r"inputs_embeds must have shape \[batch, length >= 1, 16\]"):
+        model(inputs_embeds=embeds())
+
+
+@pytest.mark.parametrize("mask, match", [
+    ([[1] * 5] * 2, r"attention_mask must have shape \[batch, past"),  # a list, not a tensor
+    (torch.ones(2, 5, 1), r"attention_mask must have shape \[batch, past"),  # 3-D
+    (torch.ones(3, 5), r"attention_mask must have shape \[batch, past"),  # three rows for a batch of two
+    (torch.tensor([[0, 1, 0, 1, 1]] * 2), "pad on the left"),  # padding after a token, the row starting padded
+], ids=["list", "3-D", "batch", "gap"])
+def test_attention_masks_of_the_wrong_type_shape_or_order_are_refused_by_name(mask, match):
+    """A mask that is not a ``[batch, past + length]`` 0/1 tensor padding on the left only is a
+    ValueError naming ``attention_mask``."""
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("vq")).eval()
+    with pytest.raises(ValueError, match=match):
+        model(random_ids(2, 5), attention_mask=mask)
+
+
+def test_padding_in_a_continued_row_is_refused_but_fresh_rows_may_still_be_padded():
+    """A row that holds tokens cannot be padded later (its state cannot skip them); a row that has
+    seen only padding may go on padding, then starts fresh beside the continued rows."""
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 6, seed=22)
+    cache = model(ids[:, :4]).cache
+    with pytest.raises(ValueError, match="pads a row that already holds tokens"):
+        model(ids[:, 4:], cache=cache, attention_mask=torch.tensor([[0, 1]] * 2))  # a [batch, length] mask
+    mask = torch.tensor([[0, 0, 0, 0, 0, 1], [1, 1, 1, 1, 1, 1]])
+    cache = model(ids[:, :4], attention_mask=mask[:, :4]).cache
+    logits = model(ids[:, 4:], cache=cache, attention_mask=mask).logits
+    assert torch.allclose(logits[0, 1:], lm(ids[:1, 5:])[0][0], rtol=0, atol=1e-12)
+    assert torch.allclose(logits[1], lm(ids[1:])[0][0, 4:], rtol=0, atol=1e-12)
+
+
+def test_a_left_padded_batch_with_rows_of_equal_length_continues_from_its_cache():
+    """Three rows, two of one length and one shorter (two groups, the first of two rows): every
+    continued row, and the loss of the continuation, are each row's own."""
+    lm = tiny_lm("vq,delta", commitment_weight=0.5)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(3, 6, seed=23)
+    mask = torch.tensor([[1] * 6, [1] * 6, [0, 0, 0, 1, 1, 1]])
+    cache = model(ids, attention_mask=mask).cache
+    step = random_ids(3, 2, seed=24)
+    logits = model(step, cache=cache, attention_mask=torch.cat([mask, torch.ones(3, 2).long()], 1)).logits
+    for row, start in [(0, 0), (1, 0), (2, 3)]:
+        expected = lm(torch.cat([ids[row, start:], step[row]])[None])[0][0, -2:]
+        assert torch.allclose(logits[row], expected, rtol=0, atol=1e-12), row
+
+
+def test_loss_of_each_step_continued_from_the_cache_is_the_trainers_number():
+    """Step by step from a cache (one group holding every row), each chunk's loss is exactly what
+    linattn's LM gives for that chunk with the carried state: cross-entropy plus its commitment loss."""
+    lm = tiny_lm("vq,delta", commitment_weight=0.5)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(3, 16, seed=25)
+    cache, state = model(ids[:, :4]).cache, lm(ids[:, :4])[1]
+    for start in range(4, 16, 2):
+        chunk = ids[:, start:start + 2]
+        with torch.no_grad():
+            output = model(chunk, cache=cache, labels=chunk)
+            logits, state, aux = lm(chunk, state)
+        expected = F.cross_entropy(logits[:, :-1].flatten(0, 1), chunk[:, 1:].flatten()) + aux["commit_loss"]
+        assert torch.allclose(output.loss, expected.to(output.loss.dtype), rtol=1e-12, atol=0), start
+        cache = output.cache
+
+
+def test_logits_to_keep_returns_the_logits_of_the_last_positions():
+    """``logits_to_keep=k`` (what generate passes) returns the logits of the last k positions only;
+    0 keeps all of them."""
+    lm = tiny_lm("vq")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 7, seed=26)
+    expected = lm(ids)[0]
+    for keep in (1, 3):
+        got = model(ids, logits_to_keep=keep).logits
+        assert got.shape == (2, keep, 256)
+        assert torch.allclose(got, expected[:, -keep:], rtol=0, atol=1e-12), keep
+    assert torch.allclose(model(ids, logits_to_keep=0).logits, expected, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_mean_loss_skips_labels_of_minus_100_and_counts_every_other_label(dtype):
+    """Without ``num_items_in_batch`` the loss is the mean next-token cross-entropy over the labels
+    that are not -100 (a label of 100 is an ordinary token), computed on every position but the
+    last in float32 and float64 models alike."""
+    lm = tiny_lm("vq,local:4", commitment_weight=0.5).to(dtype)
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(2, 9, seed=27)
+    labels = ids.clone()
+    labels[0, 2:5] = -100
+    labels[1, 3] = 100
+    with torch.no_grad():
+        loss = model(ids, labels=labels).loss
+        logits, _, aux = lm(ids)
+    logp = torch.log_softmax(logits.double(), -1)
+    terms = [-logp[b, t, labels[b, t + 1]] for b in range(2) for t in range(8) if labels[b, t + 1] != -100]
+    assert len(terms) == 13
+    expected = torch.stack(terms).mean() + aux["commit_loss"].double()
+    assert loss.dtype == dtype
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6 if dtype == torch.float32 else 1e-12)
+
+
+def test_lm_state_of_refuses_padded_caches_and_returns_rows_in_batch_order():
+    """``lm_state_of`` needs one group holding every row (a row of padding only is not in it), and
+    returns the state in batch order when the group lists its rows in another order (a swap, whose
+    sorting permutation is itself, and a cycle)."""
+    lm = tiny_lm("vq,delta")
+    model = H.LinattnForCausalLM.from_lm(lm).eval()
+    ids = random_ids(3, 5, seed=28)
+    for mask in ([[0, 0, 0, 0, 0], [1, 1, 1, 1, 1], [1, 1, 1, 1, 1]], [[0, 0, 1, 1, 1], [1] * 5, [1] * 5]):
+        cache = model(ids, attention_mask=torch.tensor(mask)).cache
+        with pytest.raises(ValueError, match="the cache holds rows of different lengths"):
+            H.lm_state_of(cache)
+    _, state, _ = lm(ids)  # state row i holds the history of ids[i]
+    step = random_ids(3, 1, seed=29)
+    for rows in ([1, 0, 2], [1, 2, 0]):  # state row i is batch row rows[i]
+        cache = H.LinattnCache(3, [H.RowGroup(rows=torch.tensor(rows), state=state)], seen=5)
+        logits = lm(step, H.lm_state_of(cache))[0]
+        for row in range(3):
+            source = rows.index(row)
+            expected = lm(torch.cat([ids[source], step[row]])[None])[0][0, -1]
+            assert torch.allclose(logits[row, -1], expected, rtol=0, atol=1e-12), (rows, row)
+
+
+def test_groups_run_longest_first_after_the_continued_rows():
+    """Rows run as groups in a fixed order: groups continued from the cache, then new rows longest
+    first. In training the first group's keys initialise a pending k-means codebook, so a
+    left-padded batch initialises it from its longest rows, as ``LM`` does on those rows alone."""
+    lm = tiny_lm("vq", kmeans_init=True)
+    model = H.LinattnForCausalLM.from_lm(lm).train()
+    ids = random_ids(2, 8, seed=30)
+    mask = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1], [1] * 8])
+    torch.manual_seed(31)
+    cache = model(ids, attention_mask=mask).cache
+    assert [g.rows.tolist() for g in cache.groups] == [[1], [0]]
+    alone = copy.deepcopy(lm).train()
+    torch.manual_seed(31)
+    alone(ids[1:])
+    for got, want in zip(model.lm.quantizers(), alone.quantizers()):
+        assert torch.equal(got.codebook, want.codebook)
+    model.eval()
+    first = torch.tensor([[1, 1, 1], [0, 0, 0], [0, 0, 0]])
+    cache = model(random_ids(3, 3, seed=32), attention_mask=first).cache
+    later = torch.cat([first, torch.tensor([[1, 1, 1], [0, 0, 1], [1, 1, 1]])], 1)
+    cache = model(random_ids(3, 3, seed=33), cache=cache, attention_mask=later).cache
+    assert [g.rows.tolist() for g in cache.groups] == [[0], [2], [1]]

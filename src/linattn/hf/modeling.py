@@ -37,14 +37,14 @@ class LinattnPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, *args: Any, **kwargs: Any):
         """``PreTrainedModel.from_pretrained``, then every tensor copied to freshly allocated
         memory (safetensors loads leave tensors at unaligned addresses, where BLAS takes
-        other vector paths and float results differ in the last bit from the saved model's)
-        and the codebooks' buffers returned to float32 (their invariant; the loader casts
-        every buffer to the requested dtype)."""
+        other vector paths and float results differ in the last bit from the saved model's;
+        an aligned one may still lie in the file's memory map, and change when the file is
+        rewritten in place) and the codebooks' buffers returned to float32 (their invariant;
+        the loader casts every buffer to the requested dtype)."""
         model = super().from_pretrained(*args, **kwargs)
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
-                if tensor.data_ptr() % 64:
-                    tensor.data = tensor.data.clone()
+                tensor.data = tensor.data.clone()
             for module in model.modules():
                 if isinstance(module, Codebook):  # the loader casts buffers to the model dtype
                     module._apply(lambda t: t)  # codes and EMA statistics back to float32
@@ -212,7 +212,9 @@ def _real_tokens(attention_mask, batch: int, seen: int, length: int, device) -> 
 
 def _plan_groups(cache: LinattnCache | None, real: torch.Tensor | None, length: int, batch: int) -> list:
     """The ``(rows or None, leading pad, state)`` runs of one forward: rows that carry a state
-    continue it; stateless rows start a group per real length (all-padding rows run nowhere)."""
+    continue it; stateless rows start a group per real length (all-padding rows run nowhere).
+    They run in this order, continued groups first, then new rows longest first (in training
+    the first group's keys initialise a pending k-means codebook)."""
     if cache is None or not cache.groups:
         if real is None:
             return [(None, 0, None)]
@@ -341,5 +343,6 @@ def lm_state_of(cache: LinattnCache) -> LMState:
         raise ValueError("the cache holds rows of different lengths (left padding); take group states from "
                          "cache.groups")
     group = cache.groups[0]
-    order = torch.argsort(group.rows)
-    return group.state.select_batch(order) if not bool((order == group.rows).all()) else group.state
+    order = torch.argsort(group.rows)  # state rows in batch order (rows sorted: the identity)
+    in_order = bool((order == torch.arange(order.numel(), device=order.device)).all())
+    return group.state if in_order else group.state.select_batch(order)
