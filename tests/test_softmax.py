@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import pytest
 import torch
@@ -53,6 +54,19 @@ def relative_bias(slopes):
         return slopes[:, None] * offsets.to(slopes.dtype)[None, :]
 
     bias.slopes = slopes
+    return bias
+
+
+def offset_bias(amplitude):
+    """A callable bias that is not linear in the offset o = i - j (a linear one only shifts each
+    row, which softmax ignores): ``a cos(0.9 o) + 0.05 o^2``; ``[H, n]`` for a ``[H]`` amplitude,
+    ``[n]`` (shared by the heads) for a scalar one."""
+
+    def bias(offsets):
+        o = offsets.to(amplitude.dtype)
+        a = amplitude[:, None] if amplitude.dim() else amplitude
+        return a * torch.cos(0.9 * o) + 0.05 * o**2
+
     return bias
 
 
@@ -147,6 +161,34 @@ def test_gqa_equals_repeated_heads(impl, Hkv):
         q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), causal=True, impl="reference"
     )
     assert_close_rel(out, full, rtol=1e-12, name=impl)
+
+
+def test_default_is_not_causal():
+    """Without ``causal`` every query sees every key (the documented default ``causal=False``)."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=6, Dk=4, Dv=3, seed=13)
+    expected = loop_reference(q, k, v, causal=False, scale=None, bias=None)
+    for impl in IMPLS:
+        assert_close_rel(softmax_attention(q, k, v, impl=impl, block_size=4), expected, rtol=1e-12, name=impl)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-by-heads", "per-head"])
+@pytest.mark.parametrize("layout", ["causal", "cross"])
+def test_callable_bias_of_the_offset_equals_the_formula_with_its_gradient(layout, shared):
+    """A callable bias that is not linear in i - j, shared by the heads (``[n]``) or per head
+    (``[H, n]``): the output and the gradient of its parameter equal the per-query loop's, in every
+    impl (the table holds exactly the offsets -(S - 1)..T - 1; a shared one gets the summed gradient)."""
+    causal = layout == "causal"
+    T, S = 7, (7 if causal else 10)
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, T=T, S=S, Dk=4, Dv=3, seed=14)
+    amplitude = torch.tensor(0.8 if shared else [0.8, -0.5, 1.2, 0.3], dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 4, T, 3, generator=torch.Generator().manual_seed(15), dtype=F64)
+    expected = loop_reference(q, k, v, causal=causal, scale=None, bias=offset_bias(amplitude))
+    (want,) = torch.autograd.grad(expected, amplitude, grad_out)
+    for impl in IMPLS:
+        out = softmax_attention(q, k, v, causal=causal, bias=offset_bias(amplitude), impl=impl, block_size=3)
+        assert_close_rel(out, expected, rtol=1e-12, name=impl)
+        (grad,) = torch.autograd.grad(out, amplitude, grad_out)
+        assert_close_rel(grad, want, rtol=1e-10, name=f"{impl} gradient")
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -268,6 +310,71 @@ def test_tiled_causal_skips_blocks_above_diagonal():
     assert causal <= full * (nb + 1) / (2 * nb) + 2 * nb, (causal, full)
 
 
+def test_auto_with_a_callable_bias_is_tiled_and_never_builds_t_by_s():
+    """``impl="auto"`` with a callable bias runs the tiled form: no op output reaches T*T/8 elements
+    (64 x 64 tiles are T*T/64), where sdpa, for contrast, materialises the [T, T] bias."""
+    T = 512
+    q, k, v = make_qkv(B=1, H=1, Hkv=1, T=T, Dk=8, Dv=8, dtype=torch.float32, seed=16)
+    bias = offset_bias(torch.tensor(0.5))
+    for impl, small in (("auto", True), ("sdpa", False)):
+        with OpRecorder() as rec:
+            softmax_attention(q, k, v, causal=True, bias=bias, impl=impl, block_size=64)
+        assert (rec.max_numel < T * T / 8) == small, (impl, rec.max_numel)
+
+
+# ----------------------------------------------------------------------------- second derivatives
+
+
+def _second_derivative_matches_finite_differences(loss, inputs, seed=0):
+    """``u^T H d`` of ``loss(*inputs)`` by double backward, against the central difference of
+    the gradient along ``d`` (u, d random directions); float64, relative 1e-6."""
+    g = torch.Generator().manual_seed(seed)
+    u = [torch.randn(x.shape, generator=g, dtype=F64) for x in inputs]
+    d = [torch.randn(x.shape, generator=g, dtype=F64) for x in inputs]
+
+    def gradient_along_u(step):
+        xs = [(x.detach() + step * dx).requires_grad_() for x, dx in zip(inputs, d)]
+        grads = torch.autograd.grad(loss(*xs), xs, create_graph=step == 0)
+        return xs, sum((gr * ui).sum() for gr, ui in zip(grads, u))
+
+    xs, gu = gradient_along_u(0.0)
+    exact = sum((h * dx).sum() for h, dx in zip(torch.autograd.grad(gu, xs), d)).item()
+    eps = 1e-4
+    numeric = (gradient_along_u(eps)[1] - gradient_along_u(-eps)[1]).item() / (2 * eps)
+    assert abs(exact - numeric) <= 1e-6 * abs(numeric), (exact, numeric)
+
+
+@pytest.mark.parametrize("bias_kind", ["none", "tensor"])
+def test_auto_without_a_callable_bias_has_second_derivatives(bias_kind):
+    """``impl="auto"`` runs torch's SDPA unless the bias is a callable: its second derivatives
+    w.r.t. q, k, v (and a tensor bias) match finite differences; the tiled form refuses them."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=5, Dk=3, Dv=2, seed=17)
+    bias = make_bias(bias_kind, 1, 2, 5, 5)
+    inputs = (q, k, v) + ((bias,) if bias is not None else ())
+    weights = torch.randn(1, 2, 5, 2, generator=torch.Generator().manual_seed(18), dtype=F64)
+
+    def loss(q, k, v, *bias):
+        out = softmax_attention(q, k, v, causal=True, bias=bias[0] if bias else None)
+        return (out * weights).sum()
+
+    _second_derivative_matches_finite_differences(loss, inputs)
+
+
+@pytest.mark.parametrize("impl, bias", [("tiled", None), ("auto", offset_bias(torch.tensor(0.5, dtype=F64)))],
+                         ids=["tiled", "auto-callable-bias"])
+@pytest.mark.parametrize("loss", ["linear", "square"])
+def test_tiled_refuses_second_derivatives(impl, bias, loss):
+    """The tiled backward recomputes each block from the saved log-sum-exp, which it reads as a
+    constant: a backward with ``create_graph=True`` through it is an error, not silently wrong (or
+    missing) second derivatives, whether or not the incoming gradient itself requires grad."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=4, Dk=3, Dv=2, seed=17, requires_grad=True)
+    out = softmax_attention(q, k, v, causal=True, bias=bias, impl=impl, block_size=2)
+    total = out.sum() if loss == "linear" else out.square().sum()
+    with pytest.raises(RuntimeError, match=re.escape("softmax_attention(impl='tiled') has no second derivatives")):
+        torch.autograd.grad(total, (q, k, v), create_graph=True)
+    assert all(g.shape == t.shape for g, t in zip(torch.autograd.grad(total, (q, k, v)), (q, k, v)))
+
+
 # ----------------------------------------------------------------------------- half precision
 
 
@@ -379,3 +486,34 @@ def test_offset_rows_equals_its_loop(lead, per_row):
         got = offset_rows(table, first_offset, rows, columns, low, high)
         assert got.shape == expected.shape, (first_offset, got.shape)
         assert torch.equal(got, expected), first_offset
+
+
+@pytest.mark.parametrize("scale", [0, 0.0, -0.5, True, [0.5]], ids=["int-0", "float-0", "negative", "bool", "list"])
+def test_scales_that_are_not_positive_numbers_are_refused_by_name(scale):
+    """``scale`` is None, ``"entropy"`` or a positive int/float: zero, a negative number, a bool and
+    anything else are refused with a ValueError that names it."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=3, Dk=4, Dv=3)
+    message = f"scale must be None, a positive number or 'entropy'; got {scale!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        softmax_attention(q, k, v, scale=scale)
+
+
+@pytest.mark.parametrize("impl", ["reference", "sdpa", "tiled"])
+@pytest.mark.parametrize("shape", [(5, 7), (3, 5, 6), (3, 4, 5, 6), (2, 4, 1, 2)], ids=["S", "H", "B", "S-of-4d"])
+def test_bias_that_does_not_broadcast_is_refused_by_name(shape, impl):
+    """A tensor bias must broadcast to [B, H, T, S]: one size that is neither 1 nor the full size is a
+    ValueError naming both shapes, in every impl (not torch's broadcast error, not a sliced bias)."""
+    q, k, v = make_qkv(B=2, H=4, Hkv=2, T=5, S=6, Dk=4, Dv=3)
+    message = f"bias must broadcast to [B, H, T, S] = [2, 4, 5, 6], got shape {list(shape)}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        softmax_attention(q, k, v, bias=torch.zeros(shape, dtype=F64), impl=impl)
+
+
+@pytest.mark.parametrize("bias", [0.5, [[0.0]]], ids=["float", "list"])
+def test_bias_that_is_neither_a_tensor_nor_a_callable_is_refused_by_name(bias):
+    """A bias is a tensor, a callable of the offsets or None; anything else is a TypeError saying so
+    (not an attempt to call it)."""
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=3, Dk=4, Dv=3)
+    message = f"bias must be a tensor, a callable of (i - j), or None; got {type(bias).__name__}"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        softmax_attention(q, k, v, bias=bias)

@@ -232,6 +232,11 @@ class _TiledSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: the recomputation below reads lse as a constant
+            raise RuntimeError(
+                "softmax_attention(impl='tiled') has no second derivatives (a backward with create_graph=True "
+                "went through it); use impl='reference' or impl='sdpa'"
+            )
         q, k, v, dense, table, out, lse = ctx.saved_tensors
         causal, block_size = ctx.causal, ctx.block_size
         B, Hkv, G, T, _ = q.shape
@@ -289,6 +294,9 @@ def softmax_attention(
             O(T * block_size) memory), ``"auto"`` (``"tiled"`` for a callable bias, else
             ``"sdpa"``).
         block_size: key block length of ``impl="tiled"``.
+
+    ``impl="tiled"`` (so ``"auto"`` with a callable bias) has no second derivatives: a backward
+    with ``create_graph=True`` through it raises; ``"reference"`` and ``"sdpa"`` have them.
 
     Returns:
         ``[B, H, T, Dv]`` in q's dtype (computed in float32, float64 for float64 input).
