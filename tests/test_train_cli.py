@@ -426,3 +426,56 @@ def test_eval_reads_the_corpus_from_the_cache_the_run_used(tmp_path, monkeypatch
                  "--threads", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 500 - 1
     assert not (tmp_path / "default-cache").exists()
+
+
+# ----------------------------------------------------------------------------- defaults, plot, token shards
+
+
+def test_a_run_writes_no_tensorboard_scalars_unless_asked(trained):
+    """``train.tensorboard`` is off by default: a run without ``--set train.tensorboard=true``
+    leaves no ``<out>/tensorboard/`` folder and records the setting as false."""
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    assert not (out / "tensorboard").exists()
+    assert load_checkpoint(out).meta["train_config"]["tensorboard"] is False
+
+
+def test_plot_without_out_is_refused_by_name(trained, capsys):
+    out, code, _, stderr = trained
+    assert code == 0, stderr
+    _fails(capsys, ["plot", str(out)], "the following arguments are required: --out")
+
+
+@pytest.fixture(scope="module")
+def token_run(corpus, tmp_path_factory):
+    """BPE shards (vocabulary 260, learned from the tiny corpus's train split) and a 2-step run
+    on them trained without giving ``model.vocab_size``."""
+    from linattn.data import prepare_shards
+
+    root = tmp_path_factory.mktemp("tokens")
+    shards = prepare_shards(corpus, "bpe:260", root / "shards", echo=lambda *a: None)
+    out = root / "run"
+    code, stdout, stderr = run_captured(train_argv(shards, out, steps=2))
+    return shards, out, code, stderr
+
+
+def test_on_shards_the_vocabulary_follows_the_tokenizer_and_another_one_is_refused(token_run, tmp_path, capsys):
+    """Without ``model.vocab_size`` a run on shards takes the tokenizer's (260); the same value
+    given explicitly is accepted; a different one is refused with both numbers."""
+    shards, out, code, stderr = token_run
+    assert code == 0, stderr
+    assert load_checkpoint(out).meta["model_config"]["vocab_size"] == 260
+    assert main(train_argv(shards, tmp_path / "same", steps=1) + ["--set", "model.vocab_size=260"]) == 0
+    assert load_checkpoint(tmp_path / "same").meta["model_config"]["vocab_size"] == 260
+    capsys.readouterr()
+    _fails(capsys, train_argv(shards, tmp_path / "other", steps=1) + ["--set", "model.vocab_size=256"],
+           f"model.vocab_size=256, but the tokenizer of {shards} has 260 tokens", "or set it to 260")
+    assert not (tmp_path / "other" / "checkpoints").exists()
+
+
+def test_eval_progress_bar_counts_bytes_on_byte_data_and_tokens_on_shards(trained, token_run, capsys):
+    """The eval progress bar's unit is what it counts: ``B`` for a byte corpus, ``tok`` for shards."""
+    for run, unit, other in ((trained[0], "B/s]", "tok/s"), (token_run[1], "tok/s]", "B/s")):
+        assert main(["eval", "--ckpt", str(run), "--split", "test", "--max-tokens", "100", "--threads", "1"]) == 0
+        err = capsys.readouterr().err
+        assert "eval test: 100%" in err and unit in err and other not in err, err

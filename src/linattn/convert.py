@@ -30,7 +30,7 @@ from .data import open_data
 from .models import LM, LMConfig
 from .models.layers import GAUPair
 from .nn.codebook import kmeans
-from .train.checkpoint import load_checkpoint, save_checkpoint
+from .train.checkpoint import load_model, save_checkpoint
 from .train.optim import parameter_groups
 from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE
 from ._checks import check_choice, check_int, positive_int
@@ -111,6 +111,7 @@ def convert_model(source: LM, calibration: torch.Tensor, *, to: str = "vq", code
         codebook.ema_counts.copy_(counts.to(device))
         codebook.ema_sums.copy_((centers * counts.unsqueeze(-1)).to(device))
         codebook.initialized.fill_(True)
+        codebook._init_pending = False  # the flag is cached (Codebook.initialization_pending): the codes are fitted
     return target
 
 
@@ -130,9 +131,7 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
     out = Path(out)
     if (out / "checkpoints" / "latest").exists():
         raise ValueError(f"--out {out} already holds a run; choose another folder")
-    checkpoint = load_checkpoint(ckpt)
-    source = LM(LMConfig.from_dict(checkpoint.meta["model_config"]))
-    source.load_state_dict(checkpoint.model, strict=True)
+    source, checkpoint = load_model(ckpt)  # a CheckpointError if its tensors do not match its config
     train_config = dict(checkpoint.meta["train_config"])
     context = int(train_config["context"])
     ids = calibration_ids(train_config["data"], calibration_tokens, context, cache_dir=train_config.get("cache_dir"))
