@@ -4,6 +4,8 @@ non-causal form, soft VQ, and input validation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -161,6 +163,100 @@ def test_parallel_equals_loop_reference(L, extra):
         q, k_hat, v, codes, codebook, block_size=L, bias=bias, position_keys=pos, mode="block", scale=scale
     )
     assert_close_rel(block, expected, rtol=1e-10, name="block vs loop")
+
+
+def loop_weights(q, k_hat, L, scale, bias=None, position_keys=None):
+    """The causal attention probabilities ``[B, H, T, T]`` written out: row i is the softmax over
+    j <= i of ``scale q_i.(k_j + P_{i-j}) + b_{i-j}`` (relative terms only for i - j <= L)."""
+    B, H, T, _ = q.shape
+    G = H // k_hat.shape[1]
+    weights = torch.zeros(B, H, T, T, dtype=F64)
+    for h in range(H):
+        for i in range(T):
+            scores = []
+            for j in range(i + 1):
+                key = k_hat[:, h // G, j]
+                if position_keys is not None and i - j <= L:
+                    key = key + position_keys[h, i - j]
+                s = scale * (q[:, h, i] * key).sum(-1)
+                if bias is not None and i - j <= L:
+                    s = s + bias[h, i - j]
+                scores.append(s)
+            weights[:, h, i, : i + 1] = torch.softmax(torch.stack(scores, dim=-1), dim=-1)
+    return weights
+
+
+@pytest.mark.parametrize("relative", ["none", "bias", "bias+positions"])
+def test_attention_weights_are_the_causal_softmax_of_the_scores(relative):
+    """``vq_attention_weights`` (what the inspector reads) with GQA heads and a given scale: the
+    written-out probabilities (zero above the diagonal), and applied to v the output of ``vq_attention``."""
+    H, L, Dk, T, scale = 4, 3, 4, 10, 0.7
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=61)
+    kw = {}
+    if "bias" in relative:
+        kw["bias"] = make_bias(H, L)
+    if "positions" in relative:
+        kw["position_keys"] = make_position_keys(H, L, Dk)
+    weights = vq.vq_attention_weights(q, k_hat, scale=scale, block_size=L, **kw)
+    expected = loop_weights(q, k_hat, L, scale, kw.get("bias"), kw.get("position_keys"))
+    assert_close_rel(weights, expected, rtol=1e-12, name="weights")
+    out, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, scale=scale, block_size=L, **kw)
+    assert_close_rel(weights @ v.repeat_interleave(H // k_hat.shape[1], dim=1), out, rtol=1e-10, name="weights @ v")
+
+
+def test_windowed_softmax_row_scale_multiplies_each_querys_logits():
+    """The GAU's softmax twin (``windowed_softmax``; queries at positions past..past+T-1 after
+    a KV cache): ``row_scale[a]`` multiplies every logit of query a, relative terms included."""
+    B, Hkv, G, T, past, L, D, E = 1, 2, 2, 5, 3, 2, 4, 3
+    g = torch.Generator().manual_seed(71)
+    q = torch.randn(B, Hkv, G, T, D, generator=g, dtype=F64)
+    k = torch.randn(B, Hkv, past + T, D, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, past + T, E, generator=g, dtype=F64)
+    table = torch.randn(Hkv, G, L + 1, generator=g, dtype=F64)
+    positions = 0.5 * torch.randn(Hkv, G, L + 1, D, generator=g, dtype=F64)
+    row_scale = 0.5 + torch.rand(T, generator=g, dtype=F64)
+    out = vq.windowed_softmax(q, k, v, table, positions, L, True, past=past, row_scale=row_scale)
+    expected = torch.zeros(B, Hkv, G, T, E, dtype=F64)
+    for h in range(Hkv):
+        for j in range(G):
+            for a in range(T):
+                i = past + a
+                logits = []
+                for c in range(i + 1):
+                    s = (q[:, h, j, a] * k[:, h, c]).sum(-1)
+                    if i - c <= L:
+                        s = s + table[h, j, i - c] + (q[:, h, j, a] * positions[h, j, i - c]).sum(-1)
+                    logits.append(row_scale[a] * s)
+                w = torch.softmax(torch.stack(logits, dim=-1), dim=-1)  # [B, i + 1]
+                expected[:, h, j, a] = (w.unsqueeze(-1) * v[:, h, : i + 1]).sum(1)
+    assert_close_rel(out, expected, rtol=1e-12, name="row-scaled windowed softmax")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs_are_computed_in_float32(dtype):
+    """Half-precision inputs (block, parallel and decode forms, bias and position keys in that
+    dtype too) are computed in float32: the output is the float32 inputs' output rounded to
+    ``dtype``, bit for bit, and the state is float32."""
+    H, L, Dk = 4, 4, 4
+    q, _, v, codes, codebook = make_vq(T=11, Dk=Dk, seed=62)
+    cb = codebook.to(dtype)
+    inputs = (q.to(dtype), gather_codes(cb, codes), v.to(dtype), codes, cb)
+    relative = dict(bias=make_bias(H, L).to(dtype), position_keys=make_position_keys(H, L, Dk).to(dtype))
+    wide = [x.float() if x.is_floating_point() else x for x in inputs]
+    wide_relative = {name: t.float() for name, t in relative.items()}
+    for mode in ("block", "parallel"):
+        out, _ = linattn.vq_attention(*inputs, block_size=L, mode=mode, **relative)
+        want, _ = linattn.vq_attention(*wide, block_size=L, mode=mode, **wide_relative)
+        assert out.dtype == dtype
+        assert torch.equal(out, want.to(dtype)), mode
+    head = [x[:, :, :6] for x in inputs[:4]]
+    _, state = linattn.vq_attention(*head, cb, block_size=L, output_final_state=True, **relative)
+    assert state.cache_means.dtype == state.partial_keys.dtype == torch.float32
+    step = [x[:, :, 6:7] for x in inputs[:4]]
+    out, _ = linattn.vq_attention(*step, cb, block_size=L, initial_state=state, **relative)
+    wide_step = [x.float() if x.is_floating_point() else x for x in step]
+    want, _ = linattn.vq_attention(*wide_step, cb.float(), block_size=L, initial_state=state, **wide_relative)
+    assert out.dtype == dtype and torch.equal(out, want.to(dtype)), "decode step"
 
 
 # ----------------------------------------------------------------------------- gradients
@@ -546,6 +642,14 @@ def test_bad_bias_shape():
         )
 
 
+def test_bias_that_is_neither_a_tensor_nor_a_callable_is_named():
+    """A list (or any other non-callable) is not taken for a callable of the offsets: the
+    tensor check names ``bias``."""
+    q, k_hat, v, codes, codebook = _base()
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor, got list"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, bias=[0.0] * 5)
+
+
 def test_bad_position_keys_shape():
     q, k_hat, v, codes, codebook = _base()
     L = 4
@@ -586,6 +690,22 @@ def test_bad_mode_and_state_type():
         linattn.vq_attention(q, k_hat, v, codes, codebook, initial_state=(1, 2))
     with pytest.raises(ValueError, match="temperature"):
         linattn.soft_vq_attention(q, k_hat, v, codebook, temperature=0.0)
+
+
+def test_a_state_whose_partial_block_is_not_shorter_than_a_block_is_refused():
+    """``initial_state.partial_keys`` holds 0..L-1 positions (a completed block has become the
+    previous block): a state with L partial positions, or without a partial tensor, is refused by name."""
+    q, k_hat, v, codes, codebook = make_vq(T=8)
+    L = 4
+    _, state = linattn.vq_attention(q[:, :, :5], k_hat[:, :, :5], v[:, :, :5], codes[:, :, :5], codebook,
+                                    block_size=L, output_final_state=True)
+    full = dataclasses.replace(state, partial_keys=k_hat[:, :, :L], partial_values=v[:, :, :L],
+                               partial_codes=codes[:, :, :L])
+    missing = dataclasses.replace(state, partial_keys=None)
+    for bad in (full, missing):
+        with pytest.raises(ValueError, match=r"initial_state.partial_keys must hold 0..3 positions for block_size=4"):
+            linattn.vq_attention(q[:, :, 5:], k_hat[:, :, 5:], v[:, :, 5:], codes[:, :, 5:], codebook, block_size=L,
+                                 initial_state=bad)
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -650,6 +770,39 @@ def test_schedules_agree_with_everything_on(state_first, group, monkeypatch):
         torch.testing.assert_close(getattr(state_b, name), getattr(state_a, name), rtol=1e-10, atol=1e-12)
 
 
+def test_impl_triton_runs_the_kernels_only_for_calls_that_leave_the_current_block(monkeypatch):
+    """With the kernels chosen (``impl="triton"``, resolved here without a device; the kernels
+    replaced by a stub that records the call), a call whose new positions stay inside the current
+    block, the one that completes it included, is a decoding step on the torch decode form, with
+    or without gradients; a call that goes past the block's end runs the kernels."""
+    calls = []
+
+    class KernelsCalled(Exception):
+        pass
+
+    def kernels(*args):
+        calls.append(len(args))
+        raise KernelsCalled
+
+    monkeypatch.setattr(vq.fused, "resolve_impl", lambda impl, *args: "triton" if impl == "triton" else "torch")
+    monkeypatch.setattr(vq.fused, "block", kernels)
+    L = 4
+    q, k_hat, v, codes, codebook = make_vq(T=6)
+    _, state = linattn.vq_attention(q[:, :, :3], k_hat[:, :, :3], v[:, :, :3], codes[:, :, :3], codebook,
+                                    block_size=L, output_final_state=True)
+    step = [x[:, :, 3:4] for x in (q, k_hat, v, codes)]  # 3 + 1 = L: completes the block
+    for gradients in (True, False):
+        with torch.set_grad_enabled(gradients):
+            got, _ = linattn.vq_attention(*step, codebook, block_size=L, initial_state=state, impl="triton")
+            want, _ = linattn.vq_attention(*step, codebook, block_size=L, initial_state=state, impl="torch")
+        assert torch.equal(got, want), f"gradients={gradients}"
+    assert calls == []
+    with pytest.raises(KernelsCalled):  # 3 + 2 > L
+        linattn.vq_attention(*(x[:, :, 3:5] for x in (q, k_hat, v, codes)), codebook, block_size=L,
+                             initial_state=state, impl="triton")
+    assert len(calls) == 1
+
+
 def test_schedule_is_checked():
     q, k_hat, v, codes, codebook = make_vq(T=5)
     with pytest.raises(ValueError, match="schedule"):
@@ -707,3 +860,72 @@ def test_fold_block_passes_soft_count_gradients_unless_detached():
         sums = torch.einsum("bhls,bhle->bhse", b, values)
         ref = torch.autograd.grad(loss(total, (counts.unsqueeze(-1) * means + sums) / total.unsqueeze(-1)), b)[0]
         assert_close_rel(got, ref, rtol=1e-12, name=f"d soft codes (detach_counts={detach})")
+
+
+@pytest.mark.parametrize("scope", ["cache", "state", "none"])
+def test_soft_counts_pass_a_gradient_only_with_grad_scope_none(scope):
+    """Soft codes given to ``vq_attention`` are read only by the cache (counts and value sums).
+    With grad_scope "cache" or "state" the soft counts are detached like the values: when the
+    values entering the cache are zero, no gradient reaches the codes. With "none" the counts
+    (the cache logits ``log n_s``) pass one. One call (block form) and one token per call
+    (decode form, the state carried undetached) give the same gradients."""
+    B, H, Hkv, T, Dk, Dv, S, L = 1, 2, 1, 6, 3, 2, 4, 2
+    g = torch.Generator().manual_seed(81)
+    q = torch.randn(B, H, T, Dk, generator=g, dtype=F64)
+    k = torch.randn(B, Hkv, T, Dk, generator=g, dtype=F64)
+    v = torch.randn(B, Hkv, T, Dv, generator=g, dtype=F64)
+    v[:, :, :L] = 0.0  # block 0, the one block that enters the cache before the last query
+    codebook = torch.randn(Hkv, S, Dk, generator=g, dtype=F64)
+    soft = torch.softmax(torch.randn(B, Hkv, T, S, generator=g, dtype=F64), dim=-1)
+    w = torch.randn(B, H, T, Dv, generator=g, dtype=F64)
+    grads = []
+    for pieces in ([T], [1] * T):
+        a = soft.clone().requires_grad_(True)
+        outs, state, start = [], None, 0
+        for n in pieces:
+            sl = slice(start, start + n)
+            out, state = linattn.vq_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], a[:, :, sl], codebook,
+                                              block_size=L, grad_scope=scope, initial_state=state,
+                                              output_final_state=True)
+            outs.append(out)
+            start += n
+        loss = (torch.cat(outs, dim=2) * w).sum()
+        grad = torch.autograd.grad(loss, a, allow_unused=True)[0] if loss.requires_grad else None
+        grads.append(torch.zeros_like(soft) if grad is None else grad)  # None: nothing reaches the codes
+    if scope == "none":
+        assert grads[0][:, :, :L].abs().max() > 1e-3, "the soft counts of block 0 should pass a gradient"
+        assert_close_rel(grads[1], grads[0], rtol=1e-10, name="token-wise vs one call")
+    else:
+        for grad in grads:
+            assert torch.equal(grad, torch.zeros_like(grad)), grad.abs().max()
+
+
+@pytest.mark.parametrize("has_prev", [False, True])
+def test_block_caches_are_the_counts_and_means_of_the_blocks_two_behind(has_prev):
+    """``_block_caches`` (the cache every block reads on the Triton kernels): block r reads the
+    carried cache plus the previous blocks of blocks 0..r-1 (block r' - 1, or the state's
+    previous block for r' = 0; without one, block 0's previous block is padding and enters
+    nothing): log counts and means, written as loops, and the cache before block ``full_blocks``."""
+    B, Hkv, R, L, S, E, full_blocks = 2, 2, 4, 3, 5, 2, 2
+    g = torch.Generator().manual_seed(91)
+    prev_codes = torch.randint(0, S, (B, Hkv, R, L), generator=g)
+    prev_v = torch.randn(B, Hkv, R, L, E, generator=g, dtype=F64)
+    run = (1.0 + torch.rand(B, Hkv, S, generator=g, dtype=F64), torch.randn(B, Hkv, S, E, generator=g, dtype=F64))
+    logn, means, final = vq._block_caches(prev_codes, prev_v, run, has_prev, full_blocks, "cache", S)
+    for r in range(R + 1):
+        counts, sums = run[0].clone(), run[1].clone()
+        for entered in range(r):
+            if entered == 0 and not has_prev:
+                continue
+            for b in range(B):
+                for h in range(Hkv):
+                    for j in range(L):
+                        s = prev_codes[b, h, entered, j]
+                        counts[b, h, s] += 1
+                        sums[b, h, s] += prev_v[b, h, entered, j]
+        if r < R:
+            assert_close_rel(logn[:, :, r], counts.log(), rtol=1e-12, name=f"log counts before block {r}")
+            assert_close_rel(means[:, :, r], sums / counts.unsqueeze(-1), rtol=1e-12, name=f"means before block {r}")
+        if r == full_blocks:
+            assert_close_rel(final[0], counts, rtol=1e-12, name="final counts")
+            assert_close_rel(final[1], sums, rtol=1e-12, name="final sums")

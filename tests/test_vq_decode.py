@@ -129,12 +129,17 @@ def test_soft_codes_decode_equals_one_call(gradients):
     _assert_same_state(state, full_state)
 
 
-def test_one_token_scores_only_its_own_row():
+@pytest.mark.parametrize("filled", [5, 63])
+def test_one_token_scores_only_its_own_row(filled):
     """A decode step builds no tensor as large as the block form's ``[L, 2L + S]`` scores
-    per head: its largest tensor is O(L + S) per head (here the codebook itself)."""
+    per head: its largest tensor is O(L + S) per head (here the codebook itself), also for
+    the step that completes a block (63 positions filled of 64)."""
     L_big, S = 64, 16
-    q, k_hat, v, codes, codebook = make_vq(B=1, H=2, Hkv=1, T=3 * L_big + 5, Dk=8, S=S, unused=0, seed=3)
-    _, state = linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=L_big, output_final_state=True)
+    T = 3 * L_big + filled + 1
+    q, k_hat, v, codes, codebook = make_vq(B=1, H=2, Hkv=1, T=T, Dk=8, S=S, unused=0, seed=3)
+    head = [t[:, :, :-1] for t in (q, k_hat, v, codes)]
+    _, state = linattn.vq_attention(*head, codebook, block_size=L_big, output_final_state=True)
+    assert state.partial_keys.shape[2] == filled
     step = [t[:, :, -1:] for t in (q, k_hat, v, codes)]
     with OpRecorder() as recorder:
         linattn.vq_attention(*step[:4], codebook, block_size=L_big, initial_state=state, check_inputs=False)
