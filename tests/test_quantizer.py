@@ -281,6 +281,24 @@ def test_kmeans_init_from_first_batch():
     assert torch.equal(km.codebook, before)
 
 
+def test_set_codes_puts_fitted_codes_and_their_statistics_in_place():
+    """``set_codes`` writes the codes, ``ema_counts = counts``, ``ema_sums = codes * counts`` and
+    marks the codebook initialized: the next training forward keeps the codes (no k-means)."""
+    km = linattn.VectorQuantizer(2, 3, 4, kmeans_init=True)
+    codes = torch.arange(24, dtype=torch.float64).reshape(2, 4, 3) / 10
+    counts = torch.tensor([[1.0, 2.0, 0.5, 4.0], [3.0, 0.01, 1.0, 2.0]], dtype=torch.float64)
+    km.set_codes(codes, counts)
+    assert torch.equal(km.codebook, codes.float()) and torch.equal(km.ema_counts, counts.float())
+    assert torch.allclose(km.ema_sums, (codes * counts[..., None]).float())
+    assert bool(km.initialized) and not km.initialization_pending()
+    km(clustered())
+    assert torch.equal(km.codebook, codes.float())
+    with pytest.raises(ValueError, match=r"codes \[2, 3, 3\] and counts \[2, 4\] must be \[2, 4, 3\] and \[2, 4\]"):
+        km.set_codes(codes[:, :3], counts)
+    with pytest.raises(ValueError, match="counts must have 2 dimensions"):
+        km.set_codes(codes, counts[0])
+
+
 def test_kmeans_init_not_in_eval_mode():
     km = linattn.VectorQuantizer(2, 3, 8, kmeans_init=True).eval()
     before = km.codebook.clone()

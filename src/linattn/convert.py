@@ -105,13 +105,7 @@ def convert_model(source: LM, calibration: torch.Tensor, *, to: str = "vq", code
         if tokens_per_step is not None:
             counts = counts * (tokens_per_step / keys.shape[0])
         counts = torch.where(counts > 0, counts, torch.full_like(counts, 0.01))
-        codebook = unit.quantizer
-        device = codebook.codebook.device
-        codebook.codebook.copy_(centers.to(device))
-        codebook.ema_counts.copy_(counts.to(device))
-        codebook.ema_sums.copy_((centers * counts.unsqueeze(-1)).to(device))
-        codebook.initialized.fill_(True)
-        codebook._init_pending = False  # the flag is cached (Codebook.initialization_pending): the codes are fitted
+        unit.quantizer.set_codes(centers, counts)
     return target
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._checks import check_int, check_non_negative_number, check_positive_number, is_number
+from .._checks import check_int, check_non_negative_number, check_positive_number, check_tensor, is_number
 
 SyncHook = Callable[[str, Sequence[torch.Tensor]], None]
 
@@ -298,6 +298,22 @@ class Codebook(nn.Module):
         done = bool(self._replace_codes(where, centers).any())
         self.initialized.fill_(done)
         self._init_pending = not done
+
+    @torch.no_grad()
+    def set_codes(self, codes: torch.Tensor, counts: torch.Tensor) -> None:
+        """Put fitted codes in place: ``codebook = codes [H, S, Dk]``, the EMA statistics as if
+        ``counts [H, S]`` keys had chosen each code (``ema_counts = counts``, ``ema_sums =
+        codes * counts``), and the codebook marked initialized (no k-means initialisation runs)."""
+        codes = check_tensor("codes", codes, ndim=3, layout="[heads, codebook_size, head_dim]")
+        counts = check_tensor("counts", counts, ndim=2, layout="[heads, codebook_size]")
+        if tuple(codes.shape) != tuple(self.codebook.shape) or tuple(counts.shape) != tuple(self.ema_counts.shape):
+            raise ValueError(f"codes {list(codes.shape)} and counts {list(counts.shape)} must be "
+                             f"{list(self.codebook.shape)} and {list(self.ema_counts.shape)}")
+        self.codebook.copy_(codes)
+        self.ema_counts.copy_(counts)
+        self.ema_sums.copy_(codes.to(self.ema_sums) * counts.to(self.ema_sums).unsqueeze(-1))
+        self.initialized.fill_(True)
+        self._init_pending = False
 
     def extra_repr(self) -> str:
         return (
