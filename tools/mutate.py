@@ -406,14 +406,15 @@ def markdown_summary(results: list[dict], elapsed: float) -> str:
     lines = [
         "# Mutation testing summary", "",
         f"Written by `tools/mutate.py` in {elapsed / 60:.1f} minutes. Score = killed / (killed + survived); "
-        "timeouts count as killed; 'not reached' mutants were left for the next run by the time budget.", "",
-        "| module | tests | mutants | tested | killed | survived | not reached | score | status |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "timeouts count as killed (a loaded machine can make them: rerun those modules on a quiet one); "
+        "'not reached' mutants were left for the next run by the time budget.", "",
+        "| module | tests | mutants | tested | killed | of which timeouts | survived | not reached | score | status |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in results:
         c = r.get("counts")
         if c is None:
-            lines.append(f"| {r['module']} | {', '.join(r['tests'])} | | | | | | | {r['status']} |")
+            lines.append(f"| {r['module']} | {', '.join(r['tests'])} | | | | | | | | {r['status']} |")
             continue
         mutants = sum(v for k, v in c.items() if k != "left_out")
         tested = mutants - c["not_reached"]
@@ -421,7 +422,7 @@ def markdown_summary(results: list[dict], elapsed: float) -> str:
         shown = "-" if value is None else f"{100 * value:.0f}%"
         tests = ", ".join(r["tests"]) + (f" (-k {r['select']})" if r.get("select") else "")
         lines.append(f"| {r['module']} | {tests} | {mutants} | {tested} | {c['killed'] + c['timeout']} | "
-                     f"{c['survived']} | {c['not_reached']} | {shown} | {r['status']} |")
+                     f"{c['timeout']} | {c['survived']} | {c['not_reached']} | {shown} | {r['status']} |")
     lines += ["", "## Surviving mutants", ""]
     for r in results:
         for survivor in r.get("survivors", []):
