@@ -929,3 +929,17 @@ def test_block_caches_are_the_counts_and_means_of_the_blocks_two_behind(has_prev
         if r == full_blocks:
             assert_close_rel(final[0], counts, rtol=1e-12, name="final counts")
             assert_close_rel(final[1], sums, rtol=1e-12, name="final sums")
+
+
+@pytest.mark.parametrize("schedule, expected", [("loop", "_block_loop"), ("batched", "_all_blocks"),
+                                                ("auto", "_all_blocks")])
+def test_schedule_runs_the_walk_it_names(monkeypatch, schedule, expected):
+    """An explicit ``schedule`` walks the blocks that way (they hold different memory); ``"auto"``
+    is the batched schedule. The walks are wrapped to record which one ran."""
+    ran = []
+    for name in ("_block_loop", "_all_blocks"):
+        walk = getattr(vq, name)
+        monkeypatch.setattr(vq, name, lambda *a, walk=walk, name=name: ran.append(name) or walk(*a))
+    q, k_hat, v, codes, codebook = make_vq(T=9)
+    linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, mode="block", schedule=schedule)
+    assert ran == [expected]
