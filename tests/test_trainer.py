@@ -606,6 +606,22 @@ def test_resume_with_another_process_count_is_refused(two_process_run):
 # ------------------------------------------------------------------- carry schedule
 
 
+def test_evaluate_reads_the_ids_once_not_per_window():
+    """``evaluate_bpb`` checks the ids' range once; the windows run without the check, so on a
+    GPU its loop never waits for the device: 3 windows make the round trips that 12 make."""
+    from linattn.train import evaluate_bpb
+    from _helpers import HostRoundTrips
+
+    model = LM(tiny_model("vq,softmax")).eval()
+    tokens = torch.randint(0, 256, (12 * 8 + 1,), generator=torch.Generator().manual_seed(4))
+    counts = []
+    for windows in (3, 12):
+        with HostRoundTrips() as trips:
+            evaluate_bpb(model, tokens, context=8, max_tokens=windows * 8 + 1)
+        counts.append(len(trips))
+    assert counts[0] == counts[1], counts
+
+
 def test_evaluate_reset_every_interpolates_between_reset_and_carry():
     from linattn.train import evaluate_bpb
 
