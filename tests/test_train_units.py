@@ -6,19 +6,28 @@ rank 0 and the others take turns), so a change of that behaviour fails it."""
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
+import os
 import re
 import signal
+import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from tqdm import tqdm
 
 from linattn.models import LM, LMConfig
-from linattn.train import CheckpointError, TrainConfig, distributed, evaluate_bpb, load_model, parallel, train
+from linattn.train import (CheckpointError, TrainConfig, distributed, evaluate_bpb, load_checkpoint, load_model,
+                           parallel, train)
+from linattn.train import evaluate as evaluate_module
 from linattn.train import trainer as trainer_module
 from linattn.train.checkpoint import find_resume_checkpoint, save_checkpoint
 from linattn.train.config import parse_override
@@ -432,14 +441,17 @@ def test_each_step_descends_the_cross_entropy_plus_the_commitment_loss(tmp_path,
     assert not close(without, expected)  # the commitment term moves the gradient visibly
 
 
-def test_under_ddp_on_cpu_the_model_is_wrapped_without_device_ids_and_logged_losses_are_rank_means(
-        tmp_path, monkeypatch):
-    """Two ranks simulated in one process: the other rank mirrors this one (every sum over ranks
-    doubles), so the logged loss, a mean over ranks, equals this rank's loss. DDP takes
-    ``device_ids=None`` for a CPU module (a list is for one GPU each)."""
+@pytest.fixture
+def mirrored_second_rank(monkeypatch) -> list[dict]:
+    """Rank 0 of two ranks simulated in one process: the other rank mirrors this one (every sum
+    over ranks doubles); DDP is recorded, not applied. Returns the DDP keyword arguments seen."""
     monkeypatch.setattr(distributed, "setup", lambda device="cpu": Context(rank=0, world_size=2,
                                                                           device=torch.device(device)))
-    monkeypatch.setattr(distributed, "all_reduce_sum", lambda values, context: values.mul_(context.world_size))
+    def mirrored_sum(values, context):
+        return values.mul_(context.world_size)
+
+    monkeypatch.setattr(distributed, "all_reduce_sum", mirrored_sum)
+    monkeypatch.setattr(evaluate_module, "all_reduce_sum", mirrored_sum)  # imported by name there
     monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: flag)
     monkeypatch.setattr(distributed, "gather_objects",  # each rank's object arrives as its own copy
                         lambda value, context: [copy.deepcopy(value) for _ in range(context.world_size)])
@@ -451,6 +463,14 @@ def test_under_ddp_on_cpu_the_model_is_wrapped_without_device_ids_and_logged_los
         return module
 
     monkeypatch.setattr(parallel, "DistributedDataParallel", fake_ddp)
+    return wrapped
+
+
+def test_under_ddp_on_cpu_the_model_is_wrapped_without_device_ids_and_logged_losses_are_rank_means(
+        tmp_path, monkeypatch, mirrored_second_rank):
+    """With the other rank mirroring this one, the logged loss, a mean over ranks, equals this
+    rank's loss. DDP takes ``device_ids=None`` for a CPU module (a list is for one GPU each)."""
+    wrapped = mirrored_second_rank
     losses = []
     original_cross_entropy = F.cross_entropy
 
@@ -510,3 +530,439 @@ def test_training_tokens_outside_the_vocabulary_are_refused_where_they_are_loade
 def test_evaluate_bpb_refuses_tokens_outside_the_vocabulary(sharp_model):
     with pytest.raises(ValueError, match=r"tokens must lie in \[0, 256\), got values in \[0, 300\]"):
         evaluate_bpb(sharp_model, torch.tensor([0, 5, 300, 7] * 10), context=8)
+
+
+# ----------------------------------------------------------------------------- trainer: more pieces
+
+CPU = torch.device("cpu")
+
+
+def test_a_first_signal_requests_a_stop_and_a_second_one_gets_the_default_behaviour():
+    """The first SIGINT or SIGTERM only sets the flag; the handler it leaves is the default one
+    of that signal: KeyboardInterrupt for a second Ctrl-C, termination for a second SIGTERM."""
+    stop = trainer_module._StopRequest()
+    with stop.installed():
+        stop(signal.SIGINT, None)
+        assert stop.signal_name == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is stop
+        stop(signal.SIGTERM, None)
+        assert stop.signal_name == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_metrics_mirror_to_tensorboard_only_when_asked_and_a_resume_purges_the_later_steps(tmp_path):
+    """By default only ``metrics.jsonl`` is written (its folders made as needed); with
+    ``tensorboard`` the records also go to ``<run>/tensorboard``, and a run resumed at step 2
+    drops the events logged after step 2, as the JSONL log drops those lines."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # heavy: only here
+
+    run = tmp_path / "runs" / "run"
+    path = run / "metrics.jsonl"
+    trainer_module._Metrics(path, enabled=True, resume_step=None).close()
+    assert path.read_text() == "" and sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+    metrics_log = trainer_module._Metrics(path, enabled=True, resume_step=None, tensorboard=True)
+    for step in (1, 2, 3, 4):
+        metrics_log.write({"step": step, "loss": float(step)})
+    metrics_log.close()
+    resumed = trainer_module._Metrics(path, enabled=True, resume_step=2, tensorboard=True)
+    resumed.write({"step": 3, "loss": 30.0})
+    resumed.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_accumulate_gradients_averages_loss_commitment_and_gradients_over_the_micro_batches():
+    """Two micro-batches of different difficulty (rows of zeros, random rows), float64: the
+    returned loss and commitment loss are the means of the blocks' values, and the gradient is
+    that of the mean of (cross-entropy + commitment loss) over the blocks, each block written
+    out here as its own forward."""
+    torch.manual_seed(0)
+    model = LM(vq_config()).double().train()
+    reference = copy.deepcopy(model)
+    inputs = torch.cat([torch.zeros(2, 8, dtype=torch.long),
+                        torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))])
+    targets = inputs.roll(-1, dims=1)
+    loss, commit, states = trainer_module.accumulate_gradients(model, inputs, targets, [None, None], device=CPU)
+
+    cross_entropies, commits, objective = [], [], 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        logits, _, aux = reference(inputs[rows])
+        cross_entropies.append(F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten()))
+        commits.append(aux["commit_loss"])
+        objective = objective + (cross_entropies[-1] + commits[-1]) / 2
+    expected = torch.autograd.grad(objective, list(reference.parameters()))
+    first, second = (x.item() for x in cross_entropies)
+    assert abs(first - second) > 0.1 and commits[1] > 0 and abs(commits[0].item() - commits[1].item()) > 0
+    assert len(states) == 2
+    assert loss.item() == pytest.approx((first + second) / 2, rel=1e-12)
+    assert commit.item() == pytest.approx((commits[0].item() + commits[1].item()) / 2, rel=1e-6)
+    for (name, parameter), wanted in zip(model.named_parameters(), expected):
+        torch.testing.assert_close(parameter.grad, wanted, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_accumulate_gradients_runs_the_given_forward_without_id_checks_and_without_autocast_by_default(
+        monkeypatch):
+    """``forward`` defaults to the trained module itself; a given one (the compiled wrapper) is
+    what runs. Either way the ids are not range-checked there (``check_inputs=False``), and
+    bf16 autocast is on only when asked."""
+    calls = []
+    original_forward = LM.forward
+
+    def recording_forward(self, ids, state=None, **options):
+        calls.append(("model", options, torch.is_autocast_enabled("cpu")))
+        return original_forward(self, ids, state, **options)
+
+    monkeypatch.setattr(LM, "forward", recording_forward)
+    model = LM(linear_config())
+    inputs = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    targets = inputs.roll(-1, dims=1)
+    trainer_module.accumulate_gradients(model, inputs, targets, [None], device=CPU)
+    assert calls == [("model", {"check_inputs": False}, False)]
+
+    calls.clear()
+
+    def given(ids, state, **options):
+        calls.append(("given", options))
+        return model(ids, state, **options)
+
+    trainer_module.accumulate_gradients(model, inputs, targets, [None, None], device=CPU, bf16=True, forward=given)
+    assert calls == [("given", {"check_inputs": False}), ("model", {"check_inputs": False}, True)] * 2
+
+
+def test_compiled_training_writes_forward_side_effects_once_under_activation_checkpointing():
+    """``compile_model``: a module that records each forward call, compiled (eager backend,
+    fullgraph) inside activation checkpointing, runs its forward and backward (dynamo would
+    refuse the write inside a checkpointed region) and records the call once, not again in the
+    recomputation; the gradients are eager's."""
+
+    class Recording(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+            self.calls = []
+
+        def forward(self, x):
+            self.calls.append(x.shape[0])
+            return self.linear(x).tanh()
+
+    torch.manual_seed(0)
+    module = Recording()
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(1))
+    module(x).sum().backward()
+    wanted = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    module.calls.clear()
+    torch._dynamo.reset()
+    try:
+        compiled = trainer_module.compile_model(
+            lambda inputs: torch.utils.checkpoint.checkpoint(module, inputs, use_reentrant=False),
+            backend="eager", fullgraph=True)
+        compiled(x).sum().backward()
+    finally:
+        torch._dynamo.reset()
+    assert module.calls == [2]
+    for parameter, expected in zip(module.parameters(), wanted):
+        torch.testing.assert_close(parameter.grad, expected)
+
+
+def test_code_perplexity_is_the_mean_over_vq_units_of_the_exp_entropy_of_their_pooled_code_counts():
+    """exp(-sum p log p) of each quantizer's pending counts summed over heads (0 log 0 = 0),
+    averaged over the quantizers; None for a model without VQ."""
+    model = LM(vq_config())
+    quantizers = model.quantizers()
+    assert len(quantizers) == 2
+    generator = torch.Generator().manual_seed(0)
+    expected = []
+    for index, quantizer in enumerate(quantizers):
+        counts = torch.randint(0, 6, quantizer.pending_counts.shape, generator=generator).float()
+        counts[:, index] = 0  # a code no head used
+        counts[0, -1] = 7
+        quantizer._pending_counts.copy_(counts)
+        pooled = counts.sum(0).tolist()
+        total = sum(pooled)
+        expected.append(math.exp(-sum(c / total * math.log(c / total) for c in pooled if c > 0)))
+    assert abs(expected[0] - expected[1]) > 0.01
+    assert trainer_module.code_perplexity(model).item() == pytest.approx(sum(expected) / 2, rel=1e-6)
+    assert trainer_module.code_perplexity(LM(linear_config())) is None
+
+
+# ----------------------------------------------------------------------------- trainer: more runs
+
+
+def test_resume_steps_must_exceed_the_checkpoint_step_and_an_extension_keeps_the_schedule(tmp_path):
+    """``steps`` with ``resume`` must be an int above the checkpoint's step. A finished 4-step
+    run extended to 6 trains steps 5 and 6 at the floor learning rate (``lr * min_lr_ratio``)
+    of its 4-step schedule (``decay_steps`` becomes 4); a run with its own ``decay_steps`` keeps it."""
+    data = write_corpus(tmp_path)
+    run = tmp_path / "run"
+    config = run_config(data, run, steps=4)
+    train(linear_config(), config, progress=False, echo=quiet)
+    for bad in (4, 3, True, 5.0, "6"):
+        with pytest.raises(ValueError) as info:
+            train(None, None, resume=True, out=run, steps=bad, progress=False, echo=quiet)
+        assert str(info.value) == f"--steps must be larger than the checkpoint's step 4 to train further, got {bad!r}"
+    summary = train(None, None, resume=True, out=run, steps=6, progress=False, echo=quiet)
+    assert summary["start_step"] == 4 and summary["step"] == 6
+    records = train_records(run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    floor = config.lr * config.min_lr_ratio
+    assert [r["lr"] for r in records[4:]] == pytest.approx([floor, floor], rel=1e-12)
+    assert records[2]["lr"] > floor  # step 3: on the cosine, above its floor
+    meta = load_checkpoint(run).meta["train_config"]
+    assert meta["steps"] == 6 and meta["decay_steps"] == 4
+
+    other = tmp_path / "other"
+    train(linear_config(), run_config(data, other, steps=4, decay_steps=3), progress=False, echo=quiet)
+    train(None, None, resume=True, out=other, steps=5, progress=False, echo=quiet)
+    assert load_checkpoint(other).meta["train_config"]["decay_steps"] == 3
+
+
+def test_train_sets_the_thread_count_only_when_asked(tmp_path):
+    data = write_corpus(tmp_path)
+    before = torch.get_num_threads()
+    try:
+        train(linear_config(), run_config(data, tmp_path / "unset", steps=1, threads=None), progress=False,
+              echo=quiet)
+        assert torch.get_num_threads() == before
+        train(linear_config(), run_config(data, tmp_path / "set", steps=1, threads=before + 1), progress=False,
+              echo=quiet)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected"])
+def test_resume_refuses_a_checkpoint_whose_tensors_do_not_fit_the_model(tmp_path, monkeypatch, change):
+    """A resumed run loads the weights strictly: a tensor missing from the checkpoint, or one
+    the model does not have, is an error naming it, not a silently fresh or ignored weight."""
+    run = tmp_path / "run"
+    train(linear_config(), run_config(write_corpus(tmp_path), run, steps=3, checkpoint_every=2), progress=False,
+          echo=quiet)
+    real_find = trainer_module.find_resume_checkpoint
+    names = []
+
+    def tampered(*args, **kwargs):
+        checkpoint = real_find(*args, **kwargs)
+        if change == "missing":
+            names.append(sorted(checkpoint.model)[0])
+            del checkpoint.model[names[0]]
+        else:
+            names.append("extra.weight")
+            checkpoint.model["extra.weight"] = torch.zeros(2)
+        return checkpoint
+
+    monkeypatch.setattr(trainer_module, "find_resume_checkpoint", tampered)
+    kind = "Missing" if change == "missing" else "Unexpected"
+    with pytest.raises(RuntimeError, match=rf"{kind} key\(s\) in state_dict") as info:
+        train(None, None, resume=True, resume_from=2, out=run, progress=False, echo=quiet)
+    assert f'"{names[0]}"' in str(info.value)
+
+
+def test_a_fresh_run_describes_its_model_and_data_and_the_validation_bpb_before_training(tmp_path):
+    """Rank 0 of a new run says what it trains (parameters in millions; the train split in
+    bytes for byte data; windows per pass) and the validation bpb it starts from."""
+    data = write_corpus(tmp_path, 1000)
+    run = tmp_path / "run"
+    config = linear_config()
+    said = []
+    train(config, run_config(data, run, steps=2, eval_every=2, eval_batch_size=2), progress=False,
+          echo=said.append)
+    n_parameters = sum(p.numel() for p in LM(config).parameters())
+    windows = (900 // 4 - 1) // 16
+    initial = [r["bpb"] for r in metrics(run) if r.get("split") == "validation" and r["step"] == 0]
+    assert len(initial) == 1
+    assert said == [f"model: linear:elu x 1 layers, d_model 16, {n_parameters / 1e6:.2f}M parameters; data: {data} "
+                    f"(900 train bytes, {windows} windows per pass)",
+                    f"validation bpb before training: {initial[0]:.3f}"]
+
+
+def test_under_two_ranks_the_tokens_seen_are_those_of_every_rank(tmp_path, mirrored_second_rank):
+    run = tmp_path / "run"
+    train(linear_config(), run_config(write_corpus(tmp_path, 2000), run, steps=2), progress=False, echo=quiet)
+    meta = json.loads((run / "checkpoints" / "step-00000002" / "meta.json").read_text())
+    assert meta["world_size"] == 2
+    assert meta["tokens_seen"] == 2 * 4 * 16 * 2 and type(meta["tokens_seen"]) is int  # steps x batch x context x ranks
+
+
+def test_a_run_without_validation_reports_neither_a_final_bpb_nor_its_step(logged_run):
+    _, summary, _ = logged_run
+    assert summary["final_bpb"] is None and summary["final_bpb_step"] is None
+
+
+def test_logged_speed_and_elapsed_times_are_read_from_the_clock(tmp_path, monkeypatch):
+    """With a clock that moves 0.25 s per training forward and a record every 2 steps, each
+    record's ``tokens_per_second`` is the tokens of the steps since the last record (64 per
+    step) over their time, 256; ``elapsed`` (records and summary) is the time since training began."""
+    clock = [1000.0]
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    original_forward = LM.forward
+
+    def ticking_forward(self, ids, state=None, **options):
+        if self.training:
+            clock[0] += 0.25
+        return original_forward(self, ids, state, **options)
+
+    monkeypatch.setattr(LM, "forward", ticking_forward)
+    run = tmp_path / "run"
+    summary = train(linear_config(), run_config(write_corpus(tmp_path), run, steps=5, log_every=2), progress=False,
+                    echo=quiet)
+    records = train_records(run)
+    assert [r["step"] for r in records] == [2, 4, 5]
+    assert [r["tokens_per_second"] for r in records] == [4 * 16 / 0.25] * 3
+    assert [r["elapsed"] for r in records] == [0.5, 1.0, 1.25]
+    assert summary["elapsed"] == 1.25
+
+
+def test_training_logs_and_evaluates_every_n_steps_and_at_the_last_step(tmp_path):
+    run = tmp_path / "run"
+    train(linear_config(), run_config(write_corpus(tmp_path), run, steps=5, log_every=2, eval_every=2,
+                                      eval_batch_size=2), progress=False, echo=quiet)
+    assert [r["step"] for r in train_records(run)] == [2, 4, 5]
+    assert [r["step"] for r in metrics(run) if r.get("split") == "validation"] == [0, 2, 4, 5]
+
+
+def test_the_carried_state_is_reset_at_each_new_pass_over_the_data(tmp_path, monkeypatch):
+    """With ``carry_windows=0`` the state is carried through a whole pass and dropped where the
+    next pass starts again at window 0 (8 windows per pass here)."""
+    seen = []
+    original_forward = LM.forward
+
+    def recording_forward(self, ids, state=None, **options):
+        if self.training:
+            seen.append(state is None)
+        return original_forward(self, ids, state, **options)
+
+    monkeypatch.setattr(LM, "forward", recording_forward)
+    windows = (600 * 90 // 100 // 4 - 1) // 16
+    assert windows == 8
+    train(linear_config(), run_config(write_corpus(tmp_path, 600), tmp_path / "run", steps=10, carry_windows=0),
+          progress=False, echo=quiet)
+    assert seen == [True] + [False] * 7 + [True, False]
+
+
+def test_the_optimizer_steps_with_the_scheduled_learning_rate(tmp_path):
+    """Every parameter group steps at ``peak * (s + 1) / warmup`` during warm-up, then at the
+    cosine from ``peak`` down to ``peak * min_lr_ratio`` at the last step (``s`` 0-based)."""
+    peak, ratio, warmup, steps = 1e-3, 0.1, 2, 6
+    applied = []
+    handle = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: applied.append([group["lr"] for group in optimizer.param_groups]))
+    try:
+        train(linear_config(), run_config(write_corpus(tmp_path), tmp_path / "run", steps=steps, lr=peak,
+                                          min_lr_ratio=ratio, warmup_steps=warmup), progress=False, echo=quiet)
+    finally:
+        handle.remove()
+    floor = peak * ratio
+    expected = [peak * (s + 1) / warmup if s < warmup else
+                floor + (peak - floor) * (1 + math.cos(math.pi * (s - warmup) / (steps - 1 - warmup))) / 2
+                for s in range(steps)]
+    assert len(applied) == steps and all(len(groups) >= 1 for groups in applied)
+    for lrs, wanted in zip(applied, expected):
+        assert lrs == pytest.approx([wanted] * len(lrs), rel=1e-12)
+
+
+class _DrawnBar(tqdm):
+    """The trainer's progress bar with tqdm's timed redraws switched off: every draw is one the
+    trainer asked for (``set_postfix(refresh=True)``), the first or the last. Records
+    ``(count, postfix)`` per draw."""
+
+    draws: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **{**kwargs, "mininterval": math.inf})
+
+    def display(self, *args, **kwargs):
+        _DrawnBar.draws.append((self.n, self.postfix))
+        return super().display(*args, **kwargs)
+
+
+def test_the_progress_bar_is_redrawn_for_each_evaluation_not_for_each_log(tmp_path, monkeypatch, capsys):
+    """A log record only updates the bar's postfix (tqdm redraws it at its own pace); an
+    evaluation shows its bpb at once, labelled with its step."""
+    monkeypatch.setattr(trainer_module, "tqdm", _DrawnBar)
+    monkeypatch.setattr(_DrawnBar, "draws", [])
+    run = tmp_path / "run"
+    train(linear_config(), run_config(write_corpus(tmp_path), run, steps=3, eval_every=2, eval_batch_size=2),
+          echo=quiet)
+    loss = {r["step"]: r["loss"] for r in train_records(run)}
+    bpb = {r["step"]: r["bpb"] for r in metrics(run) if r.get("split") == "validation"}
+    assert sorted(loss) == [1, 2, 3] and sorted(bpb) == [0, 2, 3]
+    after = {step: f"loss={loss[step]:.3f}, val_bpb@{step}={bpb[step]:.3f}" for step in (2, 3)}
+    assert _DrawnBar.draws == [(0, None), (2, after[2]), (3, after[3]), (3, after[3])]  # start, evals, close
+    assert "val_bpb@3=" in capsys.readouterr().err
+
+
+def test_the_progress_bar_follows_the_terminal_width(tmp_path, monkeypatch):
+    """A terminal widened from 80 to 150 columns during the run: the last bar drawn fills the
+    new width (tqdm leaves the last column free)."""
+    columns = [80]
+
+    class Terminal(io.StringIO):
+        def fileno(self):
+            return 2
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd=None: os.terminal_size((columns[0], 24)))
+    original_forward = LM.forward
+
+    def widening_forward(self, ids, state=None, **options):
+        columns[0] = 150
+        return original_forward(self, ids, state, **options)
+
+    monkeypatch.setattr(LM, "forward", widening_forward)
+    train(linear_config(), run_config(write_corpus(tmp_path), tmp_path / "run", steps=2), echo=quiet)
+    lines = [line for line in re.split(r"[\r\n]", terminal.getvalue()) if line]
+    assert len(lines[0]) == 79 and len(lines[-1]) == 149 and lines[-1].startswith("train: 100%")
+
+
+def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint_and_says_how_to_continue(tmp_path, monkeypatch):
+    seen = []
+    original_forward = LM.forward
+
+    def interrupting_forward(self, ids, state=None, **options):
+        if self.training:
+            seen.append(True)
+            if len(seen) == 2:
+                signal.raise_signal(signal.SIGINT)
+        return original_forward(self, ids, state, **options)
+
+    monkeypatch.setattr(LM, "forward", interrupting_forward)
+    run = tmp_path / "run"
+    said = []
+    summary = train(linear_config(), run_config(write_corpus(tmp_path), run, steps=5), progress=False,
+                    echo=said.append)
+    assert summary["interrupted"] == "SIGINT" and summary["step"] == 2 and len(seen) == 2
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert said[-1] == (f"stopped by SIGINT after step 2; checkpoint saved to {run / 'checkpoints' / 'step-00000002'}; "
+                        f"continue with: linattn train --resume --out {run}")
+
+
+def test_validation_bits_per_byte_on_tokenized_data_count_the_bytes_of_every_ranks_streams(
+        tmp_path, mirrored_second_rank):
+    """BPE shards, two ranks of 2 evaluation streams each: the validation record's ``bytes``
+    are the text bytes of the targets of all 4 streams of the split (``bpb`` then divides the
+    nats by them), counted here by decoding each stream with the tokenizer itself."""
+    from tokenizers import Tokenizer
+
+    from linattn.data.shards import prepare_shards
+
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):  # three documents: train, validation, test
+        (texts / f"{name}.txt").write_text(english_like(3000, seed=seed))
+    shards = prepare_shards(texts, "bpe:300", tmp_path / "shards", echo=quiet)
+    run = tmp_path / "run"
+    train(linear_config(vocab_size=300), run_config(shards, run, steps=1, eval_every=1, eval_batch_size=2),
+          progress=False, echo=quiet)
+    record = [r for r in metrics(run) if r.get("split") == "validation"][-1]
+    reference = Tokenizer.from_file(str(shards / "tokenizer.json"))
+    ids = torch.tensor(reference.encode((texts / "b.txt").read_text()).ids)
+    length = ids.numel() // 4
+    streams = ids[:4 * length].reshape(4, length)
+    assert record["tokens"] == 4 * (length - 1)
+    assert record["bytes"] == sum(len(reference.decode(row[1:].tolist()).encode()) for row in streams)
+    assert record["bpb"] == pytest.approx(record["bits_per_token"] * record["tokens"] / record["bytes"], rel=1e-12)
