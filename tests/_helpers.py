@@ -276,3 +276,20 @@ class HostRoundTrips:
     def __exit__(self, *exc) -> None:
         for mode in reversed(self._modes):
             mode.__exit__(*exc)
+
+
+def record_state_resets(monkeypatch) -> list[bool]:
+    """Patch ``LM.forward`` to append, for each training-mode call, whether it got no state
+    (``state is None``: a reset); returns the list it appends to."""
+    from linattn.models import LM
+
+    seen: list[bool] = []
+    original_forward = LM.forward
+
+    def recording_forward(self, ids, state=None, **options):
+        if self.training:
+            seen.append(state is None)
+        return original_forward(self, ids, state, **options)
+
+    monkeypatch.setattr(LM, "forward", recording_forward)
+    return seen

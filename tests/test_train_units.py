@@ -32,7 +32,7 @@ from linattn.train import trainer as trainer_module
 from linattn.train.checkpoint import find_resume_checkpoint, save_checkpoint
 from linattn.train.config import parse_override
 from linattn.train.distributed import Context
-from _helpers import english_like
+from _helpers import english_like, record_state_resets
 
 torch.set_num_threads(1)
 
@@ -827,15 +827,7 @@ def test_training_logs_and_evaluates_every_n_steps_and_at_the_last_step(tmp_path
 def test_the_carried_state_is_reset_at_each_new_pass_over_the_data(tmp_path, monkeypatch):
     """With ``carry_windows=0`` the state is carried through a whole pass and dropped where the
     next pass starts again at window 0 (8 windows per pass here)."""
-    seen = []
-    original_forward = LM.forward
-
-    def recording_forward(self, ids, state=None, **options):
-        if self.training:
-            seen.append(state is None)
-        return original_forward(self, ids, state, **options)
-
-    monkeypatch.setattr(LM, "forward", recording_forward)
+    seen = record_state_resets(monkeypatch)
     windows = (600 * 90 // 100 // 4 - 1) // 16
     assert windows == 8
     train(linear_config(), run_config(write_corpus(tmp_path, 600), tmp_path / "run", steps=10, carry_windows=0),

@@ -27,7 +27,7 @@ from linattn.state import LMState, _State
 from linattn.train import CheckpointError, TrainConfig, load_checkpoint, load_model, train
 from linattn.train.checkpoint import flatten_state, resolve_checkpoint, save_checkpoint, unflatten_state
 from linattn.train.schedule import learning_rate
-from _helpers import english_like
+from _helpers import english_like, record_state_resets
 
 torch.set_num_threads(1)
 
@@ -645,15 +645,7 @@ def test_training_resets_the_carried_state_every_carry_windows(tmp_path, monkeyp
 
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(chr(97 + (i * 7) % 26) for i in range(4000)))
-    seen = []
-    original_forward = LM.forward
-
-    def recording_forward(self, ids, state=None, **options):
-        if self.training:
-            seen.append(state is None)
-        return original_forward(self, ids, state, **options)
-
-    monkeypatch.setattr(LM, "forward", recording_forward)
+    seen = record_state_resets(monkeypatch)
     model_config = LMConfig(d_model=16, n_layers=1, n_heads=2, attention="linear:elu")
     train_config = trainer_module.TrainConfig(
         data=str(corpus), out=str(tmp_path / "run"), steps=7, batch_size=2, context=16, eval_every=0,
