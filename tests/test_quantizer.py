@@ -767,3 +767,36 @@ def test_kmeans_init_waits_for_a_batch_with_real_tokens():
     vq(k)
     assert bool(vq.initialized) and torch.equal(vq.ema_sums, vq.codebook)
     assert mean_nearest_distance(k, vq.codebook) < 0.2 * mean_nearest_distance(k, before)
+
+
+def test_inside_backward_is_false_while_compiling(monkeypatch):
+    """Inside a backward pass (here a tensor hook) ``_inside_backward`` is True eagerly and False
+    while torch.compile traces (a compiled graph's recomputation replays no buffer writes, so
+    its trace counts statistics once); outside a backward it is False."""
+    from linattn.nn import quantizer as quantizer_module
+
+    def in_backward() -> list[bool]:
+        seen = []
+        x = torch.ones(2, requires_grad=True)
+        y = x * 2
+        y.register_hook(lambda grad: seen.append(quantizer_module._inside_backward()) or grad)
+        y.sum().backward()
+        return seen
+
+    assert in_backward() == [True] and not quantizer_module._inside_backward()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert in_backward() == [False]
+
+
+def test_code_norms_while_compiling_are_recomputed_from_the_codebook(monkeypatch):
+    """While torch.compile traces, ``|c_s|^2`` is computed from the codebook each call ``[H, S]``
+    (the eager cache keys on storage and version, which a trace cannot read); a codebook written
+    through ``.data`` (no version bump) is seen at once."""
+    vq = linattn.VectorQuantizer(2, 3, 4)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    vq._code_norms()
+    vq.codebook.data.mul_(3.0)
+    expected = (vq.codebook.double() ** 2).sum(-1)
+    norms = vq._code_norms()
+    assert norms.shape == (2, 4)
+    torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0)
