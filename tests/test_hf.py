@@ -8,6 +8,7 @@ import copy
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -302,9 +303,7 @@ def test_save_and_load_give_identical_logits_tokens_and_buffers(saved):
 def test_a_corrupted_weights_file_fails_clearly(saved, tmp_path):
     _, out = saved
     broken = tmp_path / "broken"
-    broken.mkdir()
-    for path in out.iterdir():
-        (broken / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(out, broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(Exception, match="(?i)safetensor|incomplete|deserializ|header"):
@@ -531,9 +530,7 @@ def test_a_loaded_model_owns_fresh_aligned_memory(saved, tmp_path, data_start_mo
     whatever the file's layout, and rewriting the file in place afterwards changes nothing."""
     lm, out = saved
     copy = tmp_path / "model"
-    copy.mkdir()
-    for path in out.iterdir():
-        (copy / path.name).write_bytes(path.read_bytes())
+    shutil.copytree(out, copy)
     weights = copy / "model.safetensors"
     _write_header_padded(weights, data_start_mod_64)
     loaded = H.LinattnForCausalLM.from_pretrained(copy)

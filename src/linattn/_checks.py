@@ -223,6 +223,17 @@ def check_state_tensor(name: str, value: object, expected: tuple[int, ...], like
     return value
 
 
+def check_first_order_backward(op: str, alternative: str) -> None:
+    """Called first in a hand-written ``backward``: grad mode is on there only under
+    ``create_graph=True``, which asks for second derivatives that such a backward cannot give
+    (it would return first derivatives with no graph); raise, naming ``alternative``."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"{op} has no second derivatives (its backward is first order, and a backward with "
+            f"create_graph=True went through it); use {alternative}"
+        )
+
+
 def resolve_scale(scale: object, key_dim: int) -> float:
     """The score scale: ``None`` -> ``key_dim^-1/2``; a number -> itself; else TypeError."""
     if scale is None:

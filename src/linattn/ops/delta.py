@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from ..state import DeltaRuleState
 from .._checks import (
     check_bool,
+    check_first_order_backward,
     check_non_negative_number,
     check_choice,
     check_positive_int,
@@ -127,11 +128,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_memory):
-        if torch.is_grad_enabled():  # create_graph=True: this backward has no derivative of its own
-            raise RuntimeError(
-                "delta_rule(mode='chunk') has a first-order backward only, and create_graph=True asks for "
-                "second derivatives; use mode='recurrent' for them"
-            )
+        check_first_order_backward("delta_rule(mode='chunk')", "mode='recurrent'")
         rows, keys, vals, betas, inverse, w, states, corrected, scores, gram = ctx.saved_tensors
         N, G, T, Fd, E, C, n_chunks, scale = ctx.shape
         M = N * n_chunks

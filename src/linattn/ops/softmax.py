@@ -25,6 +25,7 @@ from ._bias import offset_rows, relative_bias_table
 from .._checks import (
     is_number,
     check_bool,
+    check_first_order_backward,
     AttentionShapes,
     check_choice,
     check_positive_int,
@@ -232,11 +233,7 @@ class _TiledSoftmax(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():  # create_graph=True: the recomputation below reads lse as a constant
-            raise RuntimeError(
-                "softmax_attention(impl='tiled') has no second derivatives (a backward with create_graph=True "
-                "went through it); use impl='reference' or impl='sdpa'"
-            )
+        check_first_order_backward("softmax_attention(impl='tiled')", "impl='reference' or impl='sdpa'")
         q, k, v, dense, table, out, lse = ctx.saved_tensors
         causal, block_size = ctx.causal, ctx.block_size
         B, Hkv, G, T, _ = q.shape
