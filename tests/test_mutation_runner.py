@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import textwrap
 from pathlib import Path
@@ -145,3 +146,35 @@ def test_a_failing_test_and_a_timeout_are_reported(runner, tmp_path):
                                                  "    slow()\n")
     assert runner.run_pytest(["-q", "-p", "no:cacheprovider", "tests/test_slow.py"], stage=stage, timeout=3,
                              log=tmp_path / "log") == (None, "timeout")
+
+
+@pytest.fixture()
+def mutate(runner, monkeypatch, tmp_path):
+    """tools/mutate.py with its tree (stages, results) under ``tmp_path``."""
+    spec = importlib.util.spec_from_file_location("_mutate_under_test", ROOT / "tools" / "mutate.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    monkeypatch.setattr(module, "WORK", tmp_path / "build" / "mutate")
+    monkeypatch.setattr(module, "RESULTS", tmp_path / "results" / "mutation")
+    return module
+
+
+def test_summary_is_assembled_from_the_stored_results_without_running(mutate):
+    """``--summary`` reads each module's stored ``result.json`` (a module never run is 'no result')
+    and writes the summary with the timeouts counted among the kills and shown apart."""
+    first, second = mutate.TARGETS[:2]
+    stage = mutate.WORK / first.name
+    stage.mkdir(parents=True)
+    counts = {"killed": 5, "timeout": 1, "survived": 2, "incompetent": 0, "not_reached": 0, "left_out": 9}
+    survivor = {"line": 3, "operator": "core/AddNot", "occurrence": 0, "diff": "-a\n+b", "whole_tests": True}
+    (stage / "result.json").write_text(json.dumps({"module": first.module, "tests": list(first.tests),
+                                                   "status": "ok", "counts": counts, "survivors": [survivor]}))
+    assert mutate.main(["--summary", "--only", first.module, second.module]) == 0
+    text = (mutate.RESULTS / "summary.md").read_text()
+    assert text.splitlines()[2].startswith("Assembled by `tools/mutate.py --summary`")
+    assert f"| {first.module} | {', '.join(first.tests)} | 8 | 8 | 6 | 1 | 2 | 0 | 75% | ok |" in text
+    assert f"| {second.module} | {', '.join(second.tests)} | | | | | | | | no result |" in text
+    assert f"### {first.module}:3 (core/AddNot)" in text
+    assert json.loads((mutate.RESULTS / "summary.json").read_text())["seconds"] is None

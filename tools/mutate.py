@@ -402,10 +402,13 @@ def score(counts: dict) -> float | None:
     return killed / judged if judged else None
 
 
-def markdown_summary(results: list[dict], elapsed: float) -> str:
+def markdown_summary(results: list[dict], elapsed: float | None) -> str:
+    """The summary; ``elapsed`` None: assembled from the stored sessions (``--summary``)."""
+    written = ("Assembled by `tools/mutate.py --summary` from the stored module sessions (`build/mutate/`)."
+               if elapsed is None else f"Written by `tools/mutate.py` in {elapsed / 60:.1f} minutes.")
     lines = [
         "# Mutation testing summary", "",
-        f"Written by `tools/mutate.py` in {elapsed / 60:.1f} minutes. Score = killed / (killed + survived); "
+        f"{written} Score = killed / (killed + survived); "
         "timeouts count as killed (a loaded machine can make them: rerun those modules on a quiet one); "
         "'not reached' mutants were left for the next run by the time budget.", "",
         "| module | tests | mutants | tested | killed | of which timeouts | survived | not reached | score | status |",
@@ -432,9 +435,10 @@ def markdown_summary(results: list[dict], elapsed: float) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_summary(results: list[dict], elapsed: float) -> Path:
+def write_summary(results: list[dict], elapsed: float | None) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "summary.json").write_text(json.dumps({"seconds": round(elapsed, 1), "modules": results}, indent=1))
+    seconds = None if elapsed is None else round(elapsed, 1)
+    (RESULTS / "summary.json").write_text(json.dumps({"seconds": seconds, "modules": results}, indent=1))
     path = RESULTS / "summary.md"
     path.write_text(markdown_summary(results, elapsed))
     return path
@@ -474,6 +478,11 @@ def run_all(targets: list[Target], budget_minutes: float, jobs: int) -> list[dic
                 del running[name]
         if not queue and not running and deadline - time.time() > 60:
             queue = [target for target in targets if _unfinished(target)]  # the time left goes round again
+    return stored_results(targets)
+
+
+def stored_results(targets: list[Target]) -> list[dict]:
+    """Each module's result as its last run left it in its stage."""
     results = []
     for target in targets:
         stored = WORK / target.name / "result.json"
@@ -499,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="wall-clock budget for the whole run (default 55)")
     parser.add_argument("--jobs", type=int, default=2, help="modules mutated at once (default 2)")
     parser.add_argument("--count", action="store_true", help="count the mutants of each module; run no test")
+    parser.add_argument("--summary", action="store_true",
+                        help="write the summary from the modules' stored results (their last runs); run no test")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--until", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -515,9 +526,12 @@ def main(argv: list[str] | None = None) -> int:
                 counts = count_mutants(target)
                 print(f"{sum(v for k, v in counts.items() if k != 'left_out'):5d}  {target.module}")
         return 0
-    started = time.time()
-    results = run_all(targets, args.budget_minutes, args.jobs)
-    path = write_summary(results, time.time() - started)
+    if args.summary:
+        path = write_summary(stored_results(targets), None)
+    else:
+        started = time.time()
+        results = run_all(targets, args.budget_minutes, args.jobs)
+        path = write_summary(results, time.time() - started)
     print(f"summary: {path.relative_to(ROOT)}")
     print(path.read_text().split("## Surviving mutants")[0])
     return 0
