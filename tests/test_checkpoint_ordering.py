@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from linattn.train.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint, save_checkpoint, step_name
+from linattn.train.checkpoint import (CheckpointError, CheckpointWriteError, load_checkpoint, resolve_checkpoint,
+                                     save_checkpoint, step_name)
 
 
 class RenameFailed(OSError):
@@ -55,9 +56,11 @@ def test_failed_rename_of_a_new_step_keeps_latest_on_the_previous_step(tmp_path,
     root = tmp_path / "checkpoints"
     first = _save(root, 1, fill=1.0)
     attempts = _fail_renames_onto(monkeypatch, root / step_name(2))
-    with pytest.raises(RenameFailed):
+    with pytest.raises(CheckpointWriteError, match="simulated failure") as failure:
         _save(root, 2, fill=2.0)
+    assert isinstance(failure.value.__cause__, RenameFailed)
     assert attempts, "the step folder was never renamed into place"
+    assert not list(root.glob(".tmp-*"))  # the half-written folder goes with the failure
     assert not (root / step_name(2)).exists()
     assert (root / "latest").read_text().strip() == step_name(1)
     _assert_latest_is(root, 1, first)
@@ -72,8 +75,9 @@ def test_failed_rename_when_saving_the_same_step_again_keeps_a_complete_latest(t
     _save(root, 1, fill=1.0)
     first = _save(root, 2, fill=2.0)
     attempts = _fail_renames_onto(monkeypatch, root / step_name(2))
-    with pytest.raises(RenameFailed):
+    with pytest.raises(CheckpointWriteError, match="simulated failure") as failure:
         _save(root, 2, fill=3.0)
+    assert isinstance(failure.value.__cause__, RenameFailed)
     assert attempts, "the step folder was never renamed into place"
     _assert_latest_is(root, 2, first)
     monkeypatch.undo()

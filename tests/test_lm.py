@@ -744,9 +744,13 @@ def test_update_codebooks_updates_every_quantizer(monkeypatch):
     model = make_model("vq,vq")
     calls = []
     for quantizer in model.quantizers():
-        monkeypatch.setattr(quantizer, "update", lambda quantizer=quantizer: calls.append(quantizer))
+        monkeypatch.setattr(quantizer, "update", lambda apply=None, quantizer=quantizer: calls.append((quantizer, apply)))
     model.update_codebooks()
-    assert len(calls) >= 2 and calls == model.quantizers()
+    assert len(calls) >= 2 and calls == [(q, None) for q in model.quantizers()]
+    flag = torch.tensor(False)
+    calls.clear()
+    model.update_codebooks(apply=flag)  # the trainer's guard: a non-finite step's statistics are dropped
+    assert calls == [(q, flag) for q in model.quantizers()]
 
 
 def test_activation_checkpointing_recomputes_only_when_on_and_under_grad():

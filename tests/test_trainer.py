@@ -663,9 +663,9 @@ def _record_restart_draws(monkeypatch, interrupt_after: int | None = None) -> li
     draws: list[bool] = []
     original = LM.update_codebooks
 
-    def update_codebooks(self):
+    def update_codebooks(self, apply=None):
         before = torch.get_rng_state()
-        original(self)
+        original(self, apply)
         draws.append(not torch.equal(before, torch.get_rng_state()))
         if len(draws) == interrupt_after:
             signal.raise_signal(signal.SIGINT)

@@ -7,7 +7,8 @@ the parser default; listing the module in ``_COMMAND_GROUPS`` wires it in (``tra
 ``eval``, ``generate``, ``data``, ``repro`` follow the same pattern).
 
 Exit codes: 0 success, 2 bad arguments (argparse) or invalid values rejected by the
-library (``ValueError``/``TypeError``, printed as ``linattn: error: ...``), 130 on Ctrl-C.
+library (``ValueError``/``TypeError``, printed as ``linattn: error: ...``), 3 a training run
+that diverged (``TrainingDiverged``: a non-finite loss or gradient), 130 on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .data import cli as data_cli
 from . import convert, hf_cli, inspector
 from .repro import cli as repro_cli
 from .train import cli as train_cli
+from .train.divergence import TrainingDiverged
 
 _COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, repro_cli)
 
@@ -47,6 +49,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.command_line = shlex.join(["linattn", *argv])
     try:
         return args.handler(args)
+    except TrainingDiverged as error:
+        print(f"linattn: error: {error}", file=sys.stderr)
+        return 3
     except (ValueError, TypeError) as error:
         print(f"linattn: error: {error}", file=sys.stderr)
         return 2

@@ -31,7 +31,8 @@ from .models import LM, LMConfig
 from .models.layers import GAUPair
 from .nn.codebook import kmeans
 from .train.checkpoint import load_model, save_checkpoint
-from .train.optim import parameter_groups
+from .train.optim import trainer_adamw
+from .train.run_folder import RunFolderError, RunLock, check_not_in_use, run_files
 from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE
 from ._checks import check_choice, check_int, positive_int
 
@@ -123,8 +124,7 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
                 echo=print) -> Path:
     """Convert the run (or checkpoint) ``ckpt`` into a new run folder ``out``; returns its checkpoint."""
     out = Path(out)
-    if (out / "checkpoints" / "latest").exists():
-        raise ValueError(f"--out {out} already holds a run; choose another folder")
+    _check_free(out)
     source, checkpoint = load_model(ckpt)  # a CheckpointError if its tensors do not match its config
     train_config = dict(checkpoint.meta["train_config"])
     context = int(train_config["context"])
@@ -132,10 +132,26 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
     tokens_per_step = int(train_config["batch_size"]) * context * int(checkpoint.meta.get("world_size", 1))
     model = convert_model(source, ids, to=to, codebook_size=codebook_size, kmeans_iters=kmeans_iters,
                           tokens_per_step=tokens_per_step, seed=seed)
-    optimizer = torch.optim.AdamW(parameter_groups(model, float(train_config["weight_decay"])),
-                                  lr=float(train_config["lr"]))
+    optimizer = trainer_adamw(model, lr=float(train_config["lr"]), weight_decay=float(train_config["weight_decay"]),
+                              betas=(float(train_config["beta1"]), float(train_config["beta2"])))
     source_run = checkpoint.path.parent.parent
-    out.mkdir(parents=True, exist_ok=True)
+    with RunLock.acquire(out, what="convert", command=command):  # created here, once the conversion has worked
+        _check_free(out, locked=True)
+        return _write_run(out, checkpoint, source, model, optimizer, source_run, train_config, ids, to=to,
+                          kmeans_iters=kmeans_iters, seed=seed, command=command, echo=echo)
+
+
+def _check_free(out: Path, locked: bool = False) -> None:
+    """``out`` holds no run and (unless this process holds its lock: ``locked``) no live writer holds it."""
+    present = run_files(out)
+    if present:
+        raise RunFolderError(f"--out {out} already holds a run ({', '.join(present)}); choose another folder")
+    if not locked:
+        check_not_in_use(out, what="convert")
+
+
+def _write_run(out, checkpoint, source, model, optimizer, source_run, train_config, ids, *, to, kmeans_iters, seed,
+               command, echo) -> Path:
     for name in (TOKENIZER_FILE, DATA_META_FILE):
         if (source_run / name).is_file():
             shutil.copyfile(source_run / name, out / name)

@@ -155,10 +155,11 @@ class LM(nn.Module):
         return [module for module in self.modules() if isinstance(module, VectorQuantizer)]
 
     @torch.no_grad()
-    def update_codebooks(self) -> None:
-        """The EMA codebook update of every VQ unit; call once per optimizer step."""
+    def update_codebooks(self, apply: torch.Tensor | None = None) -> None:
+        """The EMA codebook update of every VQ unit; call once per optimizer step. ``apply``, a
+        bool tensor, False drops the step's statistics instead (read on the device, no sync)."""
         for quantizer in self.quantizers():
-            quantizer.update()
+            quantizer.update(apply=apply)
 
     def codebook_usage(self) -> dict[str, float] | None:
         """Mean EMA code perplexity and total dead codes over the VQ units (None without any)."""

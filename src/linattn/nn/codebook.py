@@ -233,17 +233,20 @@ class Codebook(nn.Module):
             self._recent_keys.append(keys)
 
     @torch.no_grad()
-    def update(self) -> None:
+    def update(self, apply: torch.Tensor | None = None) -> None:
         """Apply the EMA update with the statistics gathered since the last call, summed over
         ranks by ``sync("sum", ...)``, then restart dead codes. Without statistics on any rank
-        this changes nothing. No value is read on the host (no device sync): the updates are
-        selected with ``torch.where``."""
+        this changes nothing, and neither does ``apply``, a bool tensor, when False (the
+        statistics are dropped: the trainer's guard against a non-finite step). No value is
+        read on the host (no device sync): the updates are selected with ``torch.where``."""
         counts, sums = self._pending_counts.clone(), self._pending_sums.clone()
         self._pending_counts.zero_()
         self._pending_sums.zero_()
         self._recent_complete = True
         self.sync("sum", [counts, sums])
         seen = counts.sum() > 0
+        if apply is not None:
+            seen = seen & apply.to(seen.device)
         g = self.ema_decay
         self.ema_counts.copy_(torch.where(seen, torch.add(self.ema_counts * g, counts, alpha=1.0 - g), self.ema_counts))
         self.ema_sums.copy_(torch.where(seen, torch.add(self.ema_sums * g, sums, alpha=1.0 - g), self.ema_sums))

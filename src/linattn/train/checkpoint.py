@@ -133,38 +133,60 @@ def save_checkpoint(
     ``carries``: the carried decode state of each process (rank order), or None entries.
     """
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / step_name(step)
     temporary = root / f".tmp-{step_name(step)}-{os.getpid()}"
-    shutil.rmtree(temporary, ignore_errors=True)
-    temporary.mkdir()
-
+    tensors = {name: t.detach().contiguous().cpu() for name, t in model_tensors.items()}
     training: dict[str, torch.Tensor] = {}
     optimizer_structure = _split_optimizer(optimizer_state, training)
     for name, value in rng.items():
         training[f"rng.{name}"] = value.detach().contiguous().cpu()
     carry_structure = [flatten_state(carry, f"carry.rank{rank}", training) for rank, carry in enumerate(carries)]
-    tensors = {name: t.detach().contiguous().cpu() for name, t in model_tensors.items()}
-    save_file(tensors, str(temporary / "model.safetensors"))
-    save_file(training, str(temporary / "training.safetensors"))
+    needed = sum(t.numel() * t.element_size() for t in (*tensors.values(), *training.values()))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(temporary, ignore_errors=True)
+        temporary.mkdir()
+        save_file(tensors, str(temporary / "model.safetensors"))
+        save_file(training, str(temporary / "training.safetensors"))
 
-    files = {}
-    for name in TENSOR_FILES:
-        fsync_file(temporary / name)
-        files[name] = {"bytes": (temporary / name).stat().st_size, "sha256": _sha256(temporary / name)}
-    document = {
-        "format": FORMAT, "version": VERSION, "step": step, "files": files,
-        "optimizer": optimizer_structure, "rng": sorted(rng), "carry": carry_structure, **meta,
-    }
-    (temporary / "meta.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
-    fsync_file(temporary / "meta.json")
+        files = {}
+        for name in TENSOR_FILES:
+            fsync_file(temporary / name)
+            files[name] = {"bytes": (temporary / name).stat().st_size, "sha256": _sha256(temporary / name)}
+        document = {
+            "format": FORMAT, "version": VERSION, "step": step, "files": files,
+            "optimizer": optimizer_structure, "rng": sorted(rng), "carry": carry_structure, **meta,
+        }
+        (temporary / "meta.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
+        fsync_file(temporary / "meta.json")
 
-    if final.exists():  # the same step saved again (e.g. on interrupt)
-        _remove_keeping_latest_complete(root, final)
-    os.rename(temporary, final)
-    write_text_atomic(root / "latest", final.name + "\n")
+        if final.exists():  # the same step saved again (e.g. on interrupt)
+            _remove_keeping_latest_complete(root, final)
+        os.rename(temporary, final)
+        write_text_atomic(root / "latest", final.name + "\n")
+    except (OSError, SafetensorError) as error:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise _write_error(root, final, error, needed) from error
     _prune(root, keep)
     return final
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (a full disk, an I/O error, no permission);
+    the previous checkpoints and ``latest`` are as they were."""
+
+
+def _write_error(root: Path, final: Path, error: Exception, needed: int) -> CheckpointWriteError:
+    """The error for a failed save: the path, the cause, the space it needs and what is free."""
+    try:
+        free = f"{shutil.disk_usage(root if root.exists() else root.parent).free / 1e6:,.1f} MB free there"
+    except OSError:
+        free = "free space unknown"
+    size = f"it needs about {needed / 1e6:,.1f} MB, {free}"
+    latest = _latest_name(root) if root.is_dir() else None
+    kept = (f"the previous checkpoint {root / latest} is intact" if latest else "no earlier checkpoint exists")
+    return CheckpointWriteError(f"cannot write checkpoint {final}: {error} ({size}); {kept}. Free space or fix the "
+                                f"folder's permissions, then continue with linattn train --resume")
 
 
 def _latest_name(root: Path) -> str | None:
@@ -191,11 +213,15 @@ def _remove_keeping_latest_complete(root: Path, folder: Path) -> None:
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` step folders, and no ``.old-*`` copy that ``latest`` does not name."""
+    """Keep the newest ``keep`` step folders, and no ``.old-*`` copy that ``latest`` does not name.
+    Never removed: the folder ``latest`` names and the newest complete one (with its meta.json)."""
     steps = sorted(p for p in root.glob("step-*") if p.is_dir())
-    for old in steps[: max(len(steps) - keep, 0)]:
-        shutil.rmtree(old, ignore_errors=True)
     latest = _latest_name(root)
+    complete = [p for p in steps if (p / "meta.json").is_file()]
+    protected = {latest, complete[-1].name if complete else None}
+    for old in steps[: max(len(steps) - keep, 0)]:
+        if old.name not in protected:
+            shutil.rmtree(old, ignore_errors=True)
     for backup in root.glob(".old-step-*"):
         if backup.name != latest:
             shutil.rmtree(backup, ignore_errors=True)
@@ -337,10 +363,18 @@ def find_resume_checkpoint(run_dir: str | Path, select: int | str | Path | None 
 
 
 def load_model(path: str | Path, device: torch.device | str = "cpu"):
-    """The ``LM`` stored in a checkpoint, in eval mode -> ``(model, checkpoint)``."""
+    """The ``LM`` stored in a checkpoint, in eval mode -> ``(model, checkpoint)``. A checkpoint
+    whose model tensors are not all finite is refused (``CheckpointError``)."""
     from ..models import LM, LMConfig
 
     checkpoint = load_checkpoint(path)
+    nonfinite = [name for name, t in checkpoint.model.items()
+                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if nonfinite:
+        raise CheckpointError(
+            f"{checkpoint.path}: {len(nonfinite)} of {len(checkpoint.model)} model tensors hold NaN or inf values "
+            f"({', '.join(nonfinite[:3])}{', ...' if len(nonfinite) > 3 else ''}); the training that wrote it had "
+            f"diverged. Use an earlier checkpoint of {checkpoint.path.parent} (a step-* folder)")
     try:
         model = LM(LMConfig.from_dict(checkpoint.meta["model_config"]))
         model.load_state_dict(checkpoint.model, strict=True)

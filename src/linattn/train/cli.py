@@ -83,6 +83,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint (with --steps N: to N steps, e.g. to "
                         "extend a finished run; the extra steps train at the schedule's floor learning rate)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start a new run in an --out that holds one: the old run is moved aside to OUT.old-N "
+                        "(nothing is deleted); without it such a folder is refused")
     p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
                    help="with --resume: the checkpoint to continue from, a step number or a checkpoint folder "
                         "(default: the latest)")
@@ -161,6 +164,8 @@ def run_train(args: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps may change); "
                              f"drop {', '.join(given)}")
+        if args.overwrite:
+            raise ValueError("--overwrite starts a new run in place of the old one; drop it to --resume the run")
         if args.threads is not None:
             torch.set_num_threads(args.threads)
         resume_from = int(args.resume_from) if args.resume_from and args.resume_from.isdigit() else args.resume_from
@@ -172,7 +177,8 @@ def run_train(args: argparse.Namespace) -> int:
         model_values, train_values = _train_values(args)
         _vocab_from_data(model_values, train_values.get("data", TrainConfig.data))
         model_config, train_config = build_configs(model_values, train_values)
-        summary = train(model_config, train_config, out=args.out, progress=progress, command=args.command_line)
+        summary = train(model_config, train_config, out=args.out, overwrite=args.overwrite, progress=progress,
+                        command=args.command_line)
     if summary.get("finished"):
         return 0
     trained = f"{summary['step']} steps trained, {summary['elapsed']:.0f} s this session"

@@ -37,6 +37,11 @@ class TrainConfig:
     (``LM.activation_checkpointing``): the same step with the activations of one layer held
     at a time. Under ``torchrun``, ``parallel`` picks DistributedDataParallel (``"ddp"``) or
     FSDP2 (``"fsdp"``: parameters, gradients and optimizer state sharded over the processes).
+
+    A step whose loss, commitment loss or gradient norm is not finite is never applied: the
+    run stops with an error naming the step and the last good checkpoint, or, with
+    ``max_skipped_steps = N > 0``, skips such steps (counted in the metrics) until more than
+    ``N`` come in a row (``train/divergence.py``).
     """
 
     data: str = "shakespeare"
@@ -57,6 +62,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     bf16: bool = False
     compile: bool = False  # torch.compile the model's forward and backward (evaluation stays eager)
+    max_skipped_steps: int = 0  # consecutive non-finite steps skipped before the run stops (0: stop at the first)
     carry_state: bool = True
     carry_windows: int = 8  # windows per carried sequence (state reset every N windows; 0 = whole pass)
     eval_every: int = 200
@@ -75,7 +81,8 @@ class TrainConfig:
         check_int_fields(self, "train", ("steps", "batch_size", "grad_accum_steps", "context", "eval_batch_size",
                                          "log_every", "keep_checkpoints"), minimum=1)
         check_divides("train.grad_accum_steps", self.grad_accum_steps, "train.batch_size", self.batch_size)
-        check_int_fields(self, "train", ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows"),
+        check_int_fields(self, "train", ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows",
+                                         "max_skipped_steps"),
                          minimum=0, note=" (0 = never/none)")
         check_int_fields(self, "train", ("eval_tokens", "threads", "decay_steps"), minimum=1, optional=True)
         check_number_fields(self, "train", ("lr", "grad_clip"), low=0, low_inclusive=False, wanted="a positive number")

@@ -11,10 +11,16 @@ norm gains). Two kinds of matrices are exempt:
   published results were trained so);
 - codebooks (parameters whose name contains ``codebook``): cluster centres, never decayed.
   (``linattn``'s VQ codebooks are EMA buffers, not parameters; the rule covers learned ones.)
+
+The trainer's AdamW is the fused implementation (``trainer_adamw``): its step takes the
+divergence guard's ``found_inf`` flag on the device (``train/divergence.py``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.nn as nn
 
 
@@ -31,3 +37,19 @@ def parameter_groups(model: nn.Module, weight_decay: float, *, decay_embeddings:
         exempt = "codebook" in name or (id(parameter) in embeddings and not decay_embeddings)
         (decay if parameter.dim() >= 2 and not exempt else no_decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def trainer_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]
+                  ) -> torch.optim.AdamW:
+    """The trainer's optimizer: fused AdamW over ``parameter_groups(model, weight_decay)``.
+    Fused, because its step takes ``found_inf`` (set as ``optimizer.found_inf``, the protocol
+    of ``torch.amp.GradScaler``): with it 1, parameters, moments and step counts stay as they were."""
+    return torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=betas, fused=True)
+
+
+def as_fused_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An AdamW state dict, with its groups set to the fused implementation, to load into
+    ``trainer_adamw`` (``load_state_dict`` takes the implementation flags from the groups it
+    loads; checkpoints written before the trainer's AdamW was fused have ``fused: None``)."""
+    groups = [{**group, "fused": True, "foreach": None} for group in state["param_groups"]]
+    return {**state, "param_groups": groups}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -25,9 +26,11 @@ from ..models import LM, LMConfig
 from . import distributed, parallel
 from .checkpoint import find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
+from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
 from .evaluate import evaluate_bpb
 from .microbatch import join_states, split_rows, split_state
-from .optim import parameter_groups
+from .optim import as_fused_state, trainer_adamw
+from .run_folder import RunFolderError, claim_run_folder
 from .run_tokenizer import setup_run_tokenizer
 from .schedule import learning_rate
 
@@ -68,24 +71,34 @@ class _Metrics:
 
             purge = None if resume_step is None else resume_step + 1
             self.scalars = TensorBoardScalars(path.parent / "tensorboard", purge_step=purge)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            path.write_text("", encoding="utf-8")
-        elif path.exists():  # drop what the interrupted run logged after its last checkpoint
-            kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_step is None:
+                path.write_text("", encoding="utf-8")
+            elif path.exists():  # drop what the interrupted run logged after its last checkpoint
+                kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+                        if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+                path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        except OSError as error:
+            raise self._failed(error) from None
 
     def write(self, record: dict[str, Any]) -> None:
         if self.enabled:
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
+            try:
+                with open(self.path, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps(record) + "\n")
+            except OSError as error:
+                raise self._failed(error) from None
             if self.scalars is not None:
                 self.scalars.write(record)
 
     def close(self) -> None:
         if self.scalars is not None:
             self.scalars.close()
+
+    def _failed(self, error: OSError) -> ValueError:
+        return ValueError(f"cannot write {self.path}: {error}; the run's checkpoints are as they were: free space "
+                          f"or fix the permissions, then continue with linattn train --resume --out {self.path.parent}")
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -177,6 +190,7 @@ def train(
     resume_from: int | str | Path | None = None,
     steps: int | None = None,
     out: str | Path | None = None,
+    overwrite: bool = False,
     progress: bool = True,
     command: str = "",
     echo=print,
@@ -192,12 +206,43 @@ def train(
     e.g. to extend a finished run: the original schedule is kept and the extra steps train
     at its floor learning rate. Under ``torchrun`` every process calls this; rank 0 alone
     writes.
+
+    The run folder is claimed first (``train/run_folder.py``): locked against a second
+    writer, and for a new run (not ``resume``) refused if it holds a run already, unless
+    ``overwrite`` moves that run aside. A step with a non-finite loss or gradient norm is
+    never applied (``train/divergence.py``): the run stops with ``TrainingDiverged``, or
+    skips up to ``train.max_skipped_steps`` consecutive such steps.
     """
+    if resume and out is None:
+        raise ValueError("resume needs the run folder (--out)")
+    if not resume and out is None and train_config is None:
+        raise ValueError("train needs a TrainConfig (or resume=True with out)")
+    if overwrite and resume:
+        raise ValueError("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
+    if distributed.env_rank() != 0:  # under torchrun, rank 0 alone speaks and writes
+        echo = _silent
+    run_dir = Path(out if out is not None else train_config.out)
+    claim, refusal = None, None
+    if distributed.env_rank() == 0:
+        try:
+            claim = claim_run_folder(run_dir, fresh=not resume, overwrite=overwrite, command=command, echo=echo)
+        except RunFolderError as error:
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                raise
+            refusal = error  # the other ranks learn it once the process group is up
+    try:
+        return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
+                              steps=steps, progress=progress, command=command, echo=echo)
+    finally:
+        if claim is not None:
+            claim.release()
+
+
+def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
+                   echo) -> dict[str, Any]:
+    """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
+    out = run_dir
     if resume:
-        if out is None:
-            raise ValueError("resume needs the run folder (--out)")
-        if distributed.env_rank() != 0:  # under torchrun, rank 0 alone speaks
-            echo = _silent
         checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
         model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
         train_values = {**checkpoint.meta["train_config"], "out": str(out)}
@@ -211,16 +256,14 @@ def train(
             echo(f"resuming {out} at step {checkpoint.step} of {train_config.steps} from {checkpoint.path}")
     else:
         checkpoint = None
-        if out is not None:
-            train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(out)})
-    run_dir = Path(train_config.out)
-    if not resume and (run_dir / "checkpoints" / "latest").exists():
-        raise ValueError(f"--out {run_dir} already holds a run; pass --resume to continue it or choose another --out")
+        train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(out)})
 
     if train_config.threads is not None:
         torch.set_num_threads(train_config.threads)
     context = distributed.setup(train_config.device)
     try:
+        if distributed.broadcast_flag(refusal is not None, context):
+            raise refusal or RunFolderError(f"rank 0 could not claim the run folder {run_dir}; see its error")
         with parallel.view_warnings_silenced():
             return _train(model_config, train_config, checkpoint, context, progress, command, echo)
     finally:
@@ -248,11 +291,10 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         model.load_state_dict(checkpoint.model, strict=True)
     trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
     compiled = compile_model(trained) if cfg.compile else trained
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=(cfg.beta1, cfg.beta2))
+    optimizer = trainer_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
     if checkpoint is not None:
-        parallel.load_optimizer_state(model, optimizer, checkpoint.optimizer_state())
+        parallel.load_optimizer_state(model, optimizer, as_fused_state(checkpoint.optimizer_state()))
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
         carries = split_state(checkpoint.carry(context.rank, device), cfg.grad_accum_steps)
@@ -276,6 +318,22 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
              f"{model.num_parameters() / 1e6:.2f}M parameters; data: {cfg.data} "
              f"({data.tokens('train').numel():,} train {unit}, {len(streams)} windows per pass)")
 
+    guard = NonFiniteGuard(device, cfg.max_skipped_steps)
+    last_saved = {"step": checkpoint.step if checkpoint is not None else None,
+                  "path": str(checkpoint.path) if checkpoint is not None else None}
+
+    def stop_diverged(step: int, what: list[str], last_step: int, skipped: int | None = None,
+                      evaluation: bool = False) -> TrainingDiverged:
+        metrics.write({"step": step, "event": "diverged", "nonfinite": what})
+        message = diverged_message(step, what, last_step=last_step, last_checkpoint=last_saved["path"],
+                                   run_dir=str(run_dir), skipped=skipped, evaluation=evaluation)
+        return TrainingDiverged(message, step=step, what=what, last_checkpoint=last_saved["path"])
+
+    def check_guard(step: int) -> None:
+        """Stop mode: raise if a step so far went non-finite (reads the device)."""
+        if not guard.max_skipped and guard.diverged(context):
+            raise stop_diverged(int(guard.first_step), guard.what(), step)
+
     def evaluate(step: int) -> float:
         result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
                               max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
@@ -284,6 +342,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         if validation_bytes is not None:
             record.update(bpb=bits_per_byte(result, validation_bytes), bits_per_token=result["bpb"],
                           bytes=validation_bytes)
+        if not math.isfinite(record["bpb"]):
+            raise stop_diverged(step, ["validation bits per byte"], step, evaluation=True)
         metrics.write(record)
         return record["bpb"]
 
@@ -294,15 +354,21 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         optimizer_state = parallel.full_optimizer_state(model, optimizer, context)
         if not context.is_main:
             return None
+        nonfinite = [name for name, t in model_tensors.items()
+                     if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        if nonfinite:  # finite losses and gradients can still step to inf weights
+            raise stop_diverged(step, [f"weights ({', '.join(nonfinite[:3])})"], step)
         meta = {
             "model_config": model_config.to_dict(), "train_config": cfg.to_dict(),
             "world_size": context.world_size, "data": {"window": step % len(streams), "pass": step // len(streams)},
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
         }
-        return save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
+        path = save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
                                optimizer_state=optimizer_state, rng=_rng_state(device),
                                carries=carries, meta=meta, keep=cfg.keep_checkpoints)
+        last_saved.update(step=step, path=str(path))
+        return path
 
     summary: dict[str, Any] = {"out": str(run_dir), "start_step": start_step, "interrupted": None}
     if start_step == 0 and cfg.eval_every:
@@ -316,65 +382,82 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     step, last_bpb, started = start_step, summary.get("initial_bpb"), time.perf_counter()
     last_bpb_step = 0 if last_bpb is not None else None
     window_time, window_steps, loss_value = time.perf_counter(), 0, float("nan")
-    with stop.installed():
-        while step < cfg.steps:
-            window = step % len(streams)
-            if window == 0 or not cfg.carry_state or (cfg.carry_windows and window % cfg.carry_windows == 0):
-                carries = [None] * cfg.grad_accum_steps
-            lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.decay_steps or cfg.steps,
-                               warmup_steps=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.zero_grad(set_to_none=True)
-            inputs, targets = streams.window(window)
-            # A k-means codebook initialisation (the first step) runs eagerly: no compiled graph holds it.
-            forward = trained if any(q.initialization_pending() for q in model.quantizers()) else compiled
-            loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
-                                                             bf16=cfg.bf16, forward=forward)
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            optimizer.step()
-            perplexity = code_perplexity(model)
-            model.update_codebooks()
-            carries = [model.carry(state) if cfg.carry_state else None for state in states]
-            step += 1
-            window_steps += 1
-            bar.update(1)
+    try:
+        with stop.installed():
+            while step < cfg.steps:
+                window = step % len(streams)
+                if window == 0 or not cfg.carry_state or (cfg.carry_windows and window % cfg.carry_windows == 0):
+                    carries = [None] * cfg.grad_accum_steps
+                lr = learning_rate(step, peak=cfg.lr, total_steps=cfg.decay_steps or cfg.steps,
+                                   warmup_steps=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.zero_grad(set_to_none=True)
+                inputs, targets = streams.window(window)
+                # A k-means codebook initialisation (the first step) runs eagerly: no compiled graph holds it.
+                forward = trained if any(q.initialization_pending() for q in model.quantizers()) else compiled
+                loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
+                                                                 bf16=cfg.bf16, forward=forward)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+                optimizer.found_inf = guard.observe(step + 1, loss, commit_loss, grad_norm)
+                optimizer.step()
+                perplexity = code_perplexity(model)
+                model.update_codebooks(apply=optimizer.found_inf == 0)
+                carries = [model.carry(state) if cfg.carry_state else None for state in states]
+                step += 1
+                window_steps += 1
+                bar.update(1)
+                if guard.max_skipped and guard.skip(optimizer.found_inf):
+                    carries = [None] * cfg.grad_accum_steps  # the step's states are not finite either
+                    metrics.write({"step": step, "skipped": True, "nonfinite": guard.what()})
+                    if guard.too_many_skipped:
+                        raise stop_diverged(step, guard.what(), step, skipped=guard.consecutive)
 
-            if step % cfg.log_every == 0 or step == cfg.steps:
-                reduced = distributed.all_reduce_sum(torch.stack([loss, commit_loss]).double(), context
-                                                     ) / context.world_size
-                loss_value = float(reduced[0])
-                now = time.perf_counter()
-                speed = window_steps * tokens_per_step / max(now - window_time, 1e-9)
-                window_time, window_steps = now, 0
-                record = {"step": step, "loss": loss_value, "bpb": loss_value / math.log(2), "lr": lr,
-                          "grad_norm": float(grad_norm), "commit_loss": float(reduced[1]),
-                          "tokens_per_second": speed, "elapsed": now - started}
-                if not byte_tokens:  # a token's bits are not a byte's
-                    record["bits_per_token"] = record.pop("bpb")
-                if perplexity is not None:
-                    record["codebook_perplexity"] = float(perplexity)
-                metrics.write(record)
-                postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{speed:,.0f}"}
-                if last_bpb is not None:  # the latest evaluation, labelled with its step (0: before training)
-                    postfix[f"val_bpb@{last_bpb_step}"] = f"{last_bpb:.3f}"
-                bar.set_postfix(postfix, refresh=False)
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                last_bpb, last_bpb_step = evaluate(step), step
-                bar.set_postfix({"loss": f"{loss_value:.3f}", f"val_bpb@{step}": f"{last_bpb:.3f}"}, refresh=True)
+                logging = step % cfg.log_every == 0 or step == cfg.steps
+                evaluating = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps)
+                if logging or evaluating:
+                    check_guard(step)
 
-            stopping = distributed.broadcast_flag(stop.signal_name is not None, context)
-            if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
-                path = save(step, carries)
-                if stopping:
-                    summary["interrupted"] = stop.signal_name or "signal on another rank"
-                    if context.is_main:
-                        bar.close()
-                        echo(f"stopped by {summary['interrupted']} after step {step}; checkpoint saved to {path}; "
-                             f"continue with: linattn train --resume --out {run_dir}")
-                    break
-    bar.close()
-    metrics.close()
+                if logging:
+                    reduced = distributed.all_reduce_sum(torch.stack([loss, commit_loss]).double(), context
+                                                         ) / context.world_size
+                    loss_value = float(reduced[0])
+                    now = time.perf_counter()
+                    speed = window_steps * tokens_per_step / max(now - window_time, 1e-9)
+                    window_time, window_steps = now, 0
+                    record = {"step": step, "loss": loss_value, "bpb": loss_value / math.log(2), "lr": lr,
+                              "grad_norm": float(grad_norm), "commit_loss": float(reduced[1]),
+                              "tokens_per_second": speed, "elapsed": now - started}
+                    if not byte_tokens:  # a token's bits are not a byte's
+                        record["bits_per_token"] = record.pop("bpb")
+                    if guard.max_skipped:
+                        record["skipped_steps"] = guard.skipped
+                    if perplexity is not None:
+                        record["codebook_perplexity"] = float(perplexity)
+                    metrics.write(record)
+                    postfix = {"loss": f"{loss_value:.3f}", "tok/s": f"{speed:,.0f}"}
+                    if last_bpb is not None:  # the latest evaluation, labelled with its step (0: before training)
+                        postfix[f"val_bpb@{last_bpb_step}"] = f"{last_bpb:.3f}"
+                    bar.set_postfix(postfix, refresh=False)
+                if evaluating:
+                    last_bpb, last_bpb_step = evaluate(step), step
+                    bar.set_postfix({"loss": f"{loss_value:.3f}", f"val_bpb@{step}": f"{last_bpb:.3f}"}, refresh=True)
+
+                stopping = distributed.broadcast_flag(stop.signal_name is not None, context)
+                if stopping or (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.steps:
+                    if not (logging or evaluating):
+                        check_guard(step)
+                    path = save(step, carries)
+                    if stopping:
+                        summary["interrupted"] = stop.signal_name or "signal on another rank"
+                        if context.is_main:
+                            bar.close()
+                            echo(f"stopped by {summary['interrupted']} after step {step}; checkpoint saved to {path}; "
+                                 f"continue with: linattn train --resume --out {run_dir}")
+                        break
+    finally:
+        bar.close()
+        metrics.close()
     summary.update(step=step, final_bpb=last_bpb, final_bpb_step=last_bpb_step, last_loss=loss_value,
                    elapsed=time.perf_counter() - started, model=model, byte_tokens=byte_tokens)
     return summary
