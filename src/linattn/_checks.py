@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,54 @@ def check_non_negative_number(name: str, value: object) -> float:
     if not is_number(value) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def check_sampling(*, temperature: object, top_k: object, top_p: object) -> None:
+    """Next-token sampling settings: ``temperature`` a finite number ``>= 0`` (0: greedy),
+    ``top_k`` a positive int or None, ``top_p`` a number in ``(0, 1]`` or None; else
+    ValueError naming the argument."""
+    check_non_negative_number("temperature", temperature)
+    check_int("top_k", top_k, optional=True)
+    if top_p is not None and not (is_number(top_p) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+
+
+def _is_integer_id(value: object) -> bool:
+    """A Python or NumPy integer that is not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_id_nest(name: str, values: object) -> None:
+    """Every leaf of the (nested) list or tuple ``values`` is an integer; else TypeError."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            _check_id_nest(name, value)
+        elif not _is_integer_id(value):
+            raise TypeError(f"{name} must hold integer token ids, got {type(value).__name__} {value!r}")
+
+
+def token_id_tensor(name: str, ids: object) -> torch.Tensor:
+    """Token ids given as an integer tensor (returned as it is), a NumPy integer array, or a
+    list or tuple of ints (nested for a batch; made int64). Floats and bools are a TypeError
+    naming ``name``, never rounded to ids (``torch.as_tensor([1.7], dtype=torch.long)`` would
+    read 1); a ragged nest or an int beyond int64 is a ValueError. Shape and range are the
+    caller's (``check_token_ids``)."""
+    if isinstance(ids, (list, tuple)):
+        _check_id_nest(name, ids)
+        try:
+            tensor = torch.tensor(ids, dtype=torch.int64)
+        except (ValueError, RuntimeError, OverflowError) as error:
+            raise ValueError(f"{name} must be a rectangular nest of int64 token ids: {error}") from None
+        return tensor
+    if not isinstance(ids, torch.Tensor) and hasattr(ids, "__array__") and hasattr(ids, "dtype"):
+        try:
+            ids = torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError):
+            pass  # refused below, by kind
+    if not isinstance(ids, torch.Tensor) or ids.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"{name} must be an integer tensor or a list of ints, got {type(ids).__name__} "
+                        f"{getattr(ids, 'dtype', '')}".rstrip())
+    return ids
 
 
 # -- tensors ---------------------------------------------------------------------------------
@@ -265,15 +314,39 @@ def check_int_fields(config: object, prefix: str, names: Iterable[str], *, minim
 
 def check_number_fields(config: object, prefix: str, names: Iterable[str], *, low: float, high: float | None = None,
                         low_inclusive: bool = True, high_inclusive: bool = True, wanted: str) -> None:
-    """Each field is a number (not bool) between ``low`` and ``high`` (None: unbounded), ends as flagged."""
+    """Each field is a finite number (not bool) between ``low`` and ``high`` (None: unbounded
+    above), ends as flagged; else ValueError. inf and NaN are refused whatever the bounds: no
+    setting of a config means "unbounded" by infinity, and NaN passes no comparison."""
     for name in names:
         value = getattr(config, name)
+        if is_number(value) and not math.isfinite(value):
+            raise ValueError(f"{prefix}.{name} must be finite and {wanted}, got {value!r}")
         ok = is_number(value)
         ok = ok and (value >= low if low_inclusive else value > low) and (
             high is None or (value <= high if high_inclusive else value < high)
         )
         if not ok:
             raise ValueError(f"{prefix}.{name} must be {wanted}, got {value!r}")
+
+
+def check_text_field(config: object, prefix: str, name: str, *, optional: bool = False, hint: str = "") -> None:
+    """The field is a ``str`` with a non-blank character (or None when ``optional``): TypeError
+    for another kind, ValueError for an empty or whitespace-only string (which a path would
+    read as the current directory); ``hint`` says what to pass."""
+    value = getattr(config, name)
+    if optional and value is None:
+        return
+    wanted = f"a non-empty str{' or None' if optional else ''}{hint}"
+    if not isinstance(value, str):
+        raise TypeError(f"{prefix}.{name} must be {wanted}, got {type(value).__name__} {value!r}")
+    if not value.strip():
+        raise ValueError(f"{prefix}.{name} must be {wanted}, got {value!r}")
+
+
+def check_bool_fields(config: object, prefix: str, names: Iterable[str]) -> None:
+    """Each field is a ``bool`` (not 0/1 or a string); else TypeError."""
+    for name in names:
+        check_bool(f"{prefix}.{name}", getattr(config, name))
 
 
 def check_divides(name: str, value: int, of_name: str, of_value: int) -> None:
@@ -319,15 +392,28 @@ def int_between(low: int, high: int, what: str = "a count") -> Callable[[str], i
     return _int_type(lambda value: low <= value <= high, f"{what} in [{low}, {high}]")
 
 
-def positive_float(text: str) -> float:
-    """An argparse type accepting finite numbers > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+def _float_type(accepts: Callable[[float], bool], wanted: str) -> Callable[[str], float]:
+    """An argparse type: a finite number for which ``accepts`` holds (``nan`` and ``inf`` are
+    refused); the error says ``wanted``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and accepts(value)):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_float = _float_type(lambda value: value > 0, "a positive number")
+positive_float.__doc__ = "An argparse type accepting finite numbers > 0."
+non_negative_float = _float_type(lambda value: value >= 0, "a finite number >= 0")
+non_negative_float.__doc__ = "An argparse type accepting finite numbers >= 0 (a sampling temperature: 0 is greedy)."
+positive_fraction = _float_type(lambda value: 0 < value <= 1, "a number in (0, 1]")
+positive_fraction.__doc__ = "An argparse type accepting numbers in (0, 1] (a nucleus mass top-p)."
 
 
 positive_int = int_at_least(1, "a positive count")

@@ -15,6 +15,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from .._checks import check_token_ids
 from ..models.lm import LM
 from ..nn.codebook import Codebook
 from ..state import LMState
@@ -142,6 +143,7 @@ class LinattnModel(LinattnPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [batch, length] and inputs_embeds [batch, length, d_model]")
         if input_ids is not None:
+            check_token_ids("input_ids", input_ids, self.config.vocab_size, values=False)  # named as HF names it
             self.lm._check_ids(input_ids)
             return self.lm.embed(input_ids.long())
         d_model = self.config.d_model
@@ -328,6 +330,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
     if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape [batch, length] = {list(logits.shape[:2])} (logits_to_keep=0), "
                          f"got {list(getattr(labels, 'shape', []))}")
+    check_token_ids("labels", labels, logits.shape[-1], values=False)  # .long() would truncate float labels
     predictions = logits[:, :-1].float() if logits.dtype != torch.float64 else logits[:, :-1]
     targets = labels[:, 1:].to(logits.device).long()
     if num_items_in_batch is None:

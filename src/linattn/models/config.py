@@ -3,17 +3,50 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._checks import check_choice, check_int_fields, config_from_dict, is_number
+from .._checks import (check_bool_fields, check_choice, check_int_fields, check_number_fields, config_from_dict,
+                       is_number)
 from ..nn.attention import ATTENTION_SCALES
 from ..nn.fsq import check_levels
 from ..nn.gau import GAU_VARIANTS
 from ..nn.quantizer import COMMITMENT_REDUCTIONS
 from ..ops.vq import GRAD_SCOPES
 from .layers import LayerSpec, layer_kind, layer_spec_help, parse_layer_spec
+
+_SEED_LIMIT = 2**63
+
+
+def _check_attention_kind(attention: object) -> None:
+    """``attention`` is a str or a list (or tuple) of str; its specs are parsed by ``layer_specs``."""
+    if isinstance(attention, str):
+        return
+    if isinstance(attention, (list, tuple)):
+        for spec in attention:
+            if not isinstance(spec, str):
+                raise TypeError(f"LMConfig.attention must be a str or a list of str, got a {type(attention).__name__} "
+                                f"holding {type(spec).__name__} {spec!r}")
+        return
+    raise TypeError(f"LMConfig.attention must be a str or a list of str, got {type(attention).__name__} "
+                    f"{attention!r}")
+
+
+def _check_extra(extra: object) -> None:
+    """``extra`` is a dict with str keys that JSON can write (checkpoints store it in meta.json,
+    so another value would fail at the first save, after training)."""
+    if not isinstance(extra, dict):
+        raise TypeError(f"LMConfig.extra must be a dict, got {type(extra).__name__} {extra!r}")
+    keys = [key for key in extra if not isinstance(key, str)]
+    if keys:
+        raise TypeError(f"LMConfig.extra must have str keys (JSON turns others into strings), got {keys[0]!r}")
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"LMConfig.extra must hold JSON values (it is saved in checkpoints): {error}") from None
+
 
 @dataclass
 class LMConfig:
@@ -64,12 +97,27 @@ class LMConfig:
     extra: dict = field(default_factory=dict)  # free-form notes carried into checkpoints
 
     def __post_init__(self) -> None:
+        """Check every field, naming it: ValueError for a value out of range, TypeError for a
+        wrong kind; then each layer kind checks the settings it is built with."""
         check_int_fields(self, "LMConfig", ("vocab_size", "d_model", "n_layers", "n_heads", "local_window",
                                             "chunk_size", "favor_features", "gau_d_k", "codebook_size", "block_size"),
                          minimum=1)
         check_int_fields(self, "LMConfig", ("n_kv_heads", "head_dim", "ffn_hidden", "gau_d_v", "delta_short_conv"),
                          minimum=1, optional=True)
-        check_int_fields(self, "LMConfig", ("softmax_memory",), minimum=0)
+        check_int_fields(self, "LMConfig", ("softmax_memory", "feature_seed"), minimum=0)
+        if self.feature_seed + self.n_layers > _SEED_LIMIT:  # layer i draws its FAVOR features from seed + i
+            raise ValueError(f"LMConfig.feature_seed must be at most 2**63 - n_layers, got {self.feature_seed}")
+        check_number_fields(self, "LMConfig", ("ema_decay",), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
+        check_number_fields(self, "LMConfig", ("soft_vq_temperature", "init_std"), low=0, low_inclusive=False,
+                            wanted="a positive number")
+        check_number_fields(self, "LMConfig", ("commitment_weight", "dead_code_threshold"), low=0,
+                            wanted="a number >= 0")
+        check_number_fields(self, "LMConfig", ("rotary_base",), low=1, low_inclusive=False,
+                            wanted="a number > 1 (rotary frequencies are rotary_base^(-2i/head_dim): with a base "
+                                   "<= 1 they do not fall with the dimension i, and a base of 0 gives inf and NaN)")
+        check_bool_fields(self, "LMConfig", ("kmeans_init", "tie_embeddings"))
+        _check_extra(self.extra)
+        _check_attention_kind(self.attention)
         if self.n_heads % (self.n_kv_heads or self.n_heads):
             raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         check_choice("LMConfig.gau_variant", self.gau_variant, GAU_VARIANTS)

@@ -52,24 +52,32 @@ def _no_option(option: str | None) -> bool:
     return option is None
 
 
+def _is_count(text: str) -> bool:
+    """ASCII digits spelling an int >= 1 (``str.isdigit`` also accepts ``"²"``, which ``int`` refuses)."""
+    return text.isascii() and text.isdigit() and int(text) >= 1
+
+
 def _optional_count(option: str | None) -> bool:
-    return option is None or (option.isdigit() and int(option) >= 1)
+    return option is None or _is_count(option)
 
 
 def _linear_option(option: str | None) -> bool:
+    """A feature map the layer builds: a name of ``LINEAR_FEATURE_MAPS``, or ``dpfp:NU``."""
     name, _, nu = (option or "").partition(":")
-    return name in LINEAR_FEATURE_MAPS and (not nu or (name == "dpfp" and nu.isdigit() and int(nu) >= 1))
+    return name in LINEAR_FEATURE_MAPS and (not nu or (name == "dpfp" and _is_count(nu)))
 
 
 def _delta_option(option: str | None) -> bool:
-    return option is None or option.partition(":")[0] in LINEAR_FEATURE_MAPS
+    """No option (identity features), or a linear layer's feature map (``dpfp:NU`` included):
+    ``delta:elu:3`` or ``delta:dpfp:x`` would fail only when the layer is built."""
+    return option is None or _linear_option(option)
 
 
 def _exact_options(option: str | None, flags: tuple[str, ...], window: bool = False):
     """``(window or None, set of flags)`` of an exact softmax kind's option text, or None if invalid."""
     parts = [] if option is None else option.split(":")
     size = None
-    if window and parts and parts[0].isdigit():
+    if window and parts and parts[0].isascii() and parts[0].isdigit():
         size = int(parts.pop(0))
         if size < 1:
             return None

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import check_int, check_token_ids
+from .._checks import check_int, check_sampling, check_token_ids, token_id_tensor
 from ..nn.quantizer import VectorQuantizer
 from ..state import LMState
 from .config import LMConfig
@@ -188,7 +188,6 @@ class LM(nn.Module):
 
     # -- generation ------------------------------------------------------------------------
 
-    @torch.no_grad()
     def generate(
         self,
         prompt_ids: torch.Tensor | list[int],
@@ -202,27 +201,42 @@ class LM(nn.Module):
     ) -> Iterator:
         """Stream ``max_new_tokens`` sampled tokens after the prompt.
 
-        ``prompt_ids``: ``[T]`` (yields ints) or ``[B, T]`` (yields ``[B]`` tensors). The
-        prompt is read in one pass, then one token per step with the carried state, so the
-        memory per step is constant for every recurrent mechanism (VQ, linear, FAVOR,
-        delta, local) and grows only for exact softmax's KV cache. ``temperature=0`` is
+        ``prompt_ids``: ``[T]`` (yields ints) or ``[B, T]`` (yields ``[B]`` tensors), an
+        integer tensor or a list of ints (a float or bool is a TypeError, never rounded to
+        an id). The prompt is read in one pass, then one token per step with the carried
+        state, so the memory per step is constant for every recurrent mechanism (VQ, linear,
+        FAVOR, delta, local) and grows only for exact softmax's KV cache. ``temperature=0`` is
         greedy; ``top_k``/``top_p`` filter before sampling; ``seed`` makes it reproducible.
         The model is in eval mode while generating (no codebook statistics).
+
+        Every argument is checked here, when ``generate`` is called, before the prompt is run
+        and before the first token is asked for (the returned iterator does the work).
         """
-        ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=self.embed.weight.device)
-        single = ids.dim() == 1
-        if single:
-            ids = ids.unsqueeze(0)
+        ids = token_id_tensor("prompt_ids", prompt_ids)
+        if ids.dim() not in (1, 2) or ids.numel() == 0:
+            raise ValueError(f"prompt_ids must have shape [length] or [batch, length] with at least one token, "
+                             f"got {list(ids.shape)}")
         check_int("max_new_tokens", max_new_tokens, minimum=0)
+        check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+        check_int("seed", seed, minimum=0, optional=True)
+        single = ids.dim() == 1
+        ids = (ids.unsqueeze(0) if single else ids).to(self.embed.weight.device)
+        check_token_ids("prompt_ids", ids, self.config.vocab_size)
         generator = torch.Generator(device=ids.device)
         generator.manual_seed(torch.seed() if seed is None else seed)
+        return self._generate(ids, single, max_new_tokens, dict(temperature=temperature, top_k=top_k, top_p=top_p),
+                              generator, state)
+
+    @torch.no_grad()
+    def _generate(self, ids: torch.Tensor, single: bool, max_new_tokens: int, sampling: dict,
+                  generator: torch.Generator, state: LMState | None) -> Iterator:
+        """``generate``'s loop on checked arguments (``ids [B, T]`` on the model's device)."""
         was_training = self.training
         self.eval()
         try:
-            logits, state, _ = self(ids, state)
+            logits, state, _ = self(ids, state, check_inputs=False)  # the ids' range was read in generate
             for produced in range(1, max_new_tokens + 1):
-                token = sample_next(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p,
-                                    generator=generator)
+                token = sample_next(logits[:, -1], generator=generator, **sampling)
                 yield int(token[0]) if single else token
                 if produced < max_new_tokens:  # the last token's logits would go unused
                     logits, state, _ = self._run(token.unsqueeze(1), state, with_aux=False)

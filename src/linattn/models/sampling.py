@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_int, is_number
+from .._checks import check_sampling
 
 
 def sample_next(
@@ -18,17 +18,15 @@ def sample_next(
     """Draw one token per row of ``logits [B, V]`` -> ``[B]`` int64.
 
     ``temperature == 0`` takes the argmax. Otherwise the logits are divided by the
-    temperature; ``top_k`` keeps the k largest; ``top_p`` keeps the smallest set of tokens
-    whose probability mass reaches p (always at least the most likely one).
+    temperature (finite: inf would flatten every row to uniform, NaN poison it); ``top_k``
+    keeps the k largest; ``top_p`` keeps the smallest set of tokens whose probability mass
+    reaches p (always at least the most likely one). Bad settings are a ValueError naming
+    the argument (``_checks.check_sampling``).
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor [batch, vocab], got {type(logits).__name__} "
                          f"{list(getattr(logits, 'shape', []))}")
-    if not is_number(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
-    check_int("top_k", top_k, optional=True)
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
     logits = logits.float()
     if temperature == 0:
         return logits.argmax(-1)

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from .._checks import non_negative_int as _non_negative_int
 from .._checks import device_name
+from .._checks import non_negative_float as _non_negative_float, positive_fraction as _positive_fraction
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..data import bits_per_byte, data_vocab_size, evaluated_bytes, open_data
 from ..models.layers import layer_spec_help
@@ -121,9 +122,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt", required=True, metavar="DIR")
     p.add_argument("--prompt", default="\n")
     p.add_argument("--max-new-tokens", type=_non_negative_int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--temperature", type=_non_negative_float, default=0.8, help="0: greedy (default: %(default)s)")
     p.add_argument("--top-k", type=_positive_int)
-    p.add_argument("--top-p", type=_positive_float)
+    p.add_argument("--top-p", type=_positive_fraction, help="nucleus mass in (0, 1]")
     p.add_argument("--seed", type=_non_negative_int, default=0)
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     _add_runtime(p)

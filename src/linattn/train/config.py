@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .._checks import (check_bool, check_choice, check_device, check_divides, check_int_fields, check_number_fields,
-                       config_from_dict)
+from .._checks import (check_bool_fields, check_choice, check_device, check_divides, check_int_fields,
+                       check_number_fields, check_text_field, config_from_dict)
 from ..models.config import LMConfig
 from .parallel import STRATEGIES
+
+_DATA_HINT = (": 'shakespeare', a text file, a folder of .txt files, an enwik8-style .zip or a shard folder "
+              "written by linattn data prepare")
 
 
 @dataclass
@@ -78,6 +81,11 @@ class TrainConfig:
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars to <out>/tensorboard/
 
     def __post_init__(self) -> None:
+        """Check every field, naming it: ValueError for a value out of range (numbers must be
+        finite), TypeError for a wrong kind."""
+        check_text_field(self, "train", "data", hint=_DATA_HINT)
+        check_text_field(self, "train", "out", hint=" (the run folder)")
+        check_text_field(self, "train", "cache_dir", optional=True, hint=" (the corpus cache folder)")
         check_int_fields(self, "train", ("steps", "batch_size", "grad_accum_steps", "context", "eval_batch_size",
                                          "log_every", "keep_checkpoints"), minimum=1)
         check_divides("train.grad_accum_steps", self.grad_accum_steps, "train.batch_size", self.batch_size)
@@ -90,10 +98,8 @@ class TrainConfig:
         check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
         check_device("train.device", self.device)
-        check_bool("train.tensorboard", self.tensorboard)
-        check_bool("train.activation_checkpointing", self.activation_checkpointing)
+        check_bool_fields(self, "train", ("bf16", "compile", "carry_state", "activation_checkpointing", "tensorboard"))
         check_choice("train.parallel", self.parallel, STRATEGIES)
-        check_bool("train.compile", self.compile)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
