@@ -12,6 +12,7 @@ import torch
 
 from linattn.train.checkpoint import (CheckpointError, CheckpointWriteError, load_checkpoint, resolve_checkpoint,
                                      save_checkpoint, step_name)
+from test_resume_checks import write_meta
 
 
 class RenameFailed(OSError):
@@ -150,7 +151,7 @@ def test_a_carried_state_of_an_unknown_type_is_a_checkpoint_error(tmp_path, name
     meta_file = tmp_path / step_name(1) / "meta.json"
     meta = json.loads(meta_file.read_text())
     meta["carry"] = [{"state": name, "fields": {}}]
-    meta_file.write_text(json.dumps(meta))
+    write_meta(meta_file.parent, meta, seal=True)  # a consistent checkpoint, its hash recomputed
     checkpoint = load_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match=f"unknown state type '{name}' in checkpoint"):
         checkpoint.carry(0)

@@ -127,9 +127,11 @@ def test_training_and_evaluation_reduce_on_the_run_device(tmp_path, monkeypatch,
         summary = train(model_config, run_config, progress=False, echo=lambda *a: None)
     assert summary["step"] == 2 and summary["final_bpb"] is not None
     calls = two_mirrored_ranks.calls
-    # each kind of call site was exercised: the loss log, the stop flag, the evaluation,
-    # the codebook EMA sums, k-means and dead-code restarts
-    assert calls[("all_reduce", "linattn.train.distributed")] == 2 + 2 + 2  # losses, stop flag per step; 2 evals
+    # each kind of call site was exercised: the verdicts on the run folder and the data, the loss log,
+    # the divergence guard, the stop flag, the evaluation, the codebook EMA sums, k-means and
+    # dead-code restarts: the two verdicts once each, then at each (logged) step the losses, the
+    # guard and the stop flag, and 2 evaluations
+    assert calls[("all_reduce", "linattn.train.distributed")] == 1 + 1 + 2 + 2 + 2 + 2
     assert calls[("all_reduce", "linattn.nn.codebook")] == 2 * 2 * 2  # 2 quantizers x 2 tensors x 2 steps
     assert calls[("broadcast", "linattn.nn.codebook")] >= 2 * 2  # k-means: values and mask per quantizer
 

@@ -111,6 +111,7 @@ TRAIN_FIELDS = {
     "compile": (st.booleans(), BAD_BOOLS),
     "carry_state": (st.booleans(), BAD_BOOLS),
     "carry_windows": (st.integers(0, 16), bad(-1, 1.5, None)),
+    "max_skipped_steps": (st.integers(0, 16), bad(-1, 0.5, True)),
     "eval_every": (st.integers(0, 1000), bad(-1, 2.5)),
     "eval_tokens": (optional(st.integers(1, 10**6)), bad(0, -1, 1.5)),
     "eval_batch_size": (st.integers(1, 8), BAD_COUNTS),

@@ -18,6 +18,7 @@ import linattn
 from linattn.convert import calibration_ids, collect_keys, convert_model, converted_config
 from linattn.nn.codebook import kmeans
 from linattn.train import load_checkpoint, load_model
+from test_resume_checks import write_meta
 from test_train_cli import TINY_SETS, corpus, run_captured, train_argv  # noqa: F401  (the tiny corpus fixture)
 
 torch.set_num_threads(1)
@@ -297,7 +298,7 @@ def test_codebook_counts_are_one_training_step_of_tokens(token_softmax_run, tmp_
     meta = json.loads(meta_file.read_text())
     assert (meta["train_config"]["batch_size"], meta["train_config"]["context"]) == (2, 16)
     meta["world_size"] = 2
-    meta_file.write_text(json.dumps(meta))
+    write_meta(meta_file.parent, meta, seal=True)
     code, _, stderr = _convert(source, tmp_path / "vq")
     assert code == 0, stderr
     model, _ = load_model(tmp_path / "vq")
@@ -314,7 +315,7 @@ def test_convert_refuses_a_checkpoint_whose_tensors_do_not_match_its_config(toke
     meta_file = load_checkpoint(source).path / "meta.json"
     meta = json.loads(meta_file.read_text())
     meta["model_config"]["n_layers"] += 1
-    meta_file.write_text(json.dumps(meta))
+    write_meta(meta_file.parent, meta, seal=True)  # consistent hashes: only the config is wrong
     code, _, stderr = _convert(source, tmp_path / "vq")
     assert code == 2 and "the stored model does not match its config" in stderr and "layers.2" in stderr, stderr
     assert not (tmp_path / "vq").exists()

@@ -744,7 +744,8 @@ def test_update_codebooks_updates_every_quantizer(monkeypatch):
     model = make_model("vq,vq")
     calls = []
     for quantizer in model.quantizers():
-        monkeypatch.setattr(quantizer, "update", lambda apply=None, quantizer=quantizer: calls.append((quantizer, apply)))
+        monkeypatch.setattr(quantizer, "update",
+                            lambda apply=None, quantizer=quantizer: calls.append((quantizer, apply)))
     model.update_codebooks()
     assert len(calls) >= 2 and calls == [(q, None) for q in model.quantizers()]
     flag = torch.tensor(False)

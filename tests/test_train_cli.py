@@ -404,7 +404,8 @@ def _fake_shakespeare(cache: Path, test_bytes: int) -> None:
 
 def test_eval_reads_the_corpus_from_the_cache_the_run_used(tmp_path, monkeypatch, capsys):
     """Without --cache-dir, eval loads the training corpus from the run's own cache folder, not
-    the default one; --cache-dir chooses another."""
+    the default one; --cache-dir chooses another (whose texts, here not those the run trained
+    on, are refused unless --accept-new-data)."""
     import linattn.data.shakespeare as shakespeare
 
     def no_download(dest):
@@ -422,8 +423,9 @@ def test_eval_reads_the_corpus_from_the_cache_the_run_used(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["eval", "--ckpt", str(out), "--json", "--no-progress", "--threads", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 300 - 1
-    assert main(["eval", "--ckpt", str(out), "--cache-dir", str(other_cache), "--json", "--no-progress",
-                 "--threads", "1"]) == 0
+    other = ["eval", "--ckpt", str(out), "--cache-dir", str(other_cache), "--json", "--no-progress", "--threads", "1"]
+    _fails(capsys, other, "c_gut.txt changed: recorded 300 bytes", "--accept-new-data")
+    assert main(other + ["--accept-new-data"]) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == 500 - 1
     assert not (tmp_path / "default-cache").exists()
 

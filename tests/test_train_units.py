@@ -315,8 +315,9 @@ def test_restoring_the_rng_touches_cuda_only_on_a_cuda_device(monkeypatch):
 
 @pytest.mark.parametrize("rank, world_size, expected", [
     (0, 1, ["load"]), (0, 2, ["load", "barrier"]), (1, 2, ["barrier", "load"]), (2, 3, ["barrier", "load"])])
-def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, rank, world_size, expected):
-    """Rank 0 may download the corpus: the others wait at a barrier until it has it."""
+def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, tmp_path, rank, world_size, expected):
+    """Rank 0 may download the corpus: the others wait at a barrier until it has it. Then every
+    rank shares its verdict on the data (``broadcast_flag``), so all go on or all stop."""
     events = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: events.append("barrier"))
 
@@ -325,10 +326,13 @@ def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, rank, wo
         return (spec, cache_dir)
 
     monkeypatch.setattr(trainer_module, "load_corpus", load_corpus)
-    config = TrainConfig(data="some-corpus", cache_dir="some-cache")
-    assert trainer_module._load_data(config, Context(rank=rank, world_size=world_size)) == ("some-corpus",
-                                                                                           "some-cache")
-    assert events == expected
+    monkeypatch.setattr(trainer_module, "data_fingerprint", lambda data: {"kind": "fake"})
+    monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: events.append("verdict") or flag)
+    corpus = str(tmp_path.resolve() / "some-corpus")
+    config = TrainConfig(data=corpus, cache_dir="some-cache")
+    assert trainer_module._load_data(config, Context(rank=rank, world_size=world_size)) == \
+        ((corpus, "some-cache"), corpus, {"kind": "fake"})
+    assert events == expected + ["verdict"]
 
 
 # ----------------------------------------------------------------------------- trainer: runs

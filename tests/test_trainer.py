@@ -28,6 +28,7 @@ from linattn.train import CheckpointError, TrainConfig, load_checkpoint, load_mo
 from linattn.train.checkpoint import flatten_state, resolve_checkpoint, save_checkpoint, unflatten_state
 from linattn.train.schedule import learning_rate
 from _helpers import english_like, record_state_resets
+from test_resume_checks import write_meta
 
 torch.set_num_threads(1)
 
@@ -308,12 +309,14 @@ def _write_checkpoints(root: Path, steps=(1, 2), keep=2):
 
 
 def _rewrite_meta_hash(folder: Path, name: str) -> None:
+    """Record the size and SHA-256 of the file ``name`` as it is now in meta.json, and seal
+    meta.json again (its own hash), so the checkpoint's hashes all match."""
     import hashlib
 
     meta = json.loads((folder / "meta.json").read_text())
     data = (folder / name).read_bytes()
     meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (folder / "meta.json").write_text(json.dumps(meta))
+    write_meta(folder, meta, seal=True)
 
 
 def test_truncated_checkpoint_is_rejected_and_previous_loads(tmp_path):
@@ -397,7 +400,7 @@ def test_pickle_renamed_model_safetensors_is_never_unpickled(tmp_path, fix_hash)
     (folder / "model.safetensors").write_bytes(pickle.dumps({"weight": _Payload(marker)}))
     if fix_hash:  # even with matching sizes and hashes in meta.json, the file is not unpickled
         _rewrite_meta_hash(folder, "model.safetensors")
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="cannot read the tensor files" if fix_hash else "truncated"):
         load_checkpoint(root)
     with pytest.raises(CheckpointError):
         load_model(root)

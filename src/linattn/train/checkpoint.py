@@ -5,15 +5,21 @@ A checkpoint is a folder ``<run>/checkpoints/step-00000100/`` holding
 - ``model.safetensors``: the model's ``state_dict`` (parameters and persistent buffers);
 - ``training.safetensors``: optimizer tensors, RNG states and the carried recurrent
   state of every process (``carry.rank<r>.*``);
-- ``meta.json``: format tag, step, configs, data position, the non-tensor parts of the
-  optimizer state and of the carried state, and the size and SHA-256 of both tensor files.
+- ``meta.json``: format tag, step, configs, data position (and a fingerprint of the data,
+  ``data_fingerprint``), the non-tensor parts of the optimizer state and of the carried
+  state, the size and SHA-256 of both tensor files, and ``meta_sha256``, the SHA-256 of the
+  document itself: of ``json.dumps(document_without_meta_sha256, sort_keys=True)`` (UTF-8),
+  so an edited ``step``, learning rate or config is refused like a corrupt tensor file.
 
 It is written into a temporary folder and renamed into place, then ``checkpoints/latest``
 is replaced atomically, so a crash leaves either the old or the new checkpoint, never a
 half one; ``latest`` never names a folder that is not complete (a step saved again is
 swapped in while ``latest`` names a hard-linked copy of the old one). Loading never
-unpickles: it checks sizes and hashes first, so a truncated or foreign file is a
+unpickles: it checks sizes and hashes first, so a truncated, edited or foreign file is a
 ``CheckpointError`` that says what is wrong.
+
+Format versions: 2 (this one) and 1, written before ``meta.json`` carried its own hash;
+version-1 checkpoints still load, their ``meta.json`` unchecked (the tensor files are).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from .._checks import is_int
 from .._files import fsync_file, write_text_atomic
 
 FORMAT = "linattn-checkpoint"
-VERSION = 1
+VERSION = 2
+_READABLE_VERSIONS = (1, 2)  # 1: meta.json without META_HASH
+META_HASH = "meta_sha256"
 TENSOR_FILES = ("model.safetensors", "training.safetensors")
 
 
@@ -113,6 +121,14 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _meta_hash(document: dict[str, Any]) -> str:
+    """SHA-256 of ``json.dumps(document without META_HASH, sort_keys=True)``, taken of the
+    document as JSON reads it back (tuples as lists, keys as strings)."""
+    body = json.loads(json.dumps(document))
+    body.pop(META_HASH, None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+
+
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -157,6 +173,7 @@ def save_checkpoint(
             "format": FORMAT, "version": VERSION, "step": step, "files": files,
             "optimizer": optimizer_structure, "rng": sorted(rng), "carry": carry_structure, **meta,
         }
+        document[META_HASH] = _meta_hash(document)  # replaces one copied in with ``meta``
         (temporary / "meta.json").write_text(json.dumps(document, indent=1), encoding="utf-8")
         fsync_file(temporary / "meta.json")
 
@@ -286,9 +303,12 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         ) from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{folder} is not a linattn checkpoint (meta.json has no format={FORMAT!r})")
-    if meta.get("version") != VERSION:
+    if not is_int(meta.get("version")) or meta["version"] not in _READABLE_VERSIONS:
         raise CheckpointError(f"{folder}: checkpoint format version {meta.get('version')} is not supported "
-                              f"(this linattn reads version {VERSION})")
+                              f"(this linattn reads versions {', '.join(map(str, _READABLE_VERSIONS))})")
+    if meta["version"] >= 2 and meta.get(META_HASH) != _meta_hash(meta):
+        raise CheckpointError(f"{folder / 'meta.json'} was edited or is corrupt: its content does not match the "
+                              f"SHA-256 recorded in it ({META_HASH}); use an earlier checkpoint in {folder.parent}")
     for name in TENSOR_FILES:
         file = folder / name
         expected = meta["files"][name]

@@ -4,6 +4,10 @@ Configuration precedence for ``train``: defaults < ``--config FILE.toml`` ([mode
 [train] tables) < the named flags < ``--set table.key=value``. ``--resume`` takes the
 configuration from the run's latest checkpoint. With a shard folder as ``--data``,
 ``model.vocab_size`` is the tokenizer's (an explicit different value is an error).
+
+``train --resume`` and ``eval`` without ``--data`` read the data the run trained on (its
+absolute path in the checkpoint) and compare it with the checkpoint's fingerprint of it:
+data that changed, moved or is missing is an error unless ``--accept-new-data``.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -20,9 +25,9 @@ from .._checks import non_negative_int as _non_negative_int
 from .._checks import device_name
 from .._checks import non_negative_float as _non_negative_float, positive_fraction as _positive_fraction
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
-from ..data import bits_per_byte, data_vocab_size, evaluated_bytes, open_data
+from ..data import bits_per_byte, data_fingerprint, data_vocab_size, evaluated_bytes, fingerprint_changes, open_data
 from ..models.layers import layer_spec_help
-from .checkpoint import load_model
+from .checkpoint import Checkpoint, load_model
 from .config import TrainConfig, build_configs, load_run_file, parse_override
 from .evaluate import evaluate_bpb
 from .run_tokenizer import check_same_tokenizer, load_run_tokenizer
@@ -90,6 +95,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--from", dest="resume_from", metavar="STEP|PATH",
                    help="with --resume: the checkpoint to continue from, a step number or a checkpoint folder "
                         "(default: the latest)")
+    p.add_argument("--accept-new-data", dest="accept_new_data", action="store_true",
+                   help="with --resume: continue although the run's data changed since the checkpoint (by default "
+                        "changed, moved or missing data is refused)")
     _add_runtime(p)
     p.set_defaults(handler=run_train)
 
@@ -108,8 +116,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--no-carry", action="store_true", help="reset the state at every window")
     p.add_argument("--reset-every", type=_non_negative_int, default=0, metavar="N",
                    help="reset the state every N windows (default 0: carry across the whole split)")
-    p.add_argument("--data", help="corpus or shard folder (default: the one the model was trained on); shards "
-                                  "must use the run's tokenizer")
+    p.add_argument("--data", help="corpus or shard folder (default: the one the model was trained on, checked "
+                                  "against the checkpoint's fingerprint of it); shards must use the run's tokenizer")
+    p.add_argument("--accept-new-data", dest="accept_new_data", action="store_true",
+                   help="without --data: evaluate although the run's data changed since the checkpoint")
     p.add_argument("--cache-dir", metavar="DIR")
     p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
@@ -171,10 +181,12 @@ def run_train(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         resume_from = int(args.resume_from) if args.resume_from and args.resume_from.isdigit() else args.resume_from
         summary = train(None, None, resume=True, resume_from=resume_from, steps=args.steps, out=args.out,
-                        progress=progress, command=args.command_line)
+                        progress=progress, command=args.command_line, accept_new_data=args.accept_new_data)
     else:
         if args.resume_from is not None:
             raise ValueError("--from selects the checkpoint of --resume; add --resume")
+        if args.accept_new_data:
+            raise ValueError("--accept-new-data lets --resume continue on changed data; add --resume")
         model_values, train_values = _train_values(args)
         _vocab_from_data(model_values, train_values.get("data", TrainConfig.data))
         model_config, train_config = build_configs(model_values, train_values)
@@ -213,10 +225,38 @@ def _load(args: argparse.Namespace):
     return load_model(args.ckpt, args.device)
 
 
+def _open_run_data(checkpoint: Checkpoint, cache_dir: str | None, accept_new_data: bool):
+    """The data the run trained on, checked against the checkpoint's fingerprint of it:
+    changed, moved or missing data is a ValueError unless ``accept_new_data``."""
+    spec = checkpoint.meta["train_config"]["data"]
+    if spec != "shakespeare" and not Path(spec).exists():
+        raise ValueError(f"eval: the run's data {spec} is missing (moved or deleted since {checkpoint.path} was "
+                         f"written); put it back there, or evaluate on other data with --data PATH")
+    data = open_data(spec, cache_dir=cache_dir)
+    recorded = checkpoint.meta.get("data_fingerprint")
+    if recorded is None:
+        print(f"{checkpoint.path} records no fingerprint of its data (written by an older linattn): {spec} could "
+              f"not be checked against the data the run trained on", file=sys.stderr)
+        return data
+    changes = fingerprint_changes(recorded, data_fingerprint(data))
+    if changes is not None and not accept_new_data:
+        raise ValueError(f"eval: the data {spec} is not what {checkpoint.path} was trained on: {changes}. Put the "
+                         f"run's data back, evaluate on it as it is with --accept-new-data, or name data with --data")
+    if changes is not None:
+        print(f"evaluating on changed data (--accept-new-data): {spec}: {changes}", file=sys.stderr)
+    return data
+
+
 def run_eval(args: argparse.Namespace) -> int:
+    if args.accept_new_data and args.data is not None:
+        raise ValueError("--accept-new-data: --data names the data to evaluate on, which is not checked; drop one")
     model, checkpoint = _load(args)
     train_config = checkpoint.meta["train_config"]
-    data = open_data(args.data or train_config["data"], cache_dir=args.cache_dir or train_config.get("cache_dir"))
+    cache_dir = args.cache_dir or train_config.get("cache_dir")
+    if args.data is None:
+        data = _open_run_data(checkpoint, cache_dir, args.accept_new_data)
+    else:
+        data = open_data(args.data, cache_dir=cache_dir)
     check_same_tokenizer(checkpoint.meta.get("tokenizer"), data, what="--data")
     tokens = data.tokens(args.split)
     context = args.context or train_config["context"]

@@ -21,10 +21,11 @@ from tqdm import tqdm
 
 from .. import __version__
 from .._checks import check_token_ids, is_int
-from ..data import TokenStreams, bits_per_byte, evaluated_bytes, load_corpus, open_shards
+from ..data import (TokenStreams, bits_per_byte, data_fingerprint, evaluated_bytes, fingerprint_changes, load_corpus,
+                    open_shards)
 from ..models import LM, LMConfig
 from . import distributed, parallel
-from .checkpoint import find_resume_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
 from .evaluate import evaluate_bpb
@@ -114,14 +115,68 @@ def _restore_rng(rng: dict[str, torch.Tensor], device: torch.device) -> None:
         torch.cuda.set_rng_state(rng["cuda"], device)
 
 
-def _load_data(train_config: TrainConfig, context: distributed.Context):
-    """Rank 0 loads first (it may download), then the others read the cache."""
+def _absolute_data(spec: str) -> str:
+    """``train.data`` as a run records it: ``"shakespeare"`` as it is, a path made absolute
+    (symbolic links resolved), so a resume from another working directory reads the same data."""
+    return spec if spec == "shakespeare" else str(Path(spec).expanduser().resolve())
+
+
+def _load_data(train_config: TrainConfig, context: distributed.Context, checkpoint: Checkpoint | None = None,
+               *, accept_new_data: bool = False, echo: Callable[[str], None] = print
+               ) -> tuple[Any, str, dict[str, Any]]:
+    """Open the run's data -> ``(data, its absolute spec, its fingerprint)``. Rank 0 loads
+    first (it may download), then the others read the cache.
+
+    When resuming (``checkpoint``), the data must be what the checkpoint's ``data_fingerprint``
+    recorded: data that changed, moved or is missing is a ``ValueError`` naming the path and
+    what changed, unless ``accept_new_data`` (then ``echo`` says so once and the later
+    checkpoints record the new fingerprint); a checkpoint without a fingerprint (an older
+    linattn's) is resumed with a note that the data could not be checked. Every process
+    opens and checks the data itself and the verdicts are shared (``broadcast_flag``), so a
+    refusal stops every process, none trains alone.
+    """
+    spec = _absolute_data(train_config.data)
+    problem: Exception | None = None
+    data = fingerprint = note = None
     if not context.is_main:
         distributed.barrier(context)
-    data = open_shards(train_config.data) or load_corpus(train_config.data, cache_dir=train_config.cache_dir)
+    try:
+        if checkpoint is not None and spec != "shakespeare" and not Path(spec).exists():
+            raise ValueError(f"--resume: the run's data {spec} is missing (moved or deleted since {checkpoint.path} "
+                             f"was written); put it back at that path (a link will do)")
+        data = open_shards(spec) or load_corpus(spec, cache_dir=train_config.cache_dir)
+        fingerprint = data_fingerprint(data)
+        if checkpoint is not None:
+            note = _data_check(spec, checkpoint, fingerprint, accept_new_data)
+    except (ValueError, OSError) as error:
+        problem = error
     if context.is_main:
         distributed.barrier(context)
-    return data
+    if distributed.broadcast_flag(problem is not None, context):
+        if problem is not None:
+            raise problem
+        raise ValueError(f"data {spec}: another process could not open it or found that it changed (see its error)")
+    if note is not None and context.is_main:
+        echo(note)
+    return data, spec, fingerprint
+
+
+def _data_check(spec: str, checkpoint: Checkpoint, fingerprint: dict[str, Any], accept_new_data: bool) -> str | None:
+    """Compare the data's ``fingerprint`` with the one ``checkpoint`` recorded: None when they
+    match, a note to print when it cannot be checked or the change is accepted, else a ValueError."""
+    recorded = checkpoint.meta.get("data_fingerprint")
+    if recorded is None:
+        return (f"{checkpoint.path} records no fingerprint of its data (written by an older linattn): {spec} could "
+                f"not be checked against the data the run trained on")
+    changes = fingerprint_changes(recorded, fingerprint)
+    if changes is None:
+        return None
+    if not accept_new_data:
+        raise ValueError(f"--resume: the data {spec} is not what {checkpoint.path} was trained on: {changes}. Put "
+                         f"the run's data back, or continue on this data with --accept-new-data "
+                         f"(train(..., accept_new_data=True) in Python)")
+    return (f"continuing on changed data (--accept-new-data): {spec}: {changes}; the next checkpoints record the "
+            f"new data")
 
 
 def _silent(*args) -> None:
@@ -194,6 +249,7 @@ def train(
     progress: bool = True,
     command: str = "",
     echo=print,
+    accept_new_data: bool = False,
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
@@ -212,6 +268,11 @@ def train(
     ``overwrite`` moves that run aside. A step with a non-finite loss or gradient norm is
     never applied (``train/divergence.py``): the run stops with ``TrainingDiverged``, or
     skips up to ``train.max_skipped_steps`` consecutive such steps.
+
+    A run records ``train.data`` as an absolute path and, in each checkpoint, a fingerprint
+    of the data (``linattn.data.data_fingerprint``). ``resume`` refuses data that changed,
+    moved or is missing since the checkpoint (a ``ValueError`` before training), unless
+    ``accept_new_data``: then it continues on the data as it is now.
     """
     if resume and out is None:
         raise ValueError("resume needs the run folder (--out)")
@@ -232,14 +293,15 @@ def train(
             refusal = error  # the other ranks learn it once the process group is up
     try:
         return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
-                              steps=steps, progress=progress, command=command, echo=echo)
+                              steps=steps, progress=progress, command=command, echo=echo,
+                              accept_new_data=accept_new_data)
     finally:
         if claim is not None:
             claim.release()
 
 
 def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
-                   echo) -> dict[str, Any]:
+                   echo, accept_new_data) -> dict[str, Any]:
     """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
     out = run_dir
     if resume:
@@ -265,12 +327,14 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
         if distributed.broadcast_flag(refusal is not None, context):
             raise refusal or RunFolderError(f"rank 0 could not claim the run folder {run_dir}; see its error")
         with parallel.view_warnings_silenced():
-            return _train(model_config, train_config, checkpoint, context, progress, command, echo)
+            return _train(model_config, train_config, checkpoint, context, progress, command, echo,
+                          accept_new_data)
     finally:
         distributed.teardown(context)
 
 
-def _train(model_config, train_config, checkpoint, context, progress, command, echo) -> dict[str, Any]:
+def _train(model_config, train_config, checkpoint, context, progress, command, echo,
+           accept_new_data=False) -> dict[str, Any]:
     cfg = train_config
     device = context.device
     run_dir = Path(cfg.out)
@@ -299,7 +363,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         start_step = checkpoint.step
         carries = split_state(checkpoint.carry(context.rank, device), cfg.grad_accum_steps)
 
-    data = _load_data(cfg, context)
+    data, data_spec, fingerprint = _load_data(cfg, context, checkpoint, accept_new_data=accept_new_data, echo=echo)
     tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
     byte_tokens = tokenizer.get("sha256") is None  # else bits per token are converted to bits per byte
     if data.vocab_size > model_config.vocab_size:  # else every id of the data is one of the model's
@@ -359,8 +423,9 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         if nonfinite:  # finite losses and gradients can still step to inf weights
             raise stop_diverged(step, [f"weights ({', '.join(nonfinite[:3])})"], step)
         meta = {
-            "model_config": model_config.to_dict(), "train_config": cfg.to_dict(),
+            "model_config": model_config.to_dict(), "train_config": {**cfg.to_dict(), "data": data_spec},
             "world_size": context.world_size, "data": {"window": step % len(streams), "pass": step // len(streams)},
+            "data_fingerprint": fingerprint,
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
         }

@@ -1,0 +1,84 @@
+"""What identifies the data a run trained on, so a resume or an evaluation can tell that it changed.
+
+``data_fingerprint(data)`` describes opened token data by its files:
+
+- a byte ``Corpus`` (a text file, a folder of ``.txt`` files, a ``.zip``, ``"shakespeare"``):
+  the size and SHA-256 of every source file (``Corpus.sources``), by its name in the corpus;
+- ``Shards``: the size and SHA-256 of the folder's ``meta.json`` (which records the token
+  count of every split and the size and SHA-256 of every source file) and the size of
+  each split's ``.bin`` file.
+
+The result is a JSON-ready dict ``{"kind": "corpus" | "shards", "files": {name: {"bytes": n,
+"sha256": hex}}}`` (``.bin`` files without ``sha256``), which a checkpoint stores as
+``data_fingerprint``. ``fingerprint_changes(recorded, current)`` says in words what differs
+(a file changed, with both sizes and hashes; a file missing; a new file; another kind of
+data), or returns None when nothing does. Computing a fingerprint reads every source file
+once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from .corpus import Corpus
+from .shards import META, Shards
+
+_KINDS = {"corpus": "a byte corpus", "shards": "a shard folder"}
+_LISTED_CHANGES = 8
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _file_record(path: Path, *, digest: bool = True) -> dict[str, Any]:
+    record: dict[str, Any] = {"bytes": path.stat().st_size}
+    if digest:
+        record["sha256"] = _sha256(path)
+    return record
+
+
+def data_fingerprint(data: Corpus | Shards) -> dict[str, Any]:
+    """The fingerprint of opened token data (see the module docstring): a byte corpus by the
+    size and SHA-256 of each source file, a shard folder by its ``meta.json`` and the size
+    of each ``.bin`` file."""
+    if isinstance(data, Shards):
+        files = {META: _file_record(data.folder / META)}
+        for split in data.meta["splits"].values():
+            files[split["file"]] = _file_record(data.folder / split["file"], digest=False)
+        return {"kind": "shards", "files": files}
+    if isinstance(data, Corpus):
+        return {"kind": "corpus", "files": {name: _file_record(Path(path)) for name, path in data.sources.items()}}
+    raise TypeError(f"data: expected a Corpus or Shards (linattn.data.open_data), got {type(data).__name__}")
+
+
+def _describe(record: dict[str, Any]) -> str:
+    text = f"{record.get('bytes')} bytes"
+    return f"{text}, SHA-256 {record['sha256'][:12]}" if record.get("sha256") else text
+
+
+def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """What differs between a ``recorded`` fingerprint and the ``current`` one, in words
+    (``"data.txt changed: recorded 8000 bytes, SHA-256 ..., now ..."``, ``"b.txt is
+    missing"``, ``"c.txt is new"``, joined by ``"; "``), or None when they match."""
+    if recorded.get("kind") != current.get("kind"):
+        was = _KINDS.get(recorded.get("kind"), repr(recorded.get("kind")))
+        now = _KINDS.get(current.get("kind"), repr(current.get("kind")))
+        return f"it was {was}, now it is {now}"
+    before, after = recorded.get("files", {}), current.get("files", {})
+    changes = []
+    for name in sorted(before.keys() | after.keys()):
+        if name not in after:
+            changes.append(f"{name} is missing (recorded {_describe(before[name])})")
+        elif name not in before:
+            changes.append(f"{name} is new ({_describe(after[name])})")
+        elif before[name] != after[name]:
+            changes.append(f"{name} changed: recorded {_describe(before[name])}, now {_describe(after[name])}")
+    if not changes:
+        return None
+    if len(changes) > _LISTED_CHANGES:
+        changes = changes[:_LISTED_CHANGES] + [f"and {len(changes) - _LISTED_CHANGES} more files"]
+    return "; ".join(changes)

@@ -1,0 +1,379 @@
+"""Everything a resume reads is checked: a checkpoint's ``meta.json`` under its own SHA-256
+(``meta_sha256``; version-1 checkpoints without it still load), and the data by its absolute
+path and the fingerprint each checkpoint records (``data_fingerprint``): changed, moved or
+missing data stops ``linattn train --resume`` and ``linattn eval`` (without ``--data``)
+before they read a token, unless ``--accept-new-data``. Tiny runs, in-process through
+``linattn.cli.main``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn.cli import main
+from linattn.data import fingerprint_changes
+from linattn.train import CheckpointError, TrainConfig, load_checkpoint
+from linattn.train import distributed
+from linattn.train import trainer as trainer_module
+from linattn.train.checkpoint import Checkpoint
+from _helpers import english_like
+from test_train_cli import run_captured, train_argv
+
+torch.set_num_threads(1)
+
+HASH = "meta_sha256"
+
+
+def sealed(meta: dict) -> dict:
+    """``meta`` with the hash the checkpoint format documents: SHA-256 of
+    ``json.dumps(meta without meta_sha256, sort_keys=True)`` in UTF-8."""
+    body = {key: value for key, value in meta.items() if key != HASH}
+    return {**body, HASH: hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()}
+
+
+def write_meta(folder: Path, meta: dict, *, seal: bool) -> None:
+    """Write a checkpoint's meta.json, with its hash recomputed (``seal``) or as given."""
+    (folder / "meta.json").write_text(json.dumps(sealed(meta) if seal else meta, indent=1))
+
+
+def read_meta(folder: Path) -> dict:
+    return json.loads((folder / "meta.json").read_text())
+
+
+def file_record(path: Path) -> dict:
+    data = path.read_bytes()
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def curve(run: Path) -> list[dict]:
+    """The logged records without the timings."""
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if k not in ("tokens_per_second", "elapsed")} for r in records]
+
+
+def resume_argv(run: Path, *extra: str) -> list[str]:
+    return ["train", "--resume", "--out", str(run), "--no-progress", "--threads", "1", *extra]
+
+
+def rewind(run: Path, step: int) -> None:
+    """Make ``run`` look as if it had stopped after its checkpoint at ``step``."""
+    for folder in (run / "checkpoints").glob("step-*"):
+        if int(folder.name.split("-")[1]) > step:
+            shutil.rmtree(folder)
+    (run / "checkpoints" / "latest").write_text(f"step-{step:08d}\n")
+
+
+def six_steps(data: str | Path, out: Path) -> list[str]:
+    """A 6-step run with checkpoints at steps 3 and 6."""
+    return train_argv(Path(data), out, steps=6) + ["--checkpoint-every", "3", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 6-step run (checkpoints at 3 and 6) on a text file."""
+    root = tmp_path_factory.mktemp("finished")
+    corpus = root / "corpus.txt"
+    corpus.write_text(english_like(4000))
+    run = root / "run"
+    code, _, stderr = run_captured(six_steps(corpus, run))
+    assert code == 0, stderr
+    return root, run
+
+
+def copy_run(finished, name: str) -> Path:
+    root, run = finished
+    copy = root / name
+    shutil.copytree(run, copy)
+    return copy
+
+
+# ----------------------------------------------------------------------------- meta.json under its hash
+
+
+def test_meta_json_records_the_sha256_of_its_own_canonical_content(finished):
+    _, run = finished
+    meta = read_meta(load_checkpoint(run).path)
+    assert meta["version"] == 2
+    assert meta[HASH] == sealed(meta)[HASH]
+
+
+EDITS = {
+    "step 6 -> 5": lambda meta: meta.update(step=5),
+    "train_config.lr": lambda meta: meta["train_config"].update(lr=0.5),
+    "model_config.ema_decay": lambda meta: meta["model_config"].update(ema_decay=0.5),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_an_edited_meta_json_is_refused_by_load_checkpoint_and_by_resume(finished, edit, capsys):
+    run = copy_run(finished, f"edited-{edit.split()[0]}")
+    folder = run / "checkpoints" / "step-00000006"
+    meta = read_meta(folder)
+    EDITS[edit](meta)
+    write_meta(folder, meta, seal=False)
+    with pytest.raises(CheckpointError, match="meta.json was edited or is corrupt"):
+        load_checkpoint(folder)
+    before = (run / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(resume_argv(run, "--steps", "9")) == 2
+    err = capsys.readouterr().err
+    assert f"{folder / 'meta.json'} was edited or is corrupt" in err, err
+    assert f"linattn train --resume --out {run} --from 3" in err  # the usable earlier checkpoint
+    assert (run / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-00000003", "step-00000006"]
+    # the same edit with the hash recomputed the documented way is a checkpoint again
+    write_meta(folder, meta, seal=True)
+    assert load_checkpoint(folder).meta == sealed(meta)
+
+
+def test_a_version_1_checkpoint_without_hash_or_fingerprint_still_loads_and_resumes(finished, capsys):
+    """A checkpoint as linattn wrote it before meta.json carried its hash (version 1) and a
+    fingerprint of the data: it loads, and a resume continues, saying the data went unchecked."""
+    run = copy_run(finished, "version-1")
+    rewind(run, 3)
+    folder = run / "checkpoints" / "step-00000003"
+    meta = read_meta(folder)
+    old = {key: value for key, value in meta.items() if key not in (HASH, "data_fingerprint")}
+    write_meta(folder, {**old, "version": 1}, seal=False)
+    assert load_checkpoint(folder).step == 3
+    capsys.readouterr()
+    assert main(resume_argv(run)) == 0
+    out = capsys.readouterr().out
+    assert f"{folder} records no fingerprint of its data" in out and "could not be checked" in out, out
+    assert curve(run) == curve(finished[1])  # resumed exactly
+    latest = read_meta(load_checkpoint(run).path)
+    assert latest["version"] == 2 and latest["data_fingerprint"] == meta["data_fingerprint"]
+
+
+# ----------------------------------------------------------------------------- the data: path and fingerprint
+
+
+@pytest.fixture(scope="module")
+def two_folders(tmp_path_factory):
+    """Folders A and B, each with its own data.txt, and a finished 6-step run trained in A on
+    ``--data data.txt`` (relative)."""
+    root = tmp_path_factory.mktemp("folders")
+    a, b = root / "A", root / "B"
+    a.mkdir()
+    b.mkdir()
+    (a / "data.txt").write_text(english_like(4000, seed=1))
+    (b / "data.txt").write_text(english_like(4000, seed=2))
+    run = root / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(a)
+        code, _, stderr = run_captured(six_steps("data.txt", run))
+    assert code == 0, stderr
+    return a, b, run
+
+
+def test_a_relative_data_path_is_recorded_absolute_with_the_datas_fingerprint(two_folders):
+    a, _, run = two_folders
+    meta = load_checkpoint(run).meta
+    assert meta["train_config"]["data"] == str((a / "data.txt").resolve())
+    assert meta["data_fingerprint"] == {"kind": "corpus", "files": {"data.txt": file_record(a / "data.txt")}}
+
+
+def test_a_resume_from_another_folder_reads_the_runs_data_not_the_data_txt_there(two_folders, monkeypatch):
+    a, b, run = two_folders
+    resumed = run.parent / "resumed-in-b"
+    shutil.copytree(run, resumed)
+    rewind(resumed, 3)
+    monkeypatch.chdir(b)
+    code, _, stderr = run_captured(resume_argv(resumed))
+    assert code == 0, stderr
+    assert curve(resumed) == curve(run)  # B's data.txt (other text) would give another curve
+    for name, value in load_checkpoint(run).model.items():
+        assert torch.equal(load_checkpoint(resumed).model[name], value), name
+
+
+@pytest.fixture
+def own_data(tmp_path, request):
+    """The data file ``tmp_path/A/data.txt`` (its own, so a test may change it), a 6-step run on
+    it rewound to step 3, and a copy of the finished run. Trained on ``--data`` given as an
+    absolute path, or (``indirect`` parameter ``"relative"``) as ``data.txt`` inside A."""
+    a = tmp_path / "A"
+    a.mkdir()
+    data = a / "data.txt"
+    data.write_text(english_like(4000, seed=1))
+    run = tmp_path / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        if getattr(request, "param", "absolute") == "relative":
+            patch.chdir(a)
+        code, _, stderr = run_captured(six_steps("data.txt" if Path.cwd() == a else data, run))
+    assert code == 0, stderr
+    reference = tmp_path / "reference"
+    shutil.copytree(run, reference)
+    rewind(run, 3)
+    return data.resolve(), run, reference
+
+
+@pytest.mark.parametrize("own_data", ["relative"], indirect=True)
+def test_data_replaced_at_the_recorded_path_is_refused_and_accepted_with_the_flag(own_data, tmp_path, monkeypatch):
+    """The run's data.txt (in A) now holds B's text: a resume from B is refused, naming the
+    path, the change and the flag; with --accept-new-data it trains on the new text, says so
+    once, and its checkpoints record the new fingerprint."""
+    data, run, _ = own_data
+    b = tmp_path / "B"
+    b.mkdir()
+    (b / "data.txt").write_text(english_like(4100, seed=2))
+    recorded = file_record(data)
+    shutil.copyfile(b / "data.txt", data)
+    monkeypatch.chdir(b)
+    before = (run / "metrics.jsonl").read_text()
+    code, _, stderr = run_captured(resume_argv(run))
+    assert code == 2
+    assert f"the data {data} is not what" in stderr and "--accept-new-data" in stderr, stderr
+    assert (f"data.txt changed: recorded 4000 bytes, SHA-256 {recorded['sha256'][:12]}, now 4100 bytes, SHA-256 "
+            f"{file_record(data)['sha256'][:12]}") in stderr, stderr
+    assert (run / "metrics.jsonl").read_text() == before and load_checkpoint(run).step == 3
+    code, out, stderr = run_captured(resume_argv(run, "--accept-new-data"))
+    assert code == 0, stderr
+    assert out.count("continuing on changed data (--accept-new-data)") == 1 and str(data) in out, out
+    checkpoint = load_checkpoint(run)
+    assert checkpoint.step == 6
+    assert checkpoint.meta["data_fingerprint"] == {"kind": "corpus", "files": {"data.txt": file_record(data)}}
+
+
+def test_data_edited_in_place_is_found_on_resume_and_on_eval(own_data, capsys):
+    data, run, reference = own_data
+    text = data.read_text()
+    edited = text[:1000] + ("x" if text[1000] != "x" else "y") + text[1001:]  # one letter, same size
+    assert edited != text
+    data.write_text(edited)
+    capsys.readouterr()
+    assert main(resume_argv(run)) == 2
+    err = capsys.readouterr().err
+    assert f"the data {data} is not what" in err and "data.txt changed: recorded 4000 bytes" in err, err
+    eval_argv = ["eval", "--ckpt", str(reference), "--split", "validation", "--json", "--no-progress",
+                 "--threads", "1"]
+    assert main(eval_argv) == 2
+    err = capsys.readouterr().err
+    assert f"eval: the data {data} is not what" in err and "--accept-new-data" in err, err
+    assert main(eval_argv + ["--accept-new-data"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["step"] == 6 and "evaluating on changed data" in captured.err
+    assert main(eval_argv + ["--data", str(data)]) == 0  # data named explicitly is not checked
+
+
+def test_unchanged_data_evaluates_silently(own_data, capsys):
+    _, _, reference = own_data
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(reference), "--json", "--no-progress", "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["step"] == 6 and captured.err == ""
+    # the flag is for the run's own data; with --data it means nothing
+    assert main(["eval", "--ckpt", str(reference), "--data", "x", "--accept-new-data", "--no-progress"]) == 2
+    assert "--accept-new-data: --data names the data to evaluate on" in capsys.readouterr().err
+
+
+def test_missing_data_is_refused_by_name_on_resume_and_on_eval(own_data, capsys):
+    data, run, reference = own_data
+    data.rename(data.with_name("moved.txt"))
+    capsys.readouterr()
+    for argv in (resume_argv(run), resume_argv(run, "--accept-new-data")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"the run's data {data} is missing (moved or deleted" in err, err
+    assert main(["eval", "--ckpt", str(reference), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"the run's data {data} is missing" in err and "--data PATH" in err, err
+
+
+def test_the_python_api_refuses_changed_data_unless_accept_new_data(own_data):
+    data, run, _ = own_data
+    data.write_text(english_like(3000, seed=5))
+    with pytest.raises(ValueError, match=r"accept_new_data=True") as info:
+        trainer_module.train(None, None, resume=True, out=run, progress=False, echo=lambda *a: None)
+    assert "data.txt changed: recorded 4000 bytes" in str(info.value)
+    said = []
+    summary = trainer_module.train(None, None, resume=True, out=run, progress=False, echo=said.append,
+                                   accept_new_data=True)
+    assert summary["step"] == 6 and sum("continuing on changed data" in line for line in said) == 1
+
+
+def test_accept_new_data_without_resume_is_refused(tmp_path, capsys):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(english_like(4000))
+    assert main(six_steps(corpus, tmp_path / "run") + ["--accept-new-data"]) == 2
+    assert "add --resume" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_changed_shard_folder_is_refused(tmp_path, capsys):
+    """Shards prepared again from other text at the same path: their meta.json and .bin sizes
+    differ from what the checkpoint recorded."""
+    first, second = tmp_path / "first.txt", tmp_path / "second.txt"
+    first.write_text(english_like(4000, seed=1))
+    second.write_text(english_like(5000, seed=2))
+    shards = tmp_path / "shards"
+    assert main(["data", "prepare", "--data", str(first), "--tokenizer", "bytes", "--out", str(shards)]) == 0
+    run = tmp_path / "run"
+    assert main(six_steps(shards, run)) == 0
+    recorded = load_checkpoint(run).meta["data_fingerprint"]
+    assert recorded["kind"] == "shards"
+    assert recorded["files"]["meta.json"] == file_record(shards / "meta.json")
+    assert recorded["files"]["train.bin"] == {"bytes": (shards / "train.bin").stat().st_size}
+    rewind(run, 3)
+    shutil.rmtree(shards)
+    assert main(["data", "prepare", "--data", str(second), "--tokenizer", "bytes", "--out", str(shards)]) == 0
+    capsys.readouterr()
+    assert main(resume_argv(run)) == 2
+    err = capsys.readouterr().err
+    assert f"the data {shards} is not what" in err and "meta.json changed" in err, err
+    assert f"train.bin changed: recorded {4000 * 90 // 100} bytes, now {5000 * 90 // 100} bytes" in err, err
+
+
+def test_fingerprint_changes_name_missing_new_and_changed_files_and_another_kind():
+    recorded = {"kind": "corpus", "files": {"a.txt": {"bytes": 3, "sha256": "1" * 64},
+                                            "b.txt": {"bytes": 4, "sha256": "2" * 64}}}
+    assert fingerprint_changes(recorded, json.loads(json.dumps(recorded))) is None
+    current = {"kind": "corpus", "files": {"a.txt": {"bytes": 3, "sha256": "3" * 64},
+                                           "c.txt": {"bytes": 5, "sha256": "4" * 64}}}
+    assert fingerprint_changes(recorded, current) == (
+        f"a.txt changed: recorded 3 bytes, SHA-256 {'1' * 12}, now 3 bytes, SHA-256 {'3' * 12}; "
+        f"b.txt is missing (recorded 4 bytes, SHA-256 {'2' * 12}); c.txt is new (5 bytes, SHA-256 {'4' * 12})")
+    assert fingerprint_changes(recorded, {"kind": "shards", "files": {}}) == \
+        "it was a byte corpus, now it is a shard folder"
+
+
+# ----------------------------------------------------------------------------- every rank the same verdict
+
+
+def _checkpoint_of(data: Path) -> Checkpoint:
+    meta = {"data_fingerprint": {"kind": "corpus", "files": {data.name: file_record(data)}}}
+    return Checkpoint(path=data.parent / "step-00000003", meta=meta, model={}, training={})
+
+
+def test_a_rank_with_good_data_stops_when_another_rank_refuses(tmp_path, monkeypatch):
+    data = tmp_path / "data.txt"
+    data.write_text(english_like(4000))
+    shared = []
+
+    def another_rank_refuses(flag, context):
+        shared.append(flag)
+        return True
+
+    monkeypatch.setattr(distributed, "broadcast_flag", another_rank_refuses)
+    monkeypatch.setattr(distributed, "barrier", lambda context: None)
+    context = distributed.Context(rank=1, world_size=2)
+    with pytest.raises(ValueError, match="another process could not open it or found that it changed"):
+        trainer_module._load_data(TrainConfig(data=str(data)), context, _checkpoint_of(data))
+    assert shared == [False]  # this rank's own verdict: the data is fine
+
+
+def test_a_rank_that_refuses_shares_its_verdict_before_it_stops(tmp_path, monkeypatch):
+    data = tmp_path / "data.txt"
+    data.write_text(english_like(4000))
+    checkpoint = _checkpoint_of(data)
+    data.write_text(english_like(4000, seed=3))
+    shared = []
+    monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: shared.append(flag) or flag)
+    monkeypatch.setattr(distributed, "barrier", lambda context: None)
+    with pytest.raises(ValueError, match="data.txt changed"):
+        trainer_module._load_data(TrainConfig(data=str(data)), distributed.Context(rank=0, world_size=2), checkpoint)
+    assert shared == [True]
