@@ -171,6 +171,7 @@ def corpus_folder(tmp_path, monkeypatch) -> Path:
 @pytest.mark.parametrize("sets, named", [
     (["train.data="], "train.data must be a non-empty str"),
     (["train.data=' '"], "train.data must be a non-empty str"),
+    (["train.data=5"], "train.data must be a non-empty str"),
     (["train.lr=inf"], "train.lr must be finite"),
     (["train.grad_clip=inf"], "train.grad_clip must be finite"),
     (["model.rotary_base=0"], "LMConfig.rotary_base must be a number > 1"),

@@ -496,3 +496,17 @@ def test_cli_data_info(tmp_path, capsys):
     assert rows["total"] == [str(n)]
     with pytest.raises(ValueError, match="missing_corpus"):
         _run_cli(["data", "info", str(tmp_path / "missing_corpus")])
+
+
+@pytest.mark.parametrize("ids", [[72.9, 105.2], [72, True], True, 72.0, torch.tensor([72.0]), torch.tensor([True])])
+def test_decoding_refuses_ids_that_are_not_integers(ids):
+    """A float or bool id is a TypeError, never truncated to a byte (72.9 would read as 'H')."""
+    with pytest.raises(TypeError, match="integer"):
+        ByteTokenizer().decode(ids)
+
+
+@pytest.mark.parametrize("token", [72.9, True, torch.tensor(72.0)])
+def test_streaming_decoders_refuse_ids_that_are_not_integers(token):
+    with pytest.raises(TypeError, match="integer"):
+        ByteTokenizer().stream_decoder().feed(token)
+    assert ByteTokenizer().stream_decoder().feed(torch.tensor(72)) == "H"

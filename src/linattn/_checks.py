@@ -75,7 +75,7 @@ def check_sampling(*, temperature: object, top_k: object, top_p: object) -> None
         raise ValueError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
 
 
-def _is_integer_id(value: object) -> bool:
+def is_integer_id(value: object) -> bool:
     """A Python or NumPy integer that is not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -85,7 +85,7 @@ def _check_id_nest(name: str, values: object) -> None:
     for value in values:
         if isinstance(value, (list, tuple)):
             _check_id_nest(name, value)
-        elif not _is_integer_id(value):
+        elif not is_integer_id(value):
             raise TypeError(f"{name} must hold integer token ids, got {type(value).__name__} {value!r}")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .tokenizer import _as_int_list
+from .tokenizer import _as_int_list, _check_integer
 
 MIN_BPE_VOCAB = 256
 _INSTALL_HINT = "pip install tokenizers==0.23.3 (or pip install 'linattn[hf]')"
@@ -70,7 +70,7 @@ class HFStreamDecoder:
 
     def feed(self, token_id: int) -> str:
         """Add one token id; return the text it completes."""
-        self._ids.append(self._tokenizer._check_id(int(token_id)))
+        self._ids.append(self._tokenizer._check_id(_check_integer(token_id)))
         return self._emit(final=False)
 
     def flush(self) -> str:

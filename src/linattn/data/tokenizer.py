@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
+from .._checks import is_integer_id
+
 
 class ByteStreamDecoder:
     """Incremental UTF-8 decoder over byte ids (``errors="replace"``).
@@ -27,7 +29,7 @@ class ByteStreamDecoder:
 
     def feed(self, token_id: int) -> str:
         """Add one byte id in ``[0, 256)``; return the text it completes."""
-        return self._decoder.decode(bytes([_check_byte(int(token_id))]), final=False)
+        return self._decoder.decode(bytes([_check_byte(_check_integer(token_id))]), final=False)
 
     def flush(self) -> str:
         """Return the text of any unfinished sequence and reset."""
@@ -61,13 +63,28 @@ class ByteTokenizer:
 
 
 def _as_int_list(ids: torch.Tensor | Iterable[int] | int) -> list[int]:
+    """Token ids as Python ints; floats and bools (tensors of them too) are a TypeError, never
+    truncated to ids."""
     if isinstance(ids, torch.Tensor):
-        if ids.is_floating_point() or ids.is_complex():
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
             raise TypeError(f"ids: expected an integer tensor, got dtype {ids.dtype}")
         return [int(i) for i in ids.reshape(-1).tolist()]
-    if isinstance(ids, int):
-        return [ids]
-    return [int(i) for i in ids]
+    if not isinstance(ids, Iterable):
+        return [_check_integer(ids)]
+    values = list(ids)
+    for value in values:
+        _check_integer(value)
+    return [int(i) for i in values]
+
+
+def _check_integer(token_id: object) -> int:
+    """``token_id`` is an integer (Python, NumPy, or a one-element integer tensor), not a bool or a float."""
+    if isinstance(token_id, torch.Tensor) and token_id.numel() == 1 and not (
+            token_id.is_floating_point() or token_id.is_complex() or token_id.dtype == torch.bool):
+        return int(token_id)
+    if not is_integer_id(token_id):
+        raise TypeError(f"token id: expected an integer, got {type(token_id).__name__} {token_id!r}")
+    return int(token_id)
 
 
 def _check_byte(token_id: int) -> int:

@@ -188,7 +188,9 @@ def run_train(args: argparse.Namespace) -> int:
         if args.accept_new_data:
             raise ValueError("--accept-new-data lets --resume continue on changed data; add --resume")
         model_values, train_values = _train_values(args)
-        _vocab_from_data(model_values, train_values.get("data", TrainConfig.data))
+        data = train_values.get("data", TrainConfig.data)
+        if isinstance(data, str) and data.strip():  # else TrainConfig names train.data below
+            _vocab_from_data(model_values, data)
         model_config, train_config = build_configs(model_values, train_values)
         summary = train(model_config, train_config, out=args.out, overwrite=args.overwrite, progress=progress,
                         command=args.command_line)
