@@ -129,9 +129,9 @@ def test_training_and_evaluation_reduce_on_the_run_device(tmp_path, monkeypatch,
     calls = two_mirrored_ranks.calls
     # each kind of call site was exercised: the verdicts on the run folder and the data, the loss log,
     # the divergence guard, the stop flag, the evaluation, the codebook EMA sums, k-means and
-    # dead-code restarts: the two verdicts once each, then at each (logged) step the losses, the
-    # guard and the stop flag, and 2 evaluations
-    assert calls[("all_reduce", "linattn.train.distributed")] == 1 + 1 + 2 + 2 + 2 + 2
+    # dead-code restarts: the two verdicts once each, then at each (logged) step the guard's
+    # verdict on the step, the losses, the guard's check and the stop flag, and 2 evaluations
+    assert calls[("all_reduce", "linattn.train.distributed")] == 1 + 1 + 2 + 2 + 2 + 2 + 2
     assert calls[("all_reduce", "linattn.nn.codebook")] == 2 * 2 * 2  # 2 quantizers x 2 tensors x 2 steps
     assert calls[("broadcast", "linattn.nn.codebook")] >= 2 * 2  # k-means: values and mask per quantizer
 

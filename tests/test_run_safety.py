@@ -463,3 +463,67 @@ def test_an_optimizer_state_saved_before_the_fused_adamw_loads_into_it():
         else:
             with pytest.raises(AssertionError, match="found_inf"):
                 optimizer.step()
+
+
+def test_a_torchrun_run_into_a_locked_folder_stops_on_every_rank(tmp_path, data):
+    """Rank 0 is the writer that claims the folder; the other ranks learn its refusal through the
+    process group instead of training alone (or waiting forever)."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    with lock_held_by_another_process(run_dir) as holder:
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", "-m", "linattn.cli", *run_argv(data, run_dir, steps=4)],
+                                env=env, capture_output=True, text=True, timeout=150)
+    assert result.returncode != 0
+    assert result.stderr.count(f"in use by another writer, PID {holder.pid}") >= 1, result.stderr[-3000:]
+    assert "rank 0 could not claim the run folder" in result.stderr  # what rank 1 says
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock"]
+
+
+DDP_NAN_ON_ONE_RANK = """
+import os, sys
+import torch
+torch.set_num_threads(1)
+from safetensors.torch import save_file
+import linattn.train.trainer as trainer
+from linattn.models import LMConfig
+from linattn.train import TrainConfig, train
+
+out, data = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+original, calls = trainer.accumulate_gradients, []
+
+def accumulate(*args, **kwargs):  # rank 1's loss of step 3 is NaN; its gradients (all-reduced) stay finite
+    calls.append(1)
+    loss, commit, states = original(*args, **kwargs)
+    return (loss * float("nan") if rank == 1 and len(calls) == 3 else loss), commit, states
+
+trainer.accumulate_gradients = accumulate
+model_config = LMConfig(d_model=16, n_layers=2, attention="vq,linear:elu", n_heads=2, gau_d_k=8, codebook_size=8,
+                        block_size=4, chunk_size=8, ffn_hidden=32)
+train_config = TrainConfig(data=data, out=out, steps=5, batch_size=2, context=16, lr=3e-3, warmup_steps=2,
+                           eval_every=0, log_every=1, checkpoint_every=5, threads=1, max_skipped_steps=1)
+summary = train(model_config, train_config, progress=False, echo=lambda *a: None)
+tensors = {name: value.detach().contiguous() for name, value in summary["model"].state_dict().items()}
+save_file(tensors, os.path.join(out, f"rank{rank}.safetensors"))
+"""
+
+
+def test_a_step_that_is_not_finite_on_one_rank_is_skipped_on_every_rank(tmp_path, data):
+    from safetensors.torch import load_file
+
+    script, run_dir = tmp_path / "ddp_nan.py", tmp_path / "run"
+    script.write_text(DDP_NAN_ON_ONE_RANK)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script), str(run_dir), str(data)], env=env, capture_output=True, text=True,
+                            timeout=150)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [r["step"] for r in records(run_dir) if r.get("skipped")] == [3]
+    rank0, rank1 = (load_file(str(run_dir / f"rank{r}.safetensors")) for r in (0, 1))
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), f"{name} differs across ranks"

@@ -48,14 +48,18 @@ class NonFiniteGuard:
         self.first_what = torch.zeros(len(QUANTITIES), dtype=torch.bool, device=device)
         self.skipped, self.consecutive = 0, 0
 
-    def observe(self, step: int, loss: torch.Tensor, commit_loss: torch.Tensor, grad_norm: torch.Tensor
-                ) -> torch.Tensor:
+    def observe(self, step: int, loss: torch.Tensor, commit_loss: torch.Tensor, grad_norm: torch.Tensor,
+                context: distributed.Context | None = None) -> torch.Tensor:
         """Record step ``step``'s numbers; returns the float32 ``found_inf`` flag for the
-        optimizer (1: leave this step unapplied). Reads nothing on the host. Under FSDP the
-        gradient norm is a replicated ``DTensor``; its local value is the norm."""
+        optimizer (1: leave this step unapplied). Reads nothing on the host. With several
+        processes (``context``) the verdict is summed over them, so a loss that is not finite
+        on one process leaves the step unapplied on all. Under FSDP the gradient norm is a
+        replicated ``DTensor``; its local value is the norm."""
         if hasattr(grad_norm, "to_local"):
             grad_norm = grad_norm.to_local()
         bad = ~torch.stack([loss.isfinite(), commit_loss.isfinite(), grad_norm.isfinite()])
+        if context is not None and context.distributed:
+            bad = distributed.all_reduce_sum(bad.float(), context) > 0
         step_bad = bad.any()
         if self.max_skipped:
             self.first_step = torch.full_like(self.first_step, step)

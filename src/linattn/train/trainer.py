@@ -464,7 +464,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                 loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
                                                                  bf16=cfg.bf16, forward=forward)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                optimizer.found_inf = guard.observe(step + 1, loss, commit_loss, grad_norm)
+                optimizer.found_inf = guard.observe(step + 1, loss, commit_loss, grad_norm, context)
                 optimizer.step()
                 perplexity = code_perplexity(model)
                 model.update_codebooks(apply=optimizer.found_inf == 0)
