@@ -163,19 +163,49 @@ def check_same_dtype_device(**tensors: torch.Tensor) -> None:
             raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; they must match")
 
 
+def check_batch(name: str, value: torch.Tensor) -> torch.Tensor:
+    """``value`` has at least one row: batch size 0 (the first dimension) is a ValueError
+    naming ``name`` (no op, layer or model has anything to compute for it, and the reshapes
+    inside would fail with torch's own, opaque errors)."""
+    if value.shape[0] == 0:
+        raise ValueError(f"{name} has batch size 0 (shape {_shape(value)}); at least one row (batch entry) is required")
+    return value
+
+
+def check_state_batch(name: str, state_batch: object, batch: int) -> None:
+    """A carried state of ``state_batch`` rows continues inputs of ``batch`` rows; else
+    ValueError naming both batch sizes. ``state_batch`` may be the state's first tensor (its
+    first dimension is read; anything else is left to the shape checks) or an int or None
+    (the state holds no tensor)."""
+    if isinstance(state_batch, torch.Tensor):
+        state_batch = state_batch.shape[0] if state_batch.dim() else None
+    if is_int(state_batch) and state_batch != batch:
+        raise ValueError(f"{name} has batch size {state_batch} but the inputs have batch size {batch}; "
+                         "a state continues the rows that made it (select_batch picks rows)")
+
+
+def check_state_setting(name: str, setting: str, made_with: object, expected: object) -> None:
+    """The ``setting`` a carried state was made with (``made_with``; None: unknown, nothing to
+    compare) is this call's (``expected``); else ValueError naming the setting and both values."""
+    if made_with is not None and made_with != expected:
+        raise ValueError(f"{name} was made with {setting}={made_with!r}, but this call has {setting}={expected!r}; "
+                         "a state continues only a computation with the settings that made it")
+
+
 def check_qkv(
     q: object, k: object, v: object, *, same_length: bool = True, key_name: str = "k"
 ) -> AttentionShapes:
     """Validate the SDPA layout ``q [B, H, T, Dk]``, ``k [B, Hkv, S, Dk]``, ``v [B, Hkv, S, Dv]``.
 
     ``Hkv`` must divide ``H`` (MQA: ``Hkv = 1``; GQA: in between). With ``same_length``
-    the key length ``S`` must equal the query length ``T``.
+    the key length ``S`` must equal the query length ``T``. ``B`` must be at least 1.
     """
     q = check_tensor("q", q, ndim=4, layout="[batch, heads, length, key_dim]")
     k = check_tensor(key_name, k, ndim=4, layout="[batch, kv_heads, length, key_dim]")
     v = check_tensor("v", v, ndim=4, layout="[batch, kv_heads, length, value_dim]")
     check_same_dtype_device(**{"q": q, key_name: k, "v": v})
     B, H, T, Dk = q.shape
+    check_batch("q", q)
     if T == 0:
         raise ValueError(f"q has length 0 (shape {_shape(q)}); at least one position is required")
     if Dk == 0 or v.shape[-1] == 0:
@@ -262,8 +292,12 @@ def check_positive_int(name: str, value: object) -> int:
 
 
 def check_state_tensor(name: str, value: object, expected: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """A carried-state tensor has the expected shape and lives on ``like``'s device."""
+    """A carried-state tensor has the expected shape and lives on ``like``'s device. A tensor of
+    the expected rank whose first dimension differs is named as a batch-size mismatch."""
     value = check_tensor(name, value)
+    if value.dim() == len(expected) and value.dim() and value.shape[0] != expected[0]:
+        raise ValueError(f"{name} has batch size {value.shape[0]} (shape {_shape(value)}) but the inputs have "
+                         f"batch size {expected[0]}; a state continues the rows that made it (select_batch picks rows)")
     if tuple(value.shape) != tuple(expected):
         exp = "[" + ", ".join(str(s) for s in expected) + "]"
         raise ValueError(f"{name} has shape {_shape(value)}, expected {exp} for these inputs")

@@ -5,6 +5,16 @@ An op with a recurrent form takes ``initial_state=`` and, with
 sequence in pieces and carrying the state gives the output of one call. Every state
 holds tensors plus ``steps`` (positions consumed so far) and offers ``.detach()``
 (Transformer-XL style truncation of gradients) and ``.to(...)``.
+
+Every state also records, in plain fields (str, int, None and tuples of those, so that they
+survive a checkpoint's JSON, ``.detach()``/``.to()``/``select_batch`` and ``torch.compile``),
+the settings of the computation that made it and that a continuation must share: the
+feature map of kernel attention, the window of a local cache, the block and codebook sizes
+of Transformer-VQ, the model of an ``LMState``. The op, layer or model that makes a state
+sets them; every consumer compares them with its own settings and raises ``ValueError``
+naming the setting and both values, and checks the state's batch size against its inputs'.
+A setting left ``None`` (a state built by hand, or read from a checkpoint written before
+these fields existed) is unknown: then only the shapes of the tensors are checked.
 """
 
 from __future__ import annotations
@@ -56,6 +66,29 @@ class _State:
         """Move/cast every tensor, with the arguments of ``torch.Tensor.to``."""
         return self._map(lambda t: t.to(*args, **kwargs))
 
+    def batch_size(self) -> int | None:
+        """The batch size of the state: the first dimension of its first tensor (None when it
+        holds no tensor, e.g. an ``LMState`` of stateless layers)."""
+        return _batch_of(self)
+
+
+def _batch_of(value) -> int | None:
+    """The first dimension of the first tensor in a (nested) state, tuple or tensor."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[0]
+    if isinstance(value, _State):
+        # fields of the instance, not value_fields(): torch.compile traces the former
+        items = [getattr(value, f.name) for f in dataclasses.fields(value) if f.init]
+    elif isinstance(value, tuple):
+        items = value
+    else:
+        return None
+    for item in items:
+        found = _batch_of(item)
+        if found is not None:
+            return found
+    return None
+
 
 @dataclass
 class LinearAttentionState(_State):
@@ -68,12 +101,19 @@ class LinearAttentionState(_State):
     ``exp(-key_shift)`` times the true ones; the factor cancels in the output.
     ``steps``: number of positions consumed.
     Sums are kept in float32 (float64 for float64 inputs).
+
+    What made it (None: unknown, only shapes are checked): ``feature_map``, the map's
+    identity (``FeatureMap.describe()``: its name and every parameter that changes phi's
+    values, e.g. ``"elu"``, ``"dpfp:2"``, ``"favor:128:seed=3"``); ``normalize``, the
+    normalisation (``"attention"``, ``"sum"`` or ``"none"``).
     """
 
     kv: torch.Tensor
     normalizer: torch.Tensor | None = None
     key_shift: torch.Tensor | None = None
     steps: int = 0
+    feature_map: str | None = None
+    normalize: str | None = None
 
 
 @dataclass
@@ -82,10 +122,16 @@ class DeltaRuleState(_State):
 
     ``memory``: ``[B, Hkv, F, Dv]``, the fast weights ``S`` read as ``S^T phi(q)``.
     ``steps``: number of positions consumed. Kept in float32 (float64 for float64 inputs).
+
+    What made it (None: unknown, only shapes are checked): ``feature_map``, the identity of
+    the map applied to q and k (``FeatureMap.describe()``); ``normalize``, their
+    normalisation (``"l2"``, ``"sum"`` or ``"none"``).
     """
 
     memory: torch.Tensor
     steps: int = 0
+    feature_map: str | None = None
+    normalize: str | None = None
 
 
 @dataclass
@@ -94,11 +140,14 @@ class DeltaNetState(_State):
 
     ``rule``: the delta-rule memory. ``conv``: ``[B, C, kernel_size - 1]`` last inputs of
     the short causal convolution over the q/k/v channels (None without one).
+    ``short_conv``: the kernel size of that convolution, 0 for a layer without one (None:
+    unknown, only shapes are checked).
     """
 
     rule: DeltaRuleState
     conv: torch.Tensor | None = None
     steps: int = 0
+    short_conv: int | None = None
 
 
 @dataclass
@@ -116,6 +165,9 @@ class VQAttentionState(_State):
     older positions (blocks before the previous one) were quantized to it and the mean of
     their values (float32, float64 for float64 inputs).
     ``steps``: positions consumed. Memory is constant in the sequence length.
+
+    What made it (None: unknown, only shapes are checked): ``block_size`` (L) and
+    ``codebook_size`` (S).
     """
 
     partial_keys: torch.Tensor
@@ -127,6 +179,8 @@ class VQAttentionState(_State):
     prev_values: torch.Tensor | None = None
     prev_codes: torch.Tensor | None = None
     steps: int = 0
+    block_size: int | None = None
+    codebook_size: int | None = None
     # Decoding with gradients off keeps the fields as views of one buffer that later steps
     # fill in place (ops/_vq_resident.py); a state rebuilt from this one starts without it.
     _resident: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
@@ -138,11 +192,17 @@ class KVCacheState(_State):
 
     ``keys [B, Hkv, t, Dk]``, ``values [B, Hkv, t, Dv]``; grows with the sequence (the point
     of comparison for the constant-size states above).
+
+    ``window``: the keys a query sees in sliding-window attention (``local_attention``'s
+    ``window * look_backward``), whose cache keeps the last ``window - 1`` of them; None
+    for an unbounded softmax cache, or unknown (a state built by hand or read from an older
+    checkpoint): a local consumer then checks only the shapes.
     """
 
     keys: torch.Tensor
     values: torch.Tensor
     steps: int = 0
+    window: int | None = None
 
 
 @dataclass
@@ -151,7 +211,14 @@ class LMState(_State):
 
     ``layers[i]`` is that layer's state (a tuple of two states for a GAU layer, which
     holds two gated attention units). ``steps``: tokens consumed.
+
+    ``model``: the model that made it, as ``(name, value)`` pairs of the ``LMConfig``
+    settings that decide its layers' states (layer specs, widths, heads, windows, block and
+    codebook sizes, feature maps, ...; ``LM.state_settings``); an ``LM`` continues only a
+    state of the same settings and names those that differ. None: unknown, only the
+    layers' own checks apply.
     """
 
     layers: tuple = ()
     steps: int = 0
+    model: tuple | None = None

@@ -121,6 +121,8 @@ class LinattnModel(LinattnPreTrainedModel):
             cache = None  # an empty cache of another type (a DynamicCache made by generic code)
         if cache is not None and cache.batch_size != batch:
             raise ValueError(f"cache holds {cache.batch_size} rows but input has batch {batch}")
+        for group in cache.groups if cache is not None else ():  # states of this model, one per row group
+            self.lm._check_state(group.state, group.rows.numel(), name="cache state")
         seen = cache.seen if cache is not None else 0
         real = _real_tokens(attention_mask, batch, seen, length, x.device)
         groups = _plan_groups(cache, real, length, batch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import check_int, check_sampling, check_token_ids, token_id_tensor
+from .._checks import check_batch, check_int, check_sampling, check_state_batch, check_token_ids, token_id_tensor
 from ..nn.quantizer import VectorQuantizer
 from ..state import LMState
 from .config import LMConfig
@@ -45,6 +46,7 @@ class LM(nn.Module):
         self.norm = nn.RMSNorm(config.d_model)
         self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.activation_checkpointing = False
+        self.state_settings = _state_settings(config)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -72,6 +74,7 @@ class LM(nn.Module):
         check_token_ids("ids", ids, self.config.vocab_size, values=False)
         if ids.dim() != 2 or ids.shape[1] == 0:
             raise ValueError(f"ids must have shape [batch, length] with length >= 1, got {list(ids.shape)}")
+        check_batch("ids", ids)
         if values and not torch.compiler.is_compiling():
             check_token_ids("ids", ids, self.config.vocab_size)
 
@@ -81,10 +84,31 @@ class LM(nn.Module):
         for callers that checked their tokens where they were loaded (the trainer and
         ``evaluate_bpb``): then nothing in the forward pass waits for the device."""
         self._check_ids(ids, values=check_inputs)
-        if state is not None and (not isinstance(state, LMState) or len(state.layers) != len(self.layers)):
-            raise ValueError(f"state must be the LMState this model returned ({len(self.layers)} layers), "
-                             f"got {type(state).__name__}")
+        if state is not None:
+            self._check_state(state, ids.shape[0])
         return self._run(ids, state)
+
+    def _check_state(self, state: object, batch: int, name: str = "state") -> None:
+        """``state`` continues this model for ``batch`` rows: an ``LMState`` with one entry per
+        layer, made by a model of the same ``state_settings`` (when it records them: the
+        differing settings are named), holding ``batch`` rows. Else ValueError (TypeError for
+        another kind of object). Reads sizes only, never a tensor's values; the layers check
+        their own states (kinds, settings, shapes) as they run."""
+        if not isinstance(state, LMState) or len(state.layers) != len(self.layers):
+            raise ValueError(f"{name} must be the LMState this model returned ({len(self.layers)} layers), "
+                             f"got {type(state).__name__}"
+                             + (f" of {len(state.layers)} layers" if isinstance(state, LMState) else ""))
+        made_by = state.model
+        if made_by is not None and made_by is not self.state_settings and made_by != self.state_settings:
+            if not isinstance(made_by, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in made_by):
+                raise TypeError(f"{name}.model must be a tuple of (name, value) pairs, got {made_by!r}")
+            theirs, ours = dict(made_by), dict(self.state_settings)
+            differ = [key for key in ours if key in theirs and theirs[key] != ours[key]]
+            if differ:
+                shown = lambda values: ", ".join(f"{key}={_shown(values[key])!r}" for key in differ)  # noqa: E731
+                raise ValueError(f"{name} was made by a model with {shown(theirs)}, but this model has {shown(ours)}; "
+                                 "an LMState continues only a model with the settings that made it")
+        check_state_batch(name, state.batch_size(), batch)
 
     def _run(self, ids: torch.Tensor, state: LMState | None, with_aux: bool = True
              ) -> tuple[torch.Tensor, LMState, dict]:
@@ -114,7 +138,7 @@ class LM(nn.Module):
             if hidden is not None:
                 hidden.append(x)
         steps = x.shape[1] + (state.steps if state is not None else 0)
-        return self.norm(x), LMState(layers=tuple(new_states), steps=steps), unit_aux, x
+        return self.norm(x), LMState(layers=tuple(new_states), steps=steps, model=self.state_settings), unit_aux, x
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output head on normed hidden states ``[..., d_model] -> [..., vocab]`` (the tied
@@ -179,7 +203,7 @@ class LM(nn.Module):
         and time per window stay bounded)."""
         layers = tuple(layer_kind(spec).carry(layer_state, self.config)
                        for spec, layer_state in zip(self.specs, state.detach().layers))
-        return LMState(layers=layers, steps=state.steps)
+        return dataclasses.replace(state, layers=layers)
 
     @property
     def has_growing_cache(self) -> bool:
@@ -222,6 +246,8 @@ class LM(nn.Module):
         single = ids.dim() == 1
         ids = (ids.unsqueeze(0) if single else ids).to(self.embed.weight.device)
         check_token_ids("prompt_ids", ids, self.config.vocab_size)
+        if state is not None:
+            self._check_state(state, ids.shape[0])
         generator = torch.Generator(device=ids.device)
         generator.manual_seed(torch.seed() if seed is None else seed)
         return self._generate(ids, single, max_new_tokens, dict(temperature=temperature, top_k=top_k, top_p=top_p),
@@ -242,3 +268,36 @@ class LM(nn.Module):
                     logits, state, _ = self._run(token.unsqueeze(1), state, with_aux=False)
         finally:
             self.train(was_training)
+
+
+def _state_settings(config: LMConfig) -> tuple[tuple[str, object], ...]:
+    """The ``(name, value)`` pairs of ``config`` that decide what its layers' states hold, as
+    ``LMState.model`` records them: the layer specs, widths, heads and head sizes (defaults
+    resolved), windows, feature maps, the short convolution, rotary base, the GAU sizes,
+    codebook, grid and variant. Settings that change only how a state is computed or carried
+    (``chunk_size``, ``softmax_memory``) or training (``commitment_weight``, ...) are not in it:
+    a state made under other values of those is the same state."""
+    return (
+        ("attention", tuple(str(spec) for spec in config.layer_specs())),
+        ("d_model", config.d_model),
+        ("n_heads", config.n_heads),
+        ("n_kv_heads", config.n_kv_heads or config.n_heads),
+        ("head_dim", config.head_dim or config.d_model // config.n_heads),
+        ("local_window", config.local_window),
+        ("favor_features", config.favor_features),
+        ("feature_seed", config.feature_seed),
+        ("rotary_base", config.rotary_base),
+        ("delta_short_conv", config.delta_short_conv),
+        ("gau_d_k", config.gau_d_k),
+        ("gau_d_v", config.gau_d_v or 2 * config.d_model),
+        ("codebook_size", config.codebook_size),
+        ("block_size", config.block_size),
+        ("fsq_levels", tuple(config.fsq_levels)),
+        ("soft_vq_temperature", config.soft_vq_temperature),
+        ("gau_variant", config.gau_variant),
+    )
+
+
+def _shown(value: object) -> object:
+    """A setting as a mismatch message shows it (tuples as lists)."""
+    return list(value) if isinstance(value, tuple) else value

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -10,7 +12,7 @@ from ..ops.linear import linear_attention
 from ..ops.local import local_attention
 from ..ops.softmax import entropy_scale, softmax_attention
 from ..state import KVCacheState, LinearAttentionState
-from .._checks import check_choice
+from .._checks import check_batch, check_choice, check_state_batch, check_state_tensor
 from .rotary import apply_rotary
 
 _MECHANISMS = ("softmax", "linear", "local")
@@ -84,6 +86,9 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, KVCacheState | LinearAttentionState, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        check_batch("x", x)
+        if state is not None:
+            self._check_state(state, x)
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -98,6 +103,24 @@ class Attention(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             out, state = self._attend(q, k.to(q.dtype), v.to(q.dtype), state)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state, {}
+
+    def _check_state(self, state, x: torch.Tensor) -> None:
+        """A carried state fits this layer: its kind, and for the softmax mechanism (which has
+        no op to check its cache) no window, the batch size and the shapes. The linear and local
+        ops check the settings of their states (feature map, window), batch and shapes."""
+        kind = LinearAttentionState if self.mechanism == "linear" else KVCacheState
+        if not isinstance(state, kind):
+            raise TypeError(f"{self.mechanism} attention's state is a {kind.__name__}, got {type(state).__name__}")
+        if self.mechanism != "softmax":
+            return
+        if state.window is not None:
+            raise ValueError(f"state was made by local attention with window={state.window}, but this softmax "
+                             "layer keeps every key (a cache with window=None)")
+        batch = x.shape[0]
+        check_state_batch("state", state.keys, batch)
+        past = state.keys.shape[2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else 0
+        check_state_tensor("state.keys", state.keys, (batch, self.n_kv_heads, past, self.head_dim), x)
+        check_state_tensor("state.values", state.values, (batch, self.n_kv_heads, past, self.head_dim), x)
 
     def _entropy_scale(self, T: int, state, q: torch.Tensor) -> torch.Tensor:
         """``log_512(n_t) / sqrt(head_dim)`` ``[T, 1]`` for the T new queries (the ops then use scale 1)."""
@@ -132,8 +155,6 @@ class Attention(nn.Module):
         if state is None or state.keys.shape[2] == 0:
             out = softmax_attention(q, k, v, causal=True, scale=scale)
             return out, KVCacheState(keys=k, values=v, steps=T if state is None else state.steps + T)
-        if not isinstance(state, KVCacheState):
-            raise TypeError(f"softmax attention's state is a KVCacheState, got {type(state).__name__}")
         cached = state.keys.shape[2]
         keys = torch.cat([state.keys.to(k.dtype), k], dim=2)
         values = torch.cat([state.values.to(v.dtype), v], dim=2)
@@ -145,6 +166,7 @@ class Attention(nn.Module):
 
 def truncate_cache(state: KVCacheState, memory: int) -> KVCacheState:
     """Keep the last ``memory`` keys/values of a softmax cache (a Transformer-XL memory);
-    ``memory == 0`` keeps none but still counts the positions consumed."""
+    ``memory == 0`` keeps none but still counts the positions consumed. The other fields
+    (``window``) are kept."""
     start = state.keys.shape[2] - min(memory, state.keys.shape[2])
-    return KVCacheState(keys=state.keys[:, :, start:], values=state.values[:, :, start:], steps=state.steps)
+    return dataclasses.replace(state, keys=state.keys[:, :, start:], values=state.values[:, :, start:])

@@ -8,6 +8,7 @@ from torch import nn
 from ..ops.delta import delta_rule
 from ..ops.feature_maps import FeatureMap, get_feature_map
 from ..state import DeltaNetState
+from .._checks import check_batch, check_state_batch, check_state_setting
 from .short_conv import ShortConvolution
 
 
@@ -56,6 +57,9 @@ class DeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, state: DeltaNetState | None = None) -> tuple[torch.Tensor, DeltaNetState, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        check_batch("x", x)
+        if state is not None:
+            self._check_state(state, x.shape[0])
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         conv_cache = None
@@ -81,4 +85,19 @@ class DeltaNet(nn.Module):
                 check_inputs=False,  # beta is a sigmoid (or ones): in [0, 1] without reading it
             )
         y = self.o_proj(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
-        return y, DeltaNetState(rule=rule_state, conv=conv_cache, steps=rule_state.steps), {}
+        return y, DeltaNetState(rule=rule_state, conv=conv_cache, steps=rule_state.steps,
+                                short_conv=self._short_conv), {}
+
+    @property
+    def _short_conv(self) -> int:
+        """The kernel size of the short convolution, 0 without one (as ``DeltaNetState`` records it)."""
+        return 0 if self.conv is None else self.conv.kernel_size
+
+    def _check_state(self, state, batch: int) -> None:
+        """A carried state fits this layer: its kind, the short convolution it was made with,
+        its batch size (``delta_rule`` checks the rule's feature map, normalisation and shapes)."""
+        if not isinstance(state, DeltaNetState):
+            raise TypeError(f"DeltaNet's state is a DeltaNetState, got {type(state).__name__}")
+        check_state_setting("state", "short_conv", state.short_conv, self._short_conv)
+        check_state_batch("state", getattr(state.rule, "memory", None), batch)
+        check_state_batch("state", state.conv, batch)

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import nn
 
-from .._checks import check_positive_int
+from .._checks import check_batch, check_positive_int
 
 
 def check_levels(levels) -> tuple[int, ...]:
@@ -105,6 +105,7 @@ class FSQuantizer(nn.Module):
         """Quantize ``k [B, H, T, Dk]`` -> ``(k_hat [B, H, T, Dk], codes [B, H, T] int64, zero loss)``."""
         if k.dim() != 4 or k.shape[1] != self.n_heads or k.shape[3] != self.head_dim:
             raise ValueError(f"k has shape {list(k.shape)}, expected [B, {self.n_heads}, T, {self.head_dim}]")
+        check_batch("k", k)
         half, offset, shift, radius = self._constants(k.dtype, k.device)
         z = torch.einsum("bhtk,hdk->bhtd", k, self.w_in.to(k.dtype))
         bounded = torch.tanh(z + shift) * half - offset

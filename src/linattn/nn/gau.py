@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_choice, is_number
+from .._checks import check_batch, check_choice, check_state_batch, check_state_tensor, is_number
 from ..ops.soft_vq import soft_vq_attention
 from ..ops.softmax import entropy_scale
 from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
@@ -150,6 +150,9 @@ class GAU(nn.Module):
             self.quantizer = FSQuantizer(1, d_k, fsq_levels, init_scale=d_k ** -0.25)
         elif attention == "soft-vq":
             self.codebook = nn.Parameter(torch.randn(1, codebook_size, d_k) * d_k ** -0.25)
+        # the number of codes S of this unit's states (the FSQ grid's size for "fsq"; None for softmax)
+        self.codebook_size = (self.quantizer.codebook_size if self.quantizer is not None
+                              else codebook_size if attention == "soft-vq" else None)
 
     @torch.no_grad()
     def _reset_buffers(self) -> None:
@@ -163,6 +166,9 @@ class GAU(nn.Module):
     ) -> tuple[torch.Tensor, VQAttentionState | KVCacheState, dict]:
         if x.dim() != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
+        check_batch("x", x)
+        if state is not None:
+            self._check_state(state, x)
         if can_decode_token(self, x, state):
             return decode_token(self, x, state)
         h = self.norm(x)
@@ -208,18 +214,45 @@ class GAU(nn.Module):
         depends = (self.w_r.weight, self.content_bias, self.position_bias)
         return self._cached("relative", lambda: _compute_relative_terms(self, dtype), depends, dtype)
 
-    def _check_vq_state(self, state) -> None:
-        """The cheap checks ``vq_attention(check_inputs=False)`` leaves out: a VQ state of this block size."""
-        if state is None:
+    def _check_state(self, state, x: torch.Tensor) -> None:
+        """A carried state continues this unit for the rows of ``x``: its kind, the settings it
+        was made with (block and codebook size; a softmax cache has no window), its batch size
+        and widths. For VQ these are the cheap checks that ``vq_attention(check_inputs=False)``
+        and the one-token decode step leave out (comparisons of a few sizes, no tensor read);
+        a soft-VQ state is checked in full by ``vq_attention``."""
+        batch = x.shape[0]
+        if self.attention == "softmax":
+            if not isinstance(state, KVCacheState):
+                raise TypeError(f"the softmax GAU's state is a KVCacheState, got {type(state).__name__}")
+            if state.window is not None:
+                raise ValueError(f"state was made by local attention with window={state.window}, but this softmax "
+                                 "unit keeps every key (a cache with window=None)")
+            check_state_batch("state", state.keys, batch)
+            past = state.keys.shape[2] if isinstance(state.keys, torch.Tensor) and state.keys.dim() == 4 else 0
+            check_state_tensor("state.keys", state.keys, (batch, 1, past, self.d_k), x)
+            check_state_tensor("state.values", state.values, (batch, 1, past, self.d_v), x)
             return
         if not isinstance(state, VQAttentionState):
-            raise TypeError(f"the VQ GAU's state is a VQAttentionState, got {type(state).__name__}")
-        L = self.block_size
+            raise TypeError(f"the {self.attention} GAU's state is a VQAttentionState, got {type(state).__name__}")
+        if self.attention == "soft-vq":
+            return
+        L, S = self.block_size, self.codebook_size
+        settings = (("block_size", state.block_size, L), ("codebook_size", state.codebook_size, S))
+        for setting, made_with, ours in settings:
+            if made_with is not None and made_with != ours:
+                raise ValueError(f"state was made with {setting}={made_with}, but this unit's {setting} is {ours}")
+        check_state_batch("state", state.cache_counts, batch)
         if state.partial_keys.shape[2] >= L or (state.prev_keys is not None and state.prev_keys.shape[2] != L):
             raise ValueError(f"state was made with another block size: it holds a partial block of "
                              f"{state.partial_keys.shape[2]} and a previous block of "
                              f"{None if state.prev_keys is None else state.prev_keys.shape[2]} positions, "
                              f"this unit's block_size is {L}")
+        if state.cache_counts.shape[-1] != S:
+            raise ValueError(f"state was made with codebook_size={state.cache_counts.shape[-1]} (its cache has as "
+                             f"many slots), but this unit's codebook_size is {S}")
+        if state.partial_keys.shape[-1] != self.d_k or state.cache_means.shape[-1] != self.d_v:
+            raise ValueError(f"state holds keys of width {state.partial_keys.shape[-1]} and values of width "
+                             f"{state.cache_means.shape[-1]}, but this unit has d_k={self.d_k}, d_v={self.d_v}")
 
     def train(self, mode: bool = True) -> "GAU":
         """``nn.Module.train``; also forgets the no-grad caches, so weights written through
@@ -244,7 +277,6 @@ class GAU(nn.Module):
         aux = {"commit_loss": zero, "codes": None}
         common = dict(block_size=self.block_size, bias=bias, position_keys=position_keys, scale=1.0)
         if self.attention in ("vq", "fsq"):
-            self._check_vq_state(state)
             k_hat, codes, aux["commit_loss"] = self.quantizer(k)
             aux["codes"] = codes
             out, state = vq_attention(
@@ -260,8 +292,6 @@ class GAU(nn.Module):
             )
             out = out.to(dtype)
         else:
-            if state is not None and not isinstance(state, KVCacheState):
-                raise TypeError(f"the softmax GAU's state is a KVCacheState, got {type(state).__name__}")
             past = 0 if state is None else state.keys.shape[2]
             keys = k if state is None else torch.cat([state.keys.to(k.dtype), k], dim=2)
             values = v if state is None else torch.cat([state.values.to(v.dtype), v], dim=2)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_choice, check_non_negative_number
+from .._checks import check_batch, check_choice, check_non_negative_number
 from ..ops._codebook import codebook_scores
 from .codebook import Codebook, SyncHook
 
@@ -107,6 +107,7 @@ class VectorQuantizer(Codebook):
             raise TypeError(f"k must be a floating-point tensor [B, {self.n_heads}, T, {self.head_dim}]")
         if k.dim() != 4 or k.shape[1] != self.n_heads or k.shape[3] != self.head_dim:
             raise ValueError(f"k has shape {list(k.shape)}, expected [B, {self.n_heads}, T, {self.head_dim}]")
+        check_batch("k", k)
         if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (k.shape[0], k.shape[2])):
             raise ValueError(
                 f"mask must be a bool tensor [{k.shape[0]}, {k.shape[2]}], got {mask.dtype} {list(mask.shape)}"

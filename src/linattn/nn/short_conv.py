@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import check_batch, check_state_batch
+
 
 class ShortConvolution(nn.Module):
     """``y_t = SiLU(b + sum_{i<K} w_i * x_{t-K+1+i})`` per channel (depthwise), causal.
@@ -29,11 +31,16 @@ class ShortConvolution(nn.Module):
         nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dim() != 3 or x.shape[-1] != self.channels:
+            raise ValueError(f"x must have shape [batch, length, {self.channels}], got {list(x.shape)}")
+        check_batch("x", x)
         B, T, C = x.shape
         history = self.kernel_size - 1
         if cache is None:
             cache = x.new_zeros(B, C, history)
-        elif tuple(cache.shape) != (B, C, history):
+        else:
+            check_state_batch("cache", cache, B)
+        if tuple(cache.shape) != (B, C, history):
             raise ValueError(f"conv cache has shape {list(cache.shape)}, expected [{B}, {C}, {history}]")
         full = torch.cat([cache.to(x.dtype), x.transpose(1, 2)], dim=-1)
         y = F.conv1d(full, self.weight.to(x.dtype), self.bias.to(x.dtype), groups=C)

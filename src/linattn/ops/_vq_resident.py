@@ -181,6 +181,7 @@ def state_after(window: ResidentWindow, p: int, has_prev: bool, steps: int) -> V
         partial_keys=window.keys.narrow(2, L, p), partial_values=window.values.narrow(2, L, p),
         partial_codes=window.codes.narrow(2, L, p), cache_counts=window.counts, cache_means=window.cache_means,
         prev_keys=prev[0], prev_values=prev[1], prev_codes=prev[2], steps=steps,
+        block_size=L, codebook_size=window.counts.shape[-1],
     )
     state._resident = window
     return state

@@ -31,6 +31,7 @@ from .._checks import (
     check_positive_int,
     check_qkv,
     check_same_dtype_device,
+    check_state_setting,
     check_state_tensor,
     check_tensor,
     compute_dtype,
@@ -249,12 +250,15 @@ def delta_rule(
     Fd = fmap.dim_out(Dk)
     scale = resolve_scale(scale, Fd)
     dtype = compute_dtype(q.dtype)
+    identity, normalize_name = fmap.describe(), "none" if normalize is None else normalize
 
     if initial_state is None:
         memory = q.new_zeros(B * Hkv, Fd, Dv, dtype=dtype)
     else:
         if not isinstance(initial_state, DeltaRuleState):
             raise TypeError(f"initial_state must be a DeltaRuleState, got {type(initial_state).__name__}")
+        check_state_setting("initial_state", "feature_map", initial_state.feature_map, identity)
+        check_state_setting("initial_state", "normalize", initial_state.normalize, normalize_name)
         memory = check_state_tensor("initial_state.memory", initial_state.memory, (B, Hkv, Fd, Dv), q)
         memory = memory.to(dtype).reshape(B * Hkv, Fd, Dv)
 
@@ -275,5 +279,6 @@ def delta_rule(
     state = None
     if output_final_state:
         steps = (initial_state.steps if initial_state is not None else 0) + T
-        state = DeltaRuleState(memory=memory.reshape(B, Hkv, Fd, Dv), steps=steps)
+        state = DeltaRuleState(memory=memory.reshape(B, Hkv, Fd, Dv), steps=steps, feature_map=identity,
+                               normalize=normalize_name)
     return out, state

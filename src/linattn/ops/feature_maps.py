@@ -42,6 +42,13 @@ class FeatureMap:
         so that no random draw happens inside a ``torch.compile`` region. Layers call it at
         construction; the default does nothing."""
 
+    def describe(self) -> str:
+        """The map's identity as text: its name and every parameter that changes phi's values
+        (``"elu"``, ``"dpfp:2"``, ``"favor:128:seed=3"``). Kernel-attention states record it,
+        so a state is continued only by the map that made it. A subclass without a ``name``
+        of its own is described by its class name; one with parameters extends the text."""
+        return self.name if self.name != FeatureMap.name else type(self).__qualname__
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
@@ -107,6 +114,7 @@ class DPFP(FeatureMap):
     def __init__(self, nu: int = 1):
         check_int("DPFP nu", nu)
         self.nu = nu
+        self._identity = f"dpfp:{nu}"
 
     def dim_out(self, d: int) -> int:
         return 2 * d * self.nu
@@ -114,6 +122,9 @@ class DPFP(FeatureMap):
     def __call__(self, x: torch.Tensor, *, is_query: bool) -> torch.Tensor:
         r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
         return torch.cat([r * torch.roll(r, shifts=j, dims=-1) for j in range(1, self.nu + 1)], dim=-1)
+
+    def describe(self) -> str:
+        return self._identity
 
     def __repr__(self) -> str:
         return f"DPFP(nu={self.nu})"
@@ -160,6 +171,7 @@ class FAVOR(FeatureMap):
         self.num_features = num_features
         self.orthogonal = orthogonal
         self.seed = int(seed)
+        self._identity = self._describe()
         self._draws: dict[int, torch.Tensor] = {}  # float64 projections by input dimension
         self._cache: dict[tuple, torch.Tensor] = {}  # converted copies by (d, device, dtype)
 
@@ -169,6 +181,7 @@ class FAVOR(FeatureMap):
     def redraw(self, seed: int | None = None) -> None:
         """Draw a new projection: from ``seed``, or from the current seed + 1."""
         self.seed = self.seed + 1 if seed is None else int(seed)
+        self._identity = self._describe()
         dims = list(self._draws)
         self._draws.clear()
         self._cache.clear()
@@ -200,6 +213,12 @@ class FAVOR(FeatureMap):
         # negated [.., 1] term so that the backward does not negate an [.., m] gradient.
         offset = (x * x).sum(-1, keepdim=True).mul(-0.5).sub_(0.5 * math.log(self.num_features))
         return (x @ proj.T).add_(offset)
+
+    def describe(self) -> str:
+        return self._identity  # a string made when the seed is set: a compiled call reads a constant
+
+    def _describe(self) -> str:
+        return f"favor:{self.num_features}:seed={self.seed}{'' if self.orthogonal else ':iid'}"
 
     def __repr__(self) -> str:
         return f"FAVOR(num_features={self.num_features}, seed={self.seed}, orthogonal={self.orthogonal})"
@@ -237,6 +256,7 @@ class SoftVQ(FeatureMap):
             raise ValueError("SoftVQ codebook must be a floating-point tensor [S, d]")
         check_positive_number("SoftVQ temperature", temperature)
         self.codebook, self.temperature = codebook, float(temperature)
+        self._identity = f"soft-vq:{codebook.shape[0]}:temperature={self.temperature}"
 
     def dim_out(self, d: int) -> int:
         if d != self.codebook.shape[1]:
@@ -250,6 +270,9 @@ class SoftVQ(FeatureMap):
             return torch.exp(logits - logits.amax(-1, keepdim=True).detach())
         distances = (x.unsqueeze(-2) - codebook).pow(2).sum(-1)
         return torch.softmax(-distances / (2.0 * self.temperature), dim=-1)
+
+    def describe(self) -> str:
+        return self._identity
 
     def __repr__(self) -> str:
         return f"SoftVQ(codebook_size={self.codebook.shape[0]}, temperature={self.temperature})"

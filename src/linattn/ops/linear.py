@@ -25,6 +25,7 @@ from .._checks import (
     check_choice,
     check_positive_int,
     check_qkv,
+    check_state_setting,
     check_state_tensor,
     compute_dtype,
 )
@@ -228,8 +229,9 @@ def linear_attention(
     F = fmap.dim_out(Dk)
     with_denominator = normalize == "attention"
     tracks_shift = fmap.exponential and with_denominator
+    identity = fmap.describe()
     if initial_state is not None:
-        _check_state(initial_state, (B, Hkv, F, Dv), q, with_denominator, tracks_shift)
+        _check_state(initial_state, (B, Hkv, F, Dv), q, with_denominator, tracks_shift, identity, normalize)
 
     form = (fmap, causal, normalize, mode, chunk_size, eps, output_final_state)
     guarded = tracks_shift and compute_dtype(q.dtype) != torch.float64 and eps > 0
@@ -252,13 +254,24 @@ def linear_attention(
         normalizer=z.reshape(B, Hkv, F) if with_denominator else None,
         key_shift=key_shift.reshape(B, Hkv) if tracks_shift else None,
         steps=steps,
+        feature_map=identity,
+        normalize=_normalize_name(normalize),
     )
 
 
-def _check_state(state, kv_shape: tuple[int, ...], q: torch.Tensor, with_denominator: bool, tracks_shift: bool):
-    """The carried ``LinearAttentionState`` fits these inputs."""
+def _normalize_name(normalize: str | None) -> str:
+    """``normalize`` as a state records it (``None`` -> ``"none"``: a state's None means unknown)."""
+    return "none" if normalize is None else normalize
+
+
+def _check_state(state, kv_shape: tuple[int, ...], q: torch.Tensor, with_denominator: bool, tracks_shift: bool,
+                 feature_map: str, normalize: str | None):
+    """The carried ``LinearAttentionState`` fits these inputs and was made with this feature
+    map (``feature_map``: its ``describe()``) and normalisation."""
     if not isinstance(state, LinearAttentionState):
         raise TypeError(f"initial_state must be a LinearAttentionState, got {type(state).__name__}")
+    check_state_setting("initial_state", "feature_map", state.feature_map, feature_map)
+    check_state_setting("initial_state", "normalize", state.normalize, _normalize_name(normalize))
     check_state_tensor("initial_state.kv", state.kv, kv_shape, q)
     if with_denominator:
         if state.normalizer is None:

@@ -53,7 +53,8 @@ def local_attention(
         look_backward: how many windows back (>= 1); look_forward: how many ahead.
         scale: ``None`` = ``Dk^-1/2``.
         initial_state / output_final_state (causal only): a ``KVCacheState`` with the last
-            ``look_backward * W - 1`` keys and values.
+            ``look_backward * W - 1`` keys and values; it records ``window = look_backward * W``
+            and continues only a call over that many keys.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, state or None)``.
@@ -78,7 +79,8 @@ def local_attention(
     if initial_state is not None:
         if not isinstance(initial_state, KVCacheState):
             raise TypeError(f"initial_state must be a KVCacheState, got {type(initial_state).__name__}")
-        past = initial_state.keys.shape[2]
+        _check_window(initial_state.window, window, look_backward)
+        past = initial_state.keys.shape[2] if isinstance(initial_state.keys, torch.Tensor) else 0
         if past > back - 1:
             raise ValueError(f"initial_state holds {past} positions; local attention keeps at most {back - 1}")
         check_state_tensor("initial_state.keys", initial_state.keys, (B, Hkv, past, Dk), q)
@@ -99,8 +101,18 @@ def local_attention(
         # copies: a slice of a long input would keep all of it alive
         state = KVCacheState(keys=kf[:, :, total - keep :].clone(memory_format=torch.contiguous_format),
                              values=vf[:, :, total - keep :].clone(memory_format=torch.contiguous_format),
-                             steps=steps)
+                             steps=steps, window=back)
     return out, state
+
+
+def _check_window(made_with: int | None, window: int, look_backward: int) -> None:
+    """A carried cache was made by local attention over the ``window * look_backward`` keys a
+    query sees here (None: unknown, or an unbounded softmax cache; only shapes are checked)."""
+    back = window * look_backward
+    if made_with is not None and made_with != back:
+        this = f"window={window}" if look_backward == 1 else f"window={window} x look_backward={look_backward} = {back}"
+        raise ValueError(f"initial_state was made with window={made_with} (keys a query sees), but this call has "
+                         f"{this}; a local cache continues only attention over the same window")
 
 
 def _recent(qf, kf, vf, past, back):

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._checks import check_bool, check_positive_int, check_same_dtype_device, check_tensor, compute_dtype
+from .._checks import check_batch, check_bool, check_positive_int, check_same_dtype_device, check_tensor, compute_dtype
 
 SELF_SCORE = -1e5
 
@@ -44,6 +44,7 @@ def lsh_attention(
     if v.shape[:3] != qk.shape[:3]:
         raise ValueError(f"v has shape {list(v.shape)}, expected [{', '.join(map(str, qk.shape[:3]))}, Dv]")
     B, H, T, D = qk.shape
+    check_batch("qk", qk)
     if T == 0:
         raise ValueError(f"qk has length 0 (shape {list(qk.shape)}); at least one position is required")
     n_hashes = check_positive_int("n_hashes", n_hashes)

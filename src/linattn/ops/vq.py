@@ -48,6 +48,7 @@ from .._checks import (
     check_positive_int,
     check_qkv,
     check_same_dtype_device,
+    check_state_setting,
     check_state_tensor,
     check_tensor,
     compute_dtype,
@@ -519,20 +520,56 @@ def _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bia
         raise ValueError("mode='parallel' is the stateless reference; use mode='block' to carry a state")
     if initial_state is None:
         return codes, codebook
-    if not isinstance(initial_state, VQAttentionState):
-        raise TypeError(f"initial_state must be a VQAttentionState, got {type(initial_state).__name__}")
-    s = initial_state
-    check_state_tensor("initial_state.cache_counts", s.cache_counts, (B, Hkv, S), q)
-    check_state_tensor("initial_state.cache_means", s.cache_means, (B, Hkv, S, Dv), q)
-    p = s.partial_keys.shape[2] if isinstance(s.partial_keys, torch.Tensor) else -1
-    if not 0 <= p < L:
-        raise ValueError(f"initial_state.partial_keys must hold 0..{L - 1} positions for block_size={L}")
-    check_state_tensor("initial_state.partial_keys", s.partial_keys, (B, Hkv, p, Dk), q)
-    check_state_tensor("initial_state.partial_values", s.partial_values, (B, Hkv, p, Dv), q)
-    if s.prev_keys is not None:
-        check_state_tensor("initial_state.prev_keys", s.prev_keys, (B, Hkv, L, Dk), q)
-        check_state_tensor("initial_state.prev_values", s.prev_values, (B, Hkv, L, Dv), q)
+    _check_state(initial_state, B, Hkv, Dk, Dv, L, S, q, soft=codes.is_floating_point())
     return codes, codebook
+
+
+def _check_state(state: object, B: int, Hkv: int, Dk: int, Dv: int, L: int, S: int, like: torch.Tensor, *,
+                 soft: bool) -> None:
+    """A carried ``VQAttentionState`` continues this call: made with block size ``L`` and
+    codebook size ``S`` (when it records them), ``B`` rows, and tensors of the shapes these
+    inputs give (``soft``: soft assignments ``[B, Hkv, p, S]`` in the ``*_codes`` fields,
+    else hard codes ``[B, Hkv, p]``)."""
+    name = "initial_state"
+    if not isinstance(state, VQAttentionState):
+        raise TypeError(f"{name} must be a VQAttentionState, got {type(state).__name__}")
+    s = state
+    check_state_setting(name, "block_size", s.block_size, L)
+    check_state_setting(name, "codebook_size", s.codebook_size, S)
+    if isinstance(s.cache_counts, torch.Tensor) and s.cache_counts.dim() == 3 and s.cache_counts.shape[2] != S:
+        raise ValueError(f"{name}.cache_counts has {s.cache_counts.shape[2]} slots (shape "
+                         f"{list(s.cache_counts.shape)}): the state was made with codebook_size="
+                         f"{s.cache_counts.shape[2]}, but this call has codebook_size={S}")
+    check_state_tensor(f"{name}.cache_counts", s.cache_counts, (B, Hkv, S), like)
+    check_state_tensor(f"{name}.cache_means", s.cache_means, (B, Hkv, S, Dv), like)
+    p = s.partial_keys.shape[2] if isinstance(s.partial_keys, torch.Tensor) and s.partial_keys.dim() == 4 else -1
+    if not 0 <= p < L:
+        raise ValueError(f"{name}.partial_keys must hold 0..{L - 1} positions for block_size={L}, got shape "
+                         f"{list(getattr(s.partial_keys, 'shape', ()))}")
+    check_state_tensor(f"{name}.partial_keys", s.partial_keys, (B, Hkv, p, Dk), like)
+    check_state_tensor(f"{name}.partial_values", s.partial_values, (B, Hkv, p, Dv), like)
+    _check_state_codes(f"{name}.partial_codes", s.partial_codes, (B, Hkv, p), S, soft, like)
+    if s.prev_keys is not None:
+        if isinstance(s.prev_keys, torch.Tensor) and s.prev_keys.dim() == 4 and s.prev_keys.shape[2] != L:
+            raise ValueError(f"{name}.prev_keys holds a block of {s.prev_keys.shape[2]} positions: the state was "
+                             f"made with block_size={s.prev_keys.shape[2]}, but this call has block_size={L}")
+        check_state_tensor(f"{name}.prev_keys", s.prev_keys, (B, Hkv, L, Dk), like)
+        check_state_tensor(f"{name}.prev_values", s.prev_values, (B, Hkv, L, Dv), like)
+        _check_state_codes(f"{name}.prev_codes", s.prev_codes, (B, Hkv, L), S, soft, like)
+
+
+def _check_state_codes(name: str, codes: object, shape: tuple[int, ...], S: int, soft: bool,
+                       like: torch.Tensor) -> None:
+    """A state's codes: ``shape`` for hard codes, ``shape + (S,)`` for soft assignments (their
+    dtype is not checked: ``.to(dtype)`` casts hard codes too, a step casts them back)."""
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(codes).__name__}")
+    expected = (*shape, S) if soft else shape
+    if tuple(codes.shape) != expected:
+        kind = "soft assignments (soft_vq_attention)" if soft else "hard codes (vq_attention)"
+        raise ValueError(f"{name} has shape {list(codes.shape)}, expected {kind} of shape {list(expected)}")
+    if codes.device != like.device:
+        raise ValueError(f"{name} is on {codes.device} but the inputs are on {like.device}")
 
 
 def vq_attention(
@@ -624,7 +661,7 @@ def vq_attention(
         if torch.is_grad_enabled():
             resident.release(initial_state)
         out, pieces = fused.block(q, k_hat, v, codes, codebook, table, positions_k, L, scope, initial_state, scale)
-        return _result(out, pieces, q.dtype, initial_state, output_final_state)
+        return _result(out, pieces, q.dtype, initial_state, output_final_state, L)
     qf = _as(q, dtype).reshape(B, Hkv, G, T, Dk)
     qf = qf * scale if scale != 1.0 else qf
     kf, vf, cb = _as(k_hat, dtype), _as(v, dtype), _as(codebook, dtype)
@@ -650,12 +687,12 @@ def vq_attention(
         if schedule == "auto":
             schedule = "batched"
         out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
-    return _result(out, pieces, q.dtype, initial_state, output_final_state)
+    return _result(out, pieces, q.dtype, initial_state, output_final_state, L)
 
 
-def _result(out, pieces, out_dtype, initial_state, output_final_state):
+def _result(out, pieces, out_dtype, initial_state, output_final_state, block_size: int):
     """``vq_attention``'s return value from a causal form's output ``[B, Hkv, G, T, Dv]`` and
-    the pieces of its final state."""
+    the pieces of its final state (made with ``block_size``)."""
     B, Hkv, G, T, Dv = out.shape
     out = _as(out.reshape(B, Hkv * G, T, Dv), out_dtype)
     if not output_final_state:
@@ -673,5 +710,7 @@ def _result(out, pieces, out_dtype, initial_state, output_final_state):
         prev_values=prev_v,
         prev_codes=prev_codes,
         steps=(initial_state.steps if initial_state is not None else 0) + T,
+        block_size=block_size,
+        codebook_size=counts.shape[-1],
     )
     return out, state

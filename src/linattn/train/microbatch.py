@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..state import _State
+from ..state import _State, _batch_of
 
 
 def split_rows(tensor: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
@@ -57,21 +57,8 @@ def split_state(state: Any, n: int) -> list[Any]:
     (None -> ``n`` Nones)."""
     if state is None:
         return [None] * n
-    rows = _batch_size(state)
+    rows = _batch_of(state)
     if rows is None or rows % n:
         raise ValueError(f"cannot cut a carried state of {rows} rows into {n} equal micro-batches")
     size = rows // n
     return [state.select_batch(torch.arange(m * size, (m + 1) * size)) for m in range(n)]
-
-
-def _batch_size(value: Any) -> int | None:
-    """The first dimension of the first tensor in a (nested) state."""
-    if isinstance(value, torch.Tensor):
-        return value.shape[0]
-    items = ([getattr(value, f.name) for f in value.value_fields()] if isinstance(value, _State)
-             else value if isinstance(value, tuple) else ())
-    for item in items:
-        found = _batch_size(item)
-        if found is not None:
-            return found
-    return None
