@@ -237,6 +237,8 @@ class LM(nn.Module):
         and before the first token is asked for (the returned iterator does the work).
         """
         ids = token_id_tensor("prompt_ids", prompt_ids)
+        if ids.dim() == 2:
+            check_batch("prompt_ids", ids)
         if ids.dim() not in (1, 2) or ids.numel() == 0:
             raise ValueError(f"prompt_ids must have shape [length] or [batch, length] with at least one token, "
                              f"got {list(ids.shape)}")
