@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import io
 import json
 import os
 import subprocess
@@ -22,13 +21,13 @@ import torch
 
 import linattn.train.checkpoint as checkpoint_module
 import linattn.train.trainer as trainer_module
-from linattn.cli import main
 from linattn.models import LM, LMConfig
 from linattn.train import load_checkpoint
 from linattn.train.checkpoint import save_checkpoint
 from linattn.train.divergence import NonFiniteGuard
 from linattn.train.run_folder import RunFolderError, RunLock, remove_stale_temporaries
 from _helpers import english_like
+from test_train_cli import run_captured as run
 
 torch.set_num_threads(1)
 
@@ -39,13 +38,6 @@ def run_argv(data: Path, out: Path, *extra: str, steps: int = 12) -> list[str]:
             "--eval-every", "0", "--checkpoint-every", "4", "--log-every", "4", "--lr", "0.003",
             "--set", "model.codebook_size=8", "--set", "model.gau_d_k=8", "--set", "model.block_size=4",
             "--no-progress", "--threads", "1", *extra]
-
-
-def run(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
