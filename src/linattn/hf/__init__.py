@@ -11,8 +11,10 @@ Importing ``linattn.hf`` registers ``model_type="linattn"`` with ``AutoConfig``,
 ``linattn export --ckpt RUN --out DIR`` writes such a directory from a training run.
 """
 
+from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
+from ..models import LM
 from .cache import LinattnCache, RowGroup
 from .config import LinattnConfig
 from .export import export_run, save_pretrained_lm
@@ -22,13 +24,20 @@ from .tokenizer import LinattnByteTokenizer, byte_tokenizer
 
 class CodebookUpdateCallback(TrainerCallback):
     """HF ``Trainer`` callback: the EMA codebook update of a linattn model's VQ layers after
-    every optimizer step (what linattn's own trainer does)."""
+    every optimizer step (what linattn's own trainer does). The model may be wrapped (a PEFT
+    ``PeftModel``, DDP, ...): every linattn ``LM`` among its modules is updated."""
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        target = getattr(model, "module", model)
-        if isinstance(target, LinattnForCausalLM):
-            target.update_codebooks()
+        for lm in _linattn_lms(model):
+            lm.update_codebooks()
         return control
+
+
+def _linattn_lms(model) -> list[LM]:
+    """The linattn ``LM``s inside ``model``, however wrapped (none for anything else)."""
+    if not isinstance(model, nn.Module):
+        return []
+    return [module for module in model.modules() if isinstance(module, LM)]
 
 
 AutoConfig.register("linattn", LinattnConfig, exist_ok=True)

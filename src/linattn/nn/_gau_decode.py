@@ -7,7 +7,8 @@ the same computation written for ``[B, 1, d_model]`` on 2-D/3-D tensors: one inp
 matmul, the nearest code, and one softmax over (previous block, current block, S cache
 slots) read from the state's resident buffer (``ops/_vq_resident.py``: the new key and
 value are written into it in place, the scores are one matmul). ``GAU.forward`` takes the
-general path for gradients, training mode and half precision; results equal its.
+general path for gradients, training mode, half precision and submodules that are not
+plain (a PEFT LoRA layer, a subclass, a forward hook); results equal its.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class DecodeConstants(NamedTuple):
 
 
 _MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o", "w_r")
+_READS = (*_MAPS, "norm", "quantizer")  # the submodules a step reads instead of calling
 
 
 def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
@@ -70,13 +72,15 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
 
 def can_decode_token(unit, x: torch.Tensor, state) -> bool:
     """Whether ``decode_token`` applies: a VQ unit in eval mode, no gradient, one float32
-    or float64 token continuing a state of this unit's block size."""
+    or float64 token continuing a state of this unit's block size, and plain submodules
+    (``GAU._reads_plainly``: a step reads their parameters, so a PEFT adapter, a subclass
+    or a forward hook sends the token down the general path, which calls them)."""
     return (
         unit.attention == "vq" and x.shape[1] == 1 and isinstance(state, VQAttentionState)
         and not unit.training and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64)
         and state.partial_keys.shape[2] < unit.block_size and state.partial_keys.dtype == x.dtype
         and (state.prev_keys is None or state.prev_keys.shape[2] == unit.block_size)
-        and not torch.is_autocast_enabled(x.device.type)
+        and not torch.is_autocast_enabled(x.device.type) and unit._reads_plainly(_READS)
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .._checks import check_batch, check_choice, check_state_batch, check_state_tensor, is_number
 from ..ops.soft_vq import soft_vq_attention
@@ -18,6 +19,7 @@ from .quantizer import VectorQuantizer
 
 _ATTENTIONS = ("vq", "fsq", "soft-vq", "softmax")
 GAU_VARIANTS = ("linattn", "paper")
+_INPUT_MAPS = ("w_q", "w_k", "w_v", "w_g")  # the maps of the normalised input, fused without gradients
 
 
 def _sinusoids(length: int, dim: int) -> torch.Tensor:
@@ -35,6 +37,23 @@ def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def _fused_input_weight(*projections: nn.Linear) -> torch.Tensor:
     """The weights of several linear maps of one input stacked: one matmul for all of them."""
     return torch.cat([projection.weight for projection in projections], dim=0)
+
+
+def _computes_its_parameters(module: nn.Module, kinds: tuple[type, ...]) -> bool:
+    """Whether calling ``module`` computes exactly what its parameters say, so that a fast
+    path may read them instead of calling it: it is exactly of one of ``kinds``, has no
+    forward hook or pre-hook and no ``forward`` of its own (accelerate's device hooks replace
+    the instance's). A subclass, a parametrisation or a wrapper (a PEFT LoRA layer, whose
+    ``.weight`` is its base layer's weight and whose adapter only its call adds) computes
+    something else. Reads no tensor: a few Python checks, as ``Module.__call__`` does
+    before every call."""
+    return (type(module) in kinds and not (module._forward_hooks or module._forward_pre_hooks)
+            and "forward" not in module.__dict__)
+
+
+def _no_global_hooks() -> bool:
+    """No forward hook registered for every module (``register_module_forward_hook``)."""
+    return not (_global_forward_hooks or _global_forward_pre_hooks)
 
 
 def _compute_relative_terms(unit: "GAU", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +79,16 @@ class _BiasedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) + self.bias
+
+
+# The kind each submodule must have exactly for a fast path to read its parameters instead
+# of calling it (``GAU._reads_plainly``): without gradients the input maps are one fused
+# matmul, the relative terms are cached, and the one-token VQ decode reads them all.
+_PLAIN_KINDS = {
+    **{name: (nn.Linear,) for name in (*_INPUT_MAPS, "w_o", "w_r")},
+    "norm": (nn.RMSNorm, _BiasedRMSNorm),
+    "quantizer": (VectorQuantizer,),
+}
 
 
 class GAU(nn.Module):
@@ -173,7 +202,7 @@ class GAU(nn.Module):
             return decode_token(self, x, state)
         h = self.norm(x)
         scale = self.d_k ** -0.25
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or not self._reads_plainly(_INPUT_MAPS):  # (an adapter is called)
             q, k, v, gate = self.w_q(h), self.w_k(h), self.w_v(h), self.w_g(h)
             q, k, v, gate = _rms(q) * scale, _rms(k) * scale, F.silu(v), F.silu(gate)
         else:  # one matmul and one normalisation per pair: decoding pays per operation
@@ -194,8 +223,23 @@ class GAU(nn.Module):
         y = self.w_o(out.squeeze(1) * gate)
         return y, state, aux
 
+    def _reads_plainly(self, names: tuple[str, ...]) -> bool:
+        """Whether the fast paths may read the parameters of the submodules ``names`` instead
+        of calling them: each is exactly its plain kind (``nn.Linear``, the input norm, the
+        VQ quantizer) without forward hooks, and no global forward hook is registered. A PEFT
+        LoRA layer, a subclass or a hook sends the layer down the general path, which calls
+        every module. Python checks only: no tensor is read, no graph breaks."""
+        if not _no_global_hooks():
+            return False
+        modules = self._modules  # the registry itself: Module.__getattr__ costs more than the checks
+        for name in names:
+            if not _computes_its_parameters(modules[name], _PLAIN_KINDS[name]):
+                return False
+        return True
+
     def _input_weight(self) -> torch.Tensor:
-        """``[W_q; W_k; W_v; W_g]`` ``[2 d_k + 2 d_v, d_model]``, built once while gradients are off."""
+        """``[W_q; W_k; W_v; W_g]`` ``[2 d_k + 2 d_v, d_model]``, built once while gradients are
+        off (for plain projections: ``_reads_plainly``)."""
         maps = (self.w_q, self.w_k, self.w_v, self.w_g)
         return self._cached("input", lambda: _fused_input_weight(*maps), tuple(m.weight for m in maps))
 
@@ -207,9 +251,12 @@ class GAU(nn.Module):
         """``P_delta = W_r R_delta`` ``[L + 1, d_k]`` and the bias ``(w - u).P_delta`` ``[L + 1]``.
 
         They depend on the parameters only, so while gradients are off (decoding, evaluation)
-        they are computed once and reused until a parameter changes (its storage or version).
+        they are computed once and reused until a parameter changes (its storage or version),
+        unless ``w_r`` is not a plain linear map (an adapter's output follows its own weights
+        and its on/off switch): then they are computed at every call.
         """
-        if torch.is_grad_enabled() or (self.training and self.sinusoid_dropout > 0):
+        if (torch.is_grad_enabled() or (self.training and self.sinusoid_dropout > 0)
+                or not self._reads_plainly(("w_r",))):
             return _compute_relative_terms(self, dtype)
         depends = (self.w_r.weight, self.content_bias, self.position_bias)
         return self._cached("relative", lambda: _compute_relative_terms(self, dtype), depends, dtype)
@@ -259,6 +306,14 @@ class GAU(nn.Module):
         ``.data`` (which bumps no version counter) are picked up at the next mode switch."""
         self.__dict__.pop("_no_grad_cache", None)
         return super().train(mode)
+
+    def __setattr__(self, name: str, value) -> None:
+        """``nn.Module.__setattr__``; also forgets the no-grad caches. Replacing a submodule is
+        how PEFT injects an adapter and how ``merge_and_unload`` puts the base layer back, its
+        weight merged through ``.data`` (same storage, no version bump): the cached weights
+        would otherwise still be the unmerged ones."""
+        self.__dict__.pop("_no_grad_cache", None)
+        super().__setattr__(name, value)
 
     def _cached(self, name: str, compute, depends: tuple[torch.Tensor, ...], *extra):
         """``compute()``, remembered under ``name`` while gradients are off, until one of the

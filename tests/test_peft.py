@@ -1,0 +1,254 @@
+"""PEFT (LoRA) adapters on linattn's Hugging Face model: every forward path calls the
+adapted projections -- training, evaluation without gradients, the one-token VQ decode,
+the resident VQ decode, ``generate`` -- so a LoRA model computes what its merged model
+computes; the fast paths that read weights directly stay for plain projections only."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import linattn.hf as H
+import linattn.nn.gau as gau_module
+from linattn import LM, LMConfig
+from peft import LoraConfig, PeftModel, get_peft_model
+
+torch.set_num_threads(1)
+
+# every projection of every layer kind: the GAU's (w_r included: its relative terms are
+# cached without gradients), multi-head attention's, DeltaNet's and the SwiGLU FFN's
+TARGETS = ["w_q", "w_k", "w_v", "w_g", "w_o", "w_r", "q_proj", "k_proj", "v_proj", "o_proj", "beta_proj",
+           "w_gate", "w_up", "w_down"]
+# each mix has a GAU kind: those are the layers with fast paths that read weights
+MIXES = ["vq,softmax,delta", "gau-softmax,linear:elu,local:4"]
+
+
+def tiny_lm(attention: str, seed: int = 0) -> LM:
+    """A float64 model small enough for exact comparisons; blocks, chunks and windows of 4,
+    so a few tokens cross several of them."""
+    torch.manual_seed(seed)
+    config = LMConfig(d_model=16, n_layers=attention.count(",") + 1, n_heads=2, attention=attention, gau_d_k=8,
+                      codebook_size=8, block_size=4, chunk_size=4, local_window=4)
+    model = LM(config).double().eval()
+    with torch.no_grad():  # spread the codebooks away from their init
+        for quantizer in model.quantizers():
+            quantizer.codebook.add_(0.1 * torch.randn_like(quantizer.codebook))
+    return model
+
+
+def base_model(attention: str, seed: int = 0) -> H.LinattnForCausalLM:
+    return H.LinattnForCausalLM.from_lm(tiny_lm(attention, seed)).eval()
+
+
+def with_lora(model: H.LinattnForCausalLM, seed: int = 1) -> PeftModel:
+    """LoRA (r=4) on every projection, with a random ``lora_B`` (PEFT starts it at zero,
+    where the adapter would change nothing). No ``train()``/``eval()`` call, which would
+    clear the layers' no-grad caches: the model stays in ``model``'s mode."""
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    return peft_model
+
+
+def merged(peft_model: PeftModel) -> H.LinattnForCausalLM:
+    """The adapter folded into a copy of the base weights (the copy: merging changes them in place)."""
+    return copy.deepcopy(peft_model).merge_and_unload().eval()
+
+
+def random_ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, ids: torch.Tensor, grad: bool) -> torch.Tensor:
+    with torch.set_grad_enabled(grad):
+        return model(ids).logits.detach()
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal to float64 rounding (the adapter adds ``B A x`` where the merged weight adds ``(B A) x``)."""
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-10)
+
+
+def assert_differs(actual: torch.Tensor, other: torch.Tensor) -> None:
+    assert (actual - other).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("attention", MIXES)
+def test_lora_logits_are_the_same_with_and_without_gradients_and_equal_the_merged_model(attention):
+    model = with_lora(base_model(attention))
+    ids = random_ids(2, 11)  # crosses blocks, chunks and windows of 4
+    with_grad, without_grad = logits(model, ids, True), logits(model, ids, False)
+    assert_same(without_grad, with_grad)
+    assert_same(without_grad, logits(merged(model), ids, False))
+    plain = logits(base_model(attention), ids, False)
+    assert_differs(with_grad, plain)  # the adapter changes the output
+    with model.disable_adapter():  # and switched off, it is gone on both paths
+        assert_same(logits(model, ids, False), plain)
+        assert_same(logits(model, ids, True), plain)
+
+
+@pytest.mark.parametrize("attention", MIXES)
+def test_merging_after_an_evaluation_of_the_plain_model_uses_the_merged_weights(attention):
+    """The no-grad caches of the plain model are forgotten when its projections are
+    replaced: merging writes the weights through ``.data`` (no version bump)."""
+    model = base_model(attention)
+    ids = random_ids(2, 11)
+    plain = logits(model, ids, False)  # fills the caches of the fast paths
+    peft_model = with_lora(model)
+    expected = logits(peft_model, ids, True)
+    merged_model = peft_model.merge_and_unload()
+    assert_differs(expected, plain)
+    assert_same(logits(merged_model, ids, False), expected)
+
+
+@pytest.mark.parametrize("attention", MIXES)
+def test_peft_generate_equals_the_merged_model_token_for_token(attention):
+    """Greedy ``generate`` from a 3-token prompt for 11 tokens: VQ blocks of 4 complete
+    three times during decoding (one-token decode through the resident buffer)."""
+    model = with_lora(base_model(attention))
+    reference = merged(model)
+    prompt = random_ids(2, 3, seed=5)
+    options = dict(max_new_tokens=11, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        ours = model.generate(input_ids=prompt, **options)
+        theirs = reference.generate(input_ids=prompt, **options)
+        plain = base_model(attention).generate(input_ids=prompt, **options)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert_same(torch.stack(ours.scores), torch.stack(theirs.scores))
+    assert_differs(torch.stack(theirs.scores), torch.stack(plain.scores))
+    # linattn's own generator on the LM inside the PeftModel
+    lm, reference_lm = model.get_base_model().lm, reference.lm
+    ours_lm = torch.stack(list(lm.generate(prompt, 11, temperature=0)), 1)
+    assert torch.equal(ours_lm, torch.stack(list(reference_lm.generate(prompt, 11, temperature=0)), 1))
+    assert torch.equal(ours_lm, ours.sequences[:, 3:])
+
+
+def test_saved_adapter_loads_into_a_fresh_base_model_with_the_same_logits(tmp_path):
+    attention = MIXES[0]
+    model = with_lora(base_model(attention))
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(base_model(attention), tmp_path / "adapter").eval()
+    ids = random_ids(2, 11)
+    expected = logits(merged(model), ids, False)
+    assert_same(logits(loaded, ids, False), expected)
+    assert_same(logits(loaded, ids, True), expected)
+    assert_differs(expected, logits(base_model(attention), ids, False))
+
+
+def test_codebook_callback_updates_the_codebooks_of_a_peft_model_in_the_hf_trainer(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model = with_lora(H.LinattnForCausalLM.from_lm(tiny_lm("vq,local:4").float())).train()
+    quantizers = model.get_base_model().lm.quantizers()
+    before = [q.codebook.clone() for q in quantizers]
+    rows = random_ids(8, 12, seed=12)
+    dataset = [{"input_ids": row, "labels": row} for row in rows]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[H.CodebookUpdateCallback()])
+    result = trainer.train()
+    assert math.isfinite(result.training_loss)
+    assert all(not torch.equal(q.codebook, b) for q, b in zip(quantizers, before))
+    with torch.no_grad():
+        pending = [float(q._pending_counts.sum()) for q in quantizers]
+    assert pending == [0.0] * len(pending)  # every batch's statistics went into an update
+
+
+def test_codebook_callback_reaches_the_model_inside_a_peft_model():
+    model = with_lora(base_model("vq")).train()
+    quantizers = model.get_base_model().lm.quantizers()
+    before = [q.codebook.clone() for q in quantizers]
+    model(random_ids(2, 9))
+    H.CodebookUpdateCallback().on_step_end(None, None, None, model=model)
+    assert all(not torch.equal(q.codebook, b) for q, b in zip(quantizers, before))
+
+
+def _count_calls(monkeypatch, module, name: str) -> list:
+    calls: list = []
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_fast_paths_are_taken_for_plain_projections_only(monkeypatch):
+    """The fused input matmul (no gradients) and the one-token VQ decode step serve the
+    plain model; a LoRA model takes the general path (calling its projections)."""
+    fused = _count_calls(monkeypatch, gau_module, "_fused_input_weight")
+    decoded = _count_calls(monkeypatch, gau_module, "decode_token")
+    prompt = random_ids(1, 3)
+    plain = base_model("vq").lm
+    with torch.no_grad():
+        plain(prompt)
+    list(plain.generate(prompt, 6, temperature=0))
+    assert fused and decoded
+    fused.clear(), decoded.clear()
+    adapted = with_lora(base_model("vq")).get_base_model().lm
+    with torch.no_grad():
+        adapted(prompt)
+    list(adapted.generate(prompt, 6, temperature=0))
+    assert not fused and not decoded
+
+
+def _scale_by_a_hook(module: torch.nn.Module) -> None:
+    module.register_forward_hook(lambda module, args, output: 1.5 * output)
+
+
+def _scale_in_its_own_forward(module: torch.nn.Module) -> None:
+    """As accelerate's device hooks do: a ``forward`` on the instance."""
+    forward = type(module).forward
+    module.forward = lambda x: 1.5 * forward(module, x)
+
+
+@pytest.mark.parametrize("change", [_scale_by_a_hook, _scale_in_its_own_forward])
+@pytest.mark.parametrize("attention", MIXES)
+def test_a_projection_whose_call_changes_its_output_is_called_without_gradients(attention, change):
+    """A plain ``nn.Linear`` whose forward hook or own ``forward`` changes its output is
+    called, not read."""
+    model = base_model(attention).lm
+    unit = next(m for m in model.modules() if isinstance(m, gau_module.GAU))
+    assert_called_when_changed(model, lambda: [change(getattr(unit, name)) for name in ("w_v", "w_o", "w_r")])
+
+
+def _scale_the_quantized_keys(unit: gau_module.GAU) -> None:
+    unit.quantizer.register_forward_hook(lambda module, args, output: (4.0 * output[0], *output[1:]))
+
+
+@pytest.mark.parametrize("change", [lambda unit: _scale_by_a_hook(unit.norm),
+                                    lambda unit: _scale_in_its_own_forward(unit.norm), _scale_the_quantized_keys],
+                         ids=["norm hook", "norm forward", "quantizer hook"])
+def test_the_vq_decode_step_calls_a_changed_input_norm_or_quantizer(change):
+    """The one-token VQ decode step reads the input norm's gain and the codebook too."""
+    model = base_model("vq").lm
+    unit = next(m for m in model.modules() if isinstance(m, gau_module.GAU))
+    assert_called_when_changed(model, lambda: change(unit))
+
+
+def assert_called_when_changed(model: LM, change) -> None:
+    """After ``change()`` (which changes what some submodules compute) the logits without
+    gradients, and those of one token decoded from a state, equal those with gradients."""
+    ids = random_ids(2, 11)
+    plain = logits_of_lm(model, ids, False)
+    change()
+    hooked = logits_of_lm(model, ids, True)
+    assert_differs(hooked, plain)
+    assert_same(logits_of_lm(model, ids, False), hooked)
+    state = model(ids[:, :9])[1]  # and one token at a time from a state
+    with torch.no_grad():
+        step = model(ids[:, 9:10], state=state)[0]
+    assert_same(step, model(ids[:, :10])[0][:, 9:].detach())
+
+
+def logits_of_lm(model: LM, ids: torch.Tensor, grad: bool) -> torch.Tensor:
+    with torch.set_grad_enabled(grad):
+        return model(ids)[0].detach()
