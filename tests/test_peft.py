@@ -252,3 +252,22 @@ def assert_called_when_changed(model: LM, change) -> None:
 def logits_of_lm(model: LM, ids: torch.Tensor, grad: bool) -> torch.Tensor:
     with torch.set_grad_enabled(grad):
         return model(ids)[0].detach()
+
+
+def test_lora_on_a_tied_embedding_reaches_the_output_head():
+    """With tied embeddings the head multiplies by the embedding matrix; with LoRA on the
+    embedding that matrix is the adapted one (PEFT's ``.weight`` is the base weight alone)."""
+    model = base_model("vq,softmax")
+    assert model.lm.head is None
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["embed"]))
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in peft_model.named_parameters():
+            if "lora_embedding_" in name:  # PEFT starts A at zero for embeddings
+                parameter.copy_(0.3 * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
+    ids = torch.randint(0, 256, (2, 7), generator=generator)
+    adapted = peft_model(input_ids=ids).logits
+    plain = base_model("vq,softmax")(input_ids=ids).logits
+    assert (adapted - plain).abs().max() > 1e-3  # the adapter changes the output
+    reference = merged(peft_model)(input_ids=ids).logits
+    torch.testing.assert_close(adapted, reference, rtol=1e-10, atol=1e-10)

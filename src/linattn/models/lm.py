@@ -140,10 +140,19 @@ class LM(nn.Module):
         steps = x.shape[1] + (state.steps if state is not None else 0)
         return self.norm(x), LMState(layers=tuple(new_states), steps=steps, model=self.state_settings), unit_aux, x
 
+    def _embedding_matrix(self) -> torch.Tensor:
+        """The matrix the embedding looks tokens up in, ``[vocab, d_model]``: its ``weight``,
+        or, when the embedding is not a plain ``nn.Embedding`` (a PEFT LoRA layer wraps it, or
+        a hook changes its output), the rows it returns for every id, so a tied head sees
+        what the embedding computes."""
+        if type(self.embed) is nn.Embedding and not (self.embed._forward_hooks or self.embed._forward_pre_hooks):
+            return self.embed.weight
+        return self.embed(torch.arange(self.config.vocab_size, device=self.embed.weight.device))
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Output head on normed hidden states ``[..., d_model] -> [..., vocab]`` (the tied
         embedding by default); half-precision logits are returned in float32."""
-        logits = h @ self.embed.weight.T if self.head is None else self.head(h)
+        logits = h @ self._embedding_matrix().T if self.head is None else self.head(h)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         return logits
