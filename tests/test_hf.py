@@ -151,8 +151,10 @@ def test_loss_is_the_trainers_number(train_mode):
     labels[0, 4:] = -100
     kept = labels[:, 1:] != -100
     ce = F.cross_entropy(logits[:, :-1][kept], ids[:, 1:][kept], reduction="sum")
-    summed = model(ids, labels=labels, num_items_in_batch=7).loss
-    assert torch.allclose(summed, (ce / 7 + aux["commit_loss"]).to(summed.dtype), rtol=1e-12, atol=0)
+    summed = model(ids, labels=labels, num_items_in_batch=7).loss  # a micro-batch of 12 targets in a step of 7
+    share = int(kept.sum()) / 7
+    assert int(kept.sum()) == 12
+    assert torch.allclose(summed, (ce / 7 + aux["commit_loss"] * share).to(summed.dtype), rtol=1e-12, atol=0)
     loss.backward()
     assert model.lm.embed.weight.grad is not None and float(model.lm.embed.weight.grad.abs().sum()) > 0
 

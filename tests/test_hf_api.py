@@ -177,3 +177,78 @@ def test_other_attention_implementations_are_refused_by_name(exported, implement
     model = AutoModelForCausalLM.from_pretrained(out)
     with pytest.raises(ValueError, match=message.replace("|", r"\|")):
         model.set_attn_implementation(implementation)
+
+
+# -- HF Trainer with gradient accumulation -------------------------------------------------------
+
+
+def test_micro_batch_losses_add_up_to_the_full_batchs_loss():
+    """With ``num_items_in_batch`` (the step's counted targets) each micro-batch's loss is its
+    share of the step's: the two halves of a batch add up to the whole batch's loss (cross-
+    entropy mean plus commitment loss), and so do their gradients."""
+    lm = tiny_lm("vq,delta", commitment_weight=0.5)
+    model = H.LinattnForCausalLM.from_lm(lm).train()
+    ids = random_ids(4, 10, seed=42)
+    counted = 4 * 9
+    with torch.no_grad():
+        logits, _, aux = lm(ids)
+    assert float(aux["commit_loss"]) > 1e-3
+    expected = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()) \
+        + aux["commit_loss"]
+    whole = model(ids, labels=ids, num_items_in_batch=counted).loss
+    assert torch.allclose(whole, expected, rtol=1e-12, atol=0)
+    whole.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    parts = [model(half, labels=half, num_items_in_batch=torch.tensor(counted)).loss for half in ids.split(2)]
+    assert torch.allclose(parts[0] + parts[1], expected, rtol=1e-12, atol=0)
+    (parts[0] + parts[1]).backward()
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name], rtol=0, atol=1e-12), name
+
+
+def _train_one_step(tmp_path, lm, rows, batch: int, accumulation: int):
+    """One SGD step of the HF ``Trainer`` on ``rows`` -> (the step's loss: the sum of the losses
+    the Trainer backpropagated, in float64, and the trained model)."""
+    from transformers import Trainer, TrainingArguments
+
+    class Recording(Trainer):
+        losses: list = []
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.losses.append(loss.detach())
+            return loss
+
+    model = H.LinattnForCausalLM.from_lm(lm)
+    args = TrainingArguments(output_dir=str(tmp_path / f"out{batch}"), per_device_train_batch_size=batch,
+                             gradient_accumulation_steps=accumulation, max_steps=1, learning_rate=1.0, optim="sgd",
+                             lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
+                             weight_decay=0.0, max_grad_norm=0.0, seed=3)
+    trainer = Recording(model=model, args=args, train_dataset=[{"input_ids": row, "labels": row} for row in rows])
+    trainer.losses = []
+    trainer.train()
+    assert len(trainer.losses) == accumulation and trainer.losses[0].dtype == torch.float64
+    return float(sum(trainer.losses)), model
+
+
+def test_hf_trainer_accumulating_two_micro_batches_equals_the_full_batch(tmp_path):
+    """One optimizer step of the HF ``Trainer`` over 4 rows, as one batch or as 2 accumulated
+    micro-batches of 2 (float64): the same step loss (the full batch's cross-entropy plus its
+    commitment loss, counted once) and the same updated weights. (The commitment loss is summed
+    in float32, so it is kept small for the 1e-7 comparison.)"""
+    lm = tiny_lm("vq,delta", commitment_weight=0.05)
+    rows = random_ids(4, 10, seed=43)
+    with torch.no_grad():
+        logits, _, aux = copy.deepcopy(lm).train()(rows)
+    assert float(aux["commit_loss"]) > 1e-3
+    expected = float(torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), rows[:, 1:].flatten())
+                     + aux["commit_loss"])
+    full_loss, full = _train_one_step(tmp_path, lm, rows, batch=4, accumulation=1)
+    split_loss, split = _train_one_step(tmp_path, lm, rows, batch=2, accumulation=2)
+    assert full_loss == pytest.approx(expected, rel=0, abs=1e-7)
+    assert split_loss == pytest.approx(full_loss, rel=0, abs=1e-7)
+    trained = dict(full.named_parameters())
+    assert any(not torch.equal(trained[name], p) for name, p in H.LinattnForCausalLM.from_lm(lm).named_parameters())
+    for name, p in split.named_parameters():
+        assert torch.allclose(p, trained[name], rtol=0, atol=1e-7), name

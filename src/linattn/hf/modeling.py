@@ -350,9 +350,15 @@ def _plan_groups(cache: LinattnCache | None, real: torch.Tensor | None, length: 
 class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     """A linattn language model as a Hugging Face causal LM: ``forward`` returns
     ``CausalLMOutputWithPast``; with ``labels [B, T]`` (-100 = ignored) the loss is
-    ``cross_entropy(logits[:, :-1], labels[:, 1:])`` (mean over counted tokens, or their sum
-    over ``num_items_in_batch`` when the HF Trainer passes it) plus the VQ commitment loss
-    of the forward -- the number linattn's trainer computes on that batch.
+    ``cross_entropy(logits[:, :-1], labels[:, 1:])`` (mean over counted tokens) plus the VQ
+    commitment loss of the forward -- the number linattn's trainer computes on that batch.
+    With ``num_items_in_batch`` (the HF ``Trainer`` under gradient accumulation: the counted
+    targets of the whole optimizer step) the loss is this micro-batch's share of the step's:
+    the summed cross-entropy over ``num_items_in_batch``, plus the commitment loss times this
+    micro-batch's counted targets over ``num_items_in_batch``. The micro-batches' losses then
+    add up to the step's: exactly the full batch's when the micro-batches hold counted
+    targets in proportion to their tokens (equal shapes, no -100 labels), else the commitment
+    term is their target-weighted mean.
 
     ``generate`` carries a ``LinattnCache`` (constant memory for every recurrent
     mechanism); greedy, sampling, beam search, left-padded batches and ``use_cache=False``
@@ -426,7 +432,10 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         logits = self.lm.logits(h[:, keep])
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels, num_items) + commit.to(logits.dtype)
+            commit = commit.to(logits.dtype)
+            if num_items is not None:
+                commit = commit * _share_of_targets(labels, num_items, logits)
+            loss = causal_lm_loss(logits, labels, num_items) + commit
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache, hidden_states=hidden)
         return output if self.model._return_dict(return_dict) else output.to_tuple()
 
@@ -445,6 +454,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
         return F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100)
     total = F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     return total / torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
+
+
+def _share_of_targets(labels: torch.Tensor, num_items_in_batch: Any, like: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's counted targets (``labels[:, 1:] != -100``, what the HF ``Trainer``
+    counts for a causal LM) over ``num_items_in_batch``, the step's: the weight of its
+    commitment loss, so the micro-batches of one optimizer step add up to the step's loss."""
+    counted = (labels[:, 1:] != -100).sum().to(device=like.device, dtype=like.dtype)
+    return counted / torch.as_tensor(num_items_in_batch, device=like.device).to(like.dtype)
 
 
 def lm_state_of(cache: LinattnCache) -> LMState:
