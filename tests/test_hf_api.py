@@ -8,13 +8,18 @@ the byte tokenizer without ``import linattn.hf``, loading an export with
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import linattn.hf as H
 from test_hf import greedy_ours, random_ids, tiny_lm
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 torch.set_num_threads(1)
 
@@ -252,3 +257,83 @@ def test_hf_trainer_accumulating_two_micro_batches_equals_the_full_batch(tmp_pat
     assert any(not torch.equal(trained[name], p) for name, p in H.LinattnForCausalLM.from_lm(lm).named_parameters())
     for name, p in split.named_parameters():
         assert torch.allclose(p, trained[name], rtol=0, atol=1e-7), name
+
+
+# -- the byte tokenizer without import linattn.hf ------------------------------------------------
+
+TEXTS = ["To be, or not", "Ā", "a\x00b", "héllo ☃\n\tend ", "ĀĀ\x00Ā"]
+BATCH = ["ab", "Ā\x00c", "abcdef"]
+
+# What a tokenizer does with some texts and a padded batch (as JSON-able values); run here and,
+# as source, in a fresh process.
+_TOKENIZED = """
+def tokenized(tokenizer, texts, batch):
+    padded = tokenizer(batch, padding=True)
+    return {"ids": [tokenizer(text).input_ids for text in texts], "padded": padded.input_ids,
+            "mask": padded.attention_mask, "pad": tokenizer.pad_token_id, "side": tokenizer.padding_side,
+            "decoded": tokenizer.batch_decode(padded.input_ids),
+            "skipped": tokenizer.batch_decode(padded.input_ids, skip_special_tokens=True),
+            "special": {token: tokenizer(token).input_ids for token in tokenizer.all_special_tokens}}
+"""
+_namespace: dict = {}
+exec(_TOKENIZED, _namespace)
+_tokenized = _namespace["tokenized"]
+
+# AutoTokenizer in a process that never imports linattn.hf: prints what it does as JSON.
+_TOKENIZE_ALONE = "import json, sys\nfrom transformers import AutoTokenizer\n" + _TOKENIZED + """
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
+texts, batch = json.loads(sys.argv[2])
+print(json.dumps({"linattn.hf imported": "linattn.hf" in sys.modules, "class": type(tokenizer).__name__,
+                  **tokenized(tokenizer, texts, batch)}))
+"""
+
+
+def _src() -> str:
+    return str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _run_python(script: str, *args: str, cwd=None) -> str:
+    env = {**os.environ, "PYTHONPATH": _src(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=cwd, capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_auto_tokenizer_gives_the_same_ids_with_and_without_import_linattn_hf(exported):
+    """The saved byte tokenizer needs no linattn code: a process that never imports
+    ``linattn.hf`` gets the same ids, padding and decoding as ``LinattnByteTokenizer``, and
+    they are the UTF-8 bytes ("Ā" is the bytes C4 80, never the pad token)."""
+    _, out = exported
+    alone = json.loads(_run_python(_TOKENIZE_ALONE, str(out), json.dumps([TEXTS, BATCH])))
+    assert alone.pop("linattn.hf imported") is False
+    assert alone.pop("class") == "TokenizersBackend"
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert isinstance(tokenizer, H.LinattnByteTokenizer)
+    here = json.loads(json.dumps(_tokenized(tokenizer, TEXTS, BATCH)))
+    assert alone == here
+    assert here["ids"] == [list(text.encode("utf-8")) for text in TEXTS]
+    width = max(len(text.encode()) for text in BATCH)
+    assert here["padded"] == [[0] * (width - len(t.encode())) + list(t.encode()) for t in BATCH]
+    assert here["pad"] == 0 and here["side"] == "left"
+
+
+def test_byte_tokenizer_round_trips_u0100_and_skip_special_tokens_drops_padding():
+    """"Ā" (U+0100, the NUL byte's byte-level symbol) in a text is its own two bytes and decodes
+    back; every special token's string encodes to its own bytes (so none can change what a
+    text means); ``skip_special_tokens=True`` drops the padding a batch was given."""
+    tokenizer = H.byte_tokenizer()
+    for text in TEXTS:
+        ids = tokenizer(text).input_ids
+        assert ids == list(text.encode("utf-8")), text
+        assert tokenizer.decode(ids) == text
+    assert tokenizer("Ā").input_ids == [0xC4, 0x80]
+    assert tokenizer.all_special_tokens, "the pad token is special"
+    for token in tokenizer.all_special_tokens:
+        assert tokenizer(token).input_ids == list(token.encode("utf-8")), repr(token)
+    texts = ["ab", "a longer row", "Āé"]
+    padded = tokenizer(texts, padding=True, return_tensors="pt")
+    assert int((padded.attention_mask == 0).sum()) > 0
+    assert tokenizer.batch_decode(padded.input_ids, skip_special_tokens=True) == texts
+    assert tokenizer.batch_decode(padded.input_ids)[0] == "\x00" * 10 + "ab"
+    assert tokenizer.vocab_size == 256 and len(tokenizer) == 256
