@@ -283,6 +283,7 @@ _tokenized = _namespace["tokenized"]
 _TOKENIZE_ALONE = "import json, sys\nfrom transformers import AutoTokenizer\n" + _TOKENIZED + """
 tokenizer = AutoTokenizer.from_pretrained(sys.argv[1])
 texts, batch = json.loads(sys.argv[2])
+print()  # after transformers' unanswered prompt about the config's remote code (the tokenizer needs none)
 print(json.dumps({"linattn.hf imported": "linattn.hf" in sys.modules, "class": type(tokenizer).__name__,
                   **tokenized(tokenizer, texts, batch)}))
 """
@@ -292,8 +293,10 @@ def _src() -> str:
     return str(Path(__file__).resolve().parents[1] / "src")
 
 
-def _run_python(script: str, *args: str, cwd=None) -> str:
-    env = {**os.environ, "PYTHONPATH": _src(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+def _run_python(script: str, *args: str, cwd=None, **env_vars: str) -> str:
+    """Run ``script`` in a fresh Python (this worktree's linattn importable, stdin closed so
+    transformers' remote-code prompt gets no answer); return its last line of output."""
+    env = {**os.environ, "PYTHONPATH": _src(), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_vars}
     done = subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=cwd, capture_output=True, text=True,
                           stdin=subprocess.DEVNULL, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -337,3 +340,55 @@ def test_byte_tokenizer_round_trips_u0100_and_skip_special_tokens_drops_padding(
     assert tokenizer.batch_decode(padded.input_ids, skip_special_tokens=True) == texts
     assert tokenizer.batch_decode(padded.input_ids)[0] == "\x00" * 10 + "ab"
     assert tokenizer.vocab_size == 256 and len(tokenizer) == 256
+
+
+# -- loading an export with trust_remote_code=True ---------------------------------------------------
+
+# A fresh process that never imports linattn itself: loads the folder without and with
+# trust_remote_code=True and prints what it got as JSON.
+_LOAD_REMOTE = """
+import json, sys
+before = sorted(name for name in sys.modules if name.startswith("linattn"))
+import torch
+from transformers import AutoModelForCausalLM
+folder, ids = sys.argv[1], torch.tensor(json.loads(sys.argv[2]))
+try:
+    AutoModelForCausalLM.from_pretrained(folder)
+    refused = ""
+except ValueError as error:
+    refused = str(error)
+after_refusal = "linattn.hf" in sys.modules
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+with torch.no_grad():
+    logits = model(ids).logits
+generated = model.generate(ids, max_new_tokens=6, do_sample=False)
+print()  # after the unanswered "Do you wish to run the custom code? [y/N] " prompt
+print(json.dumps({"before": before, "refused": refused, "after_refusal": after_refusal,
+                  "classes": [c.__module__ + "." + c.__qualname__ for c in type(model).__mro__[:2]],
+                  "dtype": str(logits.dtype), "logits": logits.tolist(), "generated": generated.tolist()}))
+"""
+
+
+def test_an_export_loads_with_trust_remote_code_in_a_process_that_never_imports_linattn_hf(exported, tmp_path):
+    """``config.json``'s ``auto_map`` names the folder's ``modeling_linattn.py``, which imports
+    the installed linattn's classes: ``trust_remote_code=True`` loads the export in a process
+    that never imported ``linattn.hf``, with the in-process model's exact logits and tokens.
+    Without it (and without the import) transformers refuses, naming ``trust_remote_code``."""
+    lm, out = exported
+    config = json.loads((out / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_linattn.LinattnForCausalLM"
+    assert (out / "modeling_linattn.py").is_file()
+    ids = random_ids(2, 9, seed=44)
+    got = json.loads(_run_python(_LOAD_REMOTE, str(out), json.dumps(ids.tolist()),
+                                 HF_MODULES_CACHE=str(tmp_path / "modules")))
+    assert got["before"] == []
+    assert "trust_remote_code=True" in got["refused"] and got["after_refusal"] is False
+    assert got["classes"][0].startswith("transformers_modules.")
+    assert got["classes"][1] == "linattn.hf.modeling.LinattnForCausalLM"
+    assert got["dtype"] == "torch.float64"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model) is H.LinattnForCausalLM  # with import linattn.hf: the local classes, no remote code
+    with torch.no_grad():  # as the other process computed them (with autograd some kernels differ in the last bit)
+        logits = model(ids).logits
+    assert torch.equal(torch.tensor(got["logits"], dtype=torch.float64), logits)
+    assert got["generated"] == torch.cat([ids, greedy_ours(lm, ids, 6)], 1).tolist()
