@@ -392,3 +392,53 @@ def test_an_export_loads_with_trust_remote_code_in_a_process_that_never_imports_
         logits = model(ids).logits
     assert torch.equal(torch.tensor(got["logits"], dtype=torch.float64), logits)
     assert got["generated"] == torch.cat([ids, greedy_ours(lm, ids, 6)], 1).tolist()
+
+
+# -- linattn lm-eval without prefix_token_id -------------------------------------------------------
+
+
+def test_lm_eval_needs_no_prefix_token_and_knows_the_model_is_causal(exported, tmp_path, monkeypatch, caplog,
+                                                                     capsys):
+    """``linattn lm-eval`` on an export without ``prefix_token_id``: an empty context is
+    conditioned on the export's start token (the newline, config.bos_token_id), the scores are
+    the model's own log-probabilities, and lm_eval does not warn that the model type is
+    neither causal nor seq2seq."""
+    import logging
+    import math
+
+    from linattn.cli import main
+
+    lm, out = exported
+    assert json.loads((out / "config.json").read_text())["bos_token_id"] == 10
+    for name, value in [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                        ("HF_DATASETS_CACHE", str(tmp_path / "datasets"))]:
+        monkeypatch.setenv(name, value)
+    docs = [{"context": "", "continuation": "To be"}, {"context": "Now is the", "continuation": " winter"}]
+    data = tmp_path / "lines.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "lines.yaml").write_text(
+        "task: linattn_api_lines\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{context}}'\ndoc_to_target: '{{continuation}}'\ntarget_delimiter: ''\n"
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n",
+        encoding="utf-8")
+    results = tmp_path / "results"
+    with caplog.at_level(logging.WARNING):
+        code = main(["lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={out},dtype=float64",
+                     "--tasks", "linattn_api_lines", "--include_path", str(tasks), "--device", "cpu",
+                     "--batch_size", "2", "--output_path", str(results)])
+    assert code == 0
+    printed = caplog.text + "".join(capsys.readouterr())
+    assert "neither marked as CausalLM" not in printed
+    [result_file] = list(results.rglob("results*.json"))
+    scored = json.loads(result_file.read_text())["results"]["linattn_api_lines"]
+    total = 0.0
+    for doc in docs:
+        context = list(doc["context"].encode()) or [10]  # an empty context: the newline
+        target = list(doc["continuation"].encode())
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
+        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
+    assert scored["perplexity,none"] == pytest.approx(math.exp(-total / len(docs)), rel=1e-6)
