@@ -86,6 +86,19 @@ def test_resized_vocabulary_trains_and_generates_the_new_ids(tied):
     assert torch.equal(plain[:, 5:], greedy_ours(model.lm, prompt, 6))
 
 
+def test_resizing_the_base_model_resizes_its_whole_lm():
+    """``LinattnModel`` (AutoModel) holds the whole LM: resizing it resizes an untied head with the
+    embedding, and the LM accepts the new ids; a head tied to the embedding is refused as a
+    separate output embedding."""
+    base = H.LinattnForCausalLM.from_lm(tiny_lm("vq", tie_embeddings=False)).model
+    base.resize_token_embeddings(258, mean_resizing=False)
+    assert (base.lm.embed.num_embeddings, base.lm.head.out_features, base.lm.config.vocab_size) == (258, 258, 258)
+    assert base(torch.tensor([[257, 3, 256]])).last_hidden_state.shape == (1, 3, 16)
+    tied = H.LinattnForCausalLM.from_lm(tiny_lm("vq"))
+    with pytest.raises(ValueError, match="ties its output head to the embedding"):
+        tied.set_output_embeddings(torch.nn.Linear(16, 256, bias=False))
+
+
 # -- activation checkpointing ------------------------------------------------------------------
 
 

@@ -16,9 +16,11 @@ def register(commands: argparse._SubParsersAction) -> None:
         "export", help="write a training run as a Hugging Face model directory",
         description="Write the model of a training run (its latest complete checkpoint, or the checkpoint folder "
                     "named) as a save_pretrained directory: config.json, model.safetensors (weights, codebooks and "
-                    "every buffer) and the run's tokenizer (the byte tokenizer, or the run's tokenizer.json as a "
-                    "PreTrainedTokenizerFast). Load it with `import linattn.hf` and "
-                    "AutoModelForCausalLM.from_pretrained(DIR).")
+                    "every buffer), the run's tokenizer (the byte tokenizer, or the run's tokenizer.json as a "
+                    "PreTrainedTokenizerFast) and modeling_linattn.py. Load it with `import linattn.hf` and "
+                    "AutoModelForCausalLM.from_pretrained(DIR), or without the import with "
+                    "from_pretrained(DIR, trust_remote_code=True) (modeling_linattn.py imports the installed "
+                    "linattn's classes).")
     p.add_argument("--ckpt", required=True, metavar="RUN_DIR", help="run directory or checkpoint folder")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="output directory")
     p.set_defaults(handler=run_export)

@@ -115,6 +115,21 @@ class LinattnPreTrainedModel(PreTrainedModel):
             self.lm.config = dataclasses.replace(self.lm.config, vocab_size=rows)
         self.config.vocab_size = rows
 
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The LM's untied output head (None when it is tied to the embedding); LinattnModel
+        holds the whole LM too, so resizing either class resizes the head with the embedding."""
+        return self.lm.head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        if self.lm.head is None:
+            raise ValueError("this model ties its output head to the embedding (tie_embeddings=True); "
+                             "set the input embeddings instead")
+        if not isinstance(value, nn.Linear) or value.in_features != self.lm.config.d_model:
+            raise ValueError(f"output embeddings must be an nn.Linear from d_model={self.lm.config.d_model}, "
+                             f"got {value!r}")
+        self.lm.head = value
+        self._match_vocab_size()
+
     def get_input_embeddings(self) -> nn.Embedding:
         return self.lm.embed
 
@@ -385,20 +400,6 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         model.lm.load_state_dict(lm.state_dict())
         parameter = next(lm.parameters())
         return model.to(device=parameter.device, dtype=parameter.dtype)
-
-    def get_output_embeddings(self) -> nn.Linear | None:
-        """The untied output head (None when it is tied to the embedding)."""
-        return self.lm.head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        if self.lm.head is None:
-            raise ValueError("this model ties its output head to the embedding (tie_embeddings=True); "
-                             "set the input embeddings instead")
-        if not isinstance(value, nn.Linear) or value.in_features != self.lm.config.d_model:
-            raise ValueError(f"output embeddings must be an nn.Linear from d_model={self.lm.config.d_model}, "
-                             f"got {value!r}")
-        self.lm.head = value
-        self._match_vocab_size()
 
     def update_codebooks(self) -> None:
         """The EMA codebook update of every VQ layer (once per optimizer step in training)."""
