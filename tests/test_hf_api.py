@@ -455,3 +455,27 @@ def test_lm_eval_needs_no_prefix_token_and_knows_the_model_is_causal(exported, t
             logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
         total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
     assert scored["perplexity,none"] == pytest.approx(math.exp(-total / len(docs)), rel=1e-6)
+
+
+def test_an_older_exports_tokenizer_loads_as_the_byte_tokenizer(tmp_path):
+    """A folder saved by an older linattn (vocabulary entry "Ā" for byte 0, ``pad_token: "Ā"`` in
+    tokenizer_config.json) loads, with ``import linattn.hf``, as today's tokenizer: "Ā" in a
+    text is C4 80, padding is dropped by ``skip_special_tokens``. Another pad token is refused."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from linattn.hf.tokenizer import _byte_symbols
+
+    old = Tokenizer(models.BPE(vocab={symbol: byte for byte, symbol in enumerate(_byte_symbols())}, merges=[]))
+    old.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    old.decoder = decoders.ByteLevel()
+    old.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"backend": "tokenizers", "pad_token": "Ā", "padding_side": "left", "tokenizer_class": "LinattnByteTokenizer"}))
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert isinstance(tokenizer, H.LinattnByteTokenizer)
+    loaded = _tokenized(tokenizer, TEXTS, BATCH)
+    assert loaded == _tokenized(H.byte_tokenizer(), TEXTS, BATCH)
+    assert loaded["skipped"] == [text.replace("\x00", "") for text in BATCH]
+    assert tokenizer("Ā").input_ids == [0xC4, 0x80] and tokenizer.pad_token_id == 0
+    with pytest.raises(ValueError, match="pads with the NUL byte"):
+        H.LinattnByteTokenizer(pad_token="<pad>")

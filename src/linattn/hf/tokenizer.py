@@ -22,8 +22,9 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-NUL = "\x00"
-BYTE_VOCAB_SIZE = 256
+_NUL = "\x00"
+_BYTE_VOCAB_SIZE = 256
+_LEGACY_PAD = "\u0100"  # the pad token older exports saved (the NUL byte's ByteLevel symbol "Ā")
 
 
 def _byte_symbols() -> list[str]:
@@ -60,24 +61,26 @@ class LinattnByteTokenizer(PreTrainedTokenizerFast):
     def __init__(self, *args: Any, **kwargs: Any):
         kwargs.pop("tokenizer_file", None)
         kwargs.pop("tokenizer_object", None)
-        for name in ("pad_token", "bos_token", "eos_token", "unk_token"):
-            kwargs.pop(name, None)
+        pad = kwargs.pop("pad_token", None)
+        if pad is not None and str(pad) not in (_NUL, _LEGACY_PAD):
+            raise ValueError(f"pad_token: the byte tokenizer pads with the NUL byte (id 0, pad_token='\\x00'), "
+                             f"got {str(pad)!r}")
         saved = kwargs.pop("added_tokens_decoder", None) or {}
-        kwargs["added_tokens_decoder"] = {int(i): token for i, token in saved.items() if int(i) >= BYTE_VOCAB_SIZE}
+        kwargs["added_tokens_decoder"] = {int(i): token for i, token in saved.items() if int(i) >= _BYTE_VOCAB_SIZE}
         kwargs.setdefault("padding_side", "left")
         super().__init__(*args, tokenizer_object=_byte_core(), pad_token=_pad_token(), **kwargs)
 
 
 def _pad_token() -> AddedToken:
-    return AddedToken(NUL, special=True, normalized=False)
+    return AddedToken(_NUL, special=True, normalized=False)
 
 
 def _byte_core() -> Tokenizer:
     """The ``tokenizers`` pipeline described in the module docstring."""
     symbols = _byte_symbols()
-    symbols[0] = NUL
+    symbols[0] = _NUL
     vocab = {symbol: byte for byte, symbol in enumerate(symbols)}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=NUL))
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=_NUL))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens([_pad_token()])
