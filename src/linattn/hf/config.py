@@ -17,8 +17,11 @@ class LinattnConfig(PretrainedConfig):
     Face code reads: ``hidden_size`` (= ``d_model``), ``num_hidden_layers`` (= ``n_layers``),
     ``num_attention_heads`` (= ``n_heads``), ``num_key_value_heads`` (= ``n_kv_heads``, or
     ``n_heads`` when unset), ``tie_word_embeddings`` (= ``tie_embeddings``), ``vocab_size``,
-    ``bos/eos/pad_token_id`` (None: the byte vocabulary has no special tokens, and a pad id
-    would make ``generate`` read that byte in a prompt as padding; pass ``attention_mask``).
+    ``bos/eos/pad_token_id`` (None by default: the byte vocabulary has no BOS/EOS, and a pad
+    id would make ``generate`` read that byte in a prompt as padding; pass ``attention_mask``.
+    An export sets ``bos_token_id`` to the newline token, the token documents start after:
+    ``generate`` without a prompt starts from it, ``linattn lm-eval`` conditions an empty
+    context on it).
 
     ``to_lm_config()`` and ``from_lm_config()`` convert losslessly; building one validates
     the model settings exactly as ``LMConfig`` does (an unknown layer kind is a ``ValueError``).

@@ -1,4 +1,5 @@
-"""Write a linattn model as a Hugging Face model directory (config, safetensors, tokenizer)."""
+"""Write a linattn model as a Hugging Face model directory (config, safetensors, tokenizer,
+and a small module that lets ``trust_remote_code=True`` load it without ``import linattn.hf``)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,58 @@ from ..models.lm import LM
 from .modeling import LinattnForCausalLM
 from .tokenizer import byte_tokenizer
 
+REMOTE_CODE_FILE = "modeling_linattn.py"
+
+# The module an export ships for ``trust_remote_code=True``: no model code of its own, only the
+# installed linattn's classes under the names config.json's ``auto_map`` gives. Subclasses, so
+# that what transformers records on a remotely loaded class (``_auto_class``, which makes
+# ``save_pretrained`` copy this file along) stays on them and never reaches linattn's own.
+_REMOTE_CODE = '''"""linattn model classes for `trust_remote_code=True`.
+
+This folder is a linattn language model. This module holds
+no model code: it imports the classes of the installed linattn package (`pip install
+"linattn[hf]"`). `import linattn.hf` before loading does the same without remote code:
+
+    import linattn.hf
+    model = AutoModelForCausalLM.from_pretrained(folder)
+"""
+
+from linattn.hf import LinattnConfig as _LinattnConfig
+from linattn.hf import LinattnForCausalLM as _LinattnForCausalLM
+from linattn.hf import LinattnModel as _LinattnModel
+
+
+class LinattnConfig(_LinattnConfig):
+    """linattn.hf.LinattnConfig."""
+
+
+class LinattnModel(_LinattnModel):
+    """linattn.hf.LinattnModel."""
+
+    config_class = LinattnConfig
+
+
+class LinattnForCausalLM(_LinattnForCausalLM):
+    """linattn.hf.LinattnForCausalLM."""
+
+    config_class = LinattnConfig
+'''
+
+_AUTO_MAP = {
+    "AutoConfig": "modeling_linattn.LinattnConfig",
+    "AutoModel": "modeling_linattn.LinattnModel",
+    "AutoModelForCausalLM": "modeling_linattn.LinattnForCausalLM",
+}
+
 
 def save_pretrained_lm(lm: LM, out: str | Path, tokenizer: ByteTokenizer | HFTokenizer | None = None) -> Path:
     """Save ``lm`` (weights, codebooks and every buffer) with its tokenizer as a
     ``save_pretrained`` directory that ``AutoModelForCausalLM.from_pretrained(out)`` (after
-    ``import linattn.hf``) and ``pipeline("text-generation", model=out)`` load.
+    ``import linattn.hf``) and ``pipeline("text-generation", model=out)`` load; with
+    ``trust_remote_code=True`` they load it without the import (``config.json``'s
+    ``auto_map`` names the shipped ``modeling_linattn.py``, which imports the installed
+    linattn's classes). ``config.bos_token_id`` is the newline token (when the tokenizer has
+    one): the token documents start after, ``linattn lm-eval``'s default prefix token.
 
     ``tokenizer``: None or a ``ByteTokenizer`` writes the byte tokenizer (the model's
     vocabulary must be 256); an ``HFTokenizer`` (a run's ``tokenizer.json``) is written as a
@@ -37,10 +85,18 @@ def save_pretrained_lm(lm: LM, out: str | Path, tokenizer: ByteTokenizer | HFTok
     else:
         raise TypeError(f"tokenizer must be a ByteTokenizer, an HFTokenizer or None, got {type(tokenizer).__name__}")
     out = Path(out)
-    model = LinattnForCausalLM.from_lm(lm)
+    model = LinattnForCausalLM.from_lm(lm, **_start_token(hf_tokenizer))
+    model.config.auto_map = dict(_AUTO_MAP)
     model.save_pretrained(out)
+    (out / REMOTE_CODE_FILE).write_text(_REMOTE_CODE, encoding="utf-8")
     hf_tokenizer.save_pretrained(out)
     return out
+
+
+def _start_token(tokenizer: PreTrainedTokenizerFast) -> dict:
+    """``{"bos_token_id": id}`` of the newline when it is one token of ``tokenizer``, else ``{}``."""
+    ids = tokenizer("\n", add_special_tokens=False).input_ids
+    return {"bos_token_id": ids[0]} if len(ids) == 1 else {}
 
 
 def export_run(ckpt: str | Path, out: str | Path) -> Path:

@@ -6,6 +6,7 @@ padding masks, the ``LinattnCache`` that ``generate`` carries, HF outputs and th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,16 +24,121 @@ from .cache import LinattnCache, RowGroup
 from .config import LinattnConfig
 
 
+_ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
 class LinattnPreTrainedModel(PreTrainedModel):
     """Shared Hugging Face plumbing: the config class, weight init (``LM``'s own, done when
-    the ``LM`` is built) and the flags ``generate`` reads."""
+    the ``LM`` is built), the flags ``generate`` reads, activation checkpointing (``LM``'s
+    own switch), the attention-implementation choice and vocabulary resizing."""
 
     config_class = LinattnConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules: list[str] = []
     _is_stateful = True
+    lm: LM  # the wrapped linattn LM (LinattnModel's module, LinattnForCausalLM's model.lm)
+
+    # -- activation checkpointing: LM.activation_checkpointing behind the HF switches ---------
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs: dict | None = None,
+                                        every_n_layers: int = 1, offload: bool = False) -> None:
+        """Turn on ``LM.activation_checkpointing`` (each layer recomputed in backward by
+        ``torch.utils.checkpoint`` with ``use_reentrant=False``): same values and gradients,
+        one layer's activations at a time. ``gradient_checkpointing_enable`` and the
+        ``Trainer``'s ``activation_checkpointing=True`` arrive here. Every layer is
+        checkpointed and activations stay on their device, so ``every_n_layers`` other than 1,
+        ``offload=True`` and checkpoint options other than ``use_reentrant=False`` are refused."""
+        if activation_checkpointing_kwargs is not None:
+            if not isinstance(activation_checkpointing_kwargs, dict):
+                raise TypeError(f"activation_checkpointing_kwargs must be a dict or None, got "
+                                f"{type(activation_checkpointing_kwargs).__name__}")
+            other = {key: value for key, value in activation_checkpointing_kwargs.items()
+                     if not (key == "use_reentrant" and value is False)}
+            if other:
+                raise ValueError(f"activation_checkpointing_kwargs {other} are not supported: linattn's LM "
+                                 "checkpoints every layer with torch.utils.checkpoint(use_reentrant=False) and "
+                                 "takes no other options")
+        if every_n_layers != 1:
+            raise ValueError(f"every_n_layers={every_n_layers!r} is not supported: linattn's LM checkpoints every "
+                             "layer (every_n_layers=1)")
+        if offload is not False:
+            raise ValueError(f"offload={offload!r} is not supported: linattn's LM keeps the checkpointed "
+                             "activations on their device (offload=False)")
+        self._set_gradient_checkpointing(enable=True)
+
+    def activation_checkpointing_disable(self) -> None:
+        """Turn off ``LM.activation_checkpointing`` (``gradient_checkpointing_disable`` too)."""
+        self._set_gradient_checkpointing(enable=False)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func: Any = None,
+                                    every_n_layers: int = 1) -> None:
+        """HF's hook for the switch (also reached from a config's legacy
+        ``gradient_checkpointing=True``): it sets the ``LM``'s own flag."""
+        self.lm.activation_checkpointing = bool(enable)
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        """Whether the ``LM`` recomputes its layers in backward."""
+        return bool(self.lm.activation_checkpointing)
+
+    # -- attention implementation ----------------------------------------------------------
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation: str | None, is_init_check: bool = False,
+                                              allow_all_kernels: bool = False) -> str:
+        """``attn_implementation``: None, ``"eager"`` or ``"sdpa"``, all recorded as ``"eager"``.
+        linattn's layers always run their own attention code (VQ, kernel, delta, local and
+        softmax layers alike), so neither choice changes a computation; any other value (flash
+        attention, flex attention, a kernel from the Hub, ``"paged|eager"``) is a ValueError."""
+        return _attn_implementation(attn_implementation)
+
+    def get_correct_attn_implementation(self, requested_attention: str | None, is_init_check: bool = False) -> str:
+        return _attn_implementation(requested_attention)
+
+    # -- vocabulary resizing ---------------------------------------------------------------
+
+    def resize_token_embeddings(self, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+                                mean_resizing: bool = True) -> nn.Embedding:
+        """``PreTrainedModel.resize_token_embeddings`` (embedding and untied output head), then the
+        ``LM``'s own ``config.vocab_size`` set to the new row count, so new ids train and generate."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        self._match_vocab_size()
+        return embeddings
+
+    def _match_vocab_size(self) -> None:
+        """Make ``lm.config.vocab_size`` and ``config.vocab_size`` the embedding's row count."""
+        rows = self.lm.embed.num_embeddings
+        if self.lm.head is not None and self.lm.head.out_features != rows:
+            return  # mid-resize: the head follows (set_output_embeddings calls this again)
+        if self.lm.config.vocab_size != rows:
+            self.lm.config = dataclasses.replace(self.lm.config, vocab_size=rows)
+        self.config.vocab_size = rows
+
+    def get_output_embeddings(self) -> nn.Linear | None:
+        """The LM's untied output head (None when it is tied to the embedding); LinattnModel
+        holds the whole LM too, so resizing either class resizes the head with the embedding."""
+        return self.lm.head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        if self.lm.head is None:
+            raise ValueError("this model ties its output head to the embedding (tie_embeddings=True); "
+                             "set the input embeddings instead")
+        if not isinstance(value, nn.Linear) or value.in_features != self.lm.config.d_model:
+            raise ValueError(f"output embeddings must be an nn.Linear from d_model={self.lm.config.d_model}, "
+                             f"got {value!r}")
+        self.lm.head = value
+        self._match_vocab_size()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.lm.embed
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        if not isinstance(value, nn.Embedding) or value.embedding_dim != self.lm.config.d_model:
+            raise ValueError(f"input embeddings must be an nn.Embedding of width d_model={self.lm.config.d_model}, "
+                             f"got {value!r}")
+        self.lm.embed = value
+        self._match_vocab_size()
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any):
@@ -76,12 +182,6 @@ class LinattnModel(LinattnPreTrainedModel):
         super().__init__(config)
         self.lm = LM(config.to_lm_config())
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.lm.embed
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.lm.embed = value
 
     def forward(
         self,
@@ -180,11 +280,27 @@ class LinattnModel(LinattnPreTrainedModel):
         return h, new_groups, commit, layers_out
 
 
+def _attn_implementation(requested: str | None) -> str:
+    """The recorded attention implementation for a requested one: always ``"eager"`` (the
+    model's own code); None, ``"eager"`` and ``"sdpa"`` are accepted, anything else refused."""
+    if requested is not None and requested not in _ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={requested!r} is not supported by linattn models: their layers always "
+                         f"run linattn's own attention code; pass 'eager' or 'sdpa' (both run that code) or leave it "
+                         f"unset")
+    return "eager"
+
+
+# Keyword arguments HF code passes to forward that change nothing here: generate() passes on its
+# own ``tokenizer`` (stop_strings) and ``assistant_tokenizer`` arguments, the Trainer passes
+# ``num_items_in_batch`` (read by LinattnForCausalLM), tokenizers may return ``token_type_ids``.
+_PASSED_ON = ("num_items_in_batch", "token_type_ids", "tokenizer", "assistant_tokenizer")
+
+
 def _check_unused(kwargs: dict) -> None:
     """Accept the keyword arguments HF code passes that change nothing here; reject the rest."""
     position_ids = kwargs.pop("position_ids", None)
-    kwargs.pop("num_items_in_batch", None)
-    kwargs.pop("token_type_ids", None)
+    for name in _PASSED_ON:
+        kwargs.pop(name, None)
     if position_ids is not None:
         raise ValueError("position_ids are not supported: positions follow the attention_mask (padding is "
                          "skipped) and the cache")
@@ -249,9 +365,15 @@ def _plan_groups(cache: LinattnCache | None, real: torch.Tensor | None, length: 
 class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     """A linattn language model as a Hugging Face causal LM: ``forward`` returns
     ``CausalLMOutputWithPast``; with ``labels [B, T]`` (-100 = ignored) the loss is
-    ``cross_entropy(logits[:, :-1], labels[:, 1:])`` (mean over counted tokens, or their sum
-    over ``num_items_in_batch`` when the HF Trainer passes it) plus the VQ commitment loss
-    of the forward -- the number linattn's trainer computes on that batch.
+    ``cross_entropy(logits[:, :-1], labels[:, 1:])`` (mean over counted tokens) plus the VQ
+    commitment loss of the forward -- the number linattn's trainer computes on that batch.
+    With ``num_items_in_batch`` (the HF ``Trainer`` under gradient accumulation: the counted
+    targets of the whole optimizer step) the loss is this micro-batch's share of the step's:
+    the summed cross-entropy over ``num_items_in_batch``, plus the commitment loss times this
+    micro-batch's counted targets over ``num_items_in_batch``. The micro-batches' losses then
+    add up to the step's: exactly the full batch's when the micro-batches hold counted
+    targets in proportion to their tokens (equal shapes, no -100 labels), else the commitment
+    term is their target-weighted mean.
 
     ``generate`` carries a ``LinattnCache`` (constant memory for every recurrent
     mechanism); greedy, sampling, beam search, left-padded batches and ``use_cache=False``
@@ -278,15 +400,6 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         model.lm.load_state_dict(lm.state_dict())
         parameter = next(lm.parameters())
         return model.to(device=parameter.device, dtype=parameter.dtype)
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.lm.embed
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.lm.embed = value
-
-    def get_output_embeddings(self) -> nn.Linear | None:
-        return self.lm.head
 
     def update_codebooks(self) -> None:
         """The EMA codebook update of every VQ layer (once per optimizer step in training)."""
@@ -320,7 +433,10 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         logits = self.lm.logits(h[:, keep])
         loss = None
         if labels is not None:
-            loss = causal_lm_loss(logits, labels, num_items) + commit.to(logits.dtype)
+            commit = commit.to(logits.dtype)
+            if num_items is not None:
+                commit = commit * _share_of_targets(labels, num_items, logits)
+            loss = causal_lm_loss(logits, labels, num_items) + commit
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache, hidden_states=hidden)
         return output if self.model._return_dict(return_dict) else output.to_tuple()
 
@@ -339,6 +455,14 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batc
         return F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100)
     total = F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     return total / torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
+
+
+def _share_of_targets(labels: torch.Tensor, num_items_in_batch: Any, like: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's counted targets (``labels[:, 1:] != -100``, what the HF ``Trainer``
+    counts for a causal LM) over ``num_items_in_batch``, the step's: the weight of its
+    commitment loss, so the micro-batches of one optimizer step add up to the step's loss."""
+    counted = (labels[:, 1:] != -100).sum().to(device=like.device, dtype=like.dtype)
+    return counted / torch.as_tensor(num_items_in_batch, device=like.device).to(like.dtype)
 
 
 def lm_state_of(cache: LinattnCache) -> LMState:
