@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -60,21 +63,25 @@ def _worker(rank: int, root: str) -> None:
 
     patch.setattr(DistributedDataParallel, "no_sync", counting_no_sync)
     try:
-        data = root / "corpus.txt"
-        train(model_config(), run_config(data, root / "ddp", batch_size=4, grad_accum_steps=2), progress=False,
-              echo=lambda *a: None)
-        (root / f"deferred{rank}.json").write_text(json.dumps(len(deferred)))
-        train(model_config(), run_config(data, root / "fsdp", batch_size=4, grad_accum_steps=2, parallel="fsdp",
-                                         activation_checkpointing=True, checkpoint_every=2, keep_checkpoints=3),
-              progress=False, echo=lambda *a: None)
-        if rank == 0:
-            shutil.copytree(root / "fsdp", root / "fsdp-resumed")
-        dist.barrier()
-        train(None, None, resume=True, resume_from=2, out=root / "fsdp-resumed", progress=False,
-              echo=lambda *a: None)
+        _trainings(rank, root, deferred)
     finally:
         patch.undo()
         dist.destroy_process_group()
+
+
+def _trainings(rank: int, root: Path, deferred: list) -> None:
+    """DDP, FSDP and the FSDP run resumed from step 2, in both processes."""
+    data = root / "corpus.txt"
+    train(model_config(), run_config(data, root / "ddp", batch_size=4, grad_accum_steps=2), progress=False,
+          echo=lambda *a: None)
+    (root / f"deferred{rank}.json").write_text(json.dumps(len(deferred)))
+    train(model_config(), run_config(data, root / "fsdp", batch_size=4, grad_accum_steps=2, parallel="fsdp",
+                                     activation_checkpointing=True, checkpoint_every=2, keep_checkpoints=3),
+          progress=False, echo=lambda *a: None)
+    if rank == 0:
+        shutil.copytree(root / "fsdp", root / "fsdp-resumed")
+    dist.barrier()
+    train(None, None, resume=True, resume_from=2, out=root / "fsdp-resumed", progress=False, echo=lambda *a: None)
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +180,53 @@ def test_parallel_names_a_known_strategy():
     with pytest.raises(ValueError, match=r"^train\.parallel must be one of 'ddp', 'fsdp'; got 'zero'$"):
         TrainConfig(parallel="zero")
     assert TrainConfig(parallel="fsdp").parallel == "fsdp"
+
+
+# ----------------------------------------------------------------------------- the linattn command in 2 processes
+
+
+def run_ranks(args: list[str], cwd: Path, world: int = WORLD, timeout: float = 150
+              ) -> list[subprocess.CompletedProcess]:
+    """``linattn ARGS`` in ``world`` processes with the environment ``torchrun`` gives them
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) -> each rank's result,
+    its own stdout, stderr and exit code."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    base.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    processes = [subprocess.Popen([sys.executable, "-m", "linattn.cli", *args], cwd=cwd, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in range(world)]
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+TINY_RUN = ["--d-model", "16", "--n-layers", "2", "--n-heads", "2", "--batch-size", "2", "--context", "16",
+            "--threads", "1", "--set", "model.codebook_size=8", "--set", "model.block_size=4",
+            "--set", "model.gau_d_k=8"]
+
+
+def test_only_rank_0_prints_a_run_s_progress_and_summary(tmp_path):
+    """``linattn train`` under torchrun: rank 0 prints the model line, the evaluations and the
+    summary; rank 1 prints nothing, on stdout or stderr (no warning either), and both exit 0."""
+    (tmp_path / "corpus.txt").write_text(english_like(3000, seed=4))
+    rank0, rank1 = run_ranks(["train", "--data", "corpus.txt", "--out", "run", "--steps", "2", "--eval-every", "2",
+                              "--set", "train.eval_tokens=600", "--set", "train.eval_batch_size=1", *TINY_RUN],
+                             tmp_path)
+    assert (rank0.returncode, rank1.returncode) == (0, 0), rank0.stderr[-3000:] + rank1.stderr[-3000:]
+    assert "validation bpb before training" in rank0.stdout and "validation bpb:" in rank0.stdout
+    assert "train:" in rank0.stderr  # the progress bar
+    assert (rank1.stdout, rank1.stderr) == ("", "")
+
+
+def test_an_error_is_printed_by_rank_0_alone_and_every_rank_exits_with_its_code(tmp_path):
+    rank0, rank1 = run_ranks(["train", "--data", "missing.txt", "--out", "run", "--steps", "2", *TINY_RUN], tmp_path)
+    assert (rank0.returncode, rank1.returncode) == (2, 2)
+    assert rank0.stderr.startswith("linattn: error: ") and "missing.txt" in rank0.stderr
+    assert (rank1.stdout, rank1.stderr) == ("", "")

@@ -93,6 +93,17 @@ def broadcast_flag(flag: bool, context: Context) -> bool:
     return bool(value.item() > 0)
 
 
+def first_problem(message: str | None, context: Context) -> tuple[int, str] | None:
+    """``(rank, message)`` of the lowest rank whose ``message`` is not None, on every rank
+    (None when no rank has one): an error one process met, made known to all, so that every
+    process stops with the same exit code and rank 0, the one that prints, can name it."""
+    if not context.distributed:
+        return None if message is None else (0, message)
+    messages: list = [None] * context.world_size
+    dist.all_gather_object(messages, message)
+    return next(((rank, text) for rank, text in enumerate(messages) if text is not None), None)
+
+
 def barrier(context: Context) -> None:
     """Wait for every process (on the run's GPU under NCCL)."""
     if context.distributed:

@@ -132,8 +132,8 @@ def _load_data(train_config: TrainConfig, context: distributed.Context, checkpoi
     what changed, unless ``accept_new_data`` (then ``echo`` says so once and the later
     checkpoints record the new fingerprint); a checkpoint without a fingerprint (an older
     linattn's) is resumed with a note that the data could not be checked. Every process
-    opens and checks the data itself and the verdicts are shared (``broadcast_flag``), so a
-    refusal stops every process, none trains alone.
+    opens and checks the data itself and the verdicts are shared (``first_problem``), so a
+    refusal stops every process, none trains alone, and rank 0 names another rank's problem.
     """
     spec = _absolute_data(train_config.data)
     problem: Exception | None = None
@@ -152,10 +152,11 @@ def _load_data(train_config: TrainConfig, context: distributed.Context, checkpoi
         problem = error
     if context.is_main:
         distributed.barrier(context)
-    if distributed.broadcast_flag(problem is not None, context):
+    shared = distributed.first_problem(None if problem is None else str(problem), context)
+    if shared is not None:
         if problem is not None:
             raise problem
-        raise ValueError(f"data {spec}: another process could not open it or found that it changed (see its error)")
+        raise ValueError(f"data {spec}, on rank {shared[0]}: {shared[1]}")
     if note is not None and context.is_main:
         echo(note)
     return data, spec, fingerprint
