@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import linattn
 from linattn.models import LM, LMConfig
 from linattn.train import TrainConfig, evaluate_bpb, load_checkpoint, load_model, train
 from linattn.train import trainer as trainer_module
@@ -63,7 +65,12 @@ def _worker(rank: int, root: str) -> None:
 
     patch.setattr(DistributedDataParallel, "no_sync", counting_no_sync)
     try:
-        _trainings(rank, root, deferred)
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            _trainings(rank, root, deferred)
+        (root / f"warnings{rank}.json").write_text(json.dumps(
+            [{"category": w.category.__name__, "file": w.filename, "line": w.lineno, "message": str(w.message)}
+             for w in shown]))
     finally:
         patch.undo()
         dist.destroy_process_group()
@@ -174,6 +181,17 @@ def test_an_fsdp_run_resumes_exactly(parallel_runs):
         assert torch.equal(b.model[name], value), name
     for name, value in a.training.items():
         assert torch.equal(b.training[name], value), name
+
+
+def test_no_warning_comes_from_linattn_in_ddp_and_fsdp_runs(parallel_runs):
+    """The trainings of both processes (DDP, FSDP, FSDP resumed) under ``simplefilter("always")``:
+    no warning is attributed to a file of linattn (torch 2.13 deprecates DDP's
+    ``broadcast_buffers`` with a FutureWarning; FSDP2's view warning is silenced)."""
+    package = Path(linattn.__file__).parent
+    for rank in range(WORLD):
+        shown = json.loads((parallel_runs / f"warnings{rank}.json").read_text())
+        ours = [w for w in shown if Path(w["file"]).is_relative_to(package)]
+        assert ours == [], ours
 
 
 def test_parallel_names_a_known_strategy():

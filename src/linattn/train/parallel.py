@@ -1,7 +1,10 @@
 """How the model is spread over processes: ``train.parallel = "ddp" | "fsdp"``.
 
 - ``"ddp"``: DistributedDataParallel. Every process holds the whole model and optimizer
-  state; gradients are averaged by all-reduce.
+  state; gradients are averaged by all-reduce. The buffers (the codebooks and their EMA
+  statistics) are not broadcast before each forward (``forward_sync_buffers=False``; before
+  torch 2.13 ``broadcast_buffers=False``, which 2.13 deprecates): every rank updates them
+  from statistics summed over the ranks, so they stay equal on their own.
 - ``"fsdp"``: FSDP2 (``torch.distributed.fsdp.fully_shard``), each layer of ``LM.layers`` a
   unit and the LM itself the root (embedding, final norm, head). Parameters, gradients and
   AdamW's moments are sharded over the processes (DTensors on a 1-D device mesh); a unit's
@@ -23,6 +26,7 @@ would then need that library and a conversion step, for models that fit one host
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,13 +59,24 @@ def wrap(model: nn.Module, strategy: str, context: Context) -> nn.Module:
     if not context.distributed:
         return model
     if strategy == "ddp":
-        return DistributedDataParallel(model, device_ids=[context.device.index] if context.device.type == "cuda"
-                                       else None, broadcast_buffers=False)
+        device_ids = [context.device.index] if context.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **_rank_local_buffers())
     mesh = init_device_mesh(context.device.type, (context.world_size,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def _rank_local_buffers() -> dict[str, bool]:
+    """DDP's option for buffers that are not broadcast before each forward. torch 2.13 names it
+    ``forward_sync_buffers`` and deprecates ``broadcast_buffers`` (a FutureWarning); unlike the
+    old flag, the new one still broadcasts rank 0's buffers once, when DDP is built. That copy
+    changes no value: every rank built its model from the same seed, or loaded the same
+    checkpoint, and nothing has run yet."""
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 @contextmanager
