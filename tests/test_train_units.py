@@ -317,7 +317,7 @@ def test_restoring_the_rng_touches_cuda_only_on_a_cuda_device(monkeypatch):
     (0, 1, ["load"]), (0, 2, ["load", "barrier"]), (1, 2, ["barrier", "load"]), (2, 3, ["barrier", "load"])])
 def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, tmp_path, rank, world_size, expected):
     """Rank 0 may download the corpus: the others wait at a barrier until it has it. Then every
-    rank shares its verdict on the data (``broadcast_flag``), so all go on or all stop."""
+    rank shares its verdict on the data (``first_problem``), so all go on or all stop."""
     events = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: events.append("barrier"))
 
@@ -327,7 +327,7 @@ def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, tmp_path
 
     monkeypatch.setattr(trainer_module, "load_corpus", load_corpus)
     monkeypatch.setattr(trainer_module, "data_fingerprint", lambda data: {"kind": "fake"})
-    monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: events.append("verdict") or flag)
+    monkeypatch.setattr(distributed, "first_problem", lambda message, context: events.append("verdict") or None)
     corpus = str(tmp_path.resolve() / "some-corpus")
     config = TrainConfig(data=corpus, cache_dir="some-cache")
     assert trainer_module._load_data(config, Context(rank=rank, world_size=world_size)) == \
@@ -457,6 +457,8 @@ def mirrored_second_rank(monkeypatch) -> list[dict]:
     monkeypatch.setattr(distributed, "all_reduce_sum", mirrored_sum)
     monkeypatch.setattr(evaluate_module, "all_reduce_sum", mirrored_sum)  # imported by name there
     monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: flag)
+    monkeypatch.setattr(distributed, "first_problem",
+                        lambda message, context: None if message is None else (0, message))
     monkeypatch.setattr(distributed, "gather_objects",  # each rank's object arrives as its own copy
                         lambda value, context: [copy.deepcopy(value) for _ in range(context.world_size)])
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: None)
@@ -486,7 +488,7 @@ def test_under_ddp_on_cpu_the_model_is_wrapped_without_device_ids_and_logged_los
     monkeypatch.setattr(F, "cross_entropy", recording_cross_entropy)
     run = tmp_path / "run"
     train(linear_config(), run_config(write_corpus(tmp_path, 2000), run), progress=False, echo=quiet)
-    assert wrapped == [{"device_ids": None, "broadcast_buffers": False}]
+    assert wrapped == [{"device_ids": None, "forward_sync_buffers": False}]
     records = train_records(run)
     assert len(losses) == 3 and [r["loss"] for r in records] == losses
     assert [r["bpb"] for r in records] == [x / math.log(2) for x in losses]

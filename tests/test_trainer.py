@@ -606,6 +606,42 @@ def test_resume_with_another_process_count_is_refused(two_process_run):
     assert (out / "metrics.jsonl").read_text() == before  # nothing was rewritten
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_parallel_strategy_without_torchrun_is_refused_and_old_ddp_checkpoints_resume(tmp_path, monkeypatch,
+                                                                                        strategy):
+    """``train.parallel`` set in a single process (no WORLD_SIZE) is a ValueError naming
+    torchrun, before the run folder is touched; left unset the run trains. A checkpoint whose
+    train_config holds "ddp" (the default before None) resumes in one process."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(3000))
+    options = dict(data=str(data), steps=2, batch_size=2, context=16, eval_every=0, checkpoint_every=1, threads=1)
+    with pytest.raises(ValueError, match=rf"^train\.parallel='{strategy}' spreads .* launch it with torchrun"):
+        train(tiny_model(), TrainConfig(**options, out=str(tmp_path / "refused"), parallel=strategy),
+              progress=False, echo=quiet)
+    assert not (tmp_path / "refused").exists()
+    run = tmp_path / "run"
+    assert train(tiny_model(), TrainConfig(**options, out=str(run)), progress=False, echo=quiet)["step"] == 2
+    folder = run / "checkpoints" / "step-00000001"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["train_config"]["parallel"] is None
+    meta["train_config"]["parallel"] = strategy  # as a run under torchrun recorded it
+    write_meta(folder, meta, seal=True)
+    assert train(None, None, resume=True, resume_from=1, out=run, progress=False, echo=quiet)["step"] == 2
+
+
+def test_linattn_train_names_torchrun_for_a_parallel_strategy_in_one_process(tmp_path, monkeypatch, capsys):
+    from linattn.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(3000))
+    code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1",
+                 "--set", "train.parallel=fsdp", "--no-progress"])
+    assert code == 2
+    assert "torchrun --nproc_per_node" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------- carry schedule
 
 

@@ -43,10 +43,15 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def env_world_size() -> int:
+    """The number of processes ``torchrun`` started (``WORLD_SIZE``; 1 for a plain run)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup(device: str = "cpu") -> Context:
     """Join the process group that ``torchrun`` describes in the environment (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``); a plain run is rank 0 of 1."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = env_world_size()
     rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     target = torch.device(device)

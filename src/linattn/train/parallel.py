@@ -47,18 +47,29 @@ from .distributed import Context
 
 STRATEGIES = ("ddp", "fsdp")
 
+
+def check_launched(option: str, strategy: str | None, world_size: int) -> None:
+    """A strategy named (``strategy`` not None) for a run of one process is a ValueError that
+    names ``torchrun``: a launch without it would silently train a single process."""
+    if strategy is not None and world_size == 1:
+        raise ValueError(f"{option}={strategy!r} spreads training over processes, but this run is a single "
+                         f"process (not started by torchrun: WORLD_SIZE unset or 1): launch it with torchrun, e.g. "
+                         f"torchrun --nproc_per_node 2 $(which linattn) train ..., or leave {option} unset to "
+                         f"train in one process")
+
 # FSDP2 warns when a unit returns a view (a layer's carried state holds slices of its keys and
 # values): an in-place op on such an output would skip the gradient's all-gather. The trainer
 # never writes into layer outputs or states in place.
 _VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 
 
-def wrap(model: nn.Module, strategy: str, context: Context) -> nn.Module:
-    """The module the training step calls: ``model`` under DDP, or ``model`` itself sharded in
-    place by FSDP2 (its parameters become DTensors: build the optimizer afterwards)."""
+def wrap(model: nn.Module, strategy: str | None, context: Context) -> nn.Module:
+    """The module the training step calls: ``model`` under DDP (``strategy`` ``"ddp"`` or None),
+    or ``model`` itself sharded in place by FSDP2 (``"fsdp"``: its parameters become DTensors:
+    build the optimizer afterwards)."""
     if not context.distributed:
         return model
-    if strategy == "ddp":
+    if strategy in (None, "ddp"):
         device_ids = [context.device.index] if context.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids, **_rank_local_buffers())
     mesh = init_device_mesh(context.device.type, (context.world_size,))
@@ -68,13 +79,16 @@ def wrap(model: nn.Module, strategy: str, context: Context) -> nn.Module:
     return model
 
 
+_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
 def _rank_local_buffers() -> dict[str, bool]:
     """DDP's option for buffers that are not broadcast before each forward. torch 2.13 names it
     ``forward_sync_buffers`` and deprecates ``broadcast_buffers`` (a FutureWarning); unlike the
     old flag, the new one still broadcasts rank 0's buffers once, when DDP is built. That copy
     changes no value: every rank built its model from the same seed, or loaded the same
     checkpoint, and nothing has run yet."""
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+    if _FORWARD_SYNC_BUFFERS:
         return {"forward_sync_buffers": False}
     return {"broadcast_buffers": False}
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -262,7 +261,8 @@ def train(
     exactly as if the run had never stopped. ``steps`` (with ``resume``) sets a new total,
     e.g. to extend a finished run: the original schedule is kept and the extra steps train
     at its floor learning rate. Under ``torchrun`` every process calls this; rank 0 alone
-    writes.
+    writes. ``train_config.parallel`` set for a run of one process (not started by
+    ``torchrun``) is a ValueError naming ``torchrun``.
 
     The run folder is claimed first (``train/run_folder.py``): locked against a second
     writer, and for a new run (not ``resume``) refused if it holds a run already, unless
@@ -281,6 +281,8 @@ def train(
         raise ValueError("train needs a TrainConfig (or resume=True with out)")
     if overwrite and resume:
         raise ValueError("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
+    if not resume:
+        parallel.check_launched("train.parallel", train_config.parallel, distributed.env_world_size())
     if distributed.env_rank() != 0:  # under torchrun, rank 0 alone speaks and writes
         echo = _silent
     run_dir = Path(out if out is not None else train_config.out)
@@ -289,7 +291,7 @@ def train(
         try:
             claim = claim_run_folder(run_dir, fresh=not resume, overwrite=overwrite, command=command, echo=echo)
         except RunFolderError as error:
-            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            if distributed.env_world_size() == 1:
                 raise
             refusal = error  # the other ranks learn it once the process group is up
     try:
