@@ -365,7 +365,7 @@ def test_checkpoints_record_the_data_position_and_tokens_seen(logged_run):
     for step in (5, 10, 15, 17):
         meta = json.loads((run / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text())
         assert meta["step"] == step
-        assert meta["data"] == {"window": step % windows, "pass": step // windows}
+        assert meta["data"] == {"window": step % windows, "pass": step // windows, "streams": 4}
         assert type(meta["data"]["pass"]) is int
         assert meta["tokens_seen"] == step * 4 * 16 and meta["world_size"] == 1
 

@@ -278,7 +278,7 @@ def test_resume_continues_the_data_position(resume_runs):
     """The corpus gives 14 windows per pass; the runs cross a pass boundary at step 14."""
     _, run, _ = resume_runs
     meta = load_checkpoint(run).meta
-    assert meta["data"] == {"window": RESUME_STEPS % 14, "pass": RESUME_STEPS // 14}
+    assert meta["data"] == {"window": RESUME_STEPS % 14, "pass": RESUME_STEPS // 14, "streams": 4}
     assert meta["tokens_seen"] == RESUME_STEPS * 4 * 32
     assert meta["world_size"] == 1
 
@@ -597,13 +597,31 @@ def test_two_process_training_learns_and_only_rank0_writes(two_process_run):
         assert torch.equal(value, rank0[name]), name
 
 
-def test_resume_with_another_process_count_is_refused(two_process_run):
+def test_a_two_process_checkpoint_resumes_in_one_process_but_not_in_three(two_process_run, tmp_path, monkeypatch):
+    """The run's global batch is 2 streams x 2 processes (evaluation: 1 x 2): 3 processes cannot
+    share it (refused before anything is said or written, naming the counts that can), one
+    process continues with both ranks' 4 streams and their carried states."""
     out, result = two_process_run
     assert result.returncode == 0, result.stderr[-4000:]
-    before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match="processes"):
-        train(None, None, resume=True, out=out, progress=False, echo=quiet)
-    assert (out / "metrics.jsonl").read_text() == before  # nothing was rewritten
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    before = (run / "metrics.jsonl").read_text()
+    lines = []
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"^--resume with 3 processes: its global batch of 4 streams \(train\.batch_"
+                                         r"size=2 per process x 2 processes\) cannot be shared evenly by 3 processes; "
+                                         r".* one of these process counts: 1, 2$"):
+        train(None, None, resume=True, steps=13, out=run, progress=False, echo=lines.append)
+    assert lines == [] and (run / "metrics.jsonl").read_text() == before
+    monkeypatch.delenv("WORLD_SIZE")
+    summary = train(None, None, resume=True, steps=13, out=run, progress=False, echo=lines.append)
+    assert summary["step"] == 13
+    assert lines[0].endswith("(written by 2 processes, continued by 1 process of 4 streams each: the same global "
+                             "batch of 4 streams)")
+    meta = load_checkpoint(run).meta
+    recorded = meta["train_config"]
+    assert (meta["world_size"], recorded["batch_size"], recorded["eval_batch_size"]) == (1, 4, 2)
+    assert meta["tokens_seen"] == 13 * 4 * 32
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -640,6 +658,13 @@ def test_linattn_train_names_torchrun_for_a_parallel_strategy_in_one_process(tmp
                  "--set", "train.parallel=fsdp", "--no-progress"])
     assert code == 2
     assert "torchrun --nproc_per_node" in capsys.readouterr().err
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2",
+                 "--context", "16", "--eval-every", "0", "--no-progress"]) == 0
+    capsys.readouterr()
+    code = main(["train", "--resume", "--out", str(tmp_path / "run"), "--steps", "2", "--parallel", "ddp",
+                 "--no-progress"])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("linattn: error: --parallel='ddp' spreads training over processes")
 
 
 # ------------------------------------------------------------------- carry schedule

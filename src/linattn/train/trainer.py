@@ -23,12 +23,13 @@ from .._checks import check_token_ids, is_int
 from ..data import (TokenStreams, bits_per_byte, data_fingerprint, evaluated_bytes, fingerprint_changes, load_corpus,
                     open_shards)
 from ..models import LM, LMConfig
-from . import distributed, parallel
+from . import distributed, parallel, resharding
 from .checkpoint import Checkpoint, find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
 from .evaluate import evaluate_bpb
 from .microbatch import join_states, split_rows, split_state
+from .parallel import check_launched
 from .optim import as_fused_state, trainer_adamw
 from .run_folder import RunFolderError, claim_run_folder
 from .run_tokenizer import setup_run_tokenizer
@@ -225,16 +226,23 @@ def compile_model(module: torch.nn.Module, **options) -> Callable:
     return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
 
 
-def code_perplexity(model: LM) -> torch.Tensor | None:
+def code_perplexity(model: LM, context: distributed.Context | None = None) -> torch.Tensor | None:
     """Mean over the VQ units of ``exp(entropy)`` of the code histogram of the assignments
-    counted since the last codebook update (all heads pooled; this process's tokens) -- the
-    step's ``codebook_perplexity``, whatever its number of micro-batches. None without VQ."""
+    counted since the last codebook update (all heads pooled) -- the step's
+    ``codebook_perplexity``, whatever its number of micro-batches. With ``context`` the counts
+    are summed over its processes first (one all-reduce): the histogram of the global batch,
+    whatever the number of processes; without, this process's tokens. None without VQ."""
+    histograms = [quantizer.pending_counts.sum(0) for quantizer in model.quantizers()]
+    if not histograms:
+        return None
+    if context is not None and context.distributed:
+        summed = distributed.all_reduce_sum(torch.cat(histograms), context)
+        histograms = summed.split([len(counts) for counts in histograms])
     perplexities = []
-    for quantizer in model.quantizers():
-        counts = quantizer.pending_counts.sum(0)
+    for counts in histograms:
         probs = counts / counts.sum()
         perplexities.append(torch.exp(-(probs * probs.clamp_min(1e-30).log()).sum()))
-    return torch.stack(perplexities).mean() if perplexities else None
+    return torch.stack(perplexities).mean()
 
 
 def train(
@@ -250,6 +258,7 @@ def train(
     command: str = "",
     echo=print,
     accept_new_data: bool = False,
+    parallel: str | None = None,
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
@@ -274,6 +283,11 @@ def train(
     of the data (``linattn.data.data_fingerprint``). ``resume`` refuses data that changed,
     moved or is missing since the checkpoint (a ``ValueError`` before training), unless
     ``accept_new_data``: then it continues on the data as it is now.
+
+    ``resume`` continues at any number of processes that shares the checkpoint's global
+    batch evenly, and under either strategy (``parallel``: ``"ddp"`` or ``"fsdp"``, default
+    the checkpoint's): the per-process batch and the carried states are re-cut, the streams
+    stay those of the global batch (``train/resharding.py``).
     """
     if resume and out is None:
         raise ValueError("resume needs the run folder (--out)")
@@ -282,7 +296,11 @@ def train(
     if overwrite and resume:
         raise ValueError("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
     if not resume:
-        parallel.check_launched("train.parallel", train_config.parallel, distributed.env_world_size())
+        if parallel is not None:
+            raise ValueError("parallel= picks the strategy of a resumed run; for a new run set TrainConfig.parallel")
+        check_launched("train.parallel", train_config.parallel, distributed.env_world_size())
+    elif parallel is not None:
+        check_launched("--parallel", parallel, distributed.env_world_size())
     if distributed.env_rank() != 0:  # under torchrun, rank 0 alone speaks and writes
         echo = _silent
     run_dir = Path(out if out is not None else train_config.out)
@@ -297,20 +315,24 @@ def train(
     try:
         return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
                               steps=steps, progress=progress, command=command, echo=echo,
-                              accept_new_data=accept_new_data)
+                              accept_new_data=accept_new_data, strategy=parallel)
     finally:
         if claim is not None:
             claim.release()
 
 
 def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
-                   echo, accept_new_data) -> dict[str, Any]:
+                   echo, accept_new_data, strategy=None) -> dict[str, Any]:
     """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
     out = run_dir
     if resume:
         checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
         model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
-        train_values = {**checkpoint.meta["train_config"], "out": str(out)}
+        written_by, world_size = resharding.written_world_size(checkpoint), distributed.env_world_size()
+        train_values = resharding.resharded_train_values({**checkpoint.meta["train_config"], "out": str(out)},
+                                                         written_by, world_size)
+        if strategy is not None:
+            train_values["parallel"] = strategy
         if steps is not None:
             if not is_int(steps) or steps <= checkpoint.step:
                 raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
@@ -318,7 +340,8 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
             train_values.update(decay_steps=train_values.get("decay_steps") or train_values["steps"], steps=steps)
         train_config = TrainConfig.from_dict(train_values)
         if checkpoint.step < train_config.steps:
-            echo(f"resuming {out} at step {checkpoint.step} of {train_config.steps} from {checkpoint.path}")
+            echo(f"resuming {out} at step {checkpoint.step} of {train_config.steps} from {checkpoint.path}"
+                 + resharding.resume_note(written_by, world_size, train_config.batch_size))
     else:
         checkpoint = None
         train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(out)})
@@ -341,9 +364,6 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     cfg = train_config
     device = context.device
     run_dir = Path(cfg.out)
-    if checkpoint is not None and checkpoint.meta.get("world_size", 1) != context.world_size:
-        raise ValueError(f"the checkpoint was written by {checkpoint.meta.get('world_size')} processes; resume it "
-                         f"with the same number (this run has {context.world_size}) so the data streams match")
     if checkpoint is not None and checkpoint.step >= cfg.steps:
         if context.is_main:
             echo(f"the run in {run_dir} is finished (step {checkpoint.step} of {cfg.steps}); nothing to train. "
@@ -364,7 +384,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         parallel.load_optimizer_state(model, optimizer, as_fused_state(checkpoint.optimizer_state()))
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
-        carries = split_state(checkpoint.carry(context.rank, device), cfg.grad_accum_steps)
+        carries = split_state(resharding.rank_carry(checkpoint, context.world_size, context.rank, device),
+                              cfg.grad_accum_steps)
 
     data, data_spec, fingerprint = _load_data(cfg, context, checkpoint, accept_new_data=accept_new_data, echo=echo)
     tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
@@ -427,7 +448,9 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             raise stop_diverged(step, [f"weights ({', '.join(nonfinite[:3])})"], step)
         meta = {
             "model_config": model_config.to_dict(), "train_config": {**cfg.to_dict(), "data": data_spec},
-            "world_size": context.world_size, "data": {"window": step % len(streams), "pass": step // len(streams)},
+            "world_size": context.world_size,
+            "data": {"window": step % len(streams), "pass": step // len(streams),
+                     "streams": cfg.batch_size * context.world_size},
             "data_fingerprint": fingerprint,
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
@@ -469,7 +492,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.found_inf = guard.observe(step + 1, loss, commit_loss, grad_norm, context)
                 optimizer.step()
-                perplexity = code_perplexity(model)
+                logging = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps  # this step is logged
+                perplexity = code_perplexity(model, context) if logging else None
                 model.update_codebooks(apply=optimizer.found_inf == 0)
                 carries = [model.carry(state) if cfg.carry_state else None for state in states]
                 step += 1
