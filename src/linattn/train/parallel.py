@@ -18,7 +18,8 @@ Checkpoints are gathered to rank 0 (``full_model_state``, ``full_optimizer_state
 written in the one format a single process writes: the whole model in
 ``model.safetensors``, the optimizer state indexed like ``torch.optim.Optimizer.state_dict``.
 So ``eval``, ``generate`` and ``export`` load an FSDP run like any other, and a run resumes
-under either strategy (with the same number of processes). The price is that rank 0 holds
+under either strategy, at any number of processes that shares its global batch
+(``train/resharding.py``). The price is that rank 0 holds
 the full model and optimizer state in CPU memory while it saves; sharded
 ``torch.distributed.checkpoint`` files would avoid that, but every reader of a checkpoint
 would then need that library and a conversion step, for models that fit one host anyway.
