@@ -248,3 +248,77 @@ def test_an_error_is_printed_by_rank_0_alone_and_every_rank_exits_with_its_code(
     assert (rank0.returncode, rank1.returncode) == (2, 2)
     assert rank0.stderr.startswith("linattn: error: ") and "missing.txt" in rank0.stderr
     assert (rank1.stdout, rank1.stderr) == ("", "")
+
+
+# ----------------------------------------------------------------------------- train.compile in 2 processes
+
+
+def _compiled_worker(rank: int, root: str) -> None:
+    """DDP (eager, then compiled) and FSDP with activation checkpointing (compiled), each 2
+    steps; per compiled run: dynamo's graph-break and graph counters, and what was compiled."""
+    from torch._dynamo.utils import counters
+
+    root = Path(root)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=WORLD)
+    patch = pytest.MonkeyPatch()
+    compiled = []
+    real_compile_model = trainer_module.compile_model
+
+    def aot_eager(function, **options):  # traces forward and backward, without inductor's C++ build
+        compiled.append(function)
+        return real_compile_model(function, backend="aot_eager")
+
+    patch.setattr(trainer_module, "compile_model", aot_eager)
+    config = LMConfig(d_model=16, n_layers=2, attention="linear:elu", n_heads=2, ffn_hidden=32, chunk_size=4)
+    seen = {}
+    try:
+        for name, options in (("ddp-eager", {}), ("ddp", {"compile": True}),
+                              ("fsdp", {"compile": True, "parallel": "fsdp", "activation_checkpointing": True})):
+            torch._dynamo.reset()
+            counters.clear()
+            compiled.clear()
+            summary = train(config, run_config(root / "corpus.txt", root / name, steps=2, batch_size=2, **options),
+                            progress=False, echo=lambda *a: None)
+            model = summary["model"]
+            seen[name] = {"graph_breaks": dict(counters["graph_break"]),
+                          "graphs": counters["stats"]["unique_graphs"],
+                          "compiled_layers": [getattr(f, "__self__", None) is layer for f, layer in
+                                              zip(compiled, model.layers)] if compiled else [],
+                          "compiled": len(compiled),
+                          "restored": all("forward" not in vars(layer) for layer in model.layers)
+                          and model.activation_checkpointing == bool(options.get("activation_checkpointing"))}
+        (root / f"compiled{rank}.json").write_text(json.dumps(seen))
+    finally:
+        patch.undo()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled")
+    (root / "corpus.txt").write_text(english_like(3000, seed=4))
+    mp.spawn(_compiled_worker, args=(str(root),), nprocs=WORLD, join=True)
+    return root
+
+
+def test_compile_under_ddp_and_fsdp_compiles_each_layer_without_a_graph_break(compiled_runs):
+    """``train.compile`` in 2 processes: each entry of ``LM.layers`` is compiled on its own (DDP:
+    the layers' forwards; FSDP with activation checkpointing: each forward under checkpoint),
+    dynamo counts no graph break and made graphs; the model comes back with its own forwards.
+    The compiled DDP run's losses are the eager run's (to float32 rounding)."""
+    for rank in range(WORLD):
+        seen = json.loads((compiled_runs / f"compiled{rank}.json").read_text())
+        assert seen["ddp-eager"]["compiled"] == 0 and seen["ddp-eager"]["graphs"] == 0
+        for name in ("ddp", "fsdp"):
+            run = seen[name]
+            assert run["graph_breaks"] == {}, (rank, name, run["graph_breaks"])
+            assert run["compiled"] == 2 and run["graphs"] >= 2, (rank, name, run)
+            assert run["restored"], (rank, name)
+        assert seen["ddp"]["compiled_layers"] == [True, True]  # the bound forwards of the two layers
+    eager, compiled = _records(compiled_runs / "ddp-eager"), _records(compiled_runs / "ddp")
+    assert len(eager) == len(compiled) == 2
+    for a, b in zip(eager, compiled):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

@@ -503,9 +503,10 @@ def test_compile_setting_is_a_bool():
 
 
 def test_train_compile_runs_the_compiled_model_and_trains_as_eager(tmp_path, monkeypatch):
-    """``train.compile = true``: steps run through ``torch.compile`` (the eager backend here,
-    with fullgraph=True, so any graph break fails), except the step of the k-means
-    initialisation, which runs eagerly; the logged losses equal eager training's."""
+    """``train.compile = true``: each layer's forward is compiled on its own (the eager backend
+    here, with fullgraph=True, so any graph break fails), and steps run through them, except
+    the step of the k-means initialisation, which runs eagerly; the logged losses equal eager
+    training's, and the returned model has its own forwards again."""
     compiled_modules, real_compile = [], torch.compile
 
     def recording_compile(module, **options):
@@ -520,10 +521,39 @@ def test_train_compile_runs_the_compiled_model_and_trains_as_eager(tmp_path, mon
     summary = train(config, run_config(data, tmp_path / "compiled", steps=4, compile=True), progress=False,
                     echo=quiet)
     torch._dynamo.reset()
-    assert compiled_modules == [summary["model"]]
+    model = summary["model"]
+    assert [function.__self__ for function in compiled_modules] == list(model.layers)
+    assert all("forward" not in vars(layer) for layer in model.layers)
     losses = [[r["loss"] for r in train_records(tmp_path / run)] for run in ("eager", "compiled")]
     assert len(losses[0]) == 4
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_train_compile_with_activation_checkpointing_counts_the_codebook_statistics_once(tmp_path, monkeypatch):
+    """Compiled layers under activation checkpointing recompute inside their graph (AOTAutograd
+    here): the codebooks' EMA sees each window's statistics once, as in eager training, so the
+    codebooks and the losses after 3 steps are eager's (a compiled layer recomputed from outside
+    would count them again in the backward pass)."""
+    data = write_corpus(tmp_path)
+    config = vq_config()
+    eager = train(config, run_config(data, tmp_path / "eager", activation_checkpointing=True), progress=False,
+                  echo=quiet)
+    real_compile_model = trainer_module.compile_model
+    monkeypatch.setattr(trainer_module, "compile_model",
+                        lambda function, **options: real_compile_model(function, backend="aot_eager"))
+    torch._dynamo.reset()
+    try:
+        compiled = train(config, run_config(data, tmp_path / "compiled", activation_checkpointing=True, compile=True),
+                         progress=False, echo=quiet)
+    finally:
+        torch._dynamo.reset()
+    losses = [[r["loss"] for r in train_records(tmp_path / run)] for run in ("eager", "compiled")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    codebooks = [dict(summary["model"].named_buffers()) for summary in (eager, compiled)]
+    for name in ("ema_counts", "ema_sums", "codebook"):
+        for key in [k for k in codebooks[0] if k.endswith("quantizer." + name)]:
+            torch.testing.assert_close(codebooks[1][key], codebooks[0][key], rtol=1e-5, atol=1e-6, msg=key)
+    assert compiled["model"].activation_checkpointing
 
 
 def test_training_tokens_outside_the_vocabulary_are_refused_where_they_are_loaded(tmp_path):

@@ -28,6 +28,7 @@ from .checkpoint import Checkpoint, find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
 from .evaluate import evaluate_bpb
+from .compiling import CompiledLayers
 from .microbatch import join_states, split_rows, split_state
 from .parallel import check_launched
 from .optim import as_fused_state, trainer_adamw
@@ -196,8 +197,9 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     reduced over processes only in the last block's backward. Returns the step's mean
     cross-entropy and mean commitment loss (detached) and the blocks' new states (not yet
     detached: pass them through ``LM.carry``). ``forward`` runs the model (default
-    ``trained``; its ``torch.compile`` wrapper under ``train.compile``); the ids are not
-    checked there (``check_inputs=False``): the trainer checks the split where it loads it.
+    ``trained``; under ``train.compile`` its layers are compiled in place,
+    ``train/compiling.py``); the ids are not checked there (``check_inputs=False``): the
+    trainer checks the split where it loads it.
     """
     forward = trained if forward is None else forward
     n = len(carries)
@@ -216,8 +218,9 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     return loss_sum / n, commit_sum / n, states
 
 
-def compile_model(module: torch.nn.Module, **options) -> Callable:
-    """``torch.compile(module, **options)`` for training. Python state that a training forward
+def compile_model(module: torch.nn.Module | Callable, **options) -> Callable:
+    """``torch.compile(module, **options)`` for training (``train.compile`` applies it to each
+    layer's forward, ``train/compiling.py``). Python state that a training forward
     writes (a codebook's restart candidates) is not written again when activation
     checkpointing recomputes a layer in the backward pass, as in eager mode, where the
     recomputation counts nothing (``nn/quantizer.py``, ``_inside_backward``); dynamo would
@@ -377,7 +380,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     if checkpoint is not None:
         model.load_state_dict(checkpoint.model, strict=True)
     trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
-    compiled = compile_model(trained) if cfg.compile else trained
+    layers = CompiledLayers(model, enabled=cfg.compile, checkpointing=cfg.activation_checkpointing,
+                            compile=compile_model)  # train.compile: each layer on its own
     optimizer = trainer_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
     if checkpoint is not None:
@@ -423,9 +427,10 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             raise stop_diverged(int(guard.first_step), guard.what(), step)
 
     def evaluate(step: int) -> float:
-        result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
-                              max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
-                              reset_every=cfg.carry_windows, dist_context=context, bf16=cfg.bf16)
+        with layers.eager():  # evaluation runs eagerly (its batch and no_grad would be graphs of their own)
+            result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
+                                  max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
+                                  reset_every=cfg.carry_windows, dist_context=context, bf16=cfg.bf16)
         record = {"step": step, "split": "validation", "bpb": result["bpb"], "tokens": result["tokens"]}
         if validation_bytes is not None:
             record.update(bpb=bits_per_byte(result, validation_bytes), bits_per_token=result["bpb"],
@@ -486,9 +491,9 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                 optimizer.zero_grad(set_to_none=True)
                 inputs, targets = streams.window(window)
                 # A k-means codebook initialisation (the first step) runs eagerly: no compiled graph holds it.
-                forward = trained if any(q.initialization_pending() for q in model.quantizers()) else compiled
-                loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
-                                                                 bf16=cfg.bf16, forward=forward)
+                with layers.eager(when=any(q.initialization_pending() for q in model.quantizers())):
+                    loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries,
+                                                                     device=device, bf16=cfg.bf16)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.found_inf = guard.observe(step + 1, loss, commit_loss, grad_norm, context)
                 optimizer.step()
@@ -550,6 +555,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     finally:
         bar.close()
         metrics.close()
+        layers.restore()
     summary.update(step=step, final_bpb=last_bpb, final_bpb_step=last_bpb_step, last_loss=loss_value,
                    elapsed=time.perf_counter() - started, model=model, byte_tokens=byte_tokens)
     return summary
