@@ -667,6 +667,46 @@ def test_linattn_train_names_torchrun_for_a_parallel_strategy_in_one_process(tmp
     assert capsys.readouterr().err.startswith("linattn: error: --parallel='ddp' spreads training over processes")
 
 
+def test_an_evaluation_that_does_not_fit_names_eval_batch_size_and_eval_tokens(tmp_path):
+    """The corpus's validation split is 5% of 4000 bytes = 200. 8 streams (train.eval_batch_size)
+    of context 32 need 8 x 33 = 264 tokens: refused before training, naming the settings and
+    the evaluation's budget (train.eval_tokens, or the whole split when it is unset); with
+    eval_every=0 nothing is evaluated, and nothing is refused."""
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(4000))
+    options = dict(data=str(data), steps=1, batch_size=2, context=32, eval_every=1, eval_batch_size=8, threads=1)
+    cases = [
+        (100, r"train\.eval_tokens=100 reads only 100 of the validation split's 200; lower train\.eval_batch_size "
+              r"or raise train\.eval_tokens$"),
+        (None, r"the whole validation split \(train\.eval_tokens unset\) has 200; lower train\.eval_batch_size$"),
+        (5000, r"the validation split has only 200 \(train\.eval_tokens=5000\); lower train\.eval_batch_size$"),
+    ]
+    for index, (budget, ending) in enumerate(cases):
+        run = tmp_path / f"run{index}"
+        with pytest.raises(ValueError, match=r"^train\.eval_batch_size=8 streams of context 32 need at least "
+                                             r"8 x \(32 \+ 1\) = 264 tokens per evaluation, but " + ending):
+            train(tiny_model(), TrainConfig(**options, eval_tokens=budget, out=str(run)), progress=False, echo=quiet)
+        assert not (run / "metrics.jsonl").exists()
+    summary = train(tiny_model(), TrainConfig(**{**options, "eval_every": 0}, out=str(tmp_path / "no-eval")),
+                    progress=False, echo=quiet)
+    assert summary["step"] == 1
+
+
+def test_linattn_eval_names_batch_size_and_max_tokens_when_the_evaluation_does_not_fit(tmp_path, capsys):
+    from linattn.cli import main
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(4000))
+    train(tiny_model(), TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=1, batch_size=2, context=32,
+                                    eval_every=0, threads=1), progress=False, echo=quiet)
+    assert main(["eval", "--ckpt", str(tmp_path / "run"), "--split", "validation", "--batch-size", "8",
+                 "--max-tokens", "100", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "linattn: error: --batch-size=8 streams of context 32 need at least 8 x (32 + 1) = 264 tokens per "
+        "evaluation, but --max-tokens=100 reads only 100 of the validation split's 200; lower --batch-size or raise "
+        "--max-tokens\n")
+
+
 # ------------------------------------------------------------------- carry schedule
 
 

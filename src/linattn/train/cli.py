@@ -29,7 +29,7 @@ from ..data import bits_per_byte, data_fingerprint, data_vocab_size, evaluated_b
 from ..models.layers import layer_spec_help
 from .checkpoint import Checkpoint, load_model
 from .config import TrainConfig, build_configs, load_run_file, parse_override
-from .evaluate import evaluate_bpb
+from .evaluate import check_evaluation_fits, evaluate_bpb
 from .run_tokenizer import check_same_tokenizer, load_run_tokenizer
 from .trainer import train
 
@@ -269,6 +269,8 @@ def run_eval(args: argparse.Namespace) -> int:
     check_same_tokenizer(checkpoint.meta.get("tokenizer"), data, what="--data")
     tokens = data.tokens(args.split)
     context = args.context or train_config["context"]
+    check_evaluation_fits(tokens.numel(), args.max_tokens, batch_size=args.batch_size, world_size=1, context=context,
+                          split=args.split, batch_name="--batch-size", budget_name="--max-tokens")
     total = (tokens.numel() if args.max_tokens is None else min(args.max_tokens, tokens.numel())) - 1
     n_bytes = evaluated_bytes(data, tokens[:args.max_tokens], context=context, n_streams=args.batch_size)
     unit = "B" if n_bytes is None else "tok"

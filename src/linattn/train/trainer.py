@@ -27,7 +27,7 @@ from . import distributed, parallel, resharding
 from .checkpoint import Checkpoint, find_resume_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
-from .evaluate import evaluate_bpb
+from .evaluate import check_evaluation_fits, evaluate_bpb
 from .compiling import CompiledLayers
 from .microbatch import join_states, split_rows, split_state
 from .parallel import check_launched
@@ -398,9 +398,13 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         check_token_ids(f"the tokens of {cfg.data}'s training split", data.tokens("train"), model_config.vocab_size)
     streams = TokenStreams(data.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
                            rank=context.rank, world_size=context.world_size)
-    validation = data.tokens("validation")
-    validation_bytes = evaluated_bytes(data, validation[:cfg.eval_tokens], context=cfg.context,
-                                       n_streams=cfg.eval_batch_size * context.world_size)
+    validation, validation_bytes = data.tokens("validation"), None
+    if cfg.eval_every:
+        check_evaluation_fits(validation.numel(), cfg.eval_tokens, batch_size=cfg.eval_batch_size,
+                              world_size=context.world_size, context=cfg.context, split="validation",
+                              batch_name="train.eval_batch_size", budget_name="train.eval_tokens")
+        validation_bytes = evaluated_bytes(data, validation[:cfg.eval_tokens], context=cfg.context,
+                                           n_streams=cfg.eval_batch_size * context.world_size)
     tokens_per_step = cfg.batch_size * cfg.context * context.world_size
     metrics = _Metrics(run_dir / "metrics.jsonl", context.is_main, start_step if checkpoint else None,
                        tensorboard=cfg.tensorboard)
