@@ -25,13 +25,13 @@ from ..data import (TokenStreams, bits_per_byte, data_fingerprint, evaluated_byt
 from ..models import LM, LMConfig
 from . import distributed, parallel, resharding
 from .checkpoint import Checkpoint, find_resume_checkpoint, save_checkpoint
+from .compiling import CompiledLayers
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
 from .evaluate import check_evaluation_fits, evaluate_bpb
-from .compiling import CompiledLayers
 from .microbatch import join_states, split_rows, split_state
-from .parallel import check_launched
 from .optim import as_fused_state, trainer_adamw
+from .parallel import check_launched
 from .run_folder import RunFolderError, claim_run_folder
 from .run_tokenizer import setup_run_tokenizer
 from .schedule import learning_rate
