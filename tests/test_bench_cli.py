@@ -318,6 +318,26 @@ def test_bench_train_times_the_trainer_after_its_warm_up(tmp_path, monkeypatch, 
     assert "--warmup (4) must be smaller than --steps (4)" in capsys.readouterr().err
 
 
+def test_bench_train_layouts_run_the_trainer_in_several_processes(tmp_path, monkeypatch, capsys):
+    """``--layouts single ddp:2``: a row per layout (and mode); the DDP row comes from rank 0 of
+    2 spawned processes and counts both processes' tokens per step. A malformed layout is an
+    argument error."""
+    _no_cuda(monkeypatch)
+    argv = ["bench", "train", "--config", str(_run_file(tmp_path, "cpu")), "--modes", "eager", "--steps", "3",
+            "--warmup", "1", "--threads", "1", "--layouts", "single", "ddp:2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    rows = _load(tmp_path / "out")["rows"]
+    assert [(r["layout"], r["processes"], r["parallel"], r["case"]) for r in rows] == [
+        ("single", 1, None, "eager"), ("ddp:2", 2, "ddp", "eager")]
+    assert [r["tokens_per_step"] for r in rows] == [2 * 16, 2 * 2 * 16]
+    assert all(len(r["losses"]) == 3 and r["tokens_per_s"] > 0 for r in rows)
+    text = (tmp_path / "out" / "results.md").read_text()
+    assert "| single | eager |" in text and "| ddp:2 | eager |" in text
+    for bad in ("ddp:1", "zero:2", "fsdp"):
+        assert main([*argv[:-5], "--layouts", bad, "--out", str(tmp_path / "bad")]) == 2
+        assert "expected 'single', 'ddp:N' or 'fsdp:N' with N >= 2 processes" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

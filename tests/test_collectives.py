@@ -84,6 +84,8 @@ class CheckedCollectives:
         monkeypatch.setattr(dist, "barrier", lambda *args, **kwargs: None)
         monkeypatch.setattr(dist, "gather_object", lambda obj, gathered=None, dst=0, group=None: gathered.__setitem__(
             slice(None), [copy.deepcopy(obj) for _ in gathered]))
+        monkeypatch.setattr(dist, "all_gather_object", lambda gathered, obj, group=None: gathered.__setitem__(
+            slice(None), [copy.deepcopy(obj) for _ in gathered]))
 
 
 @pytest.fixture
@@ -127,11 +129,12 @@ def test_training_and_evaluation_reduce_on_the_run_device(tmp_path, monkeypatch,
         summary = train(model_config, run_config, progress=False, echo=lambda *a: None)
     assert summary["step"] == 2 and summary["final_bpb"] is not None
     calls = two_mirrored_ranks.calls
-    # each kind of call site was exercised: the verdicts on the run folder and the data, the loss log,
-    # the divergence guard, the stop flag, the evaluation, the codebook EMA sums, k-means and
-    # dead-code restarts: the two verdicts once each, then at each (logged) step the guard's
-    # verdict on the step, the losses, the guard's check and the stop flag, and 2 evaluations
-    assert calls[("all_reduce", "linattn.train.distributed")] == 1 + 1 + 2 + 2 + 2 + 2 + 2
+    # each kind of call site was exercised: the verdict on the run folder, the loss log, the code
+    # histogram, the divergence guard, the stop flag, the evaluation, the codebook EMA sums, k-means
+    # and dead-code restarts: the verdict once, then at each (logged) step the guard's verdict on
+    # the step, the code histogram, the losses, the guard's check and the stop flag, and 2
+    # evaluations (the verdict on the data gathers objects, no tensor)
+    assert calls[("all_reduce", "linattn.train.distributed")] == 1 + 2 + 2 + 2 + 2 + 2 + 2
     assert calls[("all_reduce", "linattn.nn.codebook")] == 2 * 2 * 2  # 2 quantizers x 2 tensors x 2 steps
     assert calls[("broadcast", "linattn.nn.codebook")] >= 2 * 2  # k-means: values and mask per quantizer
 

@@ -98,7 +98,7 @@ TRAIN_FIELDS = {
     "batch_size": (st.sampled_from([1, 2, 4, 8]), BAD_COUNTS),
     "grad_accum_steps": (st.just(1), BAD_COUNTS),  # 1 divides any batch size
     "activation_checkpointing": (st.booleans(), BAD_BOOLS),
-    "parallel": (st.sampled_from(["ddp", "fsdp"]), bad("zero", None)),
+    "parallel": (optional(st.sampled_from(["ddp", "fsdp"])), bad("zero", "", 5)),
     "context": (st.integers(1, 4096), BAD_COUNTS),
     "lr": (floats(1e-6, 1.0), bad(0, 0.0, -1e-3, NAN, INF, "2e-3", None)),
     "min_lr_ratio": (floats(0, 1), bad(-0.1, 1.1, NAN, INF, None)),

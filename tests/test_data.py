@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tqdm import tqdm
 
 import linattn.data.cli as data_cli
 from linattn.data import ByteTokenizer, Corpus, TokenStreams, fetch_shakespeare, load_corpus, split_documents
@@ -510,3 +511,23 @@ def test_streaming_decoders_refuse_ids_that_are_not_integers(token):
     with pytest.raises(TypeError, match="integer"):
         ByteTokenizer().stream_decoder().feed(token)
     assert ByteTokenizer().stream_decoder().feed(torch.tensor(72)) == "H"
+
+
+def test_cli_data_prepare_shows_progress_while_the_bpe_learns_unless_told_not_to(tmp_path, capsys):
+    """``data prepare --tokenizer bpe:N`` draws a tqdm bar on stderr while the BPE reads the train
+    split (its bytes) and while it merges, then one per tokenized split; ``--no-progress``
+    draws none."""
+    source = tmp_path / "corpus.txt"
+    source.write_text("".join(f"line {i}: all the world's a stage, and all the men and women merely players.\n"
+                              for i in range(300)))
+    train_bytes = source.stat().st_size * 90 // 100
+    argv = ["data", "prepare", "--data", str(source), "--tokenizer", "bpe:300"]
+    assert _run_cli([*argv, "--out", str(tmp_path / "shown")]) == 0
+    err = capsys.readouterr().err
+    size = tqdm.format_sizeof(train_bytes)
+    assert f"learning BPE: reading:   0%|          | 0.00/{size} " in err
+    assert f"learning BPE: merging to 300 tokens: 100%|██████████| {size}/{size} " in err  # every train byte read
+    assert all(f"tokenizing {split}: 100%|" in err for split in ("train", "validation", "test"))
+    assert _run_cli([*argv, "--out", str(tmp_path / "quiet"), "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
+    assert (tmp_path / "quiet" / "tokenizer.json").read_bytes() == (tmp_path / "shown" / "tokenizer.json").read_bytes()

@@ -349,21 +349,23 @@ def _checkpoint_of(data: Path) -> Checkpoint:
     return Checkpoint(path=data.parent / "step-00000003", meta=meta, model={}, training={})
 
 
-def test_a_rank_with_good_data_stops_when_another_rank_refuses(tmp_path, monkeypatch):
+def test_a_rank_with_good_data_stops_when_another_rank_refuses_and_names_its_problem(tmp_path, monkeypatch):
+    """Rank 0 has good data, rank 1 refused: rank 0 stops too, with rank 1's message (only
+    rank 0 prints under torchrun)."""
     data = tmp_path / "data.txt"
     data.write_text(english_like(4000))
     shared = []
 
-    def another_rank_refuses(flag, context):
-        shared.append(flag)
-        return True
+    def another_rank_refuses(message, context):
+        shared.append(message)
+        return (1, "the data moved")
 
-    monkeypatch.setattr(distributed, "broadcast_flag", another_rank_refuses)
+    monkeypatch.setattr(distributed, "first_problem", another_rank_refuses)
     monkeypatch.setattr(distributed, "barrier", lambda context: None)
-    context = distributed.Context(rank=1, world_size=2)
-    with pytest.raises(ValueError, match="another process could not open it or found that it changed"):
+    context = distributed.Context(rank=0, world_size=2)
+    with pytest.raises(ValueError, match=r"data\.txt, on rank 1: the data moved$"):
         trainer_module._load_data(TrainConfig(data=str(data)), context, _checkpoint_of(data))
-    assert shared == [False]  # this rank's own verdict: the data is fine
+    assert shared == [None]  # this rank's own verdict: the data is fine
 
 
 def test_a_rank_that_refuses_shares_its_verdict_before_it_stops(tmp_path, monkeypatch):
@@ -372,8 +374,9 @@ def test_a_rank_that_refuses_shares_its_verdict_before_it_stops(tmp_path, monkey
     checkpoint = _checkpoint_of(data)
     data.write_text(english_like(4000, seed=3))
     shared = []
-    monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: shared.append(flag) or flag)
+    monkeypatch.setattr(distributed, "first_problem",
+                        lambda message, context: shared.append(message) or (context.rank, message))
     monkeypatch.setattr(distributed, "barrier", lambda context: None)
     with pytest.raises(ValueError, match="data.txt changed"):
         trainer_module._load_data(TrainConfig(data=str(data)), distributed.Context(rank=0, world_size=2), checkpoint)
-    assert shared == [True]
+    assert len(shared) == 1 and "data.txt changed" in shared[0]

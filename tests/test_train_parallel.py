@@ -9,6 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+import linattn
 from linattn.models import LM, LMConfig
 from linattn.train import TrainConfig, evaluate_bpb, load_checkpoint, load_model, train
 from linattn.train import trainer as trainer_module
@@ -60,21 +65,30 @@ def _worker(rank: int, root: str) -> None:
 
     patch.setattr(DistributedDataParallel, "no_sync", counting_no_sync)
     try:
-        data = root / "corpus.txt"
-        train(model_config(), run_config(data, root / "ddp", batch_size=4, grad_accum_steps=2), progress=False,
-              echo=lambda *a: None)
-        (root / f"deferred{rank}.json").write_text(json.dumps(len(deferred)))
-        train(model_config(), run_config(data, root / "fsdp", batch_size=4, grad_accum_steps=2, parallel="fsdp",
-                                         activation_checkpointing=True, checkpoint_every=2, keep_checkpoints=3),
-              progress=False, echo=lambda *a: None)
-        if rank == 0:
-            shutil.copytree(root / "fsdp", root / "fsdp-resumed")
-        dist.barrier()
-        train(None, None, resume=True, resume_from=2, out=root / "fsdp-resumed", progress=False,
-              echo=lambda *a: None)
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("always")
+            _trainings(rank, root, deferred)
+        (root / f"warnings{rank}.json").write_text(json.dumps(
+            [{"category": w.category.__name__, "file": w.filename, "line": w.lineno, "message": str(w.message)}
+             for w in shown]))
     finally:
         patch.undo()
         dist.destroy_process_group()
+
+
+def _trainings(rank: int, root: Path, deferred: list) -> None:
+    """DDP, FSDP and the FSDP run resumed from step 2, in both processes."""
+    data = root / "corpus.txt"
+    train(model_config(), run_config(data, root / "ddp", batch_size=4, grad_accum_steps=2), progress=False,
+          echo=lambda *a: None)
+    (root / f"deferred{rank}.json").write_text(json.dumps(len(deferred)))
+    train(model_config(), run_config(data, root / "fsdp", batch_size=4, grad_accum_steps=2, parallel="fsdp",
+                                     activation_checkpointing=True, checkpoint_every=2, keep_checkpoints=3),
+          progress=False, echo=lambda *a: None)
+    if rank == 0:
+        shutil.copytree(root / "fsdp", root / "fsdp-resumed")
+    dist.barrier()
+    train(None, None, resume=True, resume_from=2, out=root / "fsdp-resumed", progress=False, echo=lambda *a: None)
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +183,142 @@ def test_an_fsdp_run_resumes_exactly(parallel_runs):
         assert torch.equal(b.training[name], value), name
 
 
+def test_no_warning_comes_from_linattn_in_ddp_and_fsdp_runs(parallel_runs):
+    """The trainings of both processes (DDP, FSDP, FSDP resumed) under ``simplefilter("always")``:
+    no warning is attributed to a file of linattn (torch 2.13 deprecates DDP's
+    ``broadcast_buffers`` with a FutureWarning; FSDP2's view warning is silenced)."""
+    package = Path(linattn.__file__).parent
+    for rank in range(WORLD):
+        shown = json.loads((parallel_runs / f"warnings{rank}.json").read_text())
+        ours = [w for w in shown if Path(w["file"]).is_relative_to(package)]
+        assert ours == [], ours
+
+
 def test_parallel_names_a_known_strategy():
     with pytest.raises(ValueError, match=r"^train\.parallel must be one of 'ddp', 'fsdp'; got 'zero'$"):
         TrainConfig(parallel="zero")
     assert TrainConfig(parallel="fsdp").parallel == "fsdp"
+
+
+# ----------------------------------------------------------------------------- the linattn command in 2 processes
+
+
+def run_ranks(args: list[str], cwd: Path, world: int = WORLD, timeout: float = 150
+              ) -> list[subprocess.CompletedProcess]:
+    """``linattn ARGS`` in ``world`` processes with the environment ``torchrun`` gives them
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) -> each rank's result,
+    its own stdout, stderr and exit code."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                              "MASTER_PORT")}
+    base.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    processes = [subprocess.Popen([sys.executable, "-m", "linattn.cli", *args], cwd=cwd, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in range(world)]
+    results = []
+    for process in processes:
+        stdout, stderr = process.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    return results
+
+
+TINY_RUN = ["--d-model", "16", "--n-layers", "2", "--n-heads", "2", "--batch-size", "2", "--context", "16",
+            "--threads", "1", "--set", "model.codebook_size=8", "--set", "model.block_size=4",
+            "--set", "model.gau_d_k=8"]
+
+
+def test_only_rank_0_prints_a_run_s_progress_and_summary(tmp_path):
+    """``linattn train`` under torchrun: rank 0 prints the model line, the evaluations and the
+    summary; rank 1 prints nothing, on stdout or stderr (no warning either), and both exit 0."""
+    (tmp_path / "corpus.txt").write_text(english_like(3000, seed=4))
+    rank0, rank1 = run_ranks(["train", "--data", "corpus.txt", "--out", "run", "--steps", "2", "--eval-every", "2",
+                              "--set", "train.eval_tokens=600", "--set", "train.eval_batch_size=1", *TINY_RUN],
+                             tmp_path)
+    assert (rank0.returncode, rank1.returncode) == (0, 0), rank0.stderr[-3000:] + rank1.stderr[-3000:]
+    assert "validation bpb before training" in rank0.stdout and "validation bpb:" in rank0.stdout
+    assert "train:" in rank0.stderr  # the progress bar
+    assert (rank1.stdout, rank1.stderr) == ("", "")
+
+
+def test_an_error_is_printed_by_rank_0_alone_and_every_rank_exits_with_its_code(tmp_path):
+    rank0, rank1 = run_ranks(["train", "--data", "missing.txt", "--out", "run", "--steps", "2", *TINY_RUN], tmp_path)
+    assert (rank0.returncode, rank1.returncode) == (2, 2)
+    assert rank0.stderr.startswith("linattn: error: ") and "missing.txt" in rank0.stderr
+    assert (rank1.stdout, rank1.stderr) == ("", "")
+
+
+# ----------------------------------------------------------------------------- train.compile in 2 processes
+
+
+def _compiled_worker(rank: int, root: str) -> None:
+    """DDP (eager, then compiled) and FSDP with activation checkpointing (compiled), each 2
+    steps; per compiled run: dynamo's graph-break and graph counters, and what was compiled."""
+    from torch._dynamo.utils import counters
+
+    root = Path(root)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=WORLD)
+    patch = pytest.MonkeyPatch()
+    compiled = []
+    real_compile_model = trainer_module.compile_model
+
+    def aot_eager(function, **options):  # traces forward and backward, without inductor's C++ build
+        compiled.append(function)
+        return real_compile_model(function, backend="aot_eager")
+
+    patch.setattr(trainer_module, "compile_model", aot_eager)
+    config = LMConfig(d_model=16, n_layers=2, attention="linear:elu", n_heads=2, ffn_hidden=32, chunk_size=4)
+    seen = {}
+    try:
+        for name, options in (("ddp-eager", {}), ("ddp", {"compile": True}),
+                              ("fsdp", {"compile": True, "parallel": "fsdp", "activation_checkpointing": True})):
+            torch._dynamo.reset()
+            counters.clear()
+            compiled.clear()
+            summary = train(config, run_config(root / "corpus.txt", root / name, steps=2, batch_size=2, **options),
+                            progress=False, echo=lambda *a: None)
+            model = summary["model"]
+            seen[name] = {"graph_breaks": dict(counters["graph_break"]),
+                          "graphs": counters["stats"]["unique_graphs"],
+                          "compiled_layers": [getattr(f, "__self__", None) is layer for f, layer in
+                                              zip(compiled, model.layers)] if compiled else [],
+                          "compiled": len(compiled),
+                          "restored": all("forward" not in vars(layer) for layer in model.layers)
+                          and model.activation_checkpointing == bool(options.get("activation_checkpointing"))}
+        (root / f"compiled{rank}.json").write_text(json.dumps(seen))
+    finally:
+        patch.undo()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def compiled_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compiled")
+    (root / "corpus.txt").write_text(english_like(3000, seed=4))
+    mp.spawn(_compiled_worker, args=(str(root),), nprocs=WORLD, join=True)
+    return root
+
+
+def test_compile_under_ddp_and_fsdp_compiles_each_layer_without_a_graph_break(compiled_runs):
+    """``train.compile`` in 2 processes: each entry of ``LM.layers`` is compiled on its own (DDP:
+    the layers' forwards; FSDP with activation checkpointing: each forward under checkpoint),
+    dynamo counts no graph break and made graphs; the model comes back with its own forwards.
+    The compiled DDP run's losses are the eager run's (to float32 rounding)."""
+    for rank in range(WORLD):
+        seen = json.loads((compiled_runs / f"compiled{rank}.json").read_text())
+        assert seen["ddp-eager"]["compiled"] == 0 and seen["ddp-eager"]["graphs"] == 0
+        for name in ("ddp", "fsdp"):
+            run = seen[name]
+            assert run["graph_breaks"] == {}, (rank, name, run["graph_breaks"])
+            assert run["compiled"] == 2 and run["graphs"] >= 2, (rank, name, run)
+            assert run["restored"], (rank, name)
+        assert seen["ddp"]["compiled_layers"] == [True, True]  # the bound forwards of the two layers
+    eager, compiled = _records(compiled_runs / "ddp-eager"), _records(compiled_runs / "ddp")
+    assert len(eager) == len(compiled) == 2
+    for a, b in zip(eager, compiled):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

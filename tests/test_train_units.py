@@ -317,7 +317,7 @@ def test_restoring_the_rng_touches_cuda_only_on_a_cuda_device(monkeypatch):
     (0, 1, ["load"]), (0, 2, ["load", "barrier"]), (1, 2, ["barrier", "load"]), (2, 3, ["barrier", "load"])])
 def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, tmp_path, rank, world_size, expected):
     """Rank 0 may download the corpus: the others wait at a barrier until it has it. Then every
-    rank shares its verdict on the data (``broadcast_flag``), so all go on or all stop."""
+    rank shares its verdict on the data (``first_problem``), so all go on or all stop."""
     events = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: events.append("barrier"))
 
@@ -327,7 +327,7 @@ def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, tmp_path
 
     monkeypatch.setattr(trainer_module, "load_corpus", load_corpus)
     monkeypatch.setattr(trainer_module, "data_fingerprint", lambda data: {"kind": "fake"})
-    monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: events.append("verdict") or flag)
+    monkeypatch.setattr(distributed, "first_problem", lambda message, context: events.append("verdict") or None)
     corpus = str(tmp_path.resolve() / "some-corpus")
     config = TrainConfig(data=corpus, cache_dir="some-cache")
     assert trainer_module._load_data(config, Context(rank=rank, world_size=world_size)) == \
@@ -365,7 +365,7 @@ def test_checkpoints_record_the_data_position_and_tokens_seen(logged_run):
     for step in (5, 10, 15, 17):
         meta = json.loads((run / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text())
         assert meta["step"] == step
-        assert meta["data"] == {"window": step % windows, "pass": step // windows}
+        assert meta["data"] == {"window": step % windows, "pass": step // windows, "streams": 4}
         assert type(meta["data"]["pass"]) is int
         assert meta["tokens_seen"] == step * 4 * 16 and meta["world_size"] == 1
 
@@ -457,6 +457,8 @@ def mirrored_second_rank(monkeypatch) -> list[dict]:
     monkeypatch.setattr(distributed, "all_reduce_sum", mirrored_sum)
     monkeypatch.setattr(evaluate_module, "all_reduce_sum", mirrored_sum)  # imported by name there
     monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: flag)
+    monkeypatch.setattr(distributed, "first_problem",
+                        lambda message, context: None if message is None else (0, message))
     monkeypatch.setattr(distributed, "gather_objects",  # each rank's object arrives as its own copy
                         lambda value, context: [copy.deepcopy(value) for _ in range(context.world_size)])
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: None)
@@ -486,7 +488,7 @@ def test_under_ddp_on_cpu_the_model_is_wrapped_without_device_ids_and_logged_los
     monkeypatch.setattr(F, "cross_entropy", recording_cross_entropy)
     run = tmp_path / "run"
     train(linear_config(), run_config(write_corpus(tmp_path, 2000), run), progress=False, echo=quiet)
-    assert wrapped == [{"device_ids": None, "broadcast_buffers": False}]
+    assert wrapped == [{"device_ids": None, "forward_sync_buffers": False}]
     records = train_records(run)
     assert len(losses) == 3 and [r["loss"] for r in records] == losses
     assert [r["bpb"] for r in records] == [x / math.log(2) for x in losses]
@@ -501,9 +503,10 @@ def test_compile_setting_is_a_bool():
 
 
 def test_train_compile_runs_the_compiled_model_and_trains_as_eager(tmp_path, monkeypatch):
-    """``train.compile = true``: steps run through ``torch.compile`` (the eager backend here,
-    with fullgraph=True, so any graph break fails), except the step of the k-means
-    initialisation, which runs eagerly; the logged losses equal eager training's."""
+    """``train.compile = true``: each layer's forward is compiled on its own (the eager backend
+    here, with fullgraph=True, so any graph break fails), and steps run through them, except
+    the step of the k-means initialisation, which runs eagerly; the logged losses equal eager
+    training's, and the returned model has its own forwards again."""
     compiled_modules, real_compile = [], torch.compile
 
     def recording_compile(module, **options):
@@ -518,10 +521,39 @@ def test_train_compile_runs_the_compiled_model_and_trains_as_eager(tmp_path, mon
     summary = train(config, run_config(data, tmp_path / "compiled", steps=4, compile=True), progress=False,
                     echo=quiet)
     torch._dynamo.reset()
-    assert compiled_modules == [summary["model"]]
+    model = summary["model"]
+    assert [function.__self__ for function in compiled_modules] == list(model.layers)
+    assert all("forward" not in vars(layer) for layer in model.layers)
     losses = [[r["loss"] for r in train_records(tmp_path / run)] for run in ("eager", "compiled")]
     assert len(losses[0]) == 4
     assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_train_compile_with_activation_checkpointing_counts_the_codebook_statistics_once(tmp_path, monkeypatch):
+    """Compiled layers under activation checkpointing recompute inside their graph (AOTAutograd
+    here): the codebooks' EMA sees each window's statistics once, as in eager training, so the
+    codebooks and the losses after 3 steps are eager's (a compiled layer recomputed from outside
+    would count them again in the backward pass)."""
+    data = write_corpus(tmp_path)
+    config = vq_config()
+    eager = train(config, run_config(data, tmp_path / "eager", activation_checkpointing=True), progress=False,
+                  echo=quiet)
+    real_compile_model = trainer_module.compile_model
+    monkeypatch.setattr(trainer_module, "compile_model",
+                        lambda function, **options: real_compile_model(function, backend="aot_eager"))
+    torch._dynamo.reset()
+    try:
+        compiled = train(config, run_config(data, tmp_path / "compiled", activation_checkpointing=True, compile=True),
+                         progress=False, echo=quiet)
+    finally:
+        torch._dynamo.reset()
+    losses = [[r["loss"] for r in train_records(tmp_path / run)] for run in ("eager", "compiled")]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    codebooks = [dict(summary["model"].named_buffers()) for summary in (eager, compiled)]
+    for name in ("ema_counts", "ema_sums", "codebook"):
+        for key in [k for k in codebooks[0] if k.endswith("quantizer." + name)]:
+            torch.testing.assert_close(codebooks[1][key], codebooks[0][key], rtol=1e-5, atol=1e-6, msg=key)
+    assert compiled["model"].activation_checkpointing
 
 
 def test_training_tokens_outside_the_vocabulary_are_refused_where_they_are_loaded(tmp_path):

@@ -278,7 +278,7 @@ def test_resume_continues_the_data_position(resume_runs):
     """The corpus gives 14 windows per pass; the runs cross a pass boundary at step 14."""
     _, run, _ = resume_runs
     meta = load_checkpoint(run).meta
-    assert meta["data"] == {"window": RESUME_STEPS % 14, "pass": RESUME_STEPS // 14}
+    assert meta["data"] == {"window": RESUME_STEPS % 14, "pass": RESUME_STEPS // 14, "streams": 4}
     assert meta["tokens_seen"] == RESUME_STEPS * 4 * 32
     assert meta["world_size"] == 1
 
@@ -597,13 +597,114 @@ def test_two_process_training_learns_and_only_rank0_writes(two_process_run):
         assert torch.equal(value, rank0[name]), name
 
 
-def test_resume_with_another_process_count_is_refused(two_process_run):
+def test_a_two_process_checkpoint_resumes_in_one_process_but_not_in_three(two_process_run, tmp_path, monkeypatch):
+    """The run's global batch is 2 streams x 2 processes (evaluation: 1 x 2): 3 processes cannot
+    share it (refused before anything is said or written, naming the counts that can), one
+    process continues with both ranks' 4 streams and their carried states."""
     out, result = two_process_run
     assert result.returncode == 0, result.stderr[-4000:]
-    before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(ValueError, match="processes"):
-        train(None, None, resume=True, out=out, progress=False, echo=quiet)
-    assert (out / "metrics.jsonl").read_text() == before  # nothing was rewritten
+    run = tmp_path / "run"
+    shutil.copytree(out, run)
+    before = (run / "metrics.jsonl").read_text()
+    lines = []
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"^--resume with 3 processes: its global batch of 4 streams \(train\.batch_"
+                                         r"size=2 per process x 2 processes\) cannot be shared evenly by 3 processes; "
+                                         r".* one of these process counts: 1, 2$"):
+        train(None, None, resume=True, steps=13, out=run, progress=False, echo=lines.append)
+    assert lines == [] and (run / "metrics.jsonl").read_text() == before
+    monkeypatch.delenv("WORLD_SIZE")
+    summary = train(None, None, resume=True, steps=13, out=run, progress=False, echo=lines.append)
+    assert summary["step"] == 13
+    assert lines[0].endswith("(written by 2 processes, continued by 1 process of 4 streams each: the same global "
+                             "batch of 4 streams)")
+    meta = load_checkpoint(run).meta
+    recorded = meta["train_config"]
+    assert (meta["world_size"], recorded["batch_size"], recorded["eval_batch_size"]) == (1, 4, 2)
+    assert meta["tokens_seen"] == 13 * 4 * 32
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_parallel_strategy_without_torchrun_is_refused_and_old_ddp_checkpoints_resume(tmp_path, monkeypatch,
+                                                                                        strategy):
+    """``train.parallel`` set in a single process (no WORLD_SIZE) is a ValueError naming
+    torchrun, before the run folder is touched; left unset the run trains. A checkpoint whose
+    train_config holds "ddp" (the default before None) resumes in one process."""
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(3000))
+    options = dict(data=str(data), steps=2, batch_size=2, context=16, eval_every=0, checkpoint_every=1, threads=1)
+    with pytest.raises(ValueError, match=rf"^train\.parallel='{strategy}' spreads .* launch it with torchrun"):
+        train(tiny_model(), TrainConfig(**options, out=str(tmp_path / "refused"), parallel=strategy),
+              progress=False, echo=quiet)
+    assert not (tmp_path / "refused").exists()
+    run = tmp_path / "run"
+    assert train(tiny_model(), TrainConfig(**options, out=str(run)), progress=False, echo=quiet)["step"] == 2
+    folder = run / "checkpoints" / "step-00000001"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["train_config"]["parallel"] is None
+    meta["train_config"]["parallel"] = strategy  # as a run under torchrun recorded it
+    write_meta(folder, meta, seal=True)
+    assert train(None, None, resume=True, resume_from=1, out=run, progress=False, echo=quiet)["step"] == 2
+
+
+def test_linattn_train_names_torchrun_for_a_parallel_strategy_in_one_process(tmp_path, monkeypatch, capsys):
+    from linattn.cli import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(3000))
+    code = main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1",
+                 "--set", "train.parallel=fsdp", "--no-progress"])
+    assert code == 2
+    assert "torchrun --nproc_per_node" in capsys.readouterr().err
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1", "--batch-size", "2",
+                 "--context", "16", "--eval-every", "0", "--no-progress"]) == 0
+    capsys.readouterr()
+    code = main(["train", "--resume", "--out", str(tmp_path / "run"), "--steps", "2", "--parallel", "ddp",
+                 "--no-progress"])
+    assert code == 2
+    assert capsys.readouterr().err.startswith("linattn: error: --parallel='ddp' spreads training over processes")
+
+
+def test_an_evaluation_that_does_not_fit_names_eval_batch_size_and_eval_tokens(tmp_path):
+    """The corpus's validation split is 5% of 4000 bytes = 200. 8 streams (train.eval_batch_size)
+    of context 32 need 8 x 33 = 264 tokens: refused before training, naming the settings and
+    the evaluation's budget (train.eval_tokens, or the whole split when it is unset); with
+    eval_every=0 nothing is evaluated, and nothing is refused."""
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(4000))
+    options = dict(data=str(data), steps=1, batch_size=2, context=32, eval_every=1, eval_batch_size=8, threads=1)
+    cases = [
+        (100, r"train\.eval_tokens=100 reads only 100 of the validation split's 200; lower train\.eval_batch_size "
+              r"or raise train\.eval_tokens$"),
+        (None, r"the whole validation split \(train\.eval_tokens unset\) has 200; lower train\.eval_batch_size$"),
+        (5000, r"the validation split has only 200 \(train\.eval_tokens=5000\); lower train\.eval_batch_size$"),
+    ]
+    for index, (budget, ending) in enumerate(cases):
+        run = tmp_path / f"run{index}"
+        with pytest.raises(ValueError, match=r"^train\.eval_batch_size=8 streams of context 32 need at least "
+                                             r"8 x \(32 \+ 1\) = 264 tokens per evaluation, but " + ending):
+            train(tiny_model(), TrainConfig(**options, eval_tokens=budget, out=str(run)), progress=False, echo=quiet)
+        assert not (run / "metrics.jsonl").exists()
+    summary = train(tiny_model(), TrainConfig(**{**options, "eval_every": 0}, out=str(tmp_path / "no-eval")),
+                    progress=False, echo=quiet)
+    assert summary["step"] == 1
+
+
+def test_linattn_eval_names_batch_size_and_max_tokens_when_the_evaluation_does_not_fit(tmp_path, capsys):
+    from linattn.cli import main
+
+    data = tmp_path / "corpus.txt"
+    data.write_text(english_like(4000))
+    train(tiny_model(), TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=1, batch_size=2, context=32,
+                                    eval_every=0, threads=1), progress=False, echo=quiet)
+    assert main(["eval", "--ckpt", str(tmp_path / "run"), "--split", "validation", "--batch-size", "8",
+                 "--max-tokens", "100", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (
+        "linattn: error: --batch-size=8 streams of context 32 need at least 8 x (32 + 1) = 264 tokens per "
+        "evaluation, but --max-tokens=100 reads only 100 of the validation split's 200; lower --batch-size or raise "
+        "--max-tokens\n")
 
 
 # ------------------------------------------------------------------- carry schedule

@@ -9,14 +9,23 @@ the parser default; listing the module in ``_COMMAND_GROUPS`` wires it in (``tra
 Exit codes: 0 success, 2 bad arguments (argparse) or invalid values rejected by the
 library (``ValueError``/``TypeError``, printed as ``linattn: error: ...``), 3 a training run
 that diverged (``TrainingDiverged``: a non-finite loss or gradient), 130 on Ctrl-C.
+
+Under ``torchrun`` every process runs the command, and rank 0 alone speaks: the others run
+with their ``sys.stdout`` and ``sys.stderr`` sent to ``os.devnull`` (no progress, summary,
+warning or ``linattn: error`` line) and return the same exit code, since every error a run
+can meet on one process is shared with the others before anything trains
+(``train/distributed.py``). An unexpected exception still prints its traceback on every
+rank: it leaves the silenced block before Python reports it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
 from . import __version__
 from .bench import cli as bench_cli
@@ -24,6 +33,7 @@ from .data import cli as data_cli
 from . import convert, hf_cli, inspector
 from .repro import cli as repro_cli
 from .train import cli as train_cli
+from .train.distributed import env_rank
 from .train.divergence import TrainingDiverged
 
 _COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, repro_cli)
@@ -39,9 +49,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextmanager
+def _speaking(rank: int) -> Iterator[None]:
+    """Within: this process's output as is on rank 0, else ``sys.stdout``/``sys.stderr`` go
+    to ``os.devnull`` (under ``torchrun`` rank 0 alone speaks)."""
+    if rank == 0:
+        yield
+        return
+    with open(os.devnull, "w", encoding="utf-8") as sink, redirect_stdout(sink), redirect_stderr(sink):
+        yield
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``linattn`` with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    """Run ``linattn`` with ``argv`` (default ``sys.argv[1:]``); return the exit code. Under
+    ``torchrun`` only rank 0 prints (see the module docstring)."""
     argv = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
+    with _speaking(env_rank()):
+        return _run(argv)
+
+
+def _run(argv: list[str]) -> int:
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_request:  # --help, --version, or an argparse error (code 2)

@@ -50,6 +50,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     prepare.add_argument("--tokenizer", required=True, metavar="bytes|bpe:VOCAB|PATH",
                          help="'bytes', 'bpe:VOCAB' (e.g. bpe:2048) or the path of a tokenizer.json")
     prepare.add_argument("--out", required=True, metavar="DIR", help="the shard folder to write (new or empty)")
+    prepare.add_argument("--no-progress", action="store_true",
+                         help="no progress bars (by default on stderr while a BPE is learned and the splits are "
+                              "tokenized)")
     _add_source_arguments(prepare)
     prepare.set_defaults(handler=_run_prepare)
 
@@ -79,7 +82,8 @@ def _run_info(args: argparse.Namespace) -> int:
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
-    out = prepare_shards(args.data, args.tokenizer, args.out, cache_dir=args.cache_dir, archive=args.archive)
+    out = prepare_shards(args.data, args.tokenizer, args.out, cache_dir=args.cache_dir, archive=args.archive,
+                         progress=not args.no_progress)
     shards = Shards(out)
     print(f"wrote {out}: vocabulary {shards.vocab_size}, {shards.meta['dtype']}; train with: "
           f"linattn train --data {out} ...")

@@ -19,10 +19,13 @@ is the number of text bytes each token stands for (what bits per *byte* divide b
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from .tokenizer import _as_int_list, _check_integer
 
@@ -38,8 +41,15 @@ def _tokenizers():
     return tokenizers
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> "HFTokenizer":
-    """A byte-level BPE of ``vocab_size`` tokens (at most) learned from ``texts``."""
+def train_bpe(texts: Iterable[str], vocab_size: int, *, progress: bool = False,
+              total_bytes: int | None = None) -> "HFTokenizer":
+    """A byte-level BPE of ``vocab_size`` tokens (at most) learned from ``texts``.
+
+    ``progress``: a tqdm bar on stderr while it learns: the UTF-8 bytes of the texts read so
+    far (of ``total_bytes``, when given), then, once every text is read, the merges, which the
+    ``tokenizers`` library computes without reporting how far it is: the bar names that phase
+    and its clock keeps running until the BPE is complete.
+    """
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < MIN_BPE_VOCAB:
         raise ValueError(f"vocab_size: expected an int >= {MIN_BPE_VOCAB} (the 256 bytes plus merges), "
                          f"got {vocab_size!r}")
@@ -49,8 +59,41 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> "HFTokenizer":
     core.decoder = tk.decoders.ByteLevel()
     trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[],
                                      initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
-    core.train_from_iterator(texts, trainer)
+    with tqdm(total=total_bytes, disable=not progress, desc="learning BPE: reading", unit="B", unit_scale=True,
+              dynamic_ncols=True) as bar:
+
+        def read() -> Iterator[str]:
+            for text in texts:
+                yield text
+                bar.update(len(text.encode("utf-8", errors="replace")))
+            bar.total = bar.n  # every text read (U+FFFD may stand for one invalid byte in total_bytes)
+            bar.set_description(f"learning BPE: merging to {vocab_size} tokens", refresh=True)
+
+        with _clock_running(bar):
+            core.train_from_iterator(read(), trainer)
     return HFTokenizer(core)
+
+
+@contextmanager
+def _clock_running(bar: tqdm, interval: float = 1.0) -> Iterator[None]:
+    """Within: ``bar`` is redrawn every ``interval`` seconds (its elapsed time moves while a
+    long call reports nothing; ``tokenizers`` releases the GIL while it learns)."""
+    if bar.disable:
+        yield
+        return
+    done = threading.Event()
+
+    def redraw() -> None:
+        while not done.wait(interval):
+            bar.refresh()
+
+    ticker = threading.Thread(target=redraw, name="bpe-progress", daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
 
 
 class HFStreamDecoder:

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from .corpus import Corpus, load_corpus
 from .hf_tokenizer import MIN_BPE_VOCAB, HFTokenizer, train_bpe
@@ -91,11 +92,17 @@ def text_pieces(data: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> Iterator[
 
     Invalid UTF-8 decodes to U+FFFD; cuts fall before ASCII bytes, never inside a character.
     """
+    for piece, _ in _sized_pieces(data, piece_bytes):
+        yield piece
+
+
+def _sized_pieces(data: torch.Tensor, piece_bytes: int = PIECE_BYTES) -> Iterator[tuple[str, int]]:
+    """``text_pieces`` with the number of bytes of ``data`` each piece decodes."""
     values = data.numpy()
     n, start = len(values), 0
     while start < n:
         end = _next_cut(values, start + max(1, piece_bytes))
-        yield bytes(values[start:end]).decode("utf-8", errors="replace")
+        yield bytes(values[start:end]).decode("utf-8", errors="replace"), end - start
         start = end
 
 
@@ -115,15 +122,18 @@ def _next_cut(values: np.ndarray, position: int) -> int:
 
 
 def prepare_shards(source: str | Path, tokenizer: str, out: str | Path, *, cache_dir: str | Path | None = None,
-                   archive: str | Path | None = None, echo: Callable[[str], None] = print) -> Path:
+                   archive: str | Path | None = None, echo: Callable[[str], None] = print,
+                   progress: bool = False) -> Path:
     """Tokenize the corpus ``source`` with ``tokenizer`` into the shard folder ``out``
-    (layout in the module docstring); returns ``out``. ``out`` must not exist or be empty."""
+    (layout in the module docstring); returns ``out``. ``out`` must not exist or be empty.
+    ``progress``: tqdm bars on stderr while a BPE is learned and while each split is
+    tokenized (bytes of the split)."""
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} already exists and is not an empty folder; remove it or choose another")
     kind, argument = parse_tokenizer(tokenizer)
     corpus = load_corpus(source, cache_dir=cache_dir, archive=archive)
-    tok = _build_tokenizer(kind, argument, corpus, echo)
+    tok = _build_tokenizer(kind, argument, corpus, echo, progress)
     vocab_size = ByteTokenizer.vocab_size if tok is None else tok.vocab_size
     dtype = dtype_for(vocab_size)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,7 +142,8 @@ def prepare_shards(source: str | Path, tokenizer: str, out: str | Path, *, cache
         splits = {}
         for split in SPLITS:
             file = f"{split}.bin"
-            count = _write_split(corpus.tokens(split), tok, np.dtype(dtype).newbyteorder("<"), staging / file)
+            count = _write_split(corpus.tokens(split), tok, np.dtype(dtype).newbyteorder("<"), staging / file,
+                                 progress=progress and tok is not None, name=split)
             splits[split] = {"file": file, "tokens": count, "bytes": corpus.byte_count(split),
                              "documents": corpus.documents[split]}
             echo(f"{split}: {corpus.byte_count(split):,} bytes -> {count:,} tokens")
@@ -157,19 +168,22 @@ def prepare_shards(source: str | Path, tokenizer: str, out: str | Path, *, cache
     return out
 
 
-def _build_tokenizer(kind: str, argument, corpus: Corpus, echo) -> HFTokenizer | None:
+def _build_tokenizer(kind: str, argument, corpus: Corpus, echo, progress: bool = False) -> HFTokenizer | None:
     if kind == "bytes":
         return None
     if kind == "file":
         return HFTokenizer.from_file(argument)
-    tok = train_bpe(text_pieces(corpus.tokens("train")), argument)
+    train = corpus.tokens("train")
+    tok = train_bpe(text_pieces(train), argument, progress=progress, total_bytes=train.numel())
     if tok.vocab_size < argument:
         echo(f"the train split has too few distinct pairs for {argument} tokens: the BPE has {tok.vocab_size}")
     return tok
 
 
-def _write_split(data: torch.Tensor, tok: HFTokenizer | None, dtype: np.dtype, path: Path) -> int:
-    """Write the ids of the uint8 split ``data`` to ``path`` as ``dtype``; return their count."""
+def _write_split(data: torch.Tensor, tok: HFTokenizer | None, dtype: np.dtype, path: Path, *,
+                 progress: bool = False, name: str = "") -> int:
+    """Write the ids of the uint8 split ``data`` to ``path`` as ``dtype``; return their count
+    (``progress``: a bar of the split's bytes tokenized, labelled ``name``)."""
     with open(path, "wb") as handle:
         if tok is None:
             data.numpy().astype(dtype).tofile(handle)
@@ -177,12 +191,18 @@ def _write_split(data: torch.Tensor, tok: HFTokenizer | None, dtype: np.dtype, p
         else:
             count = 0
             batch: list[str] = []
-            for piece in text_pieces(data):
-                batch.append(piece)
-                if len(batch) == _PIECES_PER_BATCH:
-                    count += _write_ids(tok, batch, dtype, handle)
-                    batch = []
-            count += _write_ids(tok, batch, dtype, handle)
+            batch_bytes = 0
+            with tqdm(total=data.numel(), disable=not progress, desc=f"tokenizing {name}", unit="B",
+                      unit_scale=True, dynamic_ncols=True) as bar:
+                for piece, size in _sized_pieces(data):
+                    batch.append(piece)
+                    batch_bytes += size
+                    if len(batch) == _PIECES_PER_BATCH:
+                        count += _write_ids(tok, batch, dtype, handle)
+                        bar.update(batch_bytes)
+                        batch, batch_bytes = [], 0
+                count += _write_ids(tok, batch, dtype, handle)
+                bar.update(batch_bytes)
         handle.flush()
         os.fsync(handle.fileno())
     return count

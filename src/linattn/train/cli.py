@@ -29,7 +29,7 @@ from ..data import bits_per_byte, data_fingerprint, data_vocab_size, evaluated_b
 from ..models.layers import layer_spec_help
 from .checkpoint import Checkpoint, load_model
 from .config import TrainConfig, build_configs, load_run_file, parse_override
-from .evaluate import evaluate_bpb
+from .evaluate import check_evaluation_fits, evaluate_bpb
 from .run_tokenizer import check_same_tokenizer, load_run_tokenizer
 from .trainer import train
 
@@ -41,7 +41,7 @@ _TRAIN_FLAGS = {
     "seed": ("train", "seed"), "eval_every": ("train", "eval_every"),
     "checkpoint_every": ("train", "checkpoint_every"), "log_every": ("train", "log_every"),
     "device": ("train", "device"), "cache_dir": ("train", "cache_dir"), "bf16": ("train", "bf16"),
-    "compile": ("train", "compile"),
+    "compile": ("train", "compile"), "parallel": ("train", "parallel"),
 }
 
 
@@ -57,7 +57,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         description="Train an LM on bytes or on token shards (default: byte-level Transformer-VQ on "
                     "Shakespeare). " + layer_spec_help() + ".",
         epilog="Multi-process: torchrun --nproc_per_node N $(which linattn) train ... (gloo on CPU, nccl on GPU; "
-               "DistributedDataParallel, or FSDP2 with --set train.parallel=fsdp). Less memory per step: "
+               "DistributedDataParallel, or FSDP2 with --parallel fsdp). --resume continues a run at any number of "
+               "processes that divides its global batch (batch size x processes), under either strategy. Less "
+               "memory per step: "
                "--set train.grad_accum_steps=N, --set train.activation_checkpointing=true.")
     p.add_argument("--config", metavar="FILE.toml", help="run file with [model] and [train] tables")
     p.add_argument("--attention", metavar="SPEC", help="layer attention spec or comma-separated pattern")
@@ -83,6 +85,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true", default=None,
                    help="torch.compile the model's forward and backward (the first steps take longer; on CPU "
                         "it needs a C++ compiler)")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"),
+                   help="under torchrun: DistributedDataParallel (the default there) or FSDP2 (sharded); refused "
+                        "without torchrun. With --resume: the strategy to continue under (default: the run's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                    help="any [model]/[train] setting, e.g. --set model.codebook_size=256 (repeatable)")
     p.add_argument("--out", required=False, metavar="DIR", help="run folder (checkpoints, metrics.jsonl)")
@@ -167,13 +172,14 @@ def run_train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     if args.resume:
         given = [f"--{flag.replace('_', '-')}" for flag in _TRAIN_FLAGS
-                 if flag != "steps" and getattr(args, flag) is not None]
+                 if flag not in ("steps", "parallel") and getattr(args, flag) is not None]
         given += ["--config"] if args.config else []
         given += ["--set"] if args.overrides else []
         if not args.out:
             raise ValueError("--resume needs --out DIR, the run folder to continue")
         if given:
-            raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps may change); "
+            raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps and --parallel may "
+                             f"change); "
                              f"drop {', '.join(given)}")
         if args.overwrite:
             raise ValueError("--overwrite starts a new run in place of the old one; drop it to --resume the run")
@@ -181,7 +187,8 @@ def run_train(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         resume_from = int(args.resume_from) if args.resume_from and args.resume_from.isdigit() else args.resume_from
         summary = train(None, None, resume=True, resume_from=resume_from, steps=args.steps, out=args.out,
-                        progress=progress, command=args.command_line, accept_new_data=args.accept_new_data)
+                        progress=progress, command=args.command_line, accept_new_data=args.accept_new_data,
+                        parallel=args.parallel)
     else:
         if args.resume_from is not None:
             raise ValueError("--from selects the checkpoint of --resume; add --resume")
@@ -262,6 +269,8 @@ def run_eval(args: argparse.Namespace) -> int:
     check_same_tokenizer(checkpoint.meta.get("tokenizer"), data, what="--data")
     tokens = data.tokens(args.split)
     context = args.context or train_config["context"]
+    check_evaluation_fits(tokens.numel(), args.max_tokens, batch_size=args.batch_size, world_size=1, context=context,
+                          split=args.split, batch_name="--batch-size", budget_name="--max-tokens")
     total = (tokens.numel() if args.max_tokens is None else min(args.max_tokens, tokens.numel())) - 1
     n_bytes = evaluated_bytes(data, tokens[:args.max_tokens], context=context, n_streams=args.batch_size)
     unit = "B" if n_bytes is None else "tok"

@@ -39,7 +39,9 @@ class TrainConfig:
     ``activation_checkpointing`` recomputes each layer's forward during backward
     (``LM.activation_checkpointing``): the same step with the activations of one layer held
     at a time. Under ``torchrun``, ``parallel`` picks DistributedDataParallel (``"ddp"``) or
-    FSDP2 (``"fsdp"``: parameters, gradients and optimizer state sharded over the processes).
+    FSDP2 (``"fsdp"``: parameters, gradients and optimizer state sharded over the processes);
+    None (the default) is ``"ddp"`` there. Set in a run that is one process (no ``torchrun``),
+    it is refused by ``train``: it would train one process where several were meant.
 
     A step whose loss, commitment loss or gradient norm is not finite is never applied: the
     run stops with an error naming the step and the last good checkpoint, or, with
@@ -54,7 +56,7 @@ class TrainConfig:
     batch_size: int = 16
     grad_accum_steps: int = 1  # micro-batches per optimizer step (each of batch_size / grad_accum_steps streams)
     activation_checkpointing: bool = False  # recompute each layer's forward in backward (less memory)
-    parallel: str = "ddp"  # several processes: "ddp" (replicated) or "fsdp" (FSDP2, sharded); train/parallel.py
+    parallel: str | None = None  # under torchrun: "ddp" (replicated; None: the same) or "fsdp" (FSDP2, sharded)
     context: int = 256
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -99,7 +101,8 @@ class TrainConfig:
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
         check_device("train.device", self.device)
         check_bool_fields(self, "train", ("bf16", "compile", "carry_state", "activation_checkpointing", "tensorboard"))
-        check_choice("train.parallel", self.parallel, STRATEGIES)
+        if self.parallel is not None:
+            check_choice("train.parallel", self.parallel, STRATEGIES)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

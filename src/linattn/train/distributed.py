@@ -43,10 +43,15 @@ def env_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def env_world_size() -> int:
+    """The number of processes ``torchrun`` started (``WORLD_SIZE``; 1 for a plain run)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def setup(device: str = "cpu") -> Context:
     """Join the process group that ``torchrun`` describes in the environment (``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``); a plain run is rank 0 of 1."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = env_world_size()
     rank = env_rank()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     target = torch.device(device)
@@ -91,6 +96,17 @@ def broadcast_flag(flag: bool, context: Context) -> bool:
     value = torch.tensor([1.0 if flag else 0.0], device=context.device)
     all_reduce_sum(value, context)
     return bool(value.item() > 0)
+
+
+def first_problem(message: str | None, context: Context) -> tuple[int, str] | None:
+    """``(rank, message)`` of the lowest rank whose ``message`` is not None, on every rank
+    (None when no rank has one): an error one process met, made known to all, so that every
+    process stops with the same exit code and rank 0, the one that prints, can name it."""
+    if not context.distributed:
+        return None if message is None else (0, message)
+    messages: list = [None] * context.world_size
+    dist.all_gather_object(messages, message)
+    return next(((rank, text) for rank, text in enumerate(messages) if text is not None), None)
 
 
 def barrier(context: Context) -> None:

@@ -12,6 +12,30 @@ from ..data import TokenStreams
 from .distributed import Context, all_reduce_sum
 
 
+def check_evaluation_fits(split_tokens: int, max_tokens: int | None, *, batch_size: int, world_size: int,
+                          context: int, split: str, batch_name: str, budget_name: str) -> None:
+    """An evaluation reads ``batch_size`` streams per process (``world_size`` processes) of at
+    least one window of ``context`` tokens (and the next one) from the first ``max_tokens``
+    tokens of a split of ``split_tokens`` (all of it for None): a ValueError naming the
+    settings (``batch_name``, ``budget_name``) when they ask for more than that."""
+    streams = batch_size * world_size
+    needed = streams * (context + 1)
+    available = split_tokens if max_tokens is None else min(max_tokens, split_tokens)
+    if available >= needed:
+        return
+    processes = f" x {world_size} processes" if world_size > 1 else ""
+    if max_tokens is None:
+        budget = f"the whole {split} split ({budget_name} unset) has {split_tokens}"
+    elif max_tokens <= split_tokens:
+        budget = f"{budget_name}={max_tokens} reads only {max_tokens} of the {split} split's {split_tokens}"
+    else:
+        budget = f"the {split} split has only {split_tokens} ({budget_name}={max_tokens})"
+    raise ValueError(f"{batch_name}={batch_size} streams{processes} of context {context} need at least "
+                     f"{streams} x ({context} + 1) = {needed} tokens per evaluation, but {budget}; lower "
+                     f"{batch_name}" + (f" or raise {budget_name}" if max_tokens is not None
+                                        and max_tokens < split_tokens else ""))
+
+
 @torch.no_grad()
 def evaluate_bpb(
     model,

@@ -1,7 +1,10 @@
 """How the model is spread over processes: ``train.parallel = "ddp" | "fsdp"``.
 
 - ``"ddp"``: DistributedDataParallel. Every process holds the whole model and optimizer
-  state; gradients are averaged by all-reduce.
+  state; gradients are averaged by all-reduce. The buffers (the codebooks and their EMA
+  statistics) are not broadcast before each forward (``forward_sync_buffers=False``; before
+  torch 2.13 ``broadcast_buffers=False``, which 2.13 deprecates): every rank updates them
+  from statistics summed over the ranks, so they stay equal on their own.
 - ``"fsdp"``: FSDP2 (``torch.distributed.fsdp.fully_shard``), each layer of ``LM.layers`` a
   unit and the LM itself the root (embedding, final norm, head). Parameters, gradients and
   AdamW's moments are sharded over the processes (DTensors on a 1-D device mesh); a unit's
@@ -15,7 +18,8 @@ Checkpoints are gathered to rank 0 (``full_model_state``, ``full_optimizer_state
 written in the one format a single process writes: the whole model in
 ``model.safetensors``, the optimizer state indexed like ``torch.optim.Optimizer.state_dict``.
 So ``eval``, ``generate`` and ``export`` load an FSDP run like any other, and a run resumes
-under either strategy (with the same number of processes). The price is that rank 0 holds
+under either strategy, at any number of processes that shares its global batch
+(``train/resharding.py``). The price is that rank 0 holds
 the full model and optimizer state in CPU memory while it saves; sharded
 ``torch.distributed.checkpoint`` files would avoid that, but every reader of a checkpoint
 would then need that library and a conversion step, for models that fit one host anyway.
@@ -23,6 +27,7 @@ would then need that library and a conversion step, for models that fit one host
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -43,25 +48,50 @@ from .distributed import Context
 
 STRATEGIES = ("ddp", "fsdp")
 
+
+def check_launched(option: str, strategy: str | None, world_size: int) -> None:
+    """A strategy named (``strategy`` not None) for a run of one process is a ValueError that
+    names ``torchrun``: a launch without it would silently train a single process."""
+    if strategy is not None and world_size == 1:
+        raise ValueError(f"{option}={strategy!r} spreads training over processes, but this run is a single "
+                         f"process (not started by torchrun: WORLD_SIZE unset or 1): launch it with torchrun, e.g. "
+                         f"torchrun --nproc_per_node 2 $(which linattn) train ..., or leave {option} unset to "
+                         f"train in one process")
+
 # FSDP2 warns when a unit returns a view (a layer's carried state holds slices of its keys and
 # values): an in-place op on such an output would skip the gradient's all-gather. The trainer
 # never writes into layer outputs or states in place.
 _VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"
 
 
-def wrap(model: nn.Module, strategy: str, context: Context) -> nn.Module:
-    """The module the training step calls: ``model`` under DDP, or ``model`` itself sharded in
-    place by FSDP2 (its parameters become DTensors: build the optimizer afterwards)."""
+def wrap(model: nn.Module, strategy: str | None, context: Context) -> nn.Module:
+    """The module the training step calls: ``model`` under DDP (``strategy`` ``"ddp"`` or None),
+    or ``model`` itself sharded in place by FSDP2 (``"fsdp"``: its parameters become DTensors:
+    build the optimizer afterwards)."""
     if not context.distributed:
         return model
-    if strategy == "ddp":
-        return DistributedDataParallel(model, device_ids=[context.device.index] if context.device.type == "cuda"
-                                       else None, broadcast_buffers=False)
+    if strategy in (None, "ddp"):
+        device_ids = [context.device.index] if context.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids, **_rank_local_buffers())
     mesh = init_device_mesh(context.device.type, (context.world_size,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+
+
+def _rank_local_buffers() -> dict[str, bool]:
+    """DDP's option for buffers that are not broadcast before each forward. torch 2.13 names it
+    ``forward_sync_buffers`` and deprecates ``broadcast_buffers`` (a FutureWarning); unlike the
+    old flag, the new one still broadcasts rank 0's buffers once, when DDP is built. That copy
+    changes no value: every rank built its model from the same seed, or loaded the same
+    checkpoint, and nothing has run yet."""
+    if _FORWARD_SYNC_BUFFERS:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
 
 
 @contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import time
 from collections.abc import Callable
@@ -24,13 +23,15 @@ from .._checks import check_token_ids, is_int
 from ..data import (TokenStreams, bits_per_byte, data_fingerprint, evaluated_bytes, fingerprint_changes, load_corpus,
                     open_shards)
 from ..models import LM, LMConfig
-from . import distributed, parallel
+from . import distributed, parallel, resharding
 from .checkpoint import Checkpoint, find_resume_checkpoint, save_checkpoint
+from .compiling import CompiledLayers
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
-from .evaluate import evaluate_bpb
+from .evaluate import check_evaluation_fits, evaluate_bpb
 from .microbatch import join_states, split_rows, split_state
 from .optim import as_fused_state, trainer_adamw
+from .parallel import check_launched
 from .run_folder import RunFolderError, claim_run_folder
 from .run_tokenizer import setup_run_tokenizer
 from .schedule import learning_rate
@@ -132,8 +133,8 @@ def _load_data(train_config: TrainConfig, context: distributed.Context, checkpoi
     what changed, unless ``accept_new_data`` (then ``echo`` says so once and the later
     checkpoints record the new fingerprint); a checkpoint without a fingerprint (an older
     linattn's) is resumed with a note that the data could not be checked. Every process
-    opens and checks the data itself and the verdicts are shared (``broadcast_flag``), so a
-    refusal stops every process, none trains alone.
+    opens and checks the data itself and the verdicts are shared (``first_problem``), so a
+    refusal stops every process, none trains alone, and rank 0 names another rank's problem.
     """
     spec = _absolute_data(train_config.data)
     problem: Exception | None = None
@@ -152,10 +153,11 @@ def _load_data(train_config: TrainConfig, context: distributed.Context, checkpoi
         problem = error
     if context.is_main:
         distributed.barrier(context)
-    if distributed.broadcast_flag(problem is not None, context):
+    shared = distributed.first_problem(None if problem is None else str(problem), context)
+    if shared is not None:
         if problem is not None:
             raise problem
-        raise ValueError(f"data {spec}: another process could not open it or found that it changed (see its error)")
+        raise ValueError(f"data {spec}, on rank {shared[0]}: {shared[1]}")
     if note is not None and context.is_main:
         echo(note)
     return data, spec, fingerprint
@@ -195,8 +197,9 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     reduced over processes only in the last block's backward. Returns the step's mean
     cross-entropy and mean commitment loss (detached) and the blocks' new states (not yet
     detached: pass them through ``LM.carry``). ``forward`` runs the model (default
-    ``trained``; its ``torch.compile`` wrapper under ``train.compile``); the ids are not
-    checked there (``check_inputs=False``): the trainer checks the split where it loads it.
+    ``trained``; under ``train.compile`` its layers are compiled in place,
+    ``train/compiling.py``); the ids are not checked there (``check_inputs=False``): the
+    trainer checks the split where it loads it.
     """
     forward = trained if forward is None else forward
     n = len(carries)
@@ -215,8 +218,9 @@ def accumulate_gradients(trained: torch.nn.Module, inputs: torch.Tensor, targets
     return loss_sum / n, commit_sum / n, states
 
 
-def compile_model(module: torch.nn.Module, **options) -> Callable:
-    """``torch.compile(module, **options)`` for training. Python state that a training forward
+def compile_model(module: torch.nn.Module | Callable, **options) -> Callable:
+    """``torch.compile(module, **options)`` for training (``train.compile`` applies it to each
+    layer's forward, ``train/compiling.py``). Python state that a training forward
     writes (a codebook's restart candidates) is not written again when activation
     checkpointing recomputes a layer in the backward pass, as in eager mode, where the
     recomputation counts nothing (``nn/quantizer.py``, ``_inside_backward``); dynamo would
@@ -225,16 +229,23 @@ def compile_model(module: torch.nn.Module, **options) -> Callable:
     return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)(compiled)
 
 
-def code_perplexity(model: LM) -> torch.Tensor | None:
+def code_perplexity(model: LM, context: distributed.Context | None = None) -> torch.Tensor | None:
     """Mean over the VQ units of ``exp(entropy)`` of the code histogram of the assignments
-    counted since the last codebook update (all heads pooled; this process's tokens) -- the
-    step's ``codebook_perplexity``, whatever its number of micro-batches. None without VQ."""
+    counted since the last codebook update (all heads pooled) -- the step's
+    ``codebook_perplexity``, whatever its number of micro-batches. With ``context`` the counts
+    are summed over its processes first (one all-reduce): the histogram of the global batch,
+    whatever the number of processes; without, this process's tokens. None without VQ."""
+    histograms = [quantizer.pending_counts.sum(0) for quantizer in model.quantizers()]
+    if not histograms:
+        return None
+    if context is not None and context.distributed:
+        summed = distributed.all_reduce_sum(torch.cat(histograms), context)
+        histograms = summed.split([len(counts) for counts in histograms])
     perplexities = []
-    for quantizer in model.quantizers():
-        counts = quantizer.pending_counts.sum(0)
+    for counts in histograms:
         probs = counts / counts.sum()
         perplexities.append(torch.exp(-(probs * probs.clamp_min(1e-30).log()).sum()))
-    return torch.stack(perplexities).mean() if perplexities else None
+    return torch.stack(perplexities).mean()
 
 
 def train(
@@ -250,6 +261,7 @@ def train(
     command: str = "",
     echo=print,
     accept_new_data: bool = False,
+    parallel: str | None = None,
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
@@ -261,7 +273,8 @@ def train(
     exactly as if the run had never stopped. ``steps`` (with ``resume``) sets a new total,
     e.g. to extend a finished run: the original schedule is kept and the extra steps train
     at its floor learning rate. Under ``torchrun`` every process calls this; rank 0 alone
-    writes.
+    writes. ``train_config.parallel`` set for a run of one process (not started by
+    ``torchrun``) is a ValueError naming ``torchrun``.
 
     The run folder is claimed first (``train/run_folder.py``): locked against a second
     writer, and for a new run (not ``resume``) refused if it holds a run already, unless
@@ -273,6 +286,11 @@ def train(
     of the data (``linattn.data.data_fingerprint``). ``resume`` refuses data that changed,
     moved or is missing since the checkpoint (a ``ValueError`` before training), unless
     ``accept_new_data``: then it continues on the data as it is now.
+
+    ``resume`` continues at any number of processes that shares the checkpoint's global
+    batch evenly, and under either strategy (``parallel``: ``"ddp"`` or ``"fsdp"``, default
+    the checkpoint's): the per-process batch and the carried states are re-cut, the streams
+    stay those of the global batch (``train/resharding.py``).
     """
     if resume and out is None:
         raise ValueError("resume needs the run folder (--out)")
@@ -280,6 +298,12 @@ def train(
         raise ValueError("train needs a TrainConfig (or resume=True with out)")
     if overwrite and resume:
         raise ValueError("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
+    if not resume:
+        if parallel is not None:
+            raise ValueError("parallel= picks the strategy of a resumed run; for a new run set TrainConfig.parallel")
+        check_launched("train.parallel", train_config.parallel, distributed.env_world_size())
+    elif parallel is not None:
+        check_launched("--parallel", parallel, distributed.env_world_size())
     if distributed.env_rank() != 0:  # under torchrun, rank 0 alone speaks and writes
         echo = _silent
     run_dir = Path(out if out is not None else train_config.out)
@@ -288,26 +312,30 @@ def train(
         try:
             claim = claim_run_folder(run_dir, fresh=not resume, overwrite=overwrite, command=command, echo=echo)
         except RunFolderError as error:
-            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            if distributed.env_world_size() == 1:
                 raise
             refusal = error  # the other ranks learn it once the process group is up
     try:
         return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
                               steps=steps, progress=progress, command=command, echo=echo,
-                              accept_new_data=accept_new_data)
+                              accept_new_data=accept_new_data, strategy=parallel)
     finally:
         if claim is not None:
             claim.release()
 
 
 def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
-                   echo, accept_new_data) -> dict[str, Any]:
+                   echo, accept_new_data, strategy=None) -> dict[str, Any]:
     """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
     out = run_dir
     if resume:
         checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
         model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
-        train_values = {**checkpoint.meta["train_config"], "out": str(out)}
+        written_by, world_size = resharding.written_world_size(checkpoint), distributed.env_world_size()
+        train_values = resharding.resharded_train_values({**checkpoint.meta["train_config"], "out": str(out)},
+                                                         written_by, world_size)
+        if strategy is not None:
+            train_values["parallel"] = strategy
         if steps is not None:
             if not is_int(steps) or steps <= checkpoint.step:
                 raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
@@ -315,7 +343,8 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
             train_values.update(decay_steps=train_values.get("decay_steps") or train_values["steps"], steps=steps)
         train_config = TrainConfig.from_dict(train_values)
         if checkpoint.step < train_config.steps:
-            echo(f"resuming {out} at step {checkpoint.step} of {train_config.steps} from {checkpoint.path}")
+            echo(f"resuming {out} at step {checkpoint.step} of {train_config.steps} from {checkpoint.path}"
+                 + resharding.resume_note(written_by, world_size, train_config.batch_size))
     else:
         checkpoint = None
         train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(out)})
@@ -338,9 +367,6 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     cfg = train_config
     device = context.device
     run_dir = Path(cfg.out)
-    if checkpoint is not None and checkpoint.meta.get("world_size", 1) != context.world_size:
-        raise ValueError(f"the checkpoint was written by {checkpoint.meta.get('world_size')} processes; resume it "
-                         f"with the same number (this run has {context.world_size}) so the data streams match")
     if checkpoint is not None and checkpoint.step >= cfg.steps:
         if context.is_main:
             echo(f"the run in {run_dir} is finished (step {checkpoint.step} of {cfg.steps}); nothing to train. "
@@ -354,14 +380,16 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     if checkpoint is not None:
         model.load_state_dict(checkpoint.model, strict=True)
     trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
-    compiled = compile_model(trained) if cfg.compile else trained
+    layers = CompiledLayers(model, enabled=cfg.compile, checkpointing=cfg.activation_checkpointing,
+                            compile=compile_model)  # train.compile: each layer on its own
     optimizer = trainer_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
     if checkpoint is not None:
         parallel.load_optimizer_state(model, optimizer, as_fused_state(checkpoint.optimizer_state()))
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
-        carries = split_state(checkpoint.carry(context.rank, device), cfg.grad_accum_steps)
+        carries = split_state(resharding.rank_carry(checkpoint, context.world_size, context.rank, device),
+                              cfg.grad_accum_steps)
 
     data, data_spec, fingerprint = _load_data(cfg, context, checkpoint, accept_new_data=accept_new_data, echo=echo)
     tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
@@ -370,9 +398,13 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         check_token_ids(f"the tokens of {cfg.data}'s training split", data.tokens("train"), model_config.vocab_size)
     streams = TokenStreams(data.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
                            rank=context.rank, world_size=context.world_size)
-    validation = data.tokens("validation")
-    validation_bytes = evaluated_bytes(data, validation[:cfg.eval_tokens], context=cfg.context,
-                                       n_streams=cfg.eval_batch_size * context.world_size)
+    validation, validation_bytes = data.tokens("validation"), None
+    if cfg.eval_every:
+        check_evaluation_fits(validation.numel(), cfg.eval_tokens, batch_size=cfg.eval_batch_size,
+                              world_size=context.world_size, context=cfg.context, split="validation",
+                              batch_name="train.eval_batch_size", budget_name="train.eval_tokens")
+        validation_bytes = evaluated_bytes(data, validation[:cfg.eval_tokens], context=cfg.context,
+                                           n_streams=cfg.eval_batch_size * context.world_size)
     tokens_per_step = cfg.batch_size * cfg.context * context.world_size
     metrics = _Metrics(run_dir / "metrics.jsonl", context.is_main, start_step if checkpoint else None,
                        tensorboard=cfg.tensorboard)
@@ -399,9 +431,10 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             raise stop_diverged(int(guard.first_step), guard.what(), step)
 
     def evaluate(step: int) -> float:
-        result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
-                              max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
-                              reset_every=cfg.carry_windows, dist_context=context, bf16=cfg.bf16)
+        with layers.eager():  # evaluation runs eagerly (its batch and no_grad would be graphs of their own)
+            result = evaluate_bpb(model, validation, context=cfg.context, batch_size=cfg.eval_batch_size,
+                                  max_tokens=cfg.eval_tokens, carry_state=cfg.carry_state,
+                                  reset_every=cfg.carry_windows, dist_context=context, bf16=cfg.bf16)
         record = {"step": step, "split": "validation", "bpb": result["bpb"], "tokens": result["tokens"]}
         if validation_bytes is not None:
             record.update(bpb=bits_per_byte(result, validation_bytes), bits_per_token=result["bpb"],
@@ -424,7 +457,9 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             raise stop_diverged(step, [f"weights ({', '.join(nonfinite[:3])})"], step)
         meta = {
             "model_config": model_config.to_dict(), "train_config": {**cfg.to_dict(), "data": data_spec},
-            "world_size": context.world_size, "data": {"window": step % len(streams), "pass": step // len(streams)},
+            "world_size": context.world_size,
+            "data": {"window": step % len(streams), "pass": step // len(streams),
+                     "streams": cfg.batch_size * context.world_size},
             "data_fingerprint": fingerprint,
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
@@ -460,13 +495,14 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                 optimizer.zero_grad(set_to_none=True)
                 inputs, targets = streams.window(window)
                 # A k-means codebook initialisation (the first step) runs eagerly: no compiled graph holds it.
-                forward = trained if any(q.initialization_pending() for q in model.quantizers()) else compiled
-                loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries, device=device,
-                                                                 bf16=cfg.bf16, forward=forward)
+                with layers.eager(when=any(q.initialization_pending() for q in model.quantizers())):
+                    loss, commit_loss, states = accumulate_gradients(trained, inputs, targets, carries,
+                                                                     device=device, bf16=cfg.bf16)
                 grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
                 optimizer.found_inf = guard.observe(step + 1, loss, commit_loss, grad_norm, context)
                 optimizer.step()
-                perplexity = code_perplexity(model)
+                logging = (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps  # this step is logged
+                perplexity = code_perplexity(model, context) if logging else None
                 model.update_codebooks(apply=optimizer.found_inf == 0)
                 carries = [model.carry(state) if cfg.carry_state else None for state in states]
                 step += 1
@@ -523,6 +559,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     finally:
         bar.close()
         metrics.close()
+        layers.restore()
     summary.update(step=step, final_bpb=last_bpb, final_bpb_step=last_bpb_step, last_loss=loss_value,
                    elapsed=time.perf_counter() - started, model=model, byte_tokens=byte_tokens)
     return summary
