@@ -142,10 +142,10 @@ class LM(nn.Module):
 
     def _embedding_matrix(self) -> torch.Tensor:
         """The matrix the embedding looks tokens up in, ``[vocab, d_model]``: its ``weight``,
-        or, when the embedding is not a plain ``nn.Embedding`` (a PEFT LoRA layer wraps it, or
-        a hook changes its output), the rows it returns for every id, so a tied head sees
-        what the embedding computes."""
-        if type(self.embed) is nn.Embedding and not (self.embed._forward_hooks or self.embed._forward_pre_hooks):
+        or, when the embedding is not a plain ``nn.Embedding`` (a PEFT LoRA layer wraps it),
+        the rows it returns for every id, so a tied head sees what the embedding computes.
+        (A forward hook on a plain embedding changes its lookups, not the head.)"""
+        if type(self.embed) is nn.Embedding:
             return self.embed.weight
         return self.embed(torch.arange(self.config.vocab_size, device=self.embed.weight.device))
 
