@@ -293,3 +293,39 @@ def record_state_resets(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(LM, "forward", recording_forward)
     return seen
+
+
+def lm_eval_task(tmp_path, monkeypatch, name: str, docs: list[dict], *, target_delimiter: str | None = None):
+    """A local lm-evaluation-harness task ``name``: ``loglikelihood`` perplexity over ``docs``
+    (``{"context", "continuation"}`` dicts) written as JSONL under ``tmp_path``, with the
+    Hugging Face hub and datasets offline; returns the folder to pass as ``--include_path``."""
+    import json
+
+    for variable, value in [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
+                            ("HF_DATASETS_CACHE", str(tmp_path / "datasets"))]:
+        monkeypatch.setenv(variable, value)
+    data = tmp_path / "lines.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    delimiter = "" if target_delimiter is None else f"target_delimiter: '{target_delimiter}'\n"
+    (tasks / f"{name}.yaml").write_text(
+        f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
+        "doc_to_text: '{{context}}'\ndoc_to_target: '{{continuation}}'\n" + delimiter +
+        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n",
+        encoding="utf-8")
+    return tasks
+
+
+def codebook_trainer(model, tmp_path, steps: int, rows: torch.Tensor):
+    """An HF ``Trainer`` on the CPU over ``rows`` (each its own labels), batches of 4, ``steps``
+    steps at lr 1e-2, with ``CodebookUpdateCallback``."""
+    from transformers import Trainer, TrainingArguments
+
+    import linattn.hf as H
+
+    dataset = [{"input_ids": row, "labels": row} for row in rows]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps,
+                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no")
+    return Trainer(model=model, args=args, train_dataset=dataset, callbacks=[H.CodebookUpdateCallback()])

@@ -18,6 +18,7 @@ import linattn.hf as H
 from linattn import LM, LMConfig
 from linattn.cli import main
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
+from _helpers import codebook_trainer, lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -365,22 +366,10 @@ def test_export_cli_writes_the_runs_model(tmp_path, capsys):
 
 def test_lm_eval_scores_an_exported_model_on_a_local_task(saved, tmp_path, monkeypatch):
     lm, out = saved
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     docs = [{"context": "To be, or not to", "continuation": " be"},
             {"context": "Now is the winter of our", "continuation": " discontent"},
             {"context": "A horse! a horse! my kingdom for", "continuation": " a horse"}]
-    data = tmp_path / "lines.jsonl"
-    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "lines.yaml").write_text(
-        "task: linattn_lines\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
-        "doc_to_text: '{{context}}'\ndoc_to_target: '{{continuation}}'\n"
-        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n",
-        encoding="utf-8")
+    tasks = lm_eval_task(tmp_path, monkeypatch, "linattn_lines", docs)
     results = tmp_path / "results"
     model_args = f"pretrained={out},dtype=float64,prefix_token_id=10"
     code = main(["lm-eval", "run", "--model", "hf", "--model_args", model_args,
@@ -417,16 +406,9 @@ def test_codebook_callback_updates_codebooks():
 
 
 def test_hf_trainer_trains_a_vq_model_and_updates_its_codebooks(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
     model = H.LinattnForCausalLM.from_lm(tiny_lm("vq,local:4").float())
     before = [q.codebook.clone() for q in model.lm.quantizers()]
-    rows = random_ids(8, 12, seed=12)
-    dataset = [{"input_ids": row, "labels": row} for row in rows]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=3,
-                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no")
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[H.CodebookUpdateCallback()])
-    result = trainer.train()
+    result = codebook_trainer(model, tmp_path, 3, random_ids(8, 12, seed=12)).train()
     assert math.isfinite(result.training_loss)
     assert all(not torch.equal(q.codebook, b) for q, b in zip(model.lm.quantizers(), before))
     with torch.no_grad():

@@ -20,6 +20,7 @@ import torch
 import linattn.hf as H
 from test_hf import greedy_ours, random_ids, tiny_lm
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from _helpers import lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -423,20 +424,8 @@ def test_lm_eval_needs_no_prefix_token_and_knows_the_model_is_causal(exported, t
 
     lm, out = exported
     assert json.loads((out / "config.json").read_text())["bos_token_id"] == 10
-    for name, value in [("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"),
-                        ("HF_DATASETS_CACHE", str(tmp_path / "datasets"))]:
-        monkeypatch.setenv(name, value)
     docs = [{"context": "", "continuation": "To be"}, {"context": "Now is the", "continuation": " winter"}]
-    data = tmp_path / "lines.jsonl"
-    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs), encoding="utf-8")
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "lines.yaml").write_text(
-        "task: linattn_api_lines\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-        f"    test: {data}\ntest_split: test\noutput_type: loglikelihood\n"
-        "doc_to_text: '{{context}}'\ndoc_to_target: '{{continuation}}'\ntarget_delimiter: ''\n"
-        "metric_list:\n  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n",
-        encoding="utf-8")
+    tasks = lm_eval_task(tmp_path, monkeypatch, "linattn_api_lines", docs, target_delimiter="")
     results = tmp_path / "results"
     with caplog.at_level(logging.WARNING):
         code = main(["lm-eval", "run", "--model", "hf", "--model_args", f"pretrained={out},dtype=float64",

@@ -15,6 +15,7 @@ import linattn.hf as H
 import linattn.nn.gau as gau_module
 from linattn import LM, LMConfig
 from peft import LoraConfig, PeftModel, get_peft_model
+from _helpers import codebook_trainer
 
 torch.set_num_threads(1)
 
@@ -142,17 +143,10 @@ def test_saved_adapter_loads_into_a_fresh_base_model_with_the_same_logits(tmp_pa
 
 
 def test_codebook_callback_updates_the_codebooks_of_a_peft_model_in_the_hf_trainer(tmp_path):
-    from transformers import Trainer, TrainingArguments
-
     model = with_lora(H.LinattnForCausalLM.from_lm(tiny_lm("vq,local:4").float())).train()
     quantizers = model.get_base_model().lm.quantizers()
     before = [q.codebook.clone() for q in quantizers]
-    rows = random_ids(8, 12, seed=12)
-    dataset = [{"input_ids": row, "labels": row} for row in rows]
-    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=2,
-                             learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no")
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[H.CodebookUpdateCallback()])
-    result = trainer.train()
+    result = codebook_trainer(model, tmp_path, 2, random_ids(8, 12, seed=12)).train()
     assert math.isfinite(result.training_loss)
     assert all(not torch.equal(q.codebook, b) for q, b in zip(quantizers, before))
     with torch.no_grad():
