@@ -329,3 +329,15 @@ def codebook_trainer(model, tmp_path, steps: int, rows: torch.Tensor):
     args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=steps,
                              learning_rate=1e-2, report_to=[], use_cpu=True, logging_steps=1, save_strategy="no")
     return Trainer(model=model, args=args, train_dataset=dataset, callbacks=[H.CodebookUpdateCallback()])
+
+
+def torchrun_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child ``torchrun`` (or hand-launched ranks): without
+    the process-group variables a test runner may have set, one thread, the loopback address,
+    and ``extra``."""
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", **extra)
+    return env

@@ -26,7 +26,7 @@ from linattn.train import load_checkpoint
 from linattn.train.checkpoint import save_checkpoint
 from linattn.train.divergence import NonFiniteGuard
 from linattn.train.run_folder import RunFolderError, RunLock, remove_stale_temporaries
-from _helpers import english_like
+from _helpers import english_like, torchrun_env
 from test_train_cli import run_captured as run
 
 torch.set_num_threads(1)
@@ -462,9 +462,7 @@ def test_a_torchrun_run_into_a_locked_folder_stops_on_every_rank(tmp_path, data)
     process group instead of training alone (or waiting forever), and stop without a word:
     rank 0's error is printed once."""
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    env = torchrun_env()
     with lock_held_by_another_process(run_dir) as holder:
         result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                                  "2", "-m", "linattn.cli", *run_argv(data, run_dir, steps=4)],
@@ -509,9 +507,7 @@ def test_a_step_that_is_not_finite_on_one_rank_is_skipped_on_every_rank(tmp_path
 
     script, run_dir = tmp_path / "ddp_nan.py", tmp_path / "run"
     script.write_text(DDP_NAN_ON_ONE_RANK)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    env = torchrun_env()
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(script), str(run_dir), str(data)], env=env, capture_output=True, text=True,
                             timeout=150)

@@ -26,7 +26,7 @@ from linattn.models import LM, LMConfig
 from linattn.train import TrainConfig, evaluate_bpb, load_checkpoint, load_model, train
 from linattn.train import trainer as trainer_module
 from linattn.train.microbatch import join_states
-from _helpers import F64, assert_close_rel, english_like
+from _helpers import F64, assert_close_rel, english_like, torchrun_env
 from test_grad_accum import assert_states_close
 
 WORLD = 2
@@ -211,9 +211,7 @@ def run_ranks(args: list[str], cwd: Path, world: int = WORLD, timeout: float = 1
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                              "MASTER_PORT")}
-    base.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world))
+    base = torchrun_env(MASTER_PORT=str(port), WORLD_SIZE=str(world))
     processes = [subprocess.Popen([sys.executable, "-m", "linattn.cli", *args], cwd=cwd, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})

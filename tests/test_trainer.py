@@ -27,7 +27,7 @@ from linattn.state import LMState, _State
 from linattn.train import CheckpointError, TrainConfig, load_checkpoint, load_model, train
 from linattn.train.checkpoint import flatten_state, resolve_checkpoint, save_checkpoint, unflatten_state
 from linattn.train.schedule import learning_rate
-from _helpers import english_like, record_state_resets
+from _helpers import english_like, record_state_resets, torchrun_env
 from test_resume_checks import write_meta
 
 torch.set_num_threads(1)
@@ -548,9 +548,7 @@ def two_process_run(tmp_path_factory):
     script = root / "ddp_train.py"
     script.write_text(DISTRIBUTED_SCRIPT)
     out = root / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                            "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+    env = torchrun_env()
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
          str(out), str(data)],

@@ -32,7 +32,7 @@ from .models.layers import GAUPair
 from .nn.codebook import kmeans
 from .train.checkpoint import load_model, save_checkpoint
 from .train.optim import trainer_adamw
-from .train.run_folder import RunFolderError, RunLock, check_not_in_use, run_files
+from .train.run_folder import RunLock, check_free_output
 from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE
 from ._checks import check_choice, check_int, positive_int
 
@@ -124,7 +124,7 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
                 echo=print) -> Path:
     """Convert the run (or checkpoint) ``ckpt`` into a new run folder ``out``; returns its checkpoint."""
     out = Path(out)
-    _check_free(out)
+    check_free_output(out, what="convert")
     source, checkpoint = load_model(ckpt)  # a CheckpointError if its tensors do not match its config
     train_config = dict(checkpoint.meta["train_config"])
     context = int(train_config["context"])
@@ -135,26 +135,6 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
     optimizer = trainer_adamw(model, lr=float(train_config["lr"]), weight_decay=float(train_config["weight_decay"]),
                               betas=(float(train_config["beta1"]), float(train_config["beta2"])))
     source_run = checkpoint.path.parent.parent
-    with RunLock.acquire(out, what="convert", command=command):  # created here, once the conversion has worked
-        _check_free(out, locked=True)
-        return _write_run(out, checkpoint, source, model, optimizer, source_run, train_config, ids, to=to,
-                          kmeans_iters=kmeans_iters, seed=seed, command=command, echo=echo)
-
-
-def _check_free(out: Path, locked: bool = False) -> None:
-    """``out`` holds no run and (unless this process holds its lock: ``locked``) no live writer holds it."""
-    present = run_files(out)
-    if present:
-        raise RunFolderError(f"--out {out} already holds a run ({', '.join(present)}); choose another folder")
-    if not locked:
-        check_not_in_use(out, what="convert")
-
-
-def _write_run(out, checkpoint, source, model, optimizer, source_run, train_config, ids, *, to, kmeans_iters, seed,
-               command, echo) -> Path:
-    for name in (TOKENIZER_FILE, DATA_META_FILE):
-        if (source_run / name).is_file():
-            shutil.copyfile(source_run / name, out / name)
     meta = {key: value for key, value in checkpoint.meta.items()
             if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry")}
     meta.update(model_config=model.config.to_dict(), train_config={**train_config, "out": str(out)}, command=command,
@@ -162,9 +142,15 @@ def _write_run(out, checkpoint, source, model, optimizer, source_run, train_conf
                                 "codebook_size": model.config.codebook_size, "calibration_tokens": ids.numel(),
                                 "kmeans_iters": kmeans_iters, "seed": seed})
     world_size = int(checkpoint.meta.get("world_size", 1))
-    path = save_checkpoint(out / "checkpoints", step=checkpoint.step, model_tensors=model.state_dict(),
-                           optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
-                           carries=[None] * world_size, meta=meta, keep=int(train_config.get("keep_checkpoints", 2)))
+    with RunLock.acquire(out, what="convert", command=command):  # created here, once the conversion has worked
+        check_free_output(out, what="convert", locked=True)
+        for name in (TOKENIZER_FILE, DATA_META_FILE):
+            if (source_run / name).is_file():
+                shutil.copyfile(source_run / name, out / name)
+        path = save_checkpoint(out / "checkpoints", step=checkpoint.step, model_tensors=model.state_dict(),
+                               optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
+                               carries=[None] * world_size, meta=meta,
+                               keep=int(train_config.get("keep_checkpoints", 2)))
     echo(f"converted {checkpoint.path} ({', '.join(str(s) for s in source.specs)}) to {to} "
          f"(codebook {model.config.codebook_size}, k-means on {ids.numel():,} tokens): {path}")
     return path

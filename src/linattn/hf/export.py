@@ -104,13 +104,9 @@ def export_run(ckpt: str | Path, out: str | Path) -> Path:
     folder, its latest complete checkpoint) with the run's tokenizer -> a Hugging Face
     directory at ``out``."""
     from ..train.checkpoint import load_model
-    from ..train.run_folder import RunFolderError, check_not_in_use, run_files
+    from ..train.run_folder import check_free_output
     from ..train.run_tokenizer import load_run_tokenizer
 
-    present = run_files(out)
-    if present:
-        raise RunFolderError(f"--out {out} is a training run's folder ({', '.join(present)}); export into a "
-                             f"folder of its own")
-    check_not_in_use(out, what="export")
+    check_free_output(out, what="export")
     lm, checkpoint = load_model(ckpt)
     return save_pretrained_lm(lm, out, tokenizer=load_run_tokenizer(checkpoint))

@@ -382,14 +382,19 @@ def find_resume_checkpoint(run_dir: str | Path, select: int | str | Path | None 
                               f"linattn train --resume --out {run_dir} --from {usable[0].step}") from None
 
 
+def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the floating-point tensors of ``tensors`` holding a NaN or an inf (reads
+    every value: a host sync on a GPU)."""
+    return [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def load_model(path: str | Path, device: torch.device | str = "cpu"):
     """The ``LM`` stored in a checkpoint, in eval mode -> ``(model, checkpoint)``. A checkpoint
     whose model tensors are not all finite is refused (``CheckpointError``)."""
     from ..models import LM, LMConfig
 
     checkpoint = load_checkpoint(path)
-    nonfinite = [name for name, t in checkpoint.model.items()
-                 if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    nonfinite = nonfinite_tensors(checkpoint.model)
     if nonfinite:
         raise CheckpointError(
             f"{checkpoint.path}: {len(nonfinite)} of {len(checkpoint.model)} model tensors hold NaN or inf values "

@@ -62,8 +62,7 @@ class NonFiniteGuard:
             bad = distributed.all_reduce_sum(bad.float(), context) > 0
         step_bad = bad.any()
         if self.max_skipped:
-            self.first_step = torch.full_like(self.first_step, step)
-            self.first_what = bad
+            self.first_what = bad  # what() names this step's quantities; the trainer knows the step
             return step_bad.float()
         new = step_bad & (self.found == 0)
         self.first_step = torch.where(new, torch.full_like(self.first_step, step), self.first_step)

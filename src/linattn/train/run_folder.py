@@ -133,6 +133,18 @@ def check_not_in_use(folder: str | Path, *, what: str) -> None:
                                  f"wait for it to finish or choose another folder")
 
 
+def check_free_output(folder: str | Path, *, what: str, locked: bool = False) -> None:
+    """``folder``, the output of ``what`` (``convert``, ``export``), is not a training run's:
+    ``RunFolderError`` if it holds a run's files, or (unless this process holds its lock:
+    ``locked``) a live writer holds it."""
+    present = run_files(folder)
+    if present:
+        raise RunFolderError(f"{what}: --out {folder} already holds a run ({', '.join(present)}): it is a training "
+                             f"run's folder; choose another folder")
+    if not locked:
+        check_not_in_use(folder, what=what)
+
+
 def run_files(folder: str | Path) -> list[str]:
     """The names of ``RUN_FILES`` present in ``folder`` (a run lives there if any is)."""
     folder = Path(folder)

@@ -24,7 +24,7 @@ from ..data import (TokenStreams, bits_per_byte, data_fingerprint, evaluated_byt
                     open_shards)
 from ..models import LM, LMConfig
 from . import distributed, parallel, resharding
-from .checkpoint import Checkpoint, find_resume_checkpoint, save_checkpoint
+from .checkpoint import Checkpoint, find_resume_checkpoint, nonfinite_tensors, save_checkpoint
 from .compiling import CompiledLayers
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
@@ -415,8 +415,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
              f"({data.tokens('train').numel():,} train {unit}, {len(streams)} windows per pass)")
 
     guard = NonFiniteGuard(device, cfg.max_skipped_steps)
-    last_saved = {"step": checkpoint.step if checkpoint is not None else None,
-                  "path": str(checkpoint.path) if checkpoint is not None else None}
+    last_saved = {"path": str(checkpoint.path) if checkpoint is not None else None}  # written by save()
 
     def stop_diverged(step: int, what: list[str], last_step: int, skipped: int | None = None,
                       evaluation: bool = False) -> TrainingDiverged:
@@ -451,8 +450,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         optimizer_state = parallel.full_optimizer_state(model, optimizer, context)
         if not context.is_main:
             return None
-        nonfinite = [name for name, t in model_tensors.items()
-                     if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        nonfinite = nonfinite_tensors(model_tensors)
         if nonfinite:  # finite losses and gradients can still step to inf weights
             raise stop_diverged(step, [f"weights ({', '.join(nonfinite[:3])})"], step)
         meta = {
@@ -467,7 +465,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         path = save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
                                optimizer_state=optimizer_state, rng=_rng_state(device),
                                carries=carries, meta=meta, keep=cfg.keep_checkpoints)
-        last_saved.update(step=step, path=str(path))
+        last_saved["path"] = str(path)
         return path
 
     summary: dict[str, Any] = {"out": str(run_dir), "start_step": start_step, "interrupted": None}
