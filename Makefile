@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench mutate clean
+.PHONY: demo test test-gpu bench docs mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test-gpu: $(STAMP)
 		echo "make test-gpu: skipped: torch.cuda.is_available() is False here (no CUDA device or a CPU build of torch)"; \
 	fi
 
+# The documentation site (mkdocs.yml; docs/, README.md as the home page, the API reference from
+# the docstrings) into site/; --strict: a broken link, anchor or reference is an error.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 bench: $(STAMP)
 	$(BIN)/linattn bench attention --out results/bench
 
@@ -51,4 +56,4 @@ mutate: $(MUTATE_STAMP)
 	$(BIN)/python tools/mutate.py $(MUTATE_ARGS)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache runs
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache runs site

@@ -107,7 +107,9 @@ class Codebook(nn.Module):
     """Per-head codes ``[H, S, Dk]`` learned by EMA of the keys assigned to them.
 
     Args:
-        n_heads, head_dim, codebook_size: H, Dk and S.
+        n_heads: H.
+        head_dim: Dk.
+        codebook_size: S.
         ema_decay: g of the EMA update, in [0, 1).
         kmeans_init: start uninitialised (``initialized`` False) so that the owner sets the
             codes by ``initialize(keys)``; otherwise start from the random codes.

@@ -21,6 +21,7 @@ exactly in value. No EMA, no commitment loss, no dead codes: every grid point st
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -48,7 +49,9 @@ class FSQuantizer(nn.Module):
             sets the initial projections so that ``z`` is O(1) and ``k^`` as large as k.
     """
 
-    def __init__(self, n_heads: int, head_dim: int, levels=(8, 5, 5, 5), init_scale: float = 1.0):
+    def __init__(
+        self, n_heads: int, head_dim: int, levels: Sequence[int] = (8, 5, 5, 5), init_scale: float = 1.0
+    ):
         super().__init__()
         self.n_heads, self.head_dim = check_positive_int("n_heads", n_heads), check_positive_int("head_dim", head_dim)
         self.levels = check_levels(levels)

@@ -60,7 +60,8 @@ class VectorQuantizer(Codebook):
     dict keeps those names.
 
     Args:
-        n_heads, head_dim: H and Dk of the keys ``[B, H, T, Dk]``.
+        n_heads: H of the keys ``[B, H, T, Dk]``.
+        head_dim: Dk of the keys.
         codebook_size: S codes per head.
         ema_decay: g of the EMA update.
         commitment_weight: beta_c, the weight of the returned commitment loss.

@@ -215,7 +215,8 @@ def delta_rule(
             the decoding step); ``None`` picks recurrent for T == 1, else chunk. Only the
             recurrent form has second derivatives (``create_graph=True``).
         chunk_size: chunk length of ``mode="chunk"``.
-        initial_state / output_final_state: carry a ``DeltaRuleState``.
+        initial_state: a ``DeltaRuleState`` to continue from.
+        output_final_state: also return the final ``DeltaRuleState``.
         check_inputs: also check that beta lies in [0, 1], which reads its values (a host
             sync on a GPU, a graph break under ``torch.compile``). ``False`` for callers whose
             beta is in range by construction (``DeltaNet``: a sigmoid); types and shapes are

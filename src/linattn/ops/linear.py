@@ -197,7 +197,8 @@ def linear_attention(
             ``T_k F Dv`` work), ``"chunk"``, ``"recurrent"``; ``None`` picks
             ``"recurrent"`` for a causal T == 1 call (decoding) and ``"chunk"`` otherwise.
         chunk_size: chunk length of ``mode="chunk"`` (any T: the sequence is split, the last chunk is shorter).
-        initial_state / output_final_state: carry a ``LinearAttentionState`` across calls.
+        initial_state: a ``LinearAttentionState`` to continue from (carried across calls).
+        output_final_state: also return the final state, the next call's ``initial_state``.
         eps: added to the denominator of ``normalize="attention"`` (and to the sums of
             ``"sum"`` for non-exponential maps).
 

@@ -52,9 +52,10 @@ def local_attention(
         causal: requires ``look_forward == 0`` (the default).
         look_backward: how many windows back (>= 1); look_forward: how many ahead.
         scale: ``None`` = ``Dk^-1/2``.
-        initial_state / output_final_state (causal only): a ``KVCacheState`` with the last
+        initial_state: (causal only) a ``KVCacheState`` with the last
             ``look_backward * W - 1`` keys and values; it records ``window = look_backward * W``
             and continues only a call over that many keys.
+        output_final_state: (causal only) also return that state after this call.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, state or None)``.

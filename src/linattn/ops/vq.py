@@ -616,7 +616,8 @@ def vq_attention(
             the official ``grad_thru_cache=True``); see the module docstring.
         cache_grad: the former switch, kept as an alias: ``True`` is ``grad_scope="none"``,
             ``False`` is ``"cache"``.
-        initial_state / output_final_state: carry a ``VQAttentionState`` (block mode).
+        initial_state: a ``VQAttentionState`` to continue from (block mode).
+        output_final_state: also return the final ``VQAttentionState`` (block mode).
         check_inputs: check every argument (types, shapes, the carried state) and that every
             code lies in ``[0, S)`` and ``k_hat`` equals ``codebook[h, codes]`` exactly (the
             block form reads the codebook where the reference reads ``k_hat``, so keys that

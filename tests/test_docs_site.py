@@ -1,0 +1,120 @@
+"""The documentation site (mkdocs.yml, docs/, README.md as the home page) builds with
+``mkdocs build --strict``: no broken link, anchor or API reference, and every public name of
+``linattn`` has a generated reference entry."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import linattn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")  # no banner about MkDocs 2 in the output
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("docs") / "site"
+    result = _build(ROOT / "mkdocs.yml", out)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out
+
+
+def test_the_site_builds_strict_with_readme_as_its_home_page(site):
+    home = (site / "index.html").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    # the home page is README.md: its first section title and its first command are there
+    assert "Quick start: train a language model" in home and "make demo" in home
+    # README's links into docs/ point at the site's pages, relative to the home page
+    for target in re.findall(r"\]\(docs/([^)#]+\.md)", readme):
+        page = target.removesuffix(".md").removesuffix("index")
+        assert f'href="{page}' in home, target
+    assert 'href="docs/' not in home
+    # the getting-started page includes README's first-model example, without the markers
+    start = (site / "getting-started" / "index.html").read_text(encoding="utf-8")
+    assert "update_codebooks" in start and "--8&lt;--" not in start and "[start:" not in start
+
+
+def test_every_public_name_has_an_api_reference_entry(site):
+    documented = set()
+    for page in (ROOT / "docs" / "api").glob("*.md"):
+        documented |= set(re.findall(r"^::: linattn\.(\w+)\s*$", page.read_text(encoding="utf-8"), re.M))
+    public = set(linattn.__all__) - {"__version__"}  # a string, named on docs/api/index.md
+    assert public - documented == set(), "add a '::: linattn.NAME' entry under docs/api/"
+    assert "`linattn.__version__`" in (ROOT / "docs" / "api" / "index.md").read_text(encoding="utf-8")
+    html = "".join(p.read_text(encoding="utf-8") for p in (site / "api").rglob("index.html"))
+    for name in sorted(public):
+        assert f'id="linattn.{name}"' in html, name  # rendered, not only listed
+
+
+def _tiny_site(tmp_path: Path, page_b: str) -> Path:
+    """A two-page site under the validation settings of the project's mkdocs.yml."""
+    ours = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "index.md").write_text("# A\n\n## Section\n\nSee [B](b.md).\n", encoding="utf-8")
+    (docs / "b.md").write_text(page_b, encoding="utf-8")
+    config = {"site_name": "t", "docs_dir": str(docs), "strict": True, "validation": ours["validation"],
+              "nav": ["index.md", "b.md"]}
+    path = tmp_path / "mkdocs.yml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+def test_a_broken_link_or_anchor_fails_the_strict_build(tmp_path):
+    links = ["missing.md", "index.md#no-such-section", "folder/"]
+    page = "# B\n\n" + "\n\n".join(f"[there]({link})" for link in links) + "\n"
+    result = _build(_tiny_site(tmp_path, page), tmp_path / "site")
+    assert result.returncode != 0
+    for link in links:
+        assert link.split("#")[-1] in result.stdout + result.stderr, link
+    # the contrasting case: the same site with a good link and anchor builds
+    good = tmp_path / "good"
+    good.mkdir()
+    assert _build(_tiny_site(good, "# B\n\n[there](index.md#section)\n"), good / "site").returncode == 0
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("mkdocs_hooks", ROOT / "tools" / "mkdocs_hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_links_are_made_relative_to_the_docs_folder():
+    hooks = _hooks()
+    text = "[a](docs/guide/training.md) [b](docs/benchmarks.md#long-context) [c](#quick) [d](https://x.org/docs/y)"
+    assert hooks.readme_for_site(text) == (
+        "[a](guide/training.md) [b](benchmarks.md#long-context) [c](#quick) [d](https://x.org/docs/y)"
+    )
+    from mkdocs.exceptions import PluginError
+
+    with pytest.raises(PluginError, match="'configs/demo.toml', outside docs/"):
+        hooks.readme_for_site("[run file](configs/demo.toml)")
+
+
+def test_readme_is_a_front_page():
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250
+    assert lines[:5] == [
+        "# linattn",
+        "",
+        "```bash",
+        "make demo   # creates .venv, installs, fetches Shakespeare, trains a small Transformer-VQ LM, samples from it",
+        "make test   # creates .venv, installs, runs the whole test suite",
+    ]
