@@ -243,7 +243,7 @@ def test_command_writes_json_markdown_and_plot(tmp_path, capsys, command, plot, 
     assert "| mechanism | d_dot | S=4 | S=8 |" in capsys.readouterr().out
 
     result = json.loads((tmp_path / "results.json").read_text())
-    assert set(result) == {"metadata", "rows", "summary"}
+    assert set(result) == {"metadata", "rows", "runs", "summary"}
     meta = result["metadata"]
     assert meta["command"] == "test" and meta["threads"] == 1 and meta["mechanisms"] == ["softmax", "linear-elu"]
     assert meta["shapes"]["sizes"] == [4, 8] and meta["config"]["max_steps"] == 20
@@ -251,7 +251,7 @@ def test_command_writes_json_markdown_and_plot(tmp_path, capsys, command, plot, 
     assert sorted((r["mechanism"], r["size"]) for r in rows) == sorted(
         (m, s) for m in ("softmax", "linear-elu") for s in (4, 8))
     for row in rows:
-        assert set(row) == ROW_KEYS
+        assert set(row) == ROW_KEYS | {"seed"}
         assert row["seq_len"] == length * row["size"]
         assert 10 <= row["steps"] <= 20 and row["evaluations"] == len(row["curve"]) >= 1
         assert row["stop_reason"] in {"target", "plateau", "max_steps"}

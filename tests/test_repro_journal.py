@@ -260,8 +260,9 @@ def test_report_only_regenerates_a_committed_report_from_its_journal(tmp_path, m
     monkeypatch.setattr(*train, fail)
     assert main(["repro", *argv, "--report-only", "--no-progress", "--out", str(out)]) == 0
     assert (out / JOURNAL_NAME).read_bytes() == journal
-    rows = json.loads((out / "results.json").read_text())["rows"]
-    assert rows == json.loads((committed / "results.json").read_text())["rows"]
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [run.pop("seed") for run in runs] == [0] * len(runs)  # the committed runs are of seed 0
+    assert runs == json.loads((committed / "results.json").read_text())["rows"]
     # The page is the committed one but for its command line (line 3) and closing line (this invocation).
     new, old = ((path / "results.md").read_text().splitlines() for path in (out, committed))
     assert new[:2] + new[3:-1] == old[:2] + old[3:-1]

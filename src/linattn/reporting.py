@@ -59,13 +59,15 @@ def collect_metadata(*, device: torch.device | str, command: str, shapes: dict) 
 # --- writers ----------------------------------------------------------------------------
 
 
-def write_json(path: Path, *, rows: Sequence[dict], metadata: dict, summary: dict | None = None) -> Path:
-    """Write ``{"metadata", "rows", "summary"}`` as indented JSON (atomically)."""
+def write_json(path: Path, *, rows: Sequence[dict], metadata: dict, summary: dict | None = None,
+               runs: Sequence[dict] | None = None) -> Path:
+    """Write ``{"metadata", "rows", "summary"}`` (and ``"runs"`` when given: the per-seed rows
+    of a reproduction) as indented JSON (atomically)."""
     path = Path(path)
-    write_text_atomic(
-        path,
-        json.dumps({"metadata": metadata, "rows": list(rows), "summary": summary or {}}, indent=2) + "\n",
-    )
+    document = {"metadata": metadata, "rows": list(rows), "summary": summary or {}}
+    if runs is not None:
+        document["runs"] = list(runs)
+    write_text_atomic(path, json.dumps(document, indent=2) + "\n")
     return path
 
 

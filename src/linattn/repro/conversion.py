@@ -141,6 +141,7 @@ SPEC = ExperimentSpec(
     description=__doc__.split("\n\n", 1)[1],
     grid_axes=("cases",),
     quick_help="a few minutes: 40 steps, small codebooks",
+    default_seeds=1,
     threads_help="torch CPU threads (default: torch's choice)",
 )
 
@@ -176,6 +177,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.jobs != 1:
         raise ValueError("--jobs must be 1: the conversions read the source run the first of them trains")
     options = framework.run_options(args, SPEC)
+    seeds = options.pop("seeds")
+    if len(seeds) > 1:
+        raise ValueError(f"--seeds {len(seeds)}: repro convert trains one seed per row so far (--seeds 1)")
     out_dir, command = options.pop("out_dir"), options.pop("command")
     metadata = framework.experiment_metadata(device="cpu", command=command, shapes={
         "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context, "steps": args.steps})
@@ -184,11 +188,12 @@ def _run(args: argparse.Namespace) -> int:
     grid = Grid(train=run_case, runs=runs,
                 run_key=lambda run: {"case": run[0], "size": run[1],
                                      "settings": {key: getattr(run[2], key) for key in _SETTINGS}},
-                describe=lambda row: f"{row['case']} {row['test_bpb']:.3f} bpb", label="repro convert", unit="case")
+                describe=lambda row: f"{row['case']} {row['test_bpb']:.3f} bpb", label="repro convert", unit="case",
+                seed_of=lambda run: run[2].seed)
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
     text = markdown(outcome.rows, metadata)
-    files = framework.write_results(out_dir, rows=outcome.rows, metadata=metadata, markdown=text,
+    files = framework.write_results(out_dir, rows=outcome.rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     plot=partial(write_plot, outcome.rows), plot_name="conversion.png")
     return framework.print_result({"markdown": text, "files": files})
 

@@ -5,16 +5,21 @@ subcommand name, help line, ``--help`` description, grid axes and the defaults o
 flags), ``add_arguments(parser)`` for its own flags and ``run(args) -> int``.
 ``Experiment.add_arguments`` adds the shared flags (:func:`add_shared_arguments`: ``--out``,
 ``--quick``, ``--jobs``, ``--threads``, ``--resume``, ``--report-only``, ``--seed``,
-``--no-progress``, ``--system-malloc``); ``Experiment.run_command`` keeps freed memory in
+``--seeds``, ``--no-progress``, ``--system-malloc``); ``Experiment.run_command`` keeps freed memory in
 the process for reuse (``linattn._malloc.retain_freed_memory``; bit-identical results) unless
 ``--system-malloc`` is given, then calls ``run``. :func:`run_options` turns the shared flags
 into the keyword arguments of an experiment's ``run_experiment``.
 
-**Grid.** A :class:`Grid` is a list of argument tuples ``runs`` for one module-level (so
-picklable) ``train`` function that returns a result row (a JSON-able dict). With
-``jobs == 1`` the runs go one after another in this process; with ``jobs > 1`` that many run
-at once in spawned worker processes, each with ``threads`` torch threads. Runs are seeded
-(:func:`seeded_generator`), so the rows do not depend on ``jobs``.
+**Seeds.** Every row of a reproduction (a mechanism, a variant, a grid point) is trained at
+``--seeds N`` seeds, ``--seed S`` the first: ``S, S + 1, ..., S + N - 1`` (:func:`seed_list`;
+the default N is the spec's, 1 with ``--quick``). A seed's run is the run the experiment
+makes with ``--seed s`` alone; the seed is part of its journal key.
+
+**Grid.** A :class:`Grid` is a list of argument tuples ``runs`` (every row at every seed)
+for one module-level (so picklable) ``train`` function that returns a result row (a JSON-able
+dict). With ``jobs == 1`` the runs go one after another in this process; with ``jobs > 1``
+that many run at once in spawned worker processes, each with ``threads`` torch threads. Runs
+are seeded (:func:`seeded_generator`), so the rows do not depend on ``jobs``.
 
 **Journal.** A :class:`RunJournal` (``<out>/runs.jsonl``) records each finished run as one
 JSON line ``{"key": ..., "row": ...}`` the moment it finishes, so an interrupted grid loses
@@ -22,14 +27,20 @@ at most the runs in flight: ``--resume`` reuses every recorded run whose key (th
 arguments and configuration) matches, and ``--report-only`` reports the recorded runs
 without training (:func:`run_journaled`).
 
-**Results.** :func:`write_results` writes ``results.json`` (rows, metadata, summary),
-``results.md`` and the experiment's PNG plot into ``--out``.
+**Spread.** :func:`aggregate` groups the per-seed rows by their row identity and gives each
+numeric metric's n, mean, sample standard deviation, min and max (:func:`metric_stats`);
+:func:`resolved` is the one rule for when a difference between two rows is real
+(:data:`RESOLVED_RULE`), and :func:`differences_lines` the reports' "Differences" section.
+
+**Results.** :func:`write_results` writes ``results.json`` (the aggregated rows, the per-seed
+``runs``, metadata, summary), ``results.md`` and the experiment's PNG plot into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -39,9 +50,9 @@ from typing import Any
 
 import torch
 
-from .._checks import check_int, int_at_least
+from .._checks import check_int, int_at_least, is_int
 from .._malloc import retain_freed_memory
-from ..reporting import collect_metadata, write_json, write_markdown
+from ..reporting import collect_metadata, markdown_table_lines, write_json, write_markdown
 
 JOURNAL_NAME = "runs.jsonl"
 
@@ -66,7 +77,9 @@ class ExperimentSpec:
     """What a ``linattn repro`` subcommand is, and the defaults of its shared flags.
 
     ``grid_axes`` names what a run of the grid varies (said when ``--report-only`` finds none
-    of the grid's runs); ``unit`` is what one journal entry is ("runs", "mechanisms").
+    of the grid's runs); ``unit`` is what one journal entry is ("runs"); ``row`` what a row of
+    the report is ("mechanism"), each trained at ``default_seeds`` seeds unless ``--seeds``
+    or ``--quick`` (1) says otherwise.
     """
 
     name: str
@@ -76,6 +89,8 @@ class ExperimentSpec:
     quick_help: str
     seed_help: str = "seed of data and initialisation (default %(default)s)"
     unit: str = "runs"
+    row: str = "row"
+    default_seeds: int = 3
     default_threads: int | None = None
     threads_help: str = "torch intra-op CPU threads per run (default: torch's choice)"
 
@@ -83,7 +98,10 @@ class ExperimentSpec:
 def add_shared_arguments(parser: argparse.ArgumentParser, spec: ExperimentSpec) -> None:
     """The flags every reproduction takes (see the module docstring)."""
     parser.add_argument("--quick", action="store_true", help=spec.quick_help)
-    parser.add_argument("--seed", type=int, default=0, help=spec.seed_help)
+    parser.add_argument("--seed", type=int, default=0, help=spec.seed_help + "; the first of --seeds")
+    parser.add_argument("--seeds", type=int_at_least(1, "a seed count"), default=None, metavar="N",
+                        help=f"train every {spec.row} at N seeds: --seed, --seed + 1, ..., --seed + N - 1, each "
+                             f"run as --seed alone would run it (default {spec.default_seeds}; --quick: 1)")
     parser.add_argument("--threads", type=int_at_least(1, "a thread count"), default=spec.default_threads,
                         help=spec.threads_help)
     parser.add_argument("--jobs", type=int_at_least(1, "a process count"), default=1,
@@ -144,15 +162,41 @@ class Experiment:
         return self.run(args)
 
 
+def seed_list(args: argparse.Namespace, spec: ExperimentSpec) -> list[int]:
+    """The seeds of an invocation: ``--seed``, ``--seed + 1``, ... (``--seeds`` of them; by
+    default ``spec.default_seeds``, 1 with ``--quick``). A ``--seeds`` below 1 (a namespace
+    built by hand) is a ValueError naming it."""
+    count = args.seeds
+    if count is None:
+        count = 1 if args.quick else spec.default_seeds
+    if not is_int(count) or count < 1:
+        raise ValueError(f"--seeds must be an integer >= 1 (seeds per {spec.row}), got {count!r}")
+    if not is_int(args.seed):
+        raise ValueError(f"--seed must be an integer, got {args.seed!r}")
+    return [args.seed + i for i in range(count)]
+
+
+def with_seed(args: argparse.Namespace, seed: int) -> argparse.Namespace:
+    """A copy of ``args`` with ``seed`` in place of ``--seed`` (one seed's run of a grid whose
+    runs read their settings from the namespace)."""
+    return argparse.Namespace(**{**vars(args), "seed": seed})
+
+
+def run_folder(out_dir: Path, name: str, seed: int) -> Path:
+    """``out_dir/runs/seed-<seed>/<name>``: the training folder of one row's run at one seed."""
+    return Path(out_dir) / "runs" / f"seed-{seed}" / name
+
+
 def run_options(args: argparse.Namespace, spec: ExperimentSpec) -> dict:
-    """The shared flags as ``run_experiment`` keywords (``out_dir``, ``command``, ``jobs``,
-    ``threads``, ``progress``, ``resume``, ``report_only``); sets torch's thread count to
-    ``--threads`` when it is given."""
+    """The shared flags as ``run_experiment`` keywords (``out_dir``, ``command``, ``seeds``
+    (:func:`seed_list`), ``jobs``, ``threads``, ``progress``, ``resume``, ``report_only``);
+    sets torch's thread count to ``--threads`` when it is given."""
+    seeds = seed_list(args, spec)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     return {"out_dir": args.out, "command": getattr(args, "command_line", f"linattn repro {spec.name}"),
-            "jobs": args.jobs, "threads": args.threads, "progress": not args.no_progress, "resume": args.resume,
-            "report_only": args.report_only}
+            "seeds": seeds, "jobs": args.jobs, "threads": args.threads, "progress": not args.no_progress,
+            "resume": args.resume, "report_only": args.report_only}
 
 
 def print_result(result: dict) -> int:
@@ -350,10 +394,12 @@ def map_runs(
 class Grid:
     """The runs of one invocation: ``train(*run)`` for each ``run`` of ``runs``, in order.
 
-    ``run_key(run)``: what identifies the run in the journal (its arguments and configuration).
-    ``describe(row)``: the progress bar's text when a run finishes. With ``progress_kwarg``,
-    ``train`` takes a per-step callback under that name, and ``step_text(run, *callback
-    args)`` is the bar's text for it. ``label`` and ``unit`` name the bar and its steps.
+    ``run_key(run)``: what identifies the run in the journal (its arguments and configuration,
+    the seed among them). ``seed_of(run)``: the seed the run trains with (added to its row as
+    ``"seed"``). ``describe(row)``: the progress bar's text when a run finishes. With
+    ``progress_kwarg``, ``train`` takes a per-step callback under that name, and
+    ``step_text(run, *callback args)`` is the bar's text for it. ``label`` and ``unit`` name
+    the bar and its steps.
     """
 
     train: Callable[..., dict]
@@ -361,6 +407,7 @@ class Grid:
     run_key: Callable[[tuple], Any]
     describe: Callable[[dict], str]
     label: str
+    seed_of: Callable[[tuple], int]
     unit: str = "run"
     progress_kwarg: str | None = None
     step_text: Callable[..., str] | None = None
@@ -387,7 +434,8 @@ def run_grid(grid: Grid, *, jobs: int = 1, threads: int | None = None, progress:
 
 @dataclass(frozen=True)
 class GridOutcome:
-    """The rows of a journaled grid and how they came about."""
+    """The rows of a journaled grid (one per run: a row at a seed, with its ``"seed"``) and how
+    they came about."""
 
     rows: list[dict]
     reused: int  # rows taken from the journal
@@ -403,18 +451,199 @@ class GridOutcome:
 def run_journaled(grid: Grid, out_dir: Path, *, spec: ExperimentSpec, jobs: int = 1, threads: int | None = None,
                   progress: bool = True, resume: bool = False, report_only: bool = False) -> GridOutcome:
     """Run ``grid`` with its journal ``out_dir/runs.jsonl``: each finished run is recorded at
-    once; ``resume=True`` reuses the runs recorded there (same key) instead of training them;
-    ``report_only=True`` trains nothing and returns the grid's recorded runs (the journal is
-    only read, so the grid's own process may still be appending to it; a ValueError when it
-    holds none of them)."""
+    once; ``resume=True`` reuses the runs recorded there (same key: the same row at the same
+    seed) instead of training them; ``report_only=True`` trains nothing and returns the grid's
+    recorded runs (the journal is only read, so the grid's own process may still be appending
+    to it; a ValueError when it holds none of them). Every row gets its run's ``"seed"``.
+    Two runs of the grid with one key (e.g. a key without the seed) are a ValueError."""
+    keys = [grid.run_key(run) for run in grid.runs]
+    if len({_canonical(key) for key in keys}) != len(keys):
+        raise ValueError(f"{grid.label}: two runs of the grid have the same journal key; a key must tell every "
+                         "row at every seed apart")
     journal = RunJournal(Path(out_dir) / JOURNAL_NAME, resume=resume, read_only=report_only)
-    reused = journal.count(grid.run_key(run) for run in grid.runs)
+    recorded = [journal.get(key) is not None for key in keys]
+    reused = sum(recorded)
     if report_only and not reused:
         raise ValueError(f"--report-only: {journal.path} holds none of this grid's {spec.unit} "
-                         f"(same {', '.join(spec.grid_axes)} and training settings)")
+                         f"(same {', '.join(spec.grid_axes)}, seeds and training settings)")
     started = time.perf_counter()
     rows = run_grid(grid, jobs=jobs, threads=threads, progress=progress, journal=journal, only_recorded=report_only)
+    runs = [run for run, done in zip(grid.runs, recorded) if done] if report_only else grid.runs
+    rows = [{**row, "seed": grid.seed_of(run)} for run, row in zip(runs, rows, strict=True)]
     return GridOutcome(rows=rows, reused=reused, total=len(grid.runs), seconds=time.perf_counter() - started)
+
+
+# --- the spread over seeds --------------------------------------------------------------
+
+RESOLVED_RULE = ("A difference between two rows is *resolved* when their min–max ranges over the seeds do not "
+                 "overlap, each row with n >= 2 seeds; otherwise it is *within the spread* (with n = 1 nothing is "
+                 "resolved).")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def metric_stats(values: Sequence[float | None]) -> dict:
+    """``{"n", "mean", "std", "min", "max"}`` of the finite numbers among ``values`` (None and
+    NaN/inf are left out; n counts the rest): ``std`` is the sample standard deviation
+    ``sqrt(sum (x - mean)^2 / (n - 1))``, None when n < 2; mean, min and max are None when n = 0."""
+    finite = [float(v) for v in values if _is_number(v) and math.isfinite(v)]
+    n = len(finite)
+    if not n:
+        return {"n": 0, "mean": None, "std": None, "min": None, "max": None}
+    mean = math.fsum(finite) / n
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in finite) / (n - 1)) if n > 1 else None
+    return {"n": n, "mean": mean, "std": std, "min": min(finite), "max": max(finite)}
+
+
+def aggregate(runs: Sequence[dict], identity: Sequence[str],
+              metrics: Callable[[dict], dict[str, float | None]] | None = None) -> list[dict]:
+    """One row per row identity (the values of the ``identity`` fields), in order of first
+    appearance, from the per-seed ``runs`` (each with its ``"seed"``):
+
+    - the identity fields; ``"seeds"``: the seeds of its runs, in run order; ``"n"``: their count;
+    - every other field that is a string or a bool with the same value at every seed (a spec,
+      a label), as it is;
+    - ``"metrics"``: for every numeric top-level field (bools are not numbers) and every entry
+      of ``metrics(run)`` (derived or nested metrics), :func:`metric_stats` over the seeds.
+    """
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        missing = [name for name in (*identity, "seed") if name not in run]
+        if missing:
+            raise ValueError(f"a run row lacks the field(s) {missing} (identity {list(identity)} and seed)")
+        groups.setdefault(_canonical([run[name] for name in identity]), []).append(run)
+    rows = []
+    for members in groups.values():
+        row = {name: members[0][name] for name in identity}
+        row.update(seeds=[run["seed"] for run in members], n=len(members))
+        fields = dict.fromkeys(key for run in members for key in run if key not in row and key != "seed")
+        values: dict[str, list] = {}
+        for key in fields:
+            column = [run.get(key) for run in members]
+            if any(_is_number(v) for v in column):
+                values[key] = column
+            elif all(isinstance(v, (str, bool)) and v == column[0] for v in column):
+                row[key] = column[0]
+        for run_index, run in enumerate(members):
+            for key, value in (metrics(run) if metrics else {}).items():
+                values.setdefault(key, [None] * len(members))[run_index] = value
+        row["metrics"] = {key: metric_stats(column) for key, column in values.items()}
+        rows.append(row)
+    return rows
+
+
+def stats_of(row: dict, metric: str) -> dict | None:
+    """The stats of ``metric`` in an aggregated row, or None when no seed had a number for it."""
+    stats = row["metrics"].get(metric)
+    return stats if stats and stats["n"] else None
+
+
+def mean_of(row: dict, metric: str) -> float | None:
+    """The mean of ``metric`` over an aggregated row's seeds (None without a number)."""
+    stats = stats_of(row, metric)
+    return None if stats is None else stats["mean"]
+
+
+def resolved(a: dict | None, b: dict | None) -> bool:
+    """The rule of :data:`RESOLVED_RULE` for two metrics' stats (:func:`metric_stats`): both
+    with n >= 2 and ``a.max < b.min`` or ``b.max < a.min`` (ranges that touch overlap)."""
+    if a is None or b is None or a["n"] < 2 or b["n"] < 2:
+        return False
+    return a["max"] < b["min"] or b["max"] < a["min"]
+
+
+def format_stats(stats: dict | None, spec: str = ".3f", *, bare_single: bool = False) -> str:
+    """``"mean ± std (min–max)"``; with n = 1 ``"mean ± —"`` (``bare_single``: the mean
+    alone); ``"—"`` without a number."""
+    if stats is None or not stats["n"]:
+        return "—"
+    mean = format(stats["mean"], spec)
+    if stats["n"] == 1:
+        return mean if bare_single else f"{mean} ± —"
+    return f"{mean} ± {format(stats['std'], spec)} ({format(stats['min'], spec)}–{format(stats['max'], spec)})"
+
+
+def format_mean(stats: dict | None, spec: str = ".3f") -> str:
+    """The mean alone (throughput, memory: no spread shown); ``"—"`` without a number."""
+    return "—" if stats is None or not stats["n"] else format(stats["mean"], spec)
+
+
+def seeds_text(rows: Sequence[dict], *, cells: bool = True) -> str:
+    """The report's sentence on the seeds behind its aggregated rows, e.g. "n = 3 seeds per row
+    (0, 1, 2)", and with ``cells`` how a cell with a spread reads (:func:`format_stats`)."""
+    seeds = sorted({seed for row in rows for seed in row["seeds"]})
+    counts = sorted({row["n"] for row in rows}) or [0]
+    n = str(counts[0]) if len(counts) == 1 else f"{counts[0]}–{counts[-1]}"
+    text = f"n = {n} seed{'' if counts[-1] == 1 else 's'} per row ({', '.join(map(str, seeds))})."
+    if cells:
+        text += (" A cell over the seeds reads mean ± sample standard deviation (min–max); with n = 1, "
+                 "mean ± — (no spread).")
+    return text
+
+
+def difference_matrix(rows: Sequence[dict], value: Callable[[dict], dict | None], name: Callable[[dict], str],
+                      spec: str = "+.3f") -> list[str]:
+    """A Markdown table: cell (i, j) is mean_i - mean_j of the stats ``value(row)`` (rows
+    without them are left out), marked ``✓`` when :func:`resolved`."""
+    present = [(row, value(row)) for row in rows]
+    present = [(row, stats) for row, stats in present if stats is not None and stats["n"]]
+    header = ["row − column", *(name(row) for row, _ in present)]
+    cells = []
+    for row, a in present:
+        line = [name(row)]
+        for other, b in present:
+            if other is row:
+                line.append("")
+            else:
+                line.append(format(a["mean"] - b["mean"], spec) + (" ✓" if resolved(a, b) else ""))
+        cells.append(line)
+    return markdown_table_lines(header, cells)
+
+
+def differences_lines(tables: Sequence[tuple[str, list[str]]]) -> list[str]:
+    """The "Differences" section of a report: the rule, then each ``(caption, table lines)``
+    (:func:`difference_matrix`)."""
+    lines = ["## Differences", "",
+             RESOLVED_RULE + " Each table: row minus column, difference of the means over the seeds; ✓: resolved, "
+             "no mark: within the spread."]
+    for caption, table in tables:
+        lines += ["", caption, "", *table]
+    return lines
+
+
+def curve_band(curves: Sequence[Sequence[Sequence[float]]]) -> tuple[list[float], list[float], list[float],
+                                                                     list[float]]:
+    """``(x, mean, min, max)`` over the seeds' curves ``[(x, y), ...]`` at the x's every curve
+    has (seeds of one row log at the same steps)."""
+    common = set.intersection(*({x for x, _ in curve} for curve in curves)) if curves else set()
+    xs = sorted(common)
+    at = [dict((x, y) for x, y in curve) for curve in curves]
+    ys = [[values[x] for values in at] for x in xs]
+    return xs, [math.fsum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
+def plot_band(axis, curves: Sequence[Sequence[Sequence[float]]], *, scale: float = 1.0, **style) -> None:
+    """The mean curve of ``curves`` (times ``scale``) with its min–max band over the seeds."""
+    xs, mean, low, high = curve_band(curves)
+    if not xs:
+        return
+    (line,) = axis.plot(xs, [y * scale for y in mean], **style)
+    if len(curves) > 1:
+        axis.fill_between(xs, [y * scale for y in low], [y * scale for y in high], color=line.get_color(),
+                          alpha=0.2, linewidth=0)
+
+
+def plot_spread(axis, xs: Sequence[float], stats: Sequence[dict | None], *, scale: float = 1.0, **style) -> None:
+    """Means at ``xs`` with min–max error bars over the seeds (points without a number left out)."""
+    points = [(x, s) for x, s in zip(xs, stats) if s is not None and s["n"]]
+    if not points:
+        return
+    means = [s["mean"] * scale for _, s in points]
+    below = [(s["mean"] - s["min"]) * scale for _, s in points]
+    above = [(s["max"] - s["mean"]) * scale for _, s in points]
+    axis.errorbar([x for x, _ in points], means, yerr=[below, above], capsize=3, **style)
 
 
 # --- results ----------------------------------------------------------------------------
@@ -427,10 +656,11 @@ def experiment_metadata(*, device: str, command: str, shapes: dict, **fields) ->
     return metadata
 
 
-def write_results(out_dir: Path, *, rows: Sequence[dict], metadata: dict, markdown: str,
+def write_results(out_dir: Path, *, rows: Sequence[dict], runs: Sequence[dict], metadata: dict, markdown: str,
                   plot: Callable[[Path], Path], plot_name: str, summary: dict | None = None) -> list[Path]:
-    """Write ``results.json``, ``results.md`` and ``plot(out_dir / plot_name)``; their paths."""
+    """Write ``results.json`` (``rows``: aggregated over the seeds, :func:`aggregate`;
+    ``runs``: one row per seed), ``results.md`` and ``plot(out_dir / plot_name)``; their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary),
+    return [write_json(out_dir / "results.json", rows=rows, runs=runs, metadata=metadata, summary=summary),
             write_markdown(out_dir / "results.md", markdown), plot(out_dir / plot_name)]

@@ -323,6 +323,7 @@ def _grid(setting: Setting, mechanisms: Sequence[str], sizes: Sequence[int], con
     """Every (mechanism, S) run, mechanisms outer."""
     return Grid(train=_train_named, runs=[(setting.name, name, size, config) for name in mechanisms for size in sizes],
                 run_key=_run_key, describe=_describe, label=f"fwp {setting.name}", progress_kwarg="on_eval",
+                seed_of=lambda run: run[3].seed,
                 step_text=_eval_text)
 
 
@@ -366,7 +367,8 @@ class RetrievalSpec:
                  "(each unless given explicitly)")
         return ExperimentSpec(self.command, self.help, self.description, grid_axes=("mechanisms", "sizes"),
                               quick_help=quick,
-                              seed_help="seed of data, initialisation and FAVOR+ projections (default %(default)s)")
+                              seed_help="seed of data, initialisation and FAVOR+ projections (default %(default)s)",
+                              default_seeds=1)
 
 
 CAPACITY = RetrievalSpec(
@@ -448,8 +450,8 @@ def run_experiment(spec: RetrievalSpec, *, mechanisms: Sequence[str], sizes: Seq
                     if outcome.reused and not report_only else "")
                  + (f" {framework.interim_note(len(rows), outcome.total)}" if report_only else "") + "\n")
     plot = partial(write_plot, rows, title=setting.title, target_loss=config.target_loss, mark_d_dot=spec.mark_d_dot)
-    files = framework.write_results(out_dir, rows=rows, metadata=metadata, summary=summary, markdown=markdown,
-                                    plot=plot, plot_name=spec.plot_name)
+    files = framework.write_results(out_dir, rows=rows, runs=rows, metadata=metadata, summary=summary,
+                                    markdown=markdown, plot=plot, plot_name=spec.plot_name)
     return {"metadata": metadata, "rows": rows, "summary": summary, "markdown": markdown, "files": files}
 
 
@@ -485,6 +487,9 @@ def _add_arguments(spec: RetrievalSpec, parser: argparse.ArgumentParser) -> None
 
 def _run(spec: RetrievalSpec, args: argparse.Namespace) -> int:
     options = framework.run_options(args, spec.experiment)
+    seeds = options.pop("seeds")
+    if len(seeds) > 1:
+        raise ValueError(f"--seeds {len(seeds)}: repro {spec.command} trains one seed per row so far (--seeds 1)")
     quick = args.quick
     sizes = tuple(sorted(set(args.sizes or (spec.quick_sizes if quick else spec.default_sizes))))
     mechanisms = tuple(dict.fromkeys(args.mechanisms or (spec.quick_mechanisms if quick else spec.default_mechanisms)))

@@ -213,6 +213,7 @@ SPEC = ExperimentSpec(
     description=__doc__.split("\n\n", 1)[1],
     grid_axes=("variants",),
     unit="variants",
+    default_seeds=1,
     quick_help=f"a tiny model, 20 steps at context 32, evaluated at {' '.join(map(str, QUICK_EVAL_CONTEXTS))} "
                "(for tests); flags given with other values than their defaults still apply",
     threads_help="torch CPU threads (default: torch's choice)",
@@ -289,6 +290,9 @@ def _run(args: argparse.Namespace) -> int:
     for name in args.variants:  # every model is checked before the first one trains
         model_config(variant_spec(name, args), args)
     options = framework.run_options(args, SPEC)
+    seeds = options.pop("seeds")
+    if len(seeds) > 1:
+        raise ValueError(f"--seeds {len(seeds)}: repro length-extrapolation trains one seed per row so far (--seeds 1)")
     out_dir, command = options.pop("out_dir"), options.pop("command")
     test_tokens = None if args.report_only else load_corpus(args.data, cache_dir=args.cache_dir).tokens("test")
     metadata = framework.experiment_metadata(device="cpu", command=command, shapes={
@@ -296,13 +300,15 @@ def _run(args: argparse.Namespace) -> int:
         "eval_contexts": args.eval_contexts, "batch_size": args.batch_size, "steps": args.steps, "data": args.data},
         tolerance=args.tolerance)
     grid = Grid(train=run_variant, runs=[(name, args, out_dir, test_tokens) for name in args.variants],
-                run_key=_run_key, describe=_describe, label="repro length-extrapolation", unit="variant")
+                run_key=_run_key, describe=_describe, label="repro length-extrapolation", unit="variant",
+                seed_of=lambda run: run[1].seed)
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
     summary = summarize(outcome.rows, args.tolerance)
     note = framework.interim_note(len(outcome.rows), outcome.total, "variants") if args.report_only else ""
     text = markdown(outcome.rows, metadata, summary, note=note)
-    files = framework.write_results(out_dir, rows=outcome.rows, metadata=metadata, markdown=text, summary=summary,
+    files = framework.write_results(out_dir, rows=outcome.rows, runs=outcome.rows, metadata=metadata, markdown=text,
+                                    summary=summary,
                                     plot=partial(write_plot, outcome.rows, args.context),
                                     plot_name="bpb_vs_context.png")
     return framework.print_result({"markdown": text, "files": files})

@@ -102,18 +102,26 @@ def train_model(config: LMConfig, args: argparse.Namespace, run_dir: Path) -> tu
     summary = train(config, train_config, progress=False, echo=lambda *a: None)
     if summary["interrupted"]:
         raise KeyboardInterrupt(f"stopped by {summary['interrupted']}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, train_config, run_curves(run_dir)
+
+
+def run_curves(run_dir: Path) -> dict:
+    """A finished run's curves from its ``metrics.jsonl``: ``loss_curve`` [(step, loss in
+    nats)], ``validation_curve`` [(step, bpb)], ``train_tokens_per_second`` (the mean over the
+    logged intervals but the first; None when there is only one)."""
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     speeds = [r["tokens_per_second"] for r in records if "tokens_per_second" in r][1:]
-    curves = {"loss_curve": [(r["step"], r["loss"]) for r in records if "loss" in r],
-              "validation_curve": [(r["step"], r["bpb"]) for r in records if r.get("split") == "validation"],
-              "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None}
-    return summary, train_config, curves
+    return {"loss_curve": [(r["step"], r["loss"]) for r in records if "loss" in r],
+            "validation_curve": [(r["step"], r["bpb"]) for r in records if r.get("split") == "validation"],
+            "train_tokens_per_second": sum(speeds) / len(speeds) if speeds else None}
 
 
-def run_mechanism(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:
+def run_mechanism(name: str, args: argparse.Namespace, run_dir: Path, test_tokens: torch.Tensor) -> dict:
+    """Train the mechanism ``name`` at ``args`` (its seed among them) in ``run_dir`` and
+    evaluate it: one run's row."""
     config = model_config(LM_QUALITY_SPECS[name], args, favor_features=args.favor_features,
                           **LM_QUALITY_OPTIONS.get(name, {}))
-    summary, train_config, curves = train_model(config, args, out_dir / "runs" / name)
+    summary, train_config, curves = train_model(config, args, run_dir)
     model = summary["model"]
     evaluate = dict(context=args.context, max_tokens=args.test_tokens)
     reset = evaluate_bpb(model, test_tokens, batch_size=1, carry_state=False, **evaluate)
@@ -140,49 +148,66 @@ def _code_perplexity(model, tokens: torch.Tensor, args: argparse.Namespace) -> f
     return None if perplexity is None else float(perplexity)
 
 
-def markdown(rows: list[dict], metadata: dict, note: str = "") -> str:
-    """The results table; ``note`` (an interim report's sentence) replaces the clause on reused runs."""
+def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "") -> str:
+    """The results table (``rows``: aggregated over the seeds; ``runs``: per seed), the
+    differences of validation bpb; ``note`` (an interim report's sentence) replaces the clause
+    on reused runs."""
+    first = runs[0]
+    stats = framework.format_stats
     lines = [
         "# Byte-level LM quality per mechanism (equal budget)", "",
         f"Command: `{metadata['command']}`  ", f"Date: {metadata['date']}; device: {metadata['device_name']}, "
         f"{metadata['threads']} threads; torch {metadata['torch_version']}.", "",
+        framework.seeds_text(rows), "",
         *markdown_table_lines(
-            ["mechanism", "spec", "parameters", "validation bpb", "test bpb, state reset every window",
-             f"test bpb, state carried {rows[0]['carry_windows']} windows (as trained)",
-             "test bpb, state carried across the whole stream", "train tokens/s", "step peak memory"],
-            [[r["mechanism"], f"`{r['spec']}`", f"{r['parameters']:,}", f"{r['validation_bpb']:.3f}",
-              f"{r['test_bpb_reset']:.3f}", f"{r['test_bpb_schedule']:.3f}", f"{r['test_bpb_carried']:.3f}",
-              f"{r['train_tokens_per_second']:,.0f}" if r["train_tokens_per_second"] else "—",
-              f"{r['step_peak_bytes'] / 2**20:,.0f} MiB" if r["step_peak_bytes"] else "—"] for r in rows]),
+            ["mechanism", "spec", "parameters", "n", "validation bpb", "test bpb, state reset every window",
+             f"test bpb, state carried {first['carry_windows']} windows (as trained)",
+             "test bpb, state carried across the whole stream", "train tokens/s (mean)", "step peak memory (mean)"],
+            [[r["mechanism"], f"`{r['spec']}`", framework.format_mean(r["metrics"]["parameters"], ",.0f"), str(r["n"]),
+              *(stats(framework.stats_of(r, key)) for key in ("validation_bpb", "test_bpb_reset", "test_bpb_schedule",
+                                                               "test_bpb_carried")),
+              framework.format_mean(framework.stats_of(r, "train_tokens_per_second"), ",.0f"),
+              _mebibytes(framework.mean_of(r, "step_peak_bytes"))] for r in rows]),
     ]
     lines += ["", "Test bpb is measured on the first "
-              f"{rows[0]['test_tokens']:,} bytes of the test split read as one stream in windows of the training "
+              f"{first['test_tokens']:,} bytes of the test split read as one stream in windows of the training "
               "context. Training carries each window's recurrent state (detached) to the next for "
-              f"{rows[0]['carry_windows']} windows, then resets it; the three columns reset it every window, on that "
+              f"{first['carry_windows']} windows, then resets it; the three columns reset it every window, on that "
               "schedule, or never. Exact softmax keeps no memory across windows (`softmax_memory = 0`), so its "
               "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, "
-              "training schedule."]
+              "training schedule.", ""]
+    lines += framework.differences_lines([("Validation bpb (lower is better):", framework.difference_matrix(
+        rows, lambda r: framework.stats_of(r, "validation_bpb"), lambda r: r["mechanism"]))])
     if note:
         lines += ["", note]
     elif metadata.get("reused_runs"):
-        lines += ["", reuse_note(metadata["reused_runs"], len(rows), "mechanisms") + "."]
+        lines += ["", reuse_note(metadata["reused_runs"], len(runs)) + "."]
     return "\n".join(lines) + "\n"
 
 
-def write_plot(rows: list[dict], path: Path) -> Path:
-    """Training loss (bits per byte) and validation bpb against the step, one line per mechanism."""
+def _mebibytes(value: float | None) -> str:
+    return "—" if not value else f"{value / 2**20:,.0f} MiB"
+
+
+def write_plot(rows: list[dict], runs: list[dict], path: Path) -> Path:
+    """Training loss (bits per byte) and validation bpb against the step, one line per
+    mechanism: the mean over the seeds with its min–max band."""
     figure, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
-    for r in rows:
-        steps, losses = zip(*r["loss_curve"])
-        left.plot(steps, [loss / math.log(2) for loss in losses], label=r["mechanism"])
-        if r["validation_curve"]:
-            steps, bpb = zip(*r["validation_curve"])
-            right.plot(steps, bpb, marker="o", label=r["mechanism"])
+    for index, r in enumerate(rows):
+        mine = [run for run in runs if run["mechanism"] == r["mechanism"]]
+        color = f"C{index % 10}"
+        framework.plot_band(left, [run["loss_curve"] for run in mine], scale=1 / math.log(2), color=color,
+                            label=r["mechanism"])
+        if all(run["validation_curve"] for run in mine):
+            framework.plot_band(right, [run["validation_curve"] for run in mine], color=color, marker="o",
+                                label=r["mechanism"])
     left.set(xlabel="step", ylabel="training loss (bits per byte)", title="training loss")
     right.set(xlabel="step", ylabel="validation bpb", title="validation")
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend()
+    if any(r["n"] > 1 for r in rows):
+        figure.suptitle("mean over the seeds, band: min–max")
     return save_figure(figure, path)
 
 
@@ -191,8 +216,8 @@ SPEC = ExperimentSpec(
     help="byte-level LM quality per mechanism at equal budget (bpb, tokens/s, memory)",
     description=__doc__.split("\n\n", 1)[1],
     grid_axes=("mechanisms",),
-    unit="mechanisms",
-    quick_help="a few minutes: 60 steps, 8k-byte evaluations",
+    row="mechanism",
+    quick_help="a few minutes: 60 steps, 8k-byte evaluations, one seed",
     threads_help="torch CPU threads (default: torch's choice)",
 )
 
@@ -227,6 +252,10 @@ def _run_key(run: tuple) -> dict:
     return {"mechanism": name, "settings": {key: getattr(args, key) for key in _RUN_SETTINGS}}
 
 
+def _seed_of(run: tuple) -> int:
+    return run[1].seed
+
+
 def _describe(row: dict) -> str:
     return f"{row['mechanism']} val {row['validation_bpb']:.3f} bpb"
 
@@ -241,19 +270,22 @@ def _run(args: argparse.Namespace) -> int:
                  "codebook_size", "block_size", "gau_d_k"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    out_dir, command = options.pop("out_dir"), options.pop("command")
+    out_dir, command, seeds = options.pop("out_dir"), options.pop("command"), options.pop("seeds")
     test_tokens = None if args.report_only else load_corpus(args.data, cache_dir=args.cache_dir).tokens("test")
     metadata = framework.experiment_metadata(device="cpu", command=command, shapes={
         "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context,
-        "batch_size": args.batch_size, "steps": args.steps, "data": args.data})
-    grid = Grid(train=run_mechanism, runs=[(name, args, out_dir, test_tokens) for name in args.mechanisms],
-                run_key=_run_key, describe=_describe, label="repro lm", unit="mechanism")
+        "batch_size": args.batch_size, "steps": args.steps, "data": args.data}, seeds=seeds)
+    runs = [(name, framework.with_seed(args, seed), framework.run_folder(out_dir, name, seed), test_tokens)
+            for seed in seeds for name in args.mechanisms]
+    grid = Grid(train=run_mechanism, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
+                label="repro lm", unit="run")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
-    note = framework.interim_note(len(outcome.rows), outcome.total, "mechanisms") if args.report_only else ""
-    text = markdown(outcome.rows, metadata, note=note)
-    files = framework.write_results(out_dir, rows=outcome.rows, metadata=metadata, markdown=text,
-                                    plot=partial(write_plot, outcome.rows), plot_name="loss_curves.png")
+    rows = framework.aggregate(outcome.rows, identity=("mechanism",))
+    note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
+    text = markdown(rows, outcome.rows, metadata, note=note)
+    files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
+                                    plot=partial(write_plot, rows, outcome.rows), plot_name="loss_curves.png")
     return framework.print_result({"markdown": text, "files": files})
 
 

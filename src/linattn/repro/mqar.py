@@ -373,6 +373,7 @@ def _grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tu
     return Grid(train=train_run,
                 runs=[(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks],
                 run_key=_run_key, describe=_describe, label="repro mqar", progress_kwarg="on_step",
+                seed_of=lambda run: run[4].seed,
                 step_text=_step_text)
 
 
@@ -410,7 +411,7 @@ def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Se
         paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient Language Models")
     note = framework.interim_note(len(outcome.rows), outcome.total) if report_only else ""
     markdown = markdown_report(outcome.rows, command=command, config=config, metadata=metadata, note=note)
-    files = framework.write_results(out_dir, rows=outcome.rows, metadata=metadata, markdown=markdown,
+    files = framework.write_results(out_dir, rows=outcome.rows, runs=outcome.rows, metadata=metadata, markdown=markdown,
                                     plot=partial(write_plot, outcome.rows), plot_name="mqar_accuracy.png")
     return {"metadata": metadata, "rows": outcome.rows, "markdown": markdown, "files": files}
 
@@ -427,6 +428,7 @@ SPEC = ExperimentSpec(
                 f"{' '.join(map(str, QUICK_LENGTHS))}, {QUICK_STEPS} steps (unless given explicitly)"),
     seed_help="seed of data, initialisation and features (default %(default)s)",
     default_threads=1,
+    default_seeds=1,
     threads_help="torch intra-op CPU threads per run (default %(default)s)",
 )
 
@@ -472,6 +474,9 @@ def resolve_tasks(lengths: Sequence[int], pairs: Sequence[int] | None) -> list[t
 
 def _run(args: argparse.Namespace) -> int:
     options = framework.run_options(args, SPEC)
+    seeds = options.pop("seeds")
+    if len(seeds) > 1:
+        raise ValueError(f"--seeds {len(seeds)}: repro mqar trains one seed per row so far (--seeds 1)")
     mechanisms = list(dict.fromkeys(args.mechanisms or MQAR_LAYER_SPECS))
     d_models = list(dict.fromkeys(args.d_models or (QUICK_D_MODELS if args.quick else DEFAULT_D_MODELS)))
     tasks = resolve_tasks(list(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)), args.pairs)
