@@ -94,6 +94,6 @@ def test_retained_memory_gives_bit_identical_runs(tmp_path):
                         "--threads", "1", "--no-progress", "--out", str(out), *extra],
                        env=_clean_env(), capture_output=True, text=True, check=True)
         document = json.loads((out / "results.json").read_text())
-        curves[mode] = [row["curve"] for row in document["rows"]]
+        curves[mode] = [row["curve"] for row in document["runs"]]
         assert ("MALLOC_MMAP_MAX_" in document["metadata"]["malloc"]) == (mode == "retain")
     assert curves["retain"] == curves["system"] and len(curves["retain"][0]) == 3

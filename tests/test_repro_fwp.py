@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import linattn.repro.cli
 from linattn.feature_maps import get_feature_map
+from linattn.repro import framework
 from linattn.repro import fwp_retrieval as fwp, mqar
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -237,8 +238,9 @@ ROW_KEYS = {"mechanism", "label", "rule", "feature_map", "normalize", "d_dot", "
 @pytest.mark.parametrize("command, plot, length", [("fwp-capacity", "fwp_capacity.png", 1),
                                                    ("fwp-update-rule", "fwp_update_rule.png", 2)])
 def test_command_writes_json_markdown_and_plot(tmp_path, capsys, command, plot, length):
-    args = _parse(["repro", command, "--sizes", "4", "8", "--mechanisms", "softmax", "linear-elu", "--max-steps", "20",
-                   "--eval-every", "10", "--threads", "1", "--no-progress", "--out", str(tmp_path)])
+    args = _parse(["repro", command, "--quick", "--seeds", "2", "--sizes", "4", "8", "--mechanisms", "softmax",
+                   "linear-elu", "--max-steps", "20", "--eval-every", "10", "--threads", "1", "--no-progress", "--out",
+                   str(tmp_path)])
     assert args.handler(args) == 0
     assert "| mechanism | d_dot | S=4 | S=8 |" in capsys.readouterr().out
 
@@ -246,10 +248,10 @@ def test_command_writes_json_markdown_and_plot(tmp_path, capsys, command, plot, 
     assert set(result) == {"metadata", "rows", "runs", "summary"}
     meta = result["metadata"]
     assert meta["command"] == "test" and meta["threads"] == 1 and meta["mechanisms"] == ["softmax", "linear-elu"]
-    assert meta["shapes"]["sizes"] == [4, 8] and meta["config"]["max_steps"] == 20
-    rows = result["rows"]
-    assert sorted((r["mechanism"], r["size"]) for r in rows) == sorted(
-        (m, s) for m in ("softmax", "linear-elu") for s in (4, 8))
+    assert meta["shapes"]["sizes"] == [4, 8] and meta["config"]["max_steps"] == 20 and meta["seeds"] == [0, 1]
+    rows = result["runs"]
+    assert sorted((r["mechanism"], r["size"], r["seed"]) for r in rows) == sorted(
+        (m, s, seed) for m in ("softmax", "linear-elu") for s in (4, 8) for seed in (0, 1))
     for row in rows:
         assert set(row) == ROW_KEYS | {"seed"}
         assert row["seq_len"] == length * row["size"]
@@ -261,6 +263,15 @@ def test_command_writes_json_markdown_and_plot(tmp_path, capsys, command, plot, 
     markdown = (tmp_path / "results.md").read_text()
     assert markdown.startswith(f"# repro {command}") and "`test`" in markdown
     assert "| softmax | ∞ |" in markdown and "| linear-elu | 64 |" in markdown
+    assert "n = 2 seeds per row (0, 1)." in markdown
+    for row in result["rows"]:  # aggregated over the two seeds
+        assert row["n"] == 2 and row["seeds"] == [0, 1] and row["d_dot"] == (None if row["mechanism"] == "softmax"
+                                                                              else 64)
+        losses = sorted(r["final_eval_loss"] for r in rows if (r["mechanism"], r["size"]) == (row["mechanism"],
+                                                                                            row["size"]))
+        assert row["metrics"]["final_eval_loss"]["min"] == losses[0] and row["metrics"]["final_eval_loss"]["max"] == \
+            losses[1]
+        assert f"({losses[0]:.1e}–{losses[1]:.1e})" in markdown
     image = (tmp_path / plot).read_bytes()
     assert image[:8] == PNG
     width, height = int.from_bytes(image[16:20], "big"), int.from_bytes(image[20:24], "big")
@@ -316,14 +327,21 @@ def test_bad_jobs_or_threads_are_named(bad):
         mqar.run_grid(["softmax"], [16], [(32, 2)], mqar.MQARConfig(steps=1), progress=False, **bad)
 
 
-def test_summary_names_the_capacity_and_a_mechanism_that_never_solves():
-    def row(mechanism, d_dot, size, loss, accuracy=1.0):
-        return {"mechanism": mechanism, "label": mechanism, "d_dot": d_dot, "size": size, "final_eval_loss": loss,
-                "final_eval_accuracy": accuracy, "steps": 100, "stop_reason": "target", "seq_len": size}
+def _run(mechanism, d_dot, size, loss, accuracy=1.0, seed=0):
+    return {"mechanism": mechanism, "label": mechanism, "d_dot": d_dot, "size": size, "final_eval_loss": loss,
+            "final_eval_accuracy": accuracy, "steps": 100, "stop_reason": "target", "seq_len": size, "seed": seed,
+            "rule": "sum", "feature_map": "x", "normalize": False, "emb_dim": 8}
 
-    rows = [row("dpfp-1", 128, 40, 1e-4), row("dpfp-1", 128, 80, 5e-4), row("dpfp-1", 128, 160, 0.1, 0.95),
-            row("linear-elu", 64, 40, 0.2, 0.6), row("linear-elu", 64, 80, 0.3, 0.4),
-            row("linear-elu", 64, 160, 1e-4, 1.0)]
+
+def _aggregate(runs):
+    return framework.aggregate(runs, identity=fwp.ROW_IDENTITY, constants=fwp.ROW_CONSTANTS)
+
+
+def test_summary_names_the_capacity_and_a_mechanism_that_never_solves():
+    runs = [_run("dpfp-1", 128, 40, 1e-4), _run("dpfp-1", 128, 80, 5e-4), _run("dpfp-1", 128, 160, 0.1, 0.95),
+            _run("linear-elu", 64, 40, 0.2, 0.6), _run("linear-elu", 64, 80, 0.3, 0.4),
+            _run("linear-elu", 64, 160, 1e-4, 1.0)]
+    rows = _aggregate(runs)
     config = fwp.RetrievalTrainConfig()
     summary = fwp.summarize(rows, target_loss=config.target_loss)
     assert summary["dpfp-1"]["largest_size_all_solved"] == 80 and summary["dpfp-1"]["solved_sizes"] == [40, 80]
@@ -331,13 +349,32 @@ def test_summary_names_the_capacity_and_a_mechanism_that_never_solves():
     # Accuracy levels count the unbroken run of sizes from the smallest: elu's late 100% does not.
     assert summary["dpfp-1"]["largest_size_accuracy_at_least"] == {"0.99": 80, "0.9": 160, "0.5": 160}
     assert summary["linear-elu"]["largest_size_accuracy_at_least"] == {"0.99": None, "0.9": None, "0.5": 40}
-    text = fwp.markdown_report(rows, title="t", command="c", setting=fwp.SETTINGS["capacity"], config=config,
+    text = fwp.markdown_report(rows, runs, title="t", command="c", setting=fwp.SETTINGS["capacity"], config=config,
                                summary=summary)
+    assert "n = 1 seed per row (0)." in text and "| dpfp-1 | 128 | 1.0e-04 | 5.0e-04 | 1.0e-01 |" in text
+    assert "| dpfp-1 | 128 | 100.0% | 100.0% | 95.0% |" in text and "| dpfp-1 | 128 | 100t | 100t | 100t |" in text
     assert "| mechanism | d_dot | loss <= 0.001 | accuracy >= 99% | accuracy >= 90% | accuracy >= 50% |" in text
     assert "| dpfp-1 | 128 | 80 | 80 | 160 | 160 |" in text and "| linear-elu | 64 | — | — | — | 40 |" in text
     assert "- dpfp-1 (d_dot 128): every S up to 80 reached loss <= 0.001; reached at S = 40, 80" in text
     assert "- linear-elu (d_dot 64): the smallest S missed loss <= 0.001; reached at S = 160" in text
     never = fwp.summarize(rows[3:5], target_loss=config.target_loss)
-    text = fwp.markdown_report(rows[3:5], title="t", command="c", setting=fwp.SETTINGS["capacity"], config=config,
-                               summary=never)
+    text = fwp.markdown_report(rows[3:5], runs[3:5], title="t", command="c", setting=fwp.SETTINGS["capacity"],
+                               config=config, summary=never)
     assert "- linear-elu (d_dot 64): no S reached loss <= 0.001" in text
+
+
+def test_with_several_seeds_a_size_is_solved_only_when_every_seed_solved_it():
+    runs = [_run("dpfp-1", 128, 40, 1e-4, seed=0), _run("dpfp-1", 128, 40, 2e-4, 0.995, seed=1),
+            _run("dpfp-1", 128, 80, 5e-4, seed=0), _run("dpfp-1", 128, 80, 0.2, 0.95, seed=1),
+            _run("dpfp-1", 128, 160, float("nan"), seed=0), _run("dpfp-1", 128, 160, 1e-4, seed=1)]
+    rows = _aggregate(runs)
+    summary = fwp.summarize(rows, target_loss=1e-3)["dpfp-1"]
+    # S = 80: seed 1 missed; S = 160: seed 0's loss is not a number, so not every seed reached it
+    assert summary["solved_sizes"] == [40] and summary["largest_size_all_solved"] == 40
+    assert summary["largest_size_accuracy_at_least"] == {"0.99": 40, "0.9": 160, "0.5": 160}
+    assert summary["final_eval_loss_by_size"]["80"] == pytest.approx((5e-4 + 0.2) / 2)
+    text = fwp.markdown_report(rows, runs, title="t", command="c", setting=fwp.SETTINGS["capacity"],
+                               config=fwp.RetrievalTrainConfig(target_loss=1e-3), summary={"dpfp-1": summary})
+    assert "n = 2 seeds per row (0, 1)." in text and "a size meets a criterion when every seed of it does" in text
+    assert "| dpfp-1 | 128 | 100 (tt) | 100 (tt) | 100 (tt) |" in text
+    assert "- dpfp-1 (d_dot 128): every S up to 40 reached loss <= 0.001 at every seed; reached at S = 40" in text

@@ -95,7 +95,7 @@ def test_interrupted_fwp_grid_resumes_to_the_same_results(tmp_path, monkeypatch)
     resumed = _fwp_rows(out, monkeypatch, resume=True, calls=calls)
     assert len(calls) == 2 and resumed["metadata"]["reused_runs"] == 2
     keys = ("mechanism", "size", "final_eval_loss", "steps", "stop_reason", "curve")
-    assert [[r[k] for k in keys] for r in resumed["rows"]] == [[r[k] for k in keys] for r in full["rows"]]
+    assert [[r[k] for k in keys] for r in resumed["runs"]] == [[r[k] for k in keys] for r in full["runs"]]
     assert "2 of 4 runs were reused" in (out / "results.md").read_text()
     assert len((out / JOURNAL_NAME).read_text().splitlines()) == 4
 
@@ -124,7 +124,7 @@ def test_mqar_resume_reuses_recorded_runs(tmp_path, monkeypatch):
     assert calls == [] and again["metadata"]["reused_runs"] == 2
     text = (tmp_path / "results.md").read_text()
     assert "Wall time" not in text and "2 of 2 runs were reused" in text
-    assert [r["accuracy"] for r in again["rows"]] == [r["accuracy"] for r in first["rows"]]
+    assert [r["accuracy"] for r in again["runs"]] == [r["accuracy"] for r in first["runs"]]
     mqar.run_experiment(*grid, out_dir=tmp_path, command="test", progress=False)
     assert calls == ["softmax", "local"]
 
@@ -132,7 +132,7 @@ def test_mqar_resume_reuses_recorded_runs(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv", [
     ["fwp-capacity", "--sizes", "4", "--mechanisms", "softmax", "--max-steps", "10", "--eval-every", "10"],
     ["mqar", "--mechanisms", "local", "--d-models", "16", "--lengths", "32", "--steps", "2", "--batch-size", "4",
-     "--eval-batches", "1", "--window", "8"],
+     "--eval-batches", "1", "--window", "8", "--seeds", "1"],
 ])
 def test_resume_flag_of_the_commands(tmp_path, monkeypatch, capsys, argv):
     parser = argparse.ArgumentParser()
@@ -209,8 +209,8 @@ def test_report_only_reports_the_recorded_runs_and_trains_nothing(tmp_path, monk
 
     monkeypatch.setattr(fwp, "_train_named", no_training)
     interim = fwp.run_experiment(fwp.CAPACITY, sizes=[4, 6], out_dir=tmp_path, report_only=True, **grid)
-    assert [(r["mechanism"], r["size"]) for r in interim["rows"]] == [("softmax", 4), ("linear-elu", 4)]
-    assert [r["final_eval_loss"] for r in interim["rows"]] == [r["final_eval_loss"] for r in first["rows"]]
+    assert [(r["mechanism"], r["size"]) for r in interim["runs"]] == [("softmax", 4), ("linear-elu", 4)]
+    assert [r["final_eval_loss"] for r in interim["runs"]] == [r["final_eval_loss"] for r in first["runs"]]
     assert interim["metadata"]["grid_runs"] == 4 and interim["metadata"]["report_only"] is True
     text = (tmp_path / "results.md").read_text()
     assert "Interim report (--report-only): 2 of the grid's 4 runs are recorded" in text
@@ -244,10 +244,11 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 @pytest.mark.parametrize("name, argv, train", [
     ("repro-fwp-update-rule", ["fwp-update-rule", "--max-steps", "3000"], (fwp, "_train_named")),
-    ("repro-mqar", ["mqar"], (mqar, "train_run")),
+    ("repro-mqar", ["mqar", "--seeds", "1"], (mqar, "train_run")),
 ])
 def test_report_only_regenerates_a_committed_report_from_its_journal(tmp_path, monkeypatch, name, argv, train):
-    """A journal committed under docs/results still reads: --report-only rebuilds its page and rows."""
+    """A journal committed under docs/results still reads: --report-only rebuilds its runs of seed 0
+    (the journal keys of one seed's runs are those of the runs before --seeds) and its page."""
     committed = RESULTS / name
     out = tmp_path / name
     out.mkdir()
@@ -260,10 +261,11 @@ def test_report_only_regenerates_a_committed_report_from_its_journal(tmp_path, m
     monkeypatch.setattr(*train, fail)
     assert main(["repro", *argv, "--report-only", "--no-progress", "--out", str(out)]) == 0
     assert (out / JOURNAL_NAME).read_bytes() == journal
-    runs = json.loads((out / "results.json").read_text())["runs"]
-    assert [run.pop("seed") for run in runs] == [0] * len(runs)  # the committed runs are of seed 0
-    assert runs == json.loads((committed / "results.json").read_text())["rows"]
-    # The page is the committed one but for its command line (line 3) and closing line (this invocation).
-    new, old = ((path / "results.md").read_text().splitlines() for path in (out, committed))
-    assert new[:2] + new[3:-1] == old[:2] + old[3:-1]
-    assert "Interim report (--report-only)" in new[-1]
+    document = json.loads((out / "results.json").read_text())
+    old = json.loads((committed / "results.json").read_text())
+    # A results.json written before --seeds has one row per run (all of seed 0) and no "runs".
+    committed_runs = old["runs"] if "runs" in old else [{**row, "seed": 0} for row in old["rows"]]
+    assert document["runs"] == [run for run in committed_runs if run["seed"] == 0] != []
+    assert {row["n"] for row in document["rows"]} == {1}
+    text = (out / "results.md").read_text()
+    assert "n = 1 seed per row (0)." in text and "Interim report (--report-only)" in text.splitlines()[-1]

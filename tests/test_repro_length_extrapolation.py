@@ -46,7 +46,8 @@ def test_repro_length_extrapolation_end_to_end(corpus, tmp_path, monkeypatch, ca
     assert "C=32 (trained)" in capsys.readouterr().out
     document = json.loads((out / "results.json").read_text())
     assert document["metadata"]["command"] == "linattn " + " ".join(argv)
-    rows = document["rows"]
+    rows = document["runs"]  # --quick: one seed, so one run per variant
+    assert [r["seed"] for r in rows] == [0, 0, 0] and [r["n"] for r in document["rows"]] == [1, 1, 1]
     assert [r["variant"] for r in rows] == ["softmax-entropy", "hybrid", "vq"]
     # --quick: 3 layers, window 16, trained at 32; the hybrid is local layers then a global NoPE entropy layer
     assert [r["spec"] for r in rows] == ["softmax:entropy", "local:16,local:16,softmax:nope:entropy", "vq"]
@@ -57,7 +58,7 @@ def test_repro_length_extrapolation_end_to_end(corpus, tmp_path, monkeypatch, ca
         assert row["train_context"] == 32
         assert [entry["context"] for entry in row["test_bpb"]] == [32, 64, 128]  # the training context is added
         assert {entry["tokens"] for entry in row["test_bpb"]} == {test.numel() - 1} == {row["test_tokens"]}
-        model, _ = load_model(out / "runs" / row["variant"])
+        model, _ = load_model(out / "runs" / "seed-0" / row["variant"])
         for entry in row["test_bpb"]:  # the state really is reset at every window of C
             assert entry["bpb"] == pytest.approx(_bpb_in_windows(model, test, entry["context"]), abs=2e-5)
         if row["recurrent"]:  # carried across the whole stream = one pass over it
@@ -72,14 +73,17 @@ def test_repro_length_extrapolation_end_to_end(corpus, tmp_path, monkeypatch, ca
     for row in rows:
         bpb = {entry["context"]: entry["bpb"] for entry in row["test_bpb"]}
         rise = max(bpb[64] - bpb[32], bpb[128] - bpb[32])
-        assert summary["variants"][row["variant"]]["rise"] == pytest.approx(rise)
+        assert summary["variants"][row["variant"]]["rise"]["mean"] == pytest.approx(rise)
         assert summary["variants"][row["variant"]]["extrapolates"] == (rise <= 0.01)
     table = (out / "results.md").read_text()
-    for row in rows:
-        cells = " | ".join(f"{entry['bpb']:.3f}" for entry in row["test_bpb"])
-        line = f"| {row['variant']} | `{row['spec']}` | {row['parameters']:,} | {row['validation_bpb']:.3f} | {cells} |"
+    for row in rows:  # n = 1: each cell is the run's number and "± —"
+        cells = " | ".join(f"{entry['bpb']:.3f} ± —" for entry in row["test_bpb"])
+        line = (f"| {row['variant']} | `{row['spec']}` | {row['parameters']:,} | 1 | {row['validation_bpb']:.3f} ± — | "
+                f"{cells} |")
         assert line in table
-    assert f"| {vq['test_bpb_carried']:.3f} |" in table and "Extrapolate (test bpb at every context up to 128" in table
+    assert f"| {vq['test_bpb_carried']:.3f} ± — |" in table
+    assert "Extrapolate (test bpb at every context up to 128" in table and "## Differences" in table
+    assert "Test bpb at C=128, the longest context (lower is better):" in table
     assert (out / "bpb_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # --resume: every variant is recorded in runs.jsonl, so nothing is trained again
@@ -89,38 +93,96 @@ def test_repro_length_extrapolation_end_to_end(corpus, tmp_path, monkeypatch, ca
     monkeypatch.setattr(length_extrapolation, "train_model", fail)
     assert main([*argv, "--resume"]) == 0
     again = json.loads((out / "results.json").read_text())
-    assert [r["test_bpb"] for r in again["rows"]] == [r["test_bpb"] for r in rows]
-    assert "3 of 3 variants were reused" in (out / "results.md").read_text()
+    assert [r["test_bpb"] for r in again["runs"]] == [r["test_bpb"] for r in rows]
+    assert "3 of 3 runs were reused" in (out / "results.md").read_text()
 
 
-def _row(variant: str, bpb: dict[int, float], carried: float | None = None) -> dict:
-    return {"variant": variant, "train_context": 256, "test_bpb_carried": carried,
+def test_quick_with_two_seeds_reports_n_2_per_variant(corpus, tmp_path):
+    torch.set_num_threads(1)
+    out = tmp_path / "out"
+    assert main(["repro", "length-extrapolation", "--quick", "--seeds", "2", "--data", str(corpus), "--variants",
+                 "local", "vq", "--steps", "4", "--eval-contexts", "64", "--out", str(out), "--no-progress"]) == 0
+    document = json.loads((out / "results.json").read_text())
+    runs = document["runs"]
+    assert [(r["variant"], r["seed"]) for r in runs] == [("local", 0), ("vq", 0), ("local", 1), ("vq", 1)]
+    table = (out / "results.md").read_text()
+    assert "n = 2 seeds per row (0, 1)." in table
+    for row in document["rows"]:
+        mine = [r for r in runs if r["variant"] == row["variant"]]
+        assert row["n"] == 2 and row["seeds"] == [0, 1]
+        at_64 = sorted(entry["bpb"] for r in mine for entry in r["test_bpb"] if entry["context"] == 64)
+        mean, std = sum(at_64) / 2, (at_64[1] - at_64[0]) / 2 ** 0.5
+        assert f"{mean:.3f} ± {std:.3f} ({at_64[0]:.3f}–{at_64[1]:.3f})" in table
+        rises = [max(e["bpb"] for e in r["test_bpb"] if e["context"] > 32)
+                 - next(e["bpb"] for e in r["test_bpb"] if e["context"] == 32) for r in mine]
+        variant = document["summary"]["variants"][row["variant"]]
+        assert variant["extrapolating_seeds"] == sum(rise <= 0.01 for rise in rises)
+        assert variant["extrapolates"] == all(rise <= 0.01 for rise in rises)
+    assert (out / "runs" / "seed-1" / "vq" / "metrics.jsonl").exists()
+
+
+def _run(variant: str, bpb: dict[int, float], carried: float | None = None, seed: int = 0) -> dict:
+    return {"variant": variant, "seed": seed, "train_context": 256, "test_bpb_carried": carried, "spec": variant,
+            "parameters": 100, "test_tokens": 100, "validation_bpb": bpb[256],
             "test_bpb": [{"context": c, "bpb": b, "tokens": 100} for c, b in bpb.items()]}
 
 
+def _summary(runs, tolerance=0.01):
+    rows = length_extrapolation.aggregate(runs)
+    return rows, length_extrapolation.summarize(rows, runs, tolerance=tolerance)
+
+
 def test_summary_and_conclusions_from_the_numbers():
-    rows = [
-        _row("softmax", {256: 2.0, 1024: 3.5, 4096: 5.0}),
-        _row("softmax-entropy", {256: 2.1, 1024: 2.5, 4096: 3.0}),
-        _row("softmax-nope-entropy", {256: 2.2, 1024: 2.205, 4096: 2.1}),
-        _row("vq", {256: 2.0, 1024: 1.9, 4096: 1.85}, carried=1.8),
+    runs = [
+        _run("softmax", {256: 2.0, 1024: 3.5, 4096: 5.0}),
+        _run("softmax-entropy", {256: 2.1, 1024: 2.5, 4096: 3.0}),
+        _run("softmax-nope-entropy", {256: 2.2, 1024: 2.205, 4096: 2.1}),
+        _run("vq", {256: 2.0, 1024: 1.9, 4096: 1.85}, carried=1.8),
     ]
-    summary = length_extrapolation.summarize(rows, tolerance=0.01)
+    rows, summary = _summary(runs)
     variants = summary["variants"]
-    assert variants["softmax"]["rise"] == pytest.approx(3.0) and variants["softmax"]["extrapolates"] is False
-    assert variants["softmax-nope-entropy"]["rise"] == pytest.approx(0.005)
+    assert variants["softmax"]["rise"]["mean"] == pytest.approx(3.0) and variants["softmax"]["extrapolates"] is False
+    assert variants["softmax-nope-entropy"]["rise"]["mean"] == pytest.approx(0.005)
     assert variants["softmax-nope-entropy"]["extrapolates"] is True
-    assert variants["vq"]["rise"] == pytest.approx(-0.1) and variants["vq"]["extrapolates"] is True
-    assert summary["entropy_scale"] == pytest.approx({"256": -0.1, "1024": 1.0, "4096": 2.0})
+    assert variants["vq"]["rise"]["mean"] == pytest.approx(-0.1) and variants["vq"]["extrapolates"] is True
+    gains = {c: v["gain"] for c, v in summary["entropy_scale"].items()}
+    assert gains == pytest.approx({"256": -0.1, "1024": 1.0, "4096": 2.0})
+    assert not any(v["resolved"] for v in summary["entropy_scale"].values())  # n = 1: nothing is resolved
     text = length_extrapolation.conclusions(rows, summary)
     assert "up to 4096 at most 0.01 above the bpb at the training context 256): softmax-nope-entropy, vq." in text
     assert "Do not (largest rise): softmax (+3.000), softmax-entropy (+0.900)." in text
     assert "The entropy-invariant scale helps rotary softmax at C=4096: 3.000 bpb with it against 5.000" in text
-    assert "+2.000 in its favour; -0.100 at the training context" in text
+    assert "+2.000 in its favour, within the spread; -0.100 at the training context, within the spread" in text
     assert "State carried across the whole stream: vq 1.800 (reset every 256: 2.000)." in text
     # a tolerance of 1 bpb lets softmax-entropy through, not softmax
-    loose = length_extrapolation.summarize(rows, tolerance=1.0)["variants"]
+    loose = _summary(runs, tolerance=1.0)[1]["variants"]
     assert [name for name, v in loose.items() if v["extrapolates"]] == ["softmax-entropy", "softmax-nope-entropy", "vq"]
+
+
+def test_over_seeds_a_variant_extrapolates_at_every_seed_and_gains_resolve_by_range():
+    runs = [
+        _run("softmax", {256: 2.0, 4096: 5.0}, seed=0), _run("softmax", {256: 2.2, 4096: 4.8}, seed=1),
+        _run("softmax-entropy", {256: 2.1, 4096: 3.0}, seed=0), _run("softmax-entropy", {256: 2.3, 4096: 3.2}, seed=1),
+        _run("local", {256: 2.5, 4096: 2.505}, seed=0), _run("local", {256: 2.5, 4096: 2.621}, seed=1),
+    ]
+    rows, summary = _summary(runs)
+    local = summary["variants"]["local"]
+    # rises 0.005 and 0.121: one of the two seeds extrapolates, so the variant does not
+    assert local["extrapolating_seeds"] == 1 and local["extrapolates"] is False and local["n"] == 2
+    assert local["rise"]["mean"] == pytest.approx(0.063) and local["rise"]["min"] == pytest.approx(0.005)
+    scale = summary["entropy_scale"]
+    # at 4096: 4.8-5.0 against 3.0-3.2, disjoint; at 256: 2.0-2.2 against 2.1-2.3, overlapping
+    assert scale["4096"]["gain"] == pytest.approx(1.8) and scale["4096"]["resolved"] is True
+    assert scale["256"]["gain"] == pytest.approx(-0.1) and scale["256"]["resolved"] is False
+    text = length_extrapolation.conclusions(rows, summary)
+    assert "at the training context 256, at every seed): none." in text
+    assert "local (+0.063; extrapolates at 1 of 2 seeds)" in text
+    assert "+1.800 in its favour, resolved; -0.100 at the training context, within the spread" in text
+    metadata = {"command": "c", "date": "d", "device_name": "cpu", "threads": 1, "torch_version": "t"}
+    table = length_extrapolation.markdown(rows, metadata, summary, runs=len(runs))
+    assert "| local | `local` | 100 | 2 | 2.500 ± 0.000 (2.500–2.500) | 2.500 ± 0.000 (2.500–2.500) | " \
+           "2.563 ± 0.082 (2.505–2.621) | — | at 1 of 2 seeds (mean rise +0.063) |" in table
+    assert "| softmax |  | +1.800 ✓ | " in table  # the matrix at C=4096: softmax minus softmax-entropy, resolved
 
 
 def test_hybrid_spec_follows_the_layer_count():

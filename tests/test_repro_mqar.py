@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from linattn.models import LM
-from linattn.repro import mqar
+from linattn.repro import framework, mqar
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -153,17 +154,17 @@ def test_a_short_softmax_run_learns_beyond_chance():
 
 def test_command_runs_end_to_end_on_a_tiny_grid(tmp_path):
     out = tmp_path / "mqar"
-    args = _parser().parse_args(["mqar", "--mechanisms", "softmax", "local", "--d-models", "16", "--lengths", "32",
-                                 "--steps", "3", "--batch-size", "4", "--eval-batches", "1", "--window", "8",
-                                 "--no-progress", "--out", str(out)])
+    args = _parser().parse_args(["mqar", "--quick", "--seeds", "2", "--mechanisms", "softmax", "local", "--d-models",
+                                 "16", "--lengths", "32", "--steps", "3", "--batch-size", "4", "--eval-batches", "1",
+                                 "--window", "8", "--no-progress", "--out", str(out)])
     args.command_line = "linattn repro mqar --tiny"
     assert args.handler(args) == 0
     data = json.loads((out / "results.json").read_text())
     assert data["metadata"]["command"] == "linattn repro mqar --tiny"
-    assert data["metadata"]["config"]["steps"] == 3
-    rows = data["rows"]
-    assert [(r["mechanism"], r["d_model"], r["seq_len"], r["num_pairs"]) for r in rows] == [
-        ("softmax", 16, 32, 2), ("local", 16, 32, 2)]
+    assert data["metadata"]["config"]["steps"] == 3 and data["metadata"]["seeds"] == [0, 1]
+    rows = data["runs"]
+    assert [(r["mechanism"], r["d_model"], r["seq_len"], r["num_pairs"], r["seed"]) for r in rows] == [
+        ("softmax", 16, 32, 2, 0), ("local", 16, 32, 2, 0), ("softmax", 16, 32, 2, 1), ("local", 16, 32, 2, 1)]
     for r in rows:
         assert 0.0 <= r["accuracy"] <= 1.0
         assert r["steps"] == 3 and r["seconds"] > 0 and r["final_loss"] > 0
@@ -172,8 +173,17 @@ def test_command_runs_end_to_end_on_a_tiny_grid(tmp_path):
             assert key in r
     assert rows[1]["spec"] == "local:8"
     markdown = (out / "results.md").read_text()
-    assert "| mechanism | d=16, T=32, 2 pairs |" in markdown
-    assert "| softmax |" in markdown and "| local |" in markdown
+    assert "| mechanism | d=16, T=32, 2 pairs |" in markdown and "n = 2 seeds per row (0, 1)." in markdown
+    means = {}
+    for row in data["rows"]:  # aggregated: n = 2, the cell is mean ± std (min–max) of the two seeds' accuracies
+        accuracy = sorted(r["accuracy"] for r in rows if r["mechanism"] == row["mechanism"])
+        assert row["n"] == 2 and row["seeds"] == [0, 1] and row["spec"] == rows[0 if row["mechanism"] == "softmax"
+                                                                                  else 1]["spec"]
+        mean, std = sum(accuracy) / 2, abs(accuracy[1] - accuracy[0]) / 2 ** 0.5
+        means[row["mechanism"]] = mean
+        assert f"| {row['mechanism']} | {mean:.3f} ± {std:.3f} ({accuracy[0]:.3f}–{accuracy[1]:.3f}) |" in markdown
+    assert "## Differences" in markdown and "Accuracy, d=16, T=32, 2 pairs (higher is better):" in markdown
+    assert f"| softmax |  | {means['softmax'] - means['local']:+.3f}" in markdown
     assert (out / "mqar_accuracy.png").read_bytes()[:8] == PNG
 
 
@@ -182,9 +192,9 @@ def test_pairs_option_and_vq_run(tmp_path):
     args = _parser().parse_args(["mqar", "--mechanisms", "vq", "--d-models", "16", "--lengths", "32", "48",
                                  "--pairs", "3", "--steps", "2", "--batch-size", "4", "--eval-batches", "1",
                                  "--vocab-size", "64", "--codebook-size", "8", "--block-size", "8", "--gau-d-k", "16",
-                                 "--no-progress", "--out", str(out)])
+                                 "--seeds", "1", "--no-progress", "--out", str(out)])
     assert args.handler(args) == 0
-    rows = json.loads((out / "results.json").read_text())["rows"]
+    rows = json.loads((out / "results.json").read_text())["runs"]
     assert [(r["seq_len"], r["num_pairs"]) for r in rows] == [(32, 3), (48, 3)]
     assert rows[0]["codebook_usage"] is not None
 
@@ -230,17 +240,23 @@ def test_impossible_grids_raise_value_error(tmp_path):
 
 def test_worker_processes_give_the_same_rows(tmp_path):
     config = mqar.MQARConfig(steps=3, batch_size=4, eval_batches=1, vocab_size=64, window=8)
-    grid = dict(mechanisms=["softmax", "linear-elu"], d_models=[16], tasks=[(32, 2)])
+    grid = dict(mechanisms=["softmax", "linear-elu"], d_models=[16], tasks=[(32, 2)], seeds=[3, 4])
     serial = mqar.run_grid(**grid, config=config, progress=False)
-    parallel = mqar.run_grid(**grid, config=config, jobs=2, progress=False)
+    parallel = mqar.run_grid(**grid, config=config, jobs=2, progress=False)  # the seeds share the pool
     keys = ("mechanism", "d_model", "seq_len", "num_pairs", "accuracy", "eval_loss", "final_loss", "loss_curve")
     assert [[r[k] for k in keys] for r in parallel] == [[r[k] for k in keys] for r in serial]
+    assert [r["mechanism"] for r in serial] == ["softmax", "linear-elu"] * 2
+    assert serial[0]["loss_curve"] != serial[2]["loss_curve"]  # seeds 3 and 4 are different runs
+    alone = mqar.run_grid(grid["mechanisms"], [16], [(32, 2)], replace(config, seed=4), progress=False)
+    assert [[r[k] for k in keys] for r in alone] == [[r[k] for k in keys] for r in serial[2:]]
 
 
 def test_a_diverged_run_is_reported_not_raised(tmp_path):
     config = mqar.MQARConfig(steps=2, batch_size=4, eval_batches=1, vocab_size=64, lr=1e30)
     row = mqar.train_run("softmax", 16, 32, 2, config)
     assert row["status"] == "non_finite" and row["accuracy"] == 0.0 and row["eval_loss"] is None
-    text = mqar.markdown_report([row], command="x", config=config, metadata={"device_name": "cpu", "threads": 1})
-    assert "| softmax |" in text
+    runs = [{**row, "seed": 0}]
+    rows = framework.aggregate(runs, identity=mqar.ROW_IDENTITY)
+    text = mqar.markdown_report(rows, runs, command="x", config=config, metadata={"device_name": "cpu", "threads": 1})
+    assert "| softmax | 0.000 ± — (diverged) |" in text
     json.dumps(row, allow_nan=False)

@@ -152,7 +152,7 @@ def test_a_hand_built_namespace_with_zero_seeds_is_named():
 
 
 def test_every_reproduction_takes_seeds_with_its_default(capsys):
-    defaults = {"lm": 3, "convert": 1, "length-extrapolation": 1, "mqar": 1, "demo": 3, "fwp-capacity": 1,
+    defaults = {"lm": 3, "convert": 3, "length-extrapolation": 3, "mqar": 3, "demo": 3, "fwp-capacity": 1,
                 "fwp-update-rule": 1}
     from linattn.repro.cli import REPRODUCTIONS
 
@@ -211,12 +211,6 @@ def test_a_key_without_the_seed_is_refused(tmp_path):
     with pytest.raises(ValueError, match="same journal key"):
         run_journaled(grid, tmp_path, spec=_spec(), progress=False)
     assert not (tmp_path / JOURNAL_NAME).exists()
-
-
-def test_seeds_of_a_grid_go_through_the_worker_pool(tmp_path):
-    rows = run_journaled(_toy_grid([0, 1]), tmp_path, spec=_spec(), jobs=2, threads=1, progress=False).rows
-    assert [(r["name"], r["seed"], r["value"]) for r in rows] == [("a", 0, 1), ("bb", 0, 2), ("a", 1, 11),
-                                                                  ("bb", 1, 12)]
 
 
 # --- one seed's run is the run of --seed alone ----------------------------------------------

@@ -8,7 +8,8 @@ for ``--finetune-fraction`` more steps (a fresh optimizer, the source's schedule
 its floor learning rate) and evaluated again; a ``vq`` model of the same shape is trained from
 scratch for the same total number of steps. Every model: the same data order, seed and
 evaluation (test bpb on the first ``--test-tokens`` bytes as one stream, the state carried as
-in training; validation bpb on ``--eval-tokens``).
+in training; validation bpb on ``--eval-tokens``). All of it is repeated at every seed
+(``--seeds``, default 3): each seed trains its own source, conversions and scratch model.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def _scores(run_dir: Path, args: argparse.Namespace, data) -> dict:
 
 
 def _source(args: argparse.Namespace, out_dir: Path) -> Path:
-    """The trained gau-softmax run (trained here the first time it is needed)."""
-    run_dir = out_dir / "runs" / "gau-softmax"
+    """The trained gau-softmax run of ``args.seed`` (trained here the first time it is needed)."""
+    run_dir = framework.run_folder(out_dir, "gau-softmax", args.seed)
     if not (run_dir / "checkpoints" / "latest").exists():
         shutil.rmtree(run_dir, ignore_errors=True)
         summary = train(_config("gau-softmax", args), _train_config(args, run_dir, args.steps), progress=False,
@@ -68,12 +69,13 @@ def _source(args: argparse.Namespace, out_dir: Path) -> Path:
 
 
 def run_case(case: str, size: int | None, args: argparse.Namespace, out_dir: Path) -> dict:
-    """One row: ``"softmax"`` (the source), ``"converted"`` (codebook ``size``) or ``"scratch"``."""
+    """One row at ``args.seed``: ``"softmax"`` (the source), ``"converted"`` (codebook ``size``) or
+    ``"scratch"``; the runs in ``out_dir/runs/seed-<seed>/``."""
     data = open_data(args.data, cache_dir=args.cache_dir)
     if case == "softmax":
         return {"case": case, "codebook_size": None, **_scores(_source(args, out_dir), args, data)}
     if case == "scratch":
-        run_dir = out_dir / "runs" / "vq-scratch"
+        run_dir = framework.run_folder(out_dir, "vq-scratch", args.seed)
         shutil.rmtree(run_dir, ignore_errors=True)
         config = _config("vq", args)
         summary = train(config, _train_config(args, run_dir, _finetune_steps(args)), progress=False,
@@ -81,7 +83,7 @@ def run_case(case: str, size: int | None, args: argparse.Namespace, out_dir: Pat
         if summary["interrupted"]:
             raise KeyboardInterrupt(f"stopped by {summary['interrupted']}")
         return {"case": case, "codebook_size": args.codebook_size, **_scores(run_dir, args, data)}
-    run_dir = out_dir / "runs" / f"converted-{size}"
+    run_dir = framework.run_folder(out_dir, f"converted-{size}", args.seed)
     shutil.rmtree(run_dir, ignore_errors=True)
     convert_run(_source(args, out_dir), run_dir, to="vq", codebook_size=size,
                 calibration_tokens=args.calibration_tokens, seed=args.seed, echo=lambda *a: None)
@@ -96,40 +98,78 @@ def run_case(case: str, size: int | None, args: argparse.Namespace, out_dir: Pat
             "test_bpb": after["test_bpb"], "validation_bpb": after["validation_bpb"]}
 
 
-def markdown(rows: list[dict], metadata: dict) -> str:
-    cells = []
-    for r in rows:
-        names = {"softmax": "gau-softmax (source)", "scratch": "vq from scratch"}
-        name = names.get(r["case"], f"converted, S = {r['codebook_size']}")
-        converted = r.get("test_bpb_converted")
-        cells.append([name, f"{r['parameters']:,}", str(r["step"]),
-                      f"{converted:.3f}" if converted is not None else "—", f"{r['test_bpb']:.3f}",
-                      f"{r['validation_bpb']:.3f}"])
+# A row of the report: one case (and codebook size) over its seeds; what describes it rather than results.
+ROW_IDENTITY = ("case", "codebook_size")
+ROW_CONSTANTS = ("parameters", "step")
+
+
+def _model_name(row: dict) -> str:
+    names = {"softmax": "gau-softmax (source)", "scratch": f"vq from scratch (S = {row['codebook_size']})"}
+    return names.get(row["case"], f"converted, S = {row['codebook_size']}")
+
+
+def _short_name(row: dict) -> str:
+    return {"softmax": "source", "scratch": "scratch"}.get(row["case"], f"S = {row['codebook_size']}")
+
+
+def _right_after_conversion(row: dict) -> dict | None:
+    """Test bpb before any fine-tuning: the source's own, a conversion's right after it."""
+    if row["case"] == "scratch":
+        return None
+    return framework.stats_of(row, "test_bpb" if row["case"] == "softmax" else "test_bpb_converted")
+
+
+def markdown(rows: list[dict], metadata: dict, *, runs: int, note: str = "") -> str:
+    """The table over the seeds and the differences of test bpb (after fine-tuning, and right
+    after conversion against the source); ``runs``: the number of per-seed runs."""
+    stats = framework.format_stats
+    cells = [[_model_name(r), f"{r['parameters']:,}", str(r["step"]), str(r["n"]),
+              stats(framework.stats_of(r, "test_bpb_converted")), stats(framework.stats_of(r, "test_bpb")),
+              stats(framework.stats_of(r, "validation_bpb"))] for r in rows]
     lines = ["# Softmax to Transformer-VQ: conversion against training from scratch", "",
              f"Command: `{metadata['command']}`  ",
              f"Date: {metadata['date']}; device: {metadata['device_name']}, {metadata['threads']} threads; "
              f"torch {metadata['torch_version']}.", "",
-             *markdown_table_lines(["model", "parameters", "steps", "test bpb right after conversion",
+             framework.seeds_text(rows), "",
+             *markdown_table_lines(["model", "parameters", "steps", "n", "test bpb right after conversion",
                                     "test bpb (after fine-tuning)", "validation bpb"], cells), "",
              "Test bpb: the first test bytes as one stream, the state carried as in training (reset every 8 "
              "windows). The converted models fine-tune from the source's last step with a fresh optimizer; the "
-             "from-scratch VQ model trains for the same total steps."]
+             "from-scratch VQ model trains for the same total steps. Each seed has its own source.", "",
+             *framework.differences_lines([
+                 ("Test bpb after fine-tuning (the source: as trained; lower is better):",
+                  framework.difference_matrix(rows, lambda r: framework.stats_of(r, "test_bpb"), _short_name)),
+                 ("Test bpb right after conversion, before fine-tuning, against the source (lower is better):",
+                  framework.difference_matrix(rows, _right_after_conversion, _short_name)),
+             ])]
+    if note:
+        lines += ["", note]
+    elif metadata.get("reused_runs"):
+        lines += ["", framework.reuse_note(metadata["reused_runs"], runs) + "."]
     return "\n".join(lines) + "\n"
 
 
 def write_plot(rows: list[dict], path: Path) -> Path:
+    """Test bpb against the codebook size (mean over the seeds, min–max error bars); the source
+    and the scratch model as horizontal lines (mean) with their min–max bands."""
     figure, axis = pyplot().subplots(figsize=(6.5, 4))
     converted = sorted((r for r in rows if r["case"] == "converted"), key=lambda r: r["codebook_size"])
     if converted:
         sizes = [r["codebook_size"] for r in converted]
-        axis.plot(sizes, [r["test_bpb_converted"] for r in converted], marker="o", label="converted")
-        axis.plot(sizes, [r["test_bpb"] for r in converted], marker="o", label="converted + fine-tuned")
+        framework.plot_spread(axis, sizes, [framework.stats_of(r, "test_bpb_converted") for r in converted],
+                              marker="o", label="converted")
+        framework.plot_spread(axis, sizes, [framework.stats_of(r, "test_bpb") for r in converted], marker="o",
+                              label="converted + fine-tuned")
     for r in rows:
-        if r["case"] != "converted":
-            label = "gau-softmax (source)" if r["case"] == "softmax" else "vq from scratch"
-            axis.axhline(r["test_bpb"], linestyle="--", color="gray" if r["case"] == "softmax" else "black",
-                         label=label)
-    axis.set(xscale="log", xlabel="codebook size S", ylabel="test bpb", title="softmax -> Transformer-VQ")
+        bpb = framework.stats_of(r, "test_bpb")
+        if r["case"] != "converted" and bpb is not None:
+            color = "gray" if r["case"] == "softmax" else "black"
+            axis.axhline(bpb["mean"], linestyle="--", color=color, label=_model_name(r))
+            if r["n"] > 1:
+                axis.axhspan(bpb["min"], bpb["max"], color=color, alpha=0.15, linewidth=0)
+    several = any(r["n"] > 1 for r in rows)
+    axis.set(xscale="log", xlabel="codebook size S", ylabel="test bpb",
+             title="softmax -> Transformer-VQ" + (" (mean, min–max over the seeds)" if several else ""))
     axis.grid(alpha=0.3)
     axis.legend()
     return save_figure(figure, path)
@@ -140,8 +180,8 @@ SPEC = ExperimentSpec(
     help="convert a trained gau-softmax LM to Transformer-VQ vs train VQ from scratch (bpb per codebook size)",
     description=__doc__.split("\n\n", 1)[1],
     grid_axes=("cases",),
-    quick_help="a few minutes: 40 steps, small codebooks",
-    default_seeds=1,
+    quick_help="a few minutes: 40 steps, small codebooks, one seed",
+    row="model",
     threads_help="torch CPU threads (default: torch's choice)",
 )
 
@@ -177,24 +217,27 @@ def _run(args: argparse.Namespace) -> int:
     if args.jobs != 1:
         raise ValueError("--jobs must be 1: the conversions read the source run the first of them trains")
     options = framework.run_options(args, SPEC)
-    seeds = options.pop("seeds")
-    if len(seeds) > 1:
-        raise ValueError(f"--seeds {len(seeds)}: repro convert trains one seed per row so far (--seeds 1)")
-    out_dir, command = options.pop("out_dir"), options.pop("command")
+    out_dir, command, seeds = options.pop("out_dir"), options.pop("command"), options.pop("seeds")
     metadata = framework.experiment_metadata(device="cpu", command=command, shapes={
-        "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context, "steps": args.steps})
-    runs = [("softmax", None, args, out_dir), *(("converted", size, args, out_dir) for size in args.sizes),
-            ("scratch", None, args, out_dir)]
+        "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context, "steps": args.steps},
+        seeds=seeds)
+    runs = []
+    for seed in seeds:  # a seed's source is trained by its first case, before its conversions
+        seeded = framework.with_seed(args, seed)
+        runs += [("softmax", None, seeded, out_dir), *(("converted", size, seeded, out_dir) for size in args.sizes),
+                 ("scratch", None, seeded, out_dir)]
     grid = Grid(train=run_case, runs=runs,
                 run_key=lambda run: {"case": run[0], "size": run[1],
                                      "settings": {key: getattr(run[2], key) for key in _SETTINGS}},
-                describe=lambda row: f"{row['case']} {row['test_bpb']:.3f} bpb", label="repro convert", unit="case",
-                seed_of=lambda run: run[2].seed)
+                seed_of=lambda run: run[2].seed,
+                describe=lambda row: f"{row['case']} {row['test_bpb']:.3f} bpb", label="repro convert", unit="case")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
-    text = markdown(outcome.rows, metadata)
-    files = framework.write_results(out_dir, rows=outcome.rows, runs=outcome.rows, metadata=metadata, markdown=text,
-                                    plot=partial(write_plot, outcome.rows), plot_name="conversion.png")
+    rows = framework.aggregate(outcome.rows, identity=ROW_IDENTITY, constants=ROW_CONSTANTS)
+    note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
+    text = markdown(rows, metadata, runs=len(outcome.rows), note=note)
+    files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
+                                    plot=partial(write_plot, rows), plot_name="conversion.png")
     return framework.print_result({"markdown": text, "files": files})
 
 

@@ -150,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
                 label="repro demo", unit="run")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
-    rows = framework.aggregate(outcome.rows, identity=("run",))
+    rows = framework.aggregate(outcome.rows, identity=("run",), constants=("parameters",))
     note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
     text = markdown(rows, outcome.rows, metadata, note=note)
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,

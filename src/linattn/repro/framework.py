@@ -497,16 +497,19 @@ def metric_stats(values: Sequence[float | None]) -> dict:
     return {"n": n, "mean": mean, "std": std, "min": min(finite), "max": max(finite)}
 
 
-def aggregate(runs: Sequence[dict], identity: Sequence[str],
-              metrics: Callable[[dict], dict[str, float | None]] | None = None) -> list[dict]:
+def aggregate(runs: Sequence[dict], identity: Sequence[str], *,
+              metrics: Callable[[dict], dict[str, float | None]] | None = None,
+              constants: Sequence[str] = ()) -> list[dict]:
     """One row per row identity (the values of the ``identity`` fields), in order of first
     appearance, from the per-seed ``runs`` (each with its ``"seed"``):
 
     - the identity fields; ``"seeds"``: the seeds of its runs, in run order; ``"n"``: their count;
+    - the ``constants`` (fields that describe the row, not a result: a width, a parameter
+      count), which must be equal at every seed (a ValueError otherwise), as they are;
     - every other field that is a string or a bool with the same value at every seed (a spec,
       a label), as it is;
-    - ``"metrics"``: for every numeric top-level field (bools are not numbers) and every entry
-      of ``metrics(run)`` (derived or nested metrics), :func:`metric_stats` over the seeds.
+    - ``"metrics"``: for every other numeric top-level field (bools are not numbers) and every
+      entry of ``metrics(run)`` (derived or nested metrics), :func:`metric_stats` over the seeds.
     """
     groups: dict[str, list[dict]] = {}
     for run in runs:
@@ -518,6 +521,12 @@ def aggregate(runs: Sequence[dict], identity: Sequence[str],
     for members in groups.values():
         row = {name: members[0][name] for name in identity}
         row.update(seeds=[run["seed"] for run in members], n=len(members))
+        for name in constants:
+            column = [run.get(name) for run in members]
+            if any(value != column[0] for value in column):
+                raise ValueError(f"{name} differs between the seeds of the row {[row[key] for key in identity]}: "
+                                 f"{column}")
+            row[name] = column[0]
         fields = dict.fromkeys(key for run in members for key in run if key not in row and key != "seed")
         values: dict[str, list] = {}
         for key in fields:
@@ -597,7 +606,10 @@ def difference_matrix(rows: Sequence[dict], value: Callable[[dict], dict | None]
             if other is row:
                 line.append("")
             else:
-                line.append(format(a["mean"] - b["mean"], spec) + (" ✓" if resolved(a, b) else ""))
+                text = format(a["mean"] - b["mean"], spec)
+                if float(text) == 0:  # no "-0.000"
+                    text = format(0.0, spec)
+                line.append(text + (" ✓" if resolved(a, b) else ""))
         cells.append(line)
     return markdown_table_lines(header, cells)
 

@@ -1,17 +1,19 @@
 """The report of the FWP retrieval experiments: per-mechanism summary, Markdown tables, plot.
 
-Rows are ``fwp_retrieval.train_run``'s: one per (mechanism, S), with its final evaluation
-loss and accuracy, steps and stop reason.
+``runs`` are ``fwp_retrieval.train_run``'s rows, one per (mechanism, S, seed), with the final
+evaluation loss and accuracy, steps and stop reason; ``rows`` are those aggregated over the
+seeds (``framework.aggregate``). The verdicts are thresholds: a size meets a criterion when
+every seed of it does (with one seed, when that run does).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..reporting import markdown_table_lines, pyplot, save_figure
+from . import framework
 
 if TYPE_CHECKING:
     from .fwp_retrieval import RetrievalTrainConfig, Setting
@@ -20,11 +22,25 @@ if TYPE_CHECKING:
 ACCURACY_LEVELS = (0.99, 0.9, 0.5)
 
 
-def _largest_prefix_size(runs: Sequence[dict], holds) -> int | None:
-    """The largest S such that ``holds`` is true for every run up to it (runs sorted by S); None
+def _every_seed(row: dict, metric: str, holds: Callable[[dict], bool]) -> bool:
+    """``holds(stats)`` for the metric's stats over the seeds, every seed with a finite value."""
+    stats = framework.stats_of(row, metric)
+    return stats is not None and stats["n"] == row["n"] and holds(stats)
+
+
+def _solved(row: dict, target_loss: float) -> bool:
+    return _every_seed(row, "final_eval_loss", lambda s: s["max"] <= target_loss)
+
+
+def _accurate(row: dict, level: float) -> bool:
+    return _every_seed(row, "final_eval_accuracy", lambda s: s["min"] >= level)
+
+
+def _largest_prefix_size(rows: Sequence[dict], holds) -> int | None:
+    """The largest S such that ``holds`` is true for every row up to it (rows sorted by S); None
     when the smallest S already fails."""
     largest = None
-    for r in runs:
+    for r in rows:
         if not holds(r):
             break
         largest = r["size"]
@@ -32,34 +48,44 @@ def _largest_prefix_size(runs: Sequence[dict], holds) -> int | None:
 
 
 def summarize(rows: Sequence[dict], *, target_loss: float) -> dict:
-    """Per mechanism: d_dot, the sizes whose final loss reached ``target_loss``, the largest S
-    up to which every size reached it, the largest S up to which every size's final accuracy is
-    at least each of ``ACCURACY_LEVELS``, and the final losses by S."""
+    """Per mechanism, from the rows aggregated over the seeds: d_dot, the sizes whose final loss
+    reached ``target_loss`` at every seed, the largest S up to which every size did, the
+    largest S up to which every size's final accuracy is at least each of ``ACCURACY_LEVELS``
+    at every seed, and the mean final losses by S."""
     summary = {}
     for name in dict.fromkeys(r["mechanism"] for r in rows):
         mine = sorted((r for r in rows if r["mechanism"] == name), key=lambda r: r["size"])
         summary[name] = {
             "d_dot": mine[0]["d_dot"],
-            "solved_sizes": [r["size"] for r in mine if r["final_eval_loss"] <= target_loss],
-            "largest_size_all_solved": _largest_prefix_size(mine, lambda r: r["final_eval_loss"] <= target_loss),
+            "seeds": sorted({seed for r in mine for seed in r["seeds"]}),
+            "solved_sizes": [r["size"] for r in mine if _solved(r, target_loss)],
+            "largest_size_all_solved": _largest_prefix_size(mine, lambda r: _solved(r, target_loss)),
             "largest_size_accuracy_at_least": {
-                f"{level:g}": _largest_prefix_size(mine, lambda r, level=level: r["final_eval_accuracy"] >= level)
+                f"{level:g}": _largest_prefix_size(mine, lambda r, level=level: _accurate(r, level))
                 for level in ACCURACY_LEVELS},
-            "final_eval_loss_by_size": {str(r["size"]): r["final_eval_loss"] for r in mine},
+            "final_eval_loss_by_size": {str(r["size"]): framework.mean_of(r, "final_eval_loss") for r in mine},
         }
     return summary
 
 
-def _loss(value: float | None) -> str:
-    if value is None or not math.isfinite(value):
-        return "—"
-    return f"{value:.1e}"
+def _loss(row: dict) -> str:
+    return framework.format_stats(framework.stats_of(row, "final_eval_loss"), ".1e", bare_single=True)
 
 
-def _percent(value: float | None) -> str:
-    if value is None or not math.isfinite(value):
+def _percent(row: dict) -> str:
+    stats = framework.stats_of(row, "final_eval_accuracy")
+    if stats is None:
         return "—"
-    return f"{100 * value:.1f}%"
+    scaled = {key: value if key == "n" or value is None else 100 * value for key, value in stats.items()}
+    return framework.format_stats(scaled, ".1f", bare_single=True) + "%"
+
+
+def _steps(row: dict, runs: Sequence[dict]) -> str:
+    mine = [run for run in runs if (run["mechanism"], run["size"]) == (row["mechanism"], row["size"])]
+    stops = "".join(_STOP[run["stop_reason"]] for run in mine)
+    if len(mine) == 1:
+        return f"{mine[0]['steps']}{stops}"
+    return f"{framework.mean_of(row, 'steps'):.0f} ({stops})"
 
 
 def _size(value: int | None) -> str:
@@ -73,9 +99,9 @@ def _d_dot(value: int | None) -> str:
 _STOP = {"target": "t", "plateau": "p", "max_steps": "m", "non_finite": "nan"}
 
 
-def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: Setting,
+def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, title: str, command: str, setting: Setting,
                     config: RetrievalTrainConfig, summary: dict) -> str:
-    """The Markdown page: final loss per (mechanism, S), steps per run, the summary."""
+    """The Markdown page: final loss per (mechanism, S) over the seeds, steps per run, the summary."""
     sizes = sorted({r["size"] for r in rows})
     names = list(dict.fromkeys(r["mechanism"] for r in rows))
     find = {(r["mechanism"], r["size"]): r for r in rows}
@@ -84,11 +110,13 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
     for name in names:
         d_dot = find[(name, sizes[0])]["d_dot"] if (name, sizes[0]) in find else None
         first = [name, _d_dot(d_dot)]
-        runs = [find.get((name, s)) for s in sizes]
-        losses.append(first + ["" if r is None else _loss(r["final_eval_loss"]) for r in runs])
-        accuracies.append(first + ["" if r is None else _percent(r["final_eval_accuracy"]) for r in runs])
-        steps.append(first + ["" if r is None else f"{r['steps']}{_STOP[r['stop_reason']]}" for r in runs])
+        cells = [find.get((name, s)) for s in sizes]
+        losses.append(first + ["" if r is None else _loss(r) for r in cells])
+        accuracies.append(first + ["" if r is None else _percent(r) for r in cells])
+        steps.append(first + ["" if r is None else _steps(r, runs) for r in cells])
     emb = "int(1.1 * 2S)" if config.emb_dim is None else str(config.emb_dim)
+    seeds = sorted({seed for r in rows for seed in r["seeds"]})
+    several = max(r["n"] for r in rows) > 1
     lines = [
         f"# {title}",
         "",
@@ -97,7 +125,11 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
         f"{setting.title}. One attention layer, d_key = {config.key_dim}, d_emb = {emb}; Adam lr {config.lr:g}, "
         f"batch {config.batch_size}; evaluation every {config.eval_every} steps on {config.eval_sequences} fresh "
         f"sequences asking every key; stop at eval loss <= {config.target_loss:g}, after {config.patience} "
-        f"evaluations without improvement, or at {config.max_steps} steps; seed {config.seed}.",
+        f"evaluations without improvement, or at {config.max_steps} steps; seed{'s' if len(seeds) > 1 else ''} "
+        f"{', '.join(map(str, seeds))}.",
+        "",
+        framework.seeds_text(rows, cells=several) + " The verdicts below are thresholds: a size meets a criterion "
+        "when every seed of it does. " + framework.RESOLVED_RULE,
         "",
         "## Final evaluation loss (1/2 squared error per query)",
         "",
@@ -107,11 +139,12 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
         "",
         *markdown_table_lines(header, accuracies),
         "",
-        "## Training steps (t: reached the target loss, p: plateau, m: step cap)",
+        "## Training steps (t: reached the target loss, p: plateau, m: step cap"
+        + ("; with several seeds: the mean, then each seed's stop" if several else "") + ")",
         "",
         *markdown_table_lines(header, steps),
         "",
-        "## Capacity: the largest S up to which every S met the criterion",
+        "## Capacity: the largest S up to which every S met the criterion" + (" at every seed" if several else ""),
         "",
         *markdown_table_lines(
             ["mechanism", "d_dot", f"loss <= {config.target_loss:g}",
@@ -123,31 +156,41 @@ def markdown_report(rows: Sequence[dict], *, title: str, command: str, setting: 
         "## Summary",
         "",
     ]
+    every = " at every seed" if several else ""
     for name, s in summary.items():
         largest = s["largest_size_all_solved"]
         solved = ", ".join(map(str, s["solved_sizes"]))
         if not solved:
-            text = f"no S reached loss <= {config.target_loss:g}"
+            text = f"no S reached loss <= {config.target_loss:g}{every}"
         elif largest is None:
-            text = f"the smallest S missed loss <= {config.target_loss:g}; reached at S = {solved}"
+            text = f"the smallest S missed loss <= {config.target_loss:g}; reached{every} at S = {solved}"
         else:
-            text = f"every S up to {largest} reached loss <= {config.target_loss:g}; reached at S = {solved}"
+            text = f"every S up to {largest} reached loss <= {config.target_loss:g}{every}; reached at S = {solved}"
         lines.append(f"- {name} (d_dot {_d_dot(s['d_dot'])}): {text}")
     return "\n".join(lines) + "\n"
 
 
+def _floored(stats: dict | None, floor: float) -> dict | None:
+    """Loss stats with every value at least ``floor`` (a log axis)."""
+    if stats is None:
+        return None
+    return {key: value if key == "n" or value is None else max(value, floor) for key, value in stats.items()}
+
+
 def write_plot(rows: Sequence[dict], path: Path, *, title: str, target_loss: float, mark_d_dot: bool) -> Path:
     """Two panels against S, one line per mechanism: the final evaluation loss (log y, like the
-    paper's figures) and the final retrieval accuracy (where chance is 1/S)."""
+    paper's figures) and the final retrieval accuracy (where chance is 1/S); with several seeds
+    the mean and min–max error bars."""
     figure, (loss_axis, accuracy_axis) = pyplot().subplots(1, 2, figsize=(14, 5))
     for index, name in enumerate(dict.fromkeys(r["mechanism"] for r in rows)):
         mine = sorted((r for r in rows if r["mechanism"] == name), key=lambda r: r["size"])
         color = f"C{index % 10}"
         xs = [r["size"] for r in mine]
-        losses = [max(r["final_eval_loss"], 1e-8) if math.isfinite(r["final_eval_loss"]) else math.nan for r in mine]
-        accuracies = [100 * r["final_eval_accuracy"] for r in mine]
-        loss_axis.plot(xs, losses, marker="o", markersize=3, color=color, label=mine[0]["label"])
-        accuracy_axis.plot(xs, accuracies, marker="o", markersize=3, color=color, label=mine[0]["label"])
+        style = dict(marker="o", markersize=3, color=color, label=mine[0]["label"])
+        framework.plot_spread(loss_axis, xs, [_floored(framework.stats_of(r, "final_eval_loss"), 1e-8) for r in mine],
+                              **style)
+        framework.plot_spread(accuracy_axis, xs, [framework.stats_of(r, "final_eval_accuracy") for r in mine],
+                              scale=100, **style)
         d_dot = mine[0]["d_dot"]
         if mark_d_dot and d_dot is not None and min(xs) <= d_dot <= max(xs):
             for axis in (loss_axis, accuracy_axis):
@@ -161,5 +204,7 @@ def write_plot(rows: Sequence[dict], path: Path, *, title: str, target_loss: flo
         axis.set_xlabel("number of unique keys S")
         axis.grid(True, which="both", alpha=0.3)
     loss_axis.legend(fontsize="small")
-    figure.suptitle(title + (" (dotted: d_dot)" if mark_d_dot else ""))
+    several = max(r["n"] for r in rows) > 1
+    figure.suptitle(title + (" (dotted: d_dot)" if mark_d_dot else "")
+                    + ("; mean over the seeds, bars: min–max" if several else ""))
     return save_figure(figure, path)

@@ -21,7 +21,9 @@ mean over queries. Report tables and plot: ``fwp_report``.
 **Training** (as in the official code): Adam, lr 1e-3, batch 32; every 100 steps an
 evaluation on fresh sequences asking every key (Setting 2: every distinct key in the
 sequence); stop when the evaluation loss is <= 1e-3, after ``patience`` evaluations without
-improvement, or at ``max_steps``. The reported loss is that of the last evaluation.
+improvement, or at ``max_steps``. The reported loss is that of the last evaluation. Each
+(mechanism, S) is trained at ``--seeds`` seeds, default 1: the verdicts are thresholds, and
+with several seeds a size counts as solved only when every seed solved it (``fwp_report``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import argparse
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -319,24 +321,42 @@ def check_grid(mechanisms: Sequence[str], sizes: Sequence[int], config: Retrieva
     config.validate()
 
 
-def _grid(setting: Setting, mechanisms: Sequence[str], sizes: Sequence[int], config: RetrievalTrainConfig) -> Grid:
-    """Every (mechanism, S) run, mechanisms outer."""
-    return Grid(train=_train_named, runs=[(setting.name, name, size, config) for name in mechanisms for size in sizes],
-                run_key=_run_key, describe=_describe, label=f"fwp {setting.name}", progress_kwarg="on_eval",
-                seed_of=lambda run: run[3].seed,
-                step_text=_eval_text)
+# A row of the report: one (mechanism, S), over its seeds; what describes it rather than results.
+ROW_IDENTITY = ("mechanism", "size")
+ROW_CONSTANTS = ("label", "rule", "feature_map", "normalize", "d_dot", "seq_len", "emb_dim")
+
+
+def _seed_of(run: tuple) -> int:
+    return run[3].seed
+
+
+def _seeds(config: RetrievalTrainConfig, seeds: Sequence[int] | None) -> list[int]:
+    seeds = [config.seed] if seeds is None else list(seeds)
+    if not seeds or not all(is_int(seed) for seed in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct ints (at least one), got {seeds!r}")
+    return seeds
+
+
+def _grid(setting: Setting, mechanisms: Sequence[str], sizes: Sequence[int], config: RetrievalTrainConfig,
+          seeds: Sequence[int]) -> Grid:
+    """Every (mechanism, S) run at every seed: seeds outer, then mechanisms; a seed's runs use
+    ``config`` with that seed."""
+    return Grid(train=_train_named, runs=[(setting.name, name, size, replace(config, seed=seed)) for seed in seeds
+                                          for name in mechanisms for size in sizes],
+                run_key=_run_key, seed_of=_seed_of, describe=_describe, label=f"fwp {setting.name}",
+                progress_kwarg="on_eval", step_text=_eval_text)
 
 
 def run_grid(setting: Setting, mechanisms: Sequence[str], sizes: Sequence[int], config: RetrievalTrainConfig, *,
-             jobs: int = 1, threads: int | None = None, progress: bool = True, journal: RunJournal | None = None,
-             only_recorded: bool = False) -> list[dict]:
-    """Every (mechanism, S) run, mechanisms outer, with a tqdm bar over runs; ``jobs > 1``
-    trains that many at once in worker processes with ``threads`` torch threads each.
-    With a ``journal``, runs recorded there are reused and new ones recorded;
-    ``only_recorded=True`` returns just the recorded ones, training nothing."""
+             seeds: Sequence[int] | None = None, jobs: int = 1, threads: int | None = None, progress: bool = True,
+             journal: RunJournal | None = None, only_recorded: bool = False) -> list[dict]:
+    """Every (mechanism, S) run at every seed (default ``[config.seed]``), mechanisms outer,
+    with a tqdm bar over runs; ``jobs > 1`` trains that many at once in worker processes with
+    ``threads`` torch threads each. With a ``journal``, runs recorded there are reused and new
+    ones recorded; ``only_recorded=True`` returns just the recorded ones, training nothing."""
     check_grid(mechanisms, sizes, config)
-    return framework.run_grid(_grid(setting, mechanisms, sizes, config), jobs=jobs, threads=threads,
-                              progress=progress, journal=journal, only_recorded=only_recorded)
+    return framework.run_grid(_grid(setting, mechanisms, sizes, config, _seeds(config, seeds)), jobs=jobs,
+                              threads=threads, progress=progress, journal=journal, only_recorded=only_recorded)
 
 
 # --- experiments --------------------------------------------------------------------
@@ -368,7 +388,7 @@ class RetrievalSpec:
         return ExperimentSpec(self.command, self.help, self.description, grid_axes=("mechanisms", "sizes"),
                               quick_help=quick,
                               seed_help="seed of data, initialisation and FAVOR+ projections (default %(default)s)",
-                              default_seeds=1)
+                              row="(mechanism, S)", default_seeds=1)
 
 
 CAPACITY = RetrievalSpec(
@@ -414,45 +434,50 @@ UPDATE_RULE = RetrievalSpec(
 
 
 def run_experiment(spec: RetrievalSpec, *, mechanisms: Sequence[str], sizes: Sequence[int],
-                   config: RetrievalTrainConfig, out_dir: Path, command: str, jobs: int = 1,
-                   threads: int | None = None, progress: bool = True, resume: bool = False,
+                   config: RetrievalTrainConfig, out_dir: Path, command: str, seeds: Sequence[int] | None = None,
+                   jobs: int = 1, threads: int | None = None, progress: bool = True, resume: bool = False,
                    report_only: bool = False) -> dict:
-    """Run the grid and write ``results.json``, ``results.md`` and the PNG into ``out_dir``.
+    """Run the grid at every seed (default ``[config.seed]``) and write ``results.json`` (rows
+    aggregated over the seeds, and the per-seed runs), ``results.md`` and the PNG into ``out_dir``.
 
     Each finished run is recorded in ``out_dir/runs.jsonl`` at once; ``resume=True`` reuses
-    the runs recorded there (same mechanism, S and configuration) instead of training them.
-    ``report_only=True`` trains nothing: the report covers the grid's runs recorded so far
-    (the journal is only read, so the grid's own process may still be appending to it).
+    the runs recorded there (same mechanism, S, seed and configuration) instead of training
+    them. ``report_only=True`` trains nothing: the report covers the grid's runs recorded so
+    far (the journal is only read, so the grid's own process may still be appending to it).
     """
     setting = SETTINGS[spec.setting]
     check_grid(mechanisms, sizes, config)
-    outcome = framework.run_journaled(_grid(setting, mechanisms, sizes, config), out_dir, spec=spec.experiment,
-                                      jobs=jobs, threads=threads, progress=progress, resume=resume,
-                                      report_only=report_only)
-    rows = outcome.rows
-    cpu = sum(row["cpu_seconds"] for row in rows)  # each run's own process, workers included
+    seeds = _seeds(config, seeds)
+    outcome = framework.run_journaled(_grid(setting, mechanisms, sizes, config, seeds), out_dir,
+                                      spec=spec.experiment, jobs=jobs, threads=threads, progress=progress,
+                                      resume=resume, report_only=report_only)
+    runs = outcome.rows
+    rows = framework.aggregate(runs, identity=ROW_IDENTITY, constants=ROW_CONSTANTS)
+    cpu = sum(run["cpu_seconds"] for run in runs)  # each run's own process, workers included
     shapes = {"setting": spec.setting, "sizes": list(sizes), "seq_len": [setting.seq_len(s) for s in sizes],
               "key_dim": config.key_dim, "heads": 1}
     metadata = framework.experiment_metadata(
-        device=config.device, command=command, shapes=shapes, config=asdict(config), mechanisms=list(mechanisms),
+        device=config.device, command=command, shapes=shapes, config=asdict(config), seeds=seeds,
+        mechanisms=list(mechanisms),
         wall_seconds=outcome.seconds, cpu_seconds=cpu, jobs=jobs, threads=threads or torch.get_num_threads(),
         reused_runs=outcome.reused, grid_runs=outcome.total, report_only=report_only,
         paper="Schlag, Irie & Schmidhuber 2021, Linear Transformers Are Secretly Fast Weight Programmers")
     summary = summarize(rows, target_loss=config.target_loss)
-    markdown = markdown_report(rows, title=f"repro {spec.command}", command=command, setting=setting, config=config,
-                               summary=summary)
+    markdown = markdown_report(rows, runs, title=f"repro {spec.command}", command=command, setting=setting,
+                               config=config, summary=summary)
     # The wall time and the processes describe this invocation: said only when it trained runs.
     trained_here = outcome.trained if not report_only else 0
     markdown += ((f"\nWall time {outcome.seconds:.0f} s ({jobs} process(es) x {metadata['threads']} thread(s)), "
                   if trained_here else "\n")
                  + f"CPU time of the runs {cpu:.0f} s, on {metadata['device_name']}."
-                 + (f" {framework.reuse_note(outcome.reused, len(rows))}."
+                 + (f" {framework.reuse_note(outcome.reused, len(runs))}."
                     if outcome.reused and not report_only else "")
-                 + (f" {framework.interim_note(len(rows), outcome.total)}" if report_only else "") + "\n")
+                 + (f" {framework.interim_note(len(runs), outcome.total)}" if report_only else "") + "\n")
     plot = partial(write_plot, rows, title=setting.title, target_loss=config.target_loss, mark_d_dot=spec.mark_d_dot)
-    files = framework.write_results(out_dir, rows=rows, runs=rows, metadata=metadata, summary=summary,
+    files = framework.write_results(out_dir, rows=rows, runs=runs, metadata=metadata, summary=summary,
                                     markdown=markdown, plot=plot, plot_name=spec.plot_name)
-    return {"metadata": metadata, "rows": rows, "summary": summary, "markdown": markdown, "files": files}
+    return {"metadata": metadata, "rows": rows, "runs": runs, "summary": summary, "markdown": markdown,
+            "files": files}
 
 
 # --- command line -------------------------------------------------------------------
@@ -487,9 +512,6 @@ def _add_arguments(spec: RetrievalSpec, parser: argparse.ArgumentParser) -> None
 
 def _run(spec: RetrievalSpec, args: argparse.Namespace) -> int:
     options = framework.run_options(args, spec.experiment)
-    seeds = options.pop("seeds")
-    if len(seeds) > 1:
-        raise ValueError(f"--seeds {len(seeds)}: repro {spec.command} trains one seed per row so far (--seeds 1)")
     quick = args.quick
     sizes = tuple(sorted(set(args.sizes or (spec.quick_sizes if quick else spec.default_sizes))))
     mechanisms = tuple(dict.fromkeys(args.mechanisms or (spec.quick_mechanisms if quick else spec.default_mechanisms)))

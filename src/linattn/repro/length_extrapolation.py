@@ -17,7 +17,8 @@ window ``--window``, then a global NoPE layer with the entropy scale:
 (``local``, window ``--window``), Transformer-VQ, the delta rule and linear attention (elu+1).
 
 A variant extrapolates when its bpb at every evaluation context longer than the training one
-is at most ``--tolerance`` above its bpb at the training context.
+is at most ``--tolerance`` above its bpb at the training context, at every seed (``--seeds``,
+default 3).
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ def eval_contexts(args: argparse.Namespace) -> list[int]:
     return sorted(set(args.eval_contexts) | {args.context})
 
 
-def run_variant(name: str, args: argparse.Namespace, out_dir: Path, test_tokens: torch.Tensor) -> dict:
-    """Train the variant ``name``, then evaluate it at every evaluation context (one row)."""
+def run_variant(name: str, args: argparse.Namespace, run_dir: Path, test_tokens: torch.Tensor) -> dict:
+    """Train the variant ``name`` at ``args`` (its seed among them) in ``run_dir``, then evaluate
+    it at every evaluation context (one run's row)."""
     spec = variant_spec(name, args)
-    summary, _, curves = train_model(model_config(spec, args), args, out_dir / "runs" / name)
+    summary, _, curves = train_model(model_config(spec, args), args, run_dir)
     model = summary["model"]
     evaluate = partial(evaluate_bpb, model, test_tokens, batch_size=1, max_tokens=args.test_tokens)
     test = [{"context": context, **evaluate(context=context, carry_state=False)} for context in eval_contexts(args)]
@@ -90,114 +92,194 @@ def run_variant(name: str, args: argparse.Namespace, out_dir: Path, test_tokens:
 # --- summary and report ---------------------------------------------------------------------
 
 
-def _bpb(row: dict) -> dict[int, float]:
-    return {entry["context"]: entry["bpb"] for entry in row["test_bpb"]}
+# A row of the report: one variant over its seeds; what describes it rather than results.
+ROW_IDENTITY = ("variant",)
+ROW_CONSTANTS = ("parameters", "train_context", "test_tokens")
 
 
-def summarize(rows: list[dict], tolerance: float) -> dict:
-    """Per variant: ``rise`` (largest bpb at a context above the training one minus the bpb
-    at the training context; None without a longer context) and ``extrapolates`` (rise <=
-    tolerance); ``entropy_scale``: per context, bpb of ``softmax`` minus bpb of
-    ``softmax-entropy`` (> 0: the scale helps), when both were run."""
+def _bpb(run: dict) -> dict[int, float]:
+    return {entry["context"]: entry["bpb"] for entry in run["test_bpb"]}
+
+
+def _rise(run: dict) -> float | None:
+    """Largest bpb at a context above the training one minus the bpb at the training context
+    (None without a longer context)."""
+    bpb = _bpb(run)
+    longer = [value - bpb[run["train_context"]] for context, value in bpb.items() if context > run["train_context"]]
+    return max(longer) if longer else None
+
+
+def run_metrics(run: dict) -> dict[str, float | None]:
+    """The metrics of a run besides its top-level numbers: ``bpb_at_C`` per evaluation context
+    and the ``rise`` (aggregated over the seeds by ``framework.aggregate``)."""
+    return {**{f"bpb_at_{context}": value for context, value in _bpb(run).items()}, "rise": _rise(run)}
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per variant over its seeds (``framework.aggregate`` with :func:`run_metrics`)."""
+    return framework.aggregate(runs, identity=ROW_IDENTITY, metrics=run_metrics, constants=ROW_CONSTANTS)
+
+
+def _contexts(rows: list[dict]) -> list[int]:
+    return sorted({int(key.removeprefix("bpb_at_")) for row in rows for key in row["metrics"]
+                   if key.startswith("bpb_at_")})
+
+
+def summarize(rows: list[dict], runs: list[dict], tolerance: float) -> dict:
+    """Per variant (``rows`` aggregated over the seeds, ``runs`` per seed): ``rise`` (stats over
+    the seeds of the largest bpb at a context above the training one minus the bpb at the
+    training context), ``extrapolating_seeds`` (seeds whose rise <= tolerance) and
+    ``extrapolates`` (at every seed; None without a longer context), the stats of bpb at the
+    longest and at the training context; ``entropy_scale``: per context, the mean bpb of
+    ``softmax`` minus that of ``softmax-entropy`` (> 0: the scale helps) and whether the
+    difference is resolved (``framework.resolved``), when both were run."""
     variants = {}
     for row in rows:
-        bpb = _bpb(row)
-        base = bpb[row["train_context"]]
-        longer = [value - base for context, value in bpb.items() if context > row["train_context"]]
-        rise = max(longer) if longer else None
-        variants[row["variant"]] = {"rise": rise, "extrapolates": None if rise is None else rise <= tolerance,
-                                    "longest_context": max(bpb), "bpb_at_longest": bpb[max(bpb)],
-                                    "bpb_at_train_context": base}
+        rises = [_rise(run) for run in runs if run["variant"] == row["variant"]]
+        measured = [rise for rise in rises if rise is not None]
+        longest = max(c for c in _contexts([row]))
+        variants[row["variant"]] = {
+            "n": row["n"], "rise": framework.stats_of(row, "rise"),
+            "extrapolating_seeds": sum(rise <= tolerance for rise in measured) if measured else None,
+            "extrapolates": all(rise <= tolerance for rise in measured) if measured else None,
+            "longest_context": longest, "bpb_at_longest": framework.stats_of(row, f"bpb_at_{longest}"),
+            "bpb_at_train_context": framework.stats_of(row, f"bpb_at_{row['train_context']}")}
     summary = {"train_context": rows[0]["train_context"] if rows else None, "tolerance": tolerance,
                "variants": variants}
-    by_name = {row["variant"]: _bpb(row) for row in rows}
+    by_name = {row["variant"]: row for row in rows}
     if "softmax" in by_name and "softmax-entropy" in by_name:
-        summary["entropy_scale"] = {str(c): by_name["softmax"][c] - by_name["softmax-entropy"][c]
-                                    for c in by_name["softmax"] if c in by_name["softmax-entropy"]}
+        plain, scaled = by_name["softmax"], by_name["softmax-entropy"]
+        summary["entropy_scale"] = {}
+        for context in _contexts([plain]):
+            a, b = framework.stats_of(plain, f"bpb_at_{context}"), framework.stats_of(scaled, f"bpb_at_{context}")
+            if a is not None and b is not None:
+                summary["entropy_scale"][str(context)] = {"gain": a["mean"] - b["mean"],
+                                                          "resolved": framework.resolved(a, b)}
     return summary
 
 
+def _spread_word(is_resolved: bool) -> str:
+    return "resolved" if is_resolved else "within the spread"
+
+
 def conclusions(rows: list[dict], summary: dict) -> str:
-    """The paragraph docs/results.md quotes, written from the numbers."""
+    """The paragraph docs/results.md quotes, written from the numbers (means over the seeds)."""
     variants, train_context = summary["variants"], summary["train_context"]
     measured = {name: v for name, v in variants.items() if v["rise"] is not None}
     if not measured:
         return f"No evaluation context is longer than the training context {train_context}: nothing to conclude."
     longest = max(v["longest_context"] for v in measured.values())
+    several = any(v["n"] > 1 for v in measured.values())
     holds = [name for name, v in measured.items() if v["extrapolates"]]
-    fails = [f"{name} (+{v['rise']:.3f})" for name, v in measured.items() if not v["extrapolates"]]
+    fails = [f"{name} ({v['rise']['mean']:+.3f}" + (f"; extrapolates at {v['extrapolating_seeds']} of {v['n']} seeds"
+                                                     if v["extrapolating_seeds"] else "") + ")"
+             for name, v in measured.items() if not v["extrapolates"]]
     text = [f"Extrapolate (test bpb at every context up to {longest} at most {summary['tolerance']:g} above the "
-            f"bpb at the training context {train_context}): {', '.join(holds) or 'none'}. "
-            f"Do not (largest rise): {', '.join(fails) or 'none'}."]
-    if "entropy_scale" in summary:
+            f"bpb at the training context {train_context}" + (", at every seed" if several else "") + "): "
+            f"{', '.join(holds) or 'none'}. Do not (largest rise" + (", mean over the seeds" if several else "")
+            + f"): {', '.join(fails) or 'none'}."]
+    if summary.get("entropy_scale"):
         gain = summary["entropy_scale"]
         last = str(max(int(c) for c in gain))
-        verdict = "helps" if gain[last] > 0 else "does not help"
+        verdict = "helps" if gain[last]["gain"] > 0 else "does not help"
+        at_train = gain.get(str(train_context))
         text.append(f"The entropy-invariant scale {verdict} rotary softmax at C={last}: "
-                    f"{variants['softmax-entropy']['bpb_at_longest']:.3f} bpb with it against "
-                    f"{variants['softmax']['bpb_at_longest']:.3f} without ({gain[last]:+.3f} in its favour; "
-                    f"{gain[str(train_context)]:+.3f} at the training context).")
+                    f"{variants['softmax-entropy']['bpb_at_longest']['mean']:.3f} bpb with it against "
+                    f"{variants['softmax']['bpb_at_longest']['mean']:.3f} without ({gain[last]['gain']:+.3f} in its "
+                    f"favour, {_spread_word(gain[last]['resolved'])}"
+                    + (f"; {at_train['gain']:+.3f} at the training context, {_spread_word(at_train['resolved'])}"
+                       if at_train else "") + ").")
     if "softmax-nope-entropy" in variants:
         v = variants["softmax-nope-entropy"]
-        text.append(f"Without positions (softmax:nope:entropy): {v['bpb_at_train_context']:.3f} at "
-                    f"{train_context}, {v['bpb_at_longest']:.3f} at {v['longest_context']}.")
-    carried = [f"{r['variant']} {r['test_bpb_carried']:.3f} (reset every {train_context}: "
-               f"{_bpb(r)[train_context]:.3f})" for r in rows if r["test_bpb_carried"] is not None]
+        text.append(f"Without positions (softmax:nope:entropy): {v['bpb_at_train_context']['mean']:.3f} at "
+                    f"{train_context}, {v['bpb_at_longest']['mean']:.3f} at {v['longest_context']}.")
+    carried = [f"{r['variant']} {framework.mean_of(r, 'test_bpb_carried'):.3f} (reset every {train_context}: "
+               f"{framework.mean_of(r, f'bpb_at_{train_context}'):.3f})" for r in rows
+               if framework.stats_of(r, "test_bpb_carried") is not None]
     if carried:
         text.append("State carried across the whole stream: " + ", ".join(carried) + ".")
     return " ".join(text)
 
 
-def markdown(rows: list[dict], metadata: dict, summary: dict, note: str = "") -> str:
-    """The table of bpb against the evaluation context and the conclusions."""
-    contexts = sorted({entry["context"] for row in rows for entry in row["test_bpb"]})
+def _extrapolates_cell(v: dict) -> str:
+    if v["extrapolates"] is None:
+        return "—"
+    if v["extrapolates"]:
+        return "yes"
+    rise = f"{v['rise']['mean']:+.3f}"
+    if not v["extrapolating_seeds"]:
+        return f"no ({rise})"
+    return f"at {v['extrapolating_seeds']} of {v['n']} seeds (mean rise {rise})"
+
+
+def markdown(rows: list[dict], metadata: dict, summary: dict, *, runs: int, note: str = "") -> str:
+    """The table of bpb against the evaluation context over the seeds, the differences at the
+    longest and at the training context, and the conclusions; ``runs``: the per-seed runs."""
+    contexts = _contexts(rows)
     train_context = summary["train_context"]
-    header = ["variant", "spec", "parameters", "validation bpb",
+    stats = framework.format_stats
+    header = ["variant", "spec", "parameters", "n", "validation bpb",
               *[f"C={c}" + (" (trained)" if c == train_context else "") for c in contexts],
               "state carried across the stream", "extrapolates"]
     cells = []
     for row in rows:
-        bpb, v = _bpb(row), summary["variants"][row["variant"]]
-        cells.append([row["variant"], f"`{row['spec']}`", f"{row['parameters']:,}", f"{row['validation_bpb']:.3f}",
-                      *[f"{bpb[c]:.3f}" if c in bpb else "—" for c in contexts],
-                      "—" if row["test_bpb_carried"] is None else f"{row['test_bpb_carried']:.3f}",
-                      "—" if v["extrapolates"] is None else "yes" if v["extrapolates"] else f"no (+{v['rise']:.3f})"])
+        v = summary["variants"][row["variant"]]
+        cells.append([row["variant"], f"`{row['spec']}`", f"{row['parameters']:,}", str(row["n"]),
+                      stats(framework.stats_of(row, "validation_bpb")),
+                      *[stats(framework.stats_of(row, f"bpb_at_{c}")) for c in contexts],
+                      stats(framework.stats_of(row, "test_bpb_carried")), _extrapolates_cell(v)])
+    longest = contexts[-1]
     lines = [
         "# Length extrapolation: trained at one context, evaluated at longer ones", "",
         f"Command: `{metadata['command']}`  ", f"Date: {metadata['date']}; device: {metadata['device_name']}, "
         f"{metadata['threads']} threads; torch {metadata['torch_version']}.", "",
+        framework.seeds_text(rows), "",
         *markdown_table_lines(header, cells), "",
         f"Test bpb on the first {rows[0]['test_tokens']:,} predicted bytes of the test split, read as one stream in "
         f"windows of C with the state reset at every window; every model was trained at C={train_context}. "
         "The recurrent variants are also read with the state carried across the whole stream.", "",
-        conclusions(rows, summary),
+        conclusions(rows, summary), "",
+        *framework.differences_lines([
+            (f"Test bpb at C={longest}, the longest context (lower is better):", framework.difference_matrix(
+                rows, lambda r: framework.stats_of(r, f"bpb_at_{longest}"), _name)),
+            (f"Test bpb at C={train_context}, the training context (lower is better):", framework.difference_matrix(
+                rows, lambda r: framework.stats_of(r, f"bpb_at_{train_context}"), _name)),
+        ][: 1 if longest == train_context else 2]),
     ]
     if note:
         lines += ["", note]
     elif metadata.get("reused_runs"):
-        lines += ["", reuse_note(metadata["reused_runs"], len(rows), "variants") + "."]
+        lines += ["", reuse_note(metadata["reused_runs"], runs) + "."]
     return "\n".join(lines) + "\n"
 
 
-def write_plot(rows: list[dict], train_context: int, path: Path) -> Path:
-    """Test bpb against the evaluation context (carried states dotted) and the training loss."""
+def _name(row: dict) -> str:
+    return row["variant"]
+
+
+def write_plot(rows: list[dict], runs: list[dict], train_context: int, path: Path) -> Path:
+    """Test bpb against the evaluation context (mean over the seeds, min–max error bars; carried
+    states dotted) and the training loss (mean, min–max band)."""
     figure, (left, right) = pyplot().subplots(1, 2, figsize=(12, 4.5))
+    contexts = _contexts(rows)
     for index, row in enumerate(rows):
         color = f"C{index % 10}"
-        bpb = sorted(_bpb(row).items())
-        left.plot([c for c, _ in bpb], [b for _, b in bpb], marker="o", color=color, label=row["variant"])
-        if row["test_bpb_carried"] is not None:
-            left.axhline(row["test_bpb_carried"], color=color, linestyle=":", linewidth=1)
-        steps, losses = zip(*row["loss_curve"])
-        right.plot(steps, [loss / math.log(2) for loss in losses], color=color, label=row["variant"])
-    contexts = sorted({c for row in rows for c in _bpb(row)})
+        mine = [c for c in contexts if framework.stats_of(row, f"bpb_at_{c}") is not None]
+        framework.plot_spread(left, mine, [framework.stats_of(row, f"bpb_at_{c}") for c in mine], marker="o",
+                              color=color, label=row["variant"])
+        carried = framework.mean_of(row, "test_bpb_carried")
+        if carried is not None:
+            left.axhline(carried, color=color, linestyle=":", linewidth=1)
+        framework.plot_band(right, [run["loss_curve"] for run in runs if run["variant"] == row["variant"]],
+                            scale=1 / math.log(2), color=color, label=row["variant"])
     left.axvline(train_context, color="grey", linestyle="--", linewidth=1)
     left.set_xscale("log", base=2)
     left.set_xticks(contexts, [str(c) for c in contexts])
     left.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
+    several = " (mean over the seeds, bars/band: min–max)" if any(row["n"] > 1 for row in rows) else ""
     left.set(xlabel="evaluation context (state reset every window)", ylabel="test bpb",
              title=f"trained at {train_context} (dashed); dotted: state carried")
-    right.set(xlabel="step", ylabel="training loss (bits per byte)", title="training loss")
+    right.set(xlabel="step", ylabel="training loss (bits per byte)", title="training loss" + several)
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
@@ -212,10 +294,9 @@ SPEC = ExperimentSpec(
     help="train at context 256, evaluate test bpb at 256..4096 (entropy scale, NoPE, window + global hybrid)",
     description=__doc__.split("\n\n", 1)[1],
     grid_axes=("variants",),
-    unit="variants",
-    default_seeds=1,
-    quick_help=f"a tiny model, 20 steps at context 32, evaluated at {' '.join(map(str, QUICK_EVAL_CONTEXTS))} "
-               "(for tests); flags given with other values than their defaults still apply",
+    row="variant",
+    quick_help=f"a tiny model, 20 steps at context 32, evaluated at {' '.join(map(str, QUICK_EVAL_CONTEXTS))}, "
+               "one seed (for tests); flags given with other values than their defaults still apply",
     threads_help="torch CPU threads (default: torch's choice)",
 )
 
@@ -264,6 +345,10 @@ def _run_key(run: tuple) -> dict:
     return {"variant": name, "settings": {key: getattr(args, key) for key in _RUN_SETTINGS}}
 
 
+def _seed_of(run: tuple) -> int:
+    return run[1].seed
+
+
 def _describe(row: dict) -> str:
     return f"{row['variant']} val {row['validation_bpb']:.3f} bpb"
 
@@ -290,26 +375,24 @@ def _run(args: argparse.Namespace) -> int:
     for name in args.variants:  # every model is checked before the first one trains
         model_config(variant_spec(name, args), args)
     options = framework.run_options(args, SPEC)
-    seeds = options.pop("seeds")
-    if len(seeds) > 1:
-        raise ValueError(f"--seeds {len(seeds)}: repro length-extrapolation trains one seed per row so far (--seeds 1)")
-    out_dir, command = options.pop("out_dir"), options.pop("command")
+    out_dir, command, seeds = options.pop("out_dir"), options.pop("command"), options.pop("seeds")
     test_tokens = None if args.report_only else load_corpus(args.data, cache_dir=args.cache_dir).tokens("test")
     metadata = framework.experiment_metadata(device="cpu", command=command, shapes={
         "d_model": args.d_model, "n_layers": args.n_layers, "context": args.context,
         "eval_contexts": args.eval_contexts, "batch_size": args.batch_size, "steps": args.steps, "data": args.data},
-        tolerance=args.tolerance)
-    grid = Grid(train=run_variant, runs=[(name, args, out_dir, test_tokens) for name in args.variants],
-                run_key=_run_key, describe=_describe, label="repro length-extrapolation", unit="variant",
-                seed_of=lambda run: run[1].seed)
+        tolerance=args.tolerance, seeds=seeds)
+    runs = [(name, framework.with_seed(args, seed), framework.run_folder(out_dir, name, seed), test_tokens)
+            for seed in seeds for name in args.variants]
+    grid = Grid(train=run_variant, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
+                label="repro length-extrapolation", unit="run")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
-    summary = summarize(outcome.rows, args.tolerance)
-    note = framework.interim_note(len(outcome.rows), outcome.total, "variants") if args.report_only else ""
-    text = markdown(outcome.rows, metadata, summary, note=note)
-    files = framework.write_results(out_dir, rows=outcome.rows, runs=outcome.rows, metadata=metadata, markdown=text,
-                                    summary=summary,
-                                    plot=partial(write_plot, outcome.rows, args.context),
+    rows = aggregate(outcome.rows)
+    summary = summarize(rows, outcome.rows, args.tolerance)
+    note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
+    text = markdown(rows, metadata, summary, runs=len(outcome.rows), note=note)
+    files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
+                                    summary=summary, plot=partial(write_plot, rows, outcome.rows, args.context),
                                     plot_name="bpb_vs_context.png")
     return framework.print_result({"markdown": text, "files": files})
 

@@ -6,7 +6,8 @@ gated attention units; their value width is chosen so a pair has about the param
 one attention + SwiGLU block (the parameter counts are reported). Measured per mechanism:
 validation bpb during training (the loss curves), test bpb with the state reset at every
 window and with the state carried across the whole test split (one stream), training
-tokens per second, and the peak memory of one training step.
+tokens per second, and the peak memory of one training step; each at ``--seeds`` seeds
+(default 3), reported as mean ± std (min–max) over them.
 """
 
 from __future__ import annotations
@@ -163,7 +164,7 @@ def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "")
             ["mechanism", "spec", "parameters", "n", "validation bpb", "test bpb, state reset every window",
              f"test bpb, state carried {first['carry_windows']} windows (as trained)",
              "test bpb, state carried across the whole stream", "train tokens/s (mean)", "step peak memory (mean)"],
-            [[r["mechanism"], f"`{r['spec']}`", framework.format_mean(r["metrics"]["parameters"], ",.0f"), str(r["n"]),
+            [[r["mechanism"], f"`{r['spec']}`", f"{r['parameters']:,}", str(r["n"]),
               *(stats(framework.stats_of(r, key)) for key in ("validation_bpb", "test_bpb_reset", "test_bpb_schedule",
                                                                "test_bpb_carried")),
               framework.format_mean(framework.stats_of(r, "train_tokens_per_second"), ",.0f"),
@@ -281,7 +282,8 @@ def _run(args: argparse.Namespace) -> int:
                 label="repro lm", unit="run")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
-    rows = framework.aggregate(outcome.rows, identity=("mechanism",))
+    rows = framework.aggregate(outcome.rows, identity=("mechanism",),
+                               constants=("parameters", "carry_windows", "test_tokens"))
     note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
     text = markdown(rows, outcome.rows, metadata, note=note)
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,

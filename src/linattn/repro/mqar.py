@@ -26,10 +26,11 @@ projection is applied at those positions only (``query_logits``; the hidden stat
 position are still computed by ``LM.forward``) -- the full ``[B, T, V]`` logits would cost
 more than the rest of the model.
 
-**Training.** One model per (mechanism, d_model, (T, N)): AdamW (peak lr 1e-2, weight decay
-0.1 on matrices and the embedding, betas 0.9/0.98), batch 64, a fixed number of steps
-(default 3000) with linear warm-up over the first 10 % and cosine decay to 10 % of the peak,
-gradient clipping at 1.0, a fresh batch every step from a generator seeded by (seed, T, N) --
+**Training.** One model per (mechanism, d_model, (T, N)) and seed (``--seeds``, default 3):
+AdamW (peak lr 1e-2, weight decay 0.1 on matrices and the embedding, betas 0.9/0.98), batch
+64, a fixed number of steps (default 3000) with linear warm-up over the first 10 % and cosine
+decay to 10 % of the peak, gradient clipping at 1.0, a fresh batch every step from a
+generator seeded by (seed, T, N) --
 every mechanism and width sees the same data at the same (T, N). Loss: cross-entropy over
 the query positions plus the VQ commitment loss; ``update_codebooks()`` after every optimizer
 step. Evaluation: accuracy (argmax over the whole vocabulary) on the query positions of fresh
@@ -39,7 +40,8 @@ one documented choice, not a sweep (docs/results.md).
 **Grids.** The default grid is the one whose results are published (docs/results.md):
 d_model 64, (T, N) in {(64, 4), (128, 8)}, 3000 steps. ``--quick`` is d_model 64, (64, 4),
 300 steps, a smoke test. ``--resume`` continues an interrupted grid; the Zoology-sized grid
-is ``--d-models 64 128 --lengths 64 128 256``. Report: ``mqar_report``.
+is ``--d-models 64 128 --lengths 64 128 256``. Every run is trained at ``--seeds`` seeds
+(default 3; ``--quick`` 1). Report: ``mqar_report``.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import argparse
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -367,53 +369,76 @@ def check_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequen
         make_mqar_batch(1, seq_len, num_pairs, config.vocab_size, config.power_a)
 
 
+# A row of the report: one (mechanism, d_model, (T, N)), over its seeds.
+ROW_IDENTITY = ("mechanism", "d_model", "seq_len", "num_pairs")
+
+
+def _seed_of(run: tuple) -> int:
+    return run[4].seed
+
+
 def _grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
-          config: MQARConfig) -> Grid:
-    """Every (mechanism, d_model, (T, N)) run, in that nesting order."""
+          config: MQARConfig, seeds: Sequence[int]) -> Grid:
+    """Every (mechanism, d_model, (T, N)) run at every seed: seeds outer, then that nesting
+    order; a seed's runs use ``config`` with that seed."""
     return Grid(train=train_run,
-                runs=[(name, d, t, n, config) for name in mechanisms for d in d_models for t, n in tasks],
-                run_key=_run_key, describe=_describe, label="repro mqar", progress_kwarg="on_step",
-                seed_of=lambda run: run[4].seed,
+                runs=[(name, d, t, n, replace(config, seed=seed)) for seed in seeds for name in mechanisms
+                      for d in d_models for t, n in tasks],
+                run_key=_run_key, seed_of=_seed_of, describe=_describe, label="repro mqar", progress_kwarg="on_step",
                 step_text=_step_text)
 
 
+def _seeds(config: MQARConfig, seeds: Sequence[int] | None) -> list[int]:
+    seeds = [config.seed] if seeds is None else list(seeds)
+    if not seeds or not all(is_int(seed) for seed in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must be distinct ints (at least one), got {seeds!r}")
+    return seeds
+
+
 def run_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
-             config: MQARConfig, *, jobs: int = 1, threads: int = 1, progress: bool = True,
-             journal: RunJournal | None = None) -> list[dict]:
-    """Every (mechanism, d_model, (T, N)) run, in grid order, with a tqdm bar over runs.
+             config: MQARConfig, *, seeds: Sequence[int] | None = None, jobs: int = 1, threads: int = 1,
+             progress: bool = True, journal: RunJournal | None = None) -> list[dict]:
+    """Every (mechanism, d_model, (T, N)) run at every seed (default ``[config.seed]``), in
+    grid order, with a tqdm bar over runs.
 
     ``jobs > 1`` trains that many runs at once in worker processes (spawned, ``threads``
     torch threads each). Runs are independent and seeded, so the rows do not depend on
     ``jobs``. With a ``journal``, runs recorded there are reused and new ones recorded.
     """
     check_grid(mechanisms, d_models, tasks, config)
-    return framework.run_grid(_grid(mechanisms, d_models, tasks, config), jobs=jobs, threads=threads,
-                              progress=progress, journal=journal)
+    return framework.run_grid(_grid(mechanisms, d_models, tasks, config, _seeds(config, seeds)), jobs=jobs,
+                              threads=threads, progress=progress, journal=journal)
 
 
 def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
-                   config: MQARConfig, *, out_dir: Path, command: str, jobs: int = 1, threads: int = 1,
-                   progress: bool = True, resume: bool = False, report_only: bool = False) -> dict:
-    """Run the grid and write ``results.json``, ``results.md`` and ``mqar_accuracy.png`` into ``out_dir``.
+                   config: MQARConfig, *, out_dir: Path, command: str, seeds: Sequence[int] | None = None,
+                   jobs: int = 1, threads: int = 1, progress: bool = True, resume: bool = False,
+                   report_only: bool = False) -> dict:
+    """Run the grid at every seed (default ``[config.seed]``) and write ``results.json`` (rows
+    aggregated over the seeds, and the per-seed runs), ``results.md`` and ``mqar_accuracy.png``
+    into ``out_dir``.
 
     Each finished run is recorded in ``out_dir/runs.jsonl`` at once; ``resume=True`` reuses
-    the runs recorded there (same mechanism, d_model, task and configuration);
+    the runs recorded there (same mechanism, d_model, task, seed and configuration);
     ``report_only=True`` trains nothing and reports the grid's runs recorded so far.
     """
     check_grid(mechanisms, d_models, tasks, config)
-    outcome = framework.run_journaled(_grid(mechanisms, d_models, tasks, config), out_dir, spec=SPEC, jobs=jobs,
-                                      threads=threads, progress=progress, resume=resume, report_only=report_only)
+    seeds = _seeds(config, seeds)
+    outcome = framework.run_journaled(_grid(mechanisms, d_models, tasks, config, seeds), out_dir, spec=SPEC,
+                                      jobs=jobs, threads=threads, progress=progress, resume=resume,
+                                      report_only=report_only)
     shapes = {"n_layers": 2, "vocab_size": config.vocab_size, "d_models": list(d_models),
               "tasks": [{"seq_len": t, "num_pairs": n} for t, n in tasks]}
     metadata = framework.experiment_metadata(
-        device="cpu", command=command, shapes=shapes, seconds=outcome.seconds, config=asdict(config),
+        device="cpu", command=command, shapes=shapes, seconds=outcome.seconds, config=asdict(config), seeds=seeds,
         mechanisms=list(mechanisms), jobs=jobs, threads=threads, reused_runs=outcome.reused,
         paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient Language Models")
+    rows = framework.aggregate(outcome.rows, identity=ROW_IDENTITY)
     note = framework.interim_note(len(outcome.rows), outcome.total) if report_only else ""
-    markdown = markdown_report(outcome.rows, command=command, config=config, metadata=metadata, note=note)
-    files = framework.write_results(out_dir, rows=outcome.rows, runs=outcome.rows, metadata=metadata, markdown=markdown,
-                                    plot=partial(write_plot, outcome.rows), plot_name="mqar_accuracy.png")
-    return {"metadata": metadata, "rows": outcome.rows, "markdown": markdown, "files": files}
+    markdown = markdown_report(rows, outcome.rows, command=command, config=config, metadata=metadata, note=note)
+    files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=markdown,
+                                    plot=partial(write_plot, rows), plot_name="mqar_accuracy.png")
+    return {"metadata": metadata, "rows": rows, "runs": outcome.rows, "markdown": markdown, "files": files}
 
 
 # --- command line -------------------------------------------------------------------
@@ -425,10 +450,10 @@ SPEC = ExperimentSpec(
     description=__doc__.split("\n\n", 1)[1],
     grid_axes=("mechanisms", "widths", "(T, N) tasks"),
     quick_help=(f"a few minutes: d_model {' '.join(map(str, QUICK_D_MODELS))}, T "
-                f"{' '.join(map(str, QUICK_LENGTHS))}, {QUICK_STEPS} steps (unless given explicitly)"),
+                f"{' '.join(map(str, QUICK_LENGTHS))}, {QUICK_STEPS} steps, one seed (each unless given explicitly)"),
     seed_help="seed of data, initialisation and features (default %(default)s)",
     default_threads=1,
-    default_seeds=1,
+    row="(mechanism, width, task)",
     threads_help="torch intra-op CPU threads per run (default %(default)s)",
 )
 
@@ -474,9 +499,6 @@ def resolve_tasks(lengths: Sequence[int], pairs: Sequence[int] | None) -> list[t
 
 def _run(args: argparse.Namespace) -> int:
     options = framework.run_options(args, SPEC)
-    seeds = options.pop("seeds")
-    if len(seeds) > 1:
-        raise ValueError(f"--seeds {len(seeds)}: repro mqar trains one seed per row so far (--seeds 1)")
     mechanisms = list(dict.fromkeys(args.mechanisms or MQAR_LAYER_SPECS))
     d_models = list(dict.fromkeys(args.d_models or (QUICK_D_MODELS if args.quick else DEFAULT_D_MODELS)))
     tasks = resolve_tasks(list(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)), args.pairs)

@@ -1,6 +1,8 @@
-"""The report of ``linattn repro mqar``: accuracy table, per-run table and plot.
+"""The report of ``linattn repro mqar``: accuracy table over the seeds, the differences of
+accuracy per task, per-run table and plot.
 
-Rows are ``mqar.train_run``'s: one per (mechanism, d_model, (T, N)).
+``rows`` are aggregated over the seeds (``framework.aggregate``: one per (mechanism,
+d_model, (T, N))); ``runs`` are ``mqar.train_run``'s rows, one per seed.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..reporting import markdown_table_lines, pyplot, save_figure
+from . import framework
 from .framework import reuse_note
 
 if TYPE_CHECKING:
@@ -25,23 +28,32 @@ def _task_label(seq_len: int, num_pairs: int) -> str:
     return f"T={seq_len}, {num_pairs} pairs"
 
 
-def markdown_report(rows: Sequence[dict], *, command: str, config: MQARConfig, metadata: dict,
+def _key(row: dict) -> tuple:
+    return row["mechanism"], row["d_model"], row["seq_len"], row["num_pairs"]
+
+
+def _accuracy_cell(row: dict | None, runs: Sequence[dict]) -> str:
+    if row is None:
+        return ""
+    diverged = sum(run["status"] != "ok" for run in runs if _key(run) == _key(row))
+    mark = "" if not diverged else " (diverged)" if row["n"] == 1 else f" ({diverged} diverged)"
+    return framework.format_stats(framework.stats_of(row, "accuracy")) + mark
+
+
+def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, command: str, config: MQARConfig, metadata: dict,
                     note: str = "") -> str:
-    """Accuracy table (rows: mechanism; columns: (T, pairs) per d_model) and per-run details;
-    ``note`` (an interim report's sentence) replaces the clause on reused runs."""
+    """Accuracy table (rows: mechanism; columns: (T, pairs) per d_model; mean ± std (min–max)
+    over the seeds), the differences of accuracy per column, and per-run details; ``note``
+    (an interim report's sentence) replaces the clause on reused runs."""
     names = list(dict.fromkeys(r["mechanism"] for r in rows))
     d_models = sorted({r["d_model"] for r in rows})
     tasks = sorted({(r["seq_len"], r["num_pairs"]) for r in rows})
-    find = {(r["mechanism"], r["d_model"], r["seq_len"], r["num_pairs"]): r for r in rows}
+    find = {_key(r): r for r in rows}
     columns = [(d, t) for d in d_models for t in tasks]
     header = ["mechanism", *(f"d={d}, {_task_label(*t)}" for d, t in columns)]
-    accuracy_rows = []
-    for name in names:
-        cells = [name]
-        for d, (t, n) in columns:
-            r = find.get((name, d, t, n))
-            cells.append("" if r is None else f"{r['accuracy']:.3f}" + ("" if r["status"] == "ok" else " (diverged)"))
-        accuracy_rows.append(cells)
+    accuracy_rows = [[name, *(_accuracy_cell(find.get((name, d, t, n)), runs) for d, (t, n) in columns)]
+                     for name in names]
+    seeds = sorted({seed for r in rows for seed in r["seeds"]})
     lines = [
         "# repro mqar: multi-query associative recall (Zoology)",
         "",
@@ -51,36 +63,49 @@ def markdown_report(rows: Sequence[dict], *, command: str, config: MQARConfig, m
         f"{config.warmup_fraction:.0%}, cosine to {config.min_lr_ratio:g}x), weight decay {config.weight_decay:g}, "
         f"batch {config.batch_size}, {config.steps} steps; power-law query gaps a = {config.power_a:g}; local window "
         f"{config.window}; FAVOR+ {config.favor_features} features; VQ codebook {config.codebook_size}, block "
-        f"{config.block_size}, d_k {config.gau_d_k}; seed {config.seed}. Accuracy on the query positions of "
+        f"{config.block_size}, d_k {config.gau_d_k}; seed{'s' if len(seeds) > 1 else ''} "
+        f"{', '.join(map(str, seeds))}. Accuracy on the query positions of "
         f"{config.eval_batches} x {config.batch_size} held-out sequences (chance ~ {2 / config.vocab_size:.1e}).",
+        "",
+        framework.seeds_text(rows),
         "",
         "## Accuracy",
         "",
         *markdown_table_lines(header, accuracy_rows),
         "",
+    ]
+    tables = []
+    for d, (t, n) in columns:
+        mine = [find[(name, d, t, n)] for name in names if (name, d, t, n) in find]
+        tables.append((f"Accuracy, d={d}, {_task_label(t, n)} (higher is better):", framework.difference_matrix(
+            mine, lambda r: framework.stats_of(r, "accuracy"), lambda r: r["mechanism"])))
+    lines += framework.differences_lines(tables)
+    lines += [
+        "",
         "## Runs",
         "",
         *markdown_table_lines(
-            ["mechanism", "spec", "d_model", "T", "pairs", "parameters", "accuracy", "eval loss", "final train loss",
-             "steps", "seconds"],
+            ["mechanism", "spec", "d_model", "T", "pairs", "seed", "parameters", "accuracy", "eval loss",
+             "final train loss", "steps", "seconds"],
             [[r["mechanism"], f"`{r['spec']}`", str(r["d_model"]), str(r["seq_len"]), str(r["num_pairs"]),
-              f"{r['parameters']:,}", f"{r['accuracy']:.3f}", _number(r["eval_loss"]), _number(r["final_loss"]),
-              str(r["steps"]), f"{r['seconds']:.0f}"] for r in rows]),
+              str(r["seed"]), f"{r['parameters']:,}", f"{r['accuracy']:.3f}", _number(r["eval_loss"]),
+              _number(r["final_loss"]), str(r["steps"]), f"{r['seconds']:.0f}"] for r in runs]),
     ]
     reused = metadata.get("reused_runs", 0)
     closing = (f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
                f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
-               if reused < len(rows) else f"Runs on {metadata['device_name']}.")
+               if reused < len(runs) else f"Runs on {metadata['device_name']}.")
     if note:
         closing += f" {note}"
     elif reused:
-        closing += f" {reuse_note(reused, len(rows))}."
+        closing += f" {reuse_note(reused, len(runs))}."
     lines += ["", closing]
     return "\n".join(lines) + "\n"
 
 
 def write_plot(rows: Sequence[dict], path: Path) -> Path:
-    """Accuracy against sequence length, one line per mechanism, one panel per d_model."""
+    """Accuracy against sequence length, one line per mechanism (the mean over the seeds,
+    min–max error bars), one panel per d_model."""
     d_models = sorted({r["d_model"] for r in rows})
     names = list(dict.fromkeys(r["mechanism"] for r in rows))
     figure, axes = pyplot().subplots(1, len(d_models), figsize=(5.5 * len(d_models), 4.5), squeeze=False, sharey=True)
@@ -90,8 +115,9 @@ def write_plot(rows: Sequence[dict], path: Path) -> Path:
             mine = sorted((r for r in rows if r["mechanism"] == name and r["d_model"] == d),
                           key=lambda r: (r["seq_len"], r["num_pairs"]))
             if mine:
-                axis.plot([r["seq_len"] for r in mine], [r["accuracy"] for r in mine], marker="o",
-                          color=f"C{index % 10}", label=name)
+                framework.plot_spread(axis, [r["seq_len"] for r in mine],
+                                      [framework.stats_of(r, "accuracy") for r in mine], marker="o",
+                                      color=f"C{index % 10}", label=name)
         if len(lengths) > 1:
             axis.set_xscale("log", base=2)
         pairs = {t: sorted({r["num_pairs"] for r in rows if r["d_model"] == d and r["seq_len"] == t}) for t in lengths}
@@ -103,5 +129,6 @@ def write_plot(rows: Sequence[dict], path: Path) -> Path:
         axis.grid(True, alpha=0.3)
         axis.legend(fontsize="small")
     axes[0][0].set_ylabel("query accuracy")
-    figure.suptitle("MQAR: accuracy vs sequence length")
+    several = max(r["n"] for r in rows) > 1
+    figure.suptitle("MQAR: accuracy vs sequence length" + (" (mean over the seeds, bars: min–max)" if several else ""))
     return save_figure(figure, path)
