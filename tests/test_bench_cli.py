@@ -78,6 +78,7 @@ def test_bench_attention_writes_json_markdown_and_plots(tmp_path, capsys):
 
     table = (tmp_path / "results.md").read_text()
     assert "sdpa/case fwd" in table
+    assert "\n```text\ntargets:" in table  # a fence with a language (tools/doc_snippets.py)
     for case in default_cases("cpu"):
         assert f"| {case} | 64 |" in table and f"| {case} | 128 |" in table
     for name in PLOTS:

@@ -71,7 +71,7 @@ def test_bench_lm_end_to_end(tmp_path, capsys):
     for row in rows:
         assert (f"| `{row['case']}` | {row['parameters']:,} | {row['context']} | {row['batch']} | "
                 f"{row['train_tokens_per_s']:,.0f} |") in table
-    assert "targets:" in table
+    assert "\n```text\ntargets:" in table  # a fence with a language (tools/doc_snippets.py)
     for name in ("throughput.png", "decode.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "profile.md").exists()

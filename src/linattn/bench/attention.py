@@ -353,7 +353,7 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [reporting.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
     markdown = out_dir / "results.md"
-    markdown.write_text(f"# bench attention\n\n`{command}`\n\n{table}\n```\n{format_summary(summary)}\n```\n")
+    markdown.write_text(f"# bench attention\n\n`{command}`\n\n{table}\n```text\n{format_summary(summary)}\n```\n")
     files.append(markdown)
     files += report.write_plots(rows, out_dir, title="causal attention")
     if config.profile_top:

@@ -401,7 +401,7 @@ def write_results(rows: Sequence[dict], config: LMBenchConfig, out_dir: Path, *,
     text = (f"# bench lm\n\n`{command}`\n\nWhole models on {metadata['device']} ({metadata['device_name']}), "
             f"{precision}, {config.tokens_per_step:,} tokens per training step and "
             f"prefill (batch = tokens / C), decode at batch 1 (median of {config.decode_tokens} greedy tokens); "
-            f"each model in a fresh process.\n\n{markdown_table(rows)}\n```\n{format_summary(summary)}\n```\n")
+            f"each model in a fresh process.\n\n{markdown_table(rows)}\n```text\n{format_summary(summary)}\n```\n")
     files = [reporting.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary),
              reporting.write_markdown(out_dir / "results.md", text)]
     files += write_plots(rows, out_dir)
