@@ -26,15 +26,11 @@ def _load():
 
 snippets = _load()
 SnippetError = snippets.SnippetError
-# README.md is being split into docs/ pages; its blocks are annotated after that
-_PENDING = {"README.md"}
 
 
 def _checked_blocks():
     params = []
     for page in snippets.default_pages():
-        if snippets.display(page) in _PENDING:
-            continue
         try:
             blocks = snippets.parse_page(page)
         except SnippetError as error:
@@ -48,8 +44,6 @@ def _checked_blocks():
 def _pages_with_code():
     pages = []
     for page in snippets.default_pages():
-        if snippets.display(page) in _PENDING:
-            continue
         try:
             blocks = snippets.parse_page(page)
         except SnippetError:
@@ -361,3 +355,12 @@ def test_a_block_past_its_timeout_fails(tmp_path, runner, code):
     result = runner.run_page(_page(tmp_path, code), block_timeout=1)
     [block] = result.blocks
     assert block.status == "failed" and "ran over 1 s" in block.message and block.seconds < 30
+
+
+def test_a_page_that_cannot_run_fails_with_the_reason(tmp_path, runner):
+    bad = runner.run_page(_page(tmp_path, "```python\nx = 1\n```\n<!-- snippet: skip: x -->\n", "bad.md"))
+    assert not bad.passed and bad.error.startswith(f"{tmp_path / 'bad.md'}:4: snippet directive not directly")
+    dead = runner.run_page(_page(tmp_path, "```python\nimport os\nos._exit(3)\n```\n", "dead.md"))
+    assert not dead.passed and "exited with 3 before reporting" in dead.error
+    # the zygote still serves the next page
+    assert runner.run_page(_page(tmp_path, "```python\nx = 1\n```\n", "good.md")).passed

