@@ -237,6 +237,24 @@ def test_shell_commands_are_read_as_the_shell_would(tmp_path):
         ["train"]]
 
 
+def test_messages_sent_back_to_back_arrive_one_by_one_with_their_descriptors(tmp_path):
+    import os
+    import socket
+
+    left, right = socket.socketpair()
+    with left, right, open(tmp_path / "f", "w") as f:
+        snippets._send(left, {"results": ["x" * 20_000]}, fds=(f.fileno(),))
+        snippets._send(left, {"exit": 3})
+        first, fds = snippets._receive(right)
+        second, none = snippets._receive(right)
+        assert first == {"results": ["x" * 20_000]} and second == {"exit": 3} and none == []
+        assert len(fds) == 1 and os.path.samestat(os.fstat(fds[0]), os.fstat(f.fileno()))
+        os.close(fds[0])
+        left.close()
+        with pytest.raises(EOFError):
+            snippets._receive(right)
+
+
 # ------------------------------------------------------------------------------ running pages
 
 

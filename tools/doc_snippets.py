@@ -746,16 +746,22 @@ def _send(conn: socket.socket, message: dict, fds: Sequence[int] = ()) -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
-    if not data:
+    """One message of ``_send`` (and the descriptors sent with it), reading no byte of the next."""
+    header, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    if not header:
         raise EOFError
-    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
-        chunk = conn.recv(1 << 16)
+    (size,) = struct.unpack("!I", header + _exactly(conn, 4 - len(header)))
+    return json.loads(_exactly(conn, size)), fds
+
+
+def _exactly(conn: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = conn.recv(n - len(data))
         if not chunk:
             raise EOFError
         data += chunk
-    size = struct.unpack("!I", data[:4])[0]
-    return json.loads(data[4:4 + size]), fds
+    return data
 
 
 def _shim_main() -> None:
