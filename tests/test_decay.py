@@ -17,6 +17,9 @@ import torch
 from _helpers import F64, assert_causal_jacobian, assert_close_rel, independent_features, make_qkv
 from linattn import LinearAttentionState, linear_attention
 
+# Small matmuls: one thread (as the suite runs once test_activation_checkpointing.py is collected).
+torch.set_num_threads(1)
+
 EPS = 1e-6
 MODES = ("parallel", "chunk", "recurrent")
 # (feature map, normalize, feature width F for Dk = 4)

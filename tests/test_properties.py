@@ -112,6 +112,31 @@ def test_delta_rule_chunk_equals_recurrent(shape, feature_map, chunk, data):
 
 
 @PROPERTY
+@given(shape=attention_shapes(max_length=40), feature_map=st.sampled_from(["identity", "elu", "dpfp"]),
+       per_channel=st.booleans(), chunk=st.integers(1, 40), data=st.data())
+def test_gated_delta_rule_chunk_equals_recurrent(shape, feature_map, per_channel, chunk, data):
+    """With log decays g (scalar: Gated DeltaNet; per feature channel: KDA): the chunk form
+    in two pieces with the carried memory equals the recurrent form in one call."""
+    q, k, v, g = _inputs(shape)
+    B, _, Hkv, T = shape[:4]
+    F = linattn.feature_maps.get_feature_map(feature_map).dim_out(shape[4])
+    beta = torch.rand(B, Hkv, T, generator=g, dtype=F64)
+    decay = -2 * torch.rand(B, Hkv, T, *((F,) if per_channel else ()), generator=g, dtype=F64)
+    options = dict(feature_map=feature_map, normalize="l2" if feature_map == "identity" else "sum")
+    expected, state = linattn.delta_rule(q, k, v, beta, g=decay, mode="recurrent", output_final_state=True, **options)
+    cut = _split(T, data)
+    pieces, carried = [], None
+    for lo, hi in ((0, cut), (cut, T)):
+        if hi > lo:
+            out, carried = linattn.delta_rule(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], beta[:, :, lo:hi],
+                                              g=decay[:, :, lo:hi], mode="chunk", chunk_size=chunk,
+                                              initial_state=carried, output_final_state=True, **options)
+            pieces.append(out)
+    assert_close_rel(torch.cat(pieces, 2), expected, rtol=1e-9, name="chunk pieces")
+    assert_close_rel(carried.memory, state.memory, rtol=1e-9, name="final state")
+
+
+@PROPERTY
 @given(shape=attention_shapes(max_length=24), causal=st.booleans(), block=st.integers(1, 9),
        mask=st.sampled_from(["none", "bool", "float", "callable"]))
 def test_softmax_impls_agree(shape, causal, block, mask):
@@ -175,6 +200,9 @@ _OPS = {
     "linear": lambda q, k, v: linattn.linear_attention(q, k, v),
     "delta": lambda q, k, v: linattn.delta_rule(q, k, v, torch.full(k.shape[:3], 0.5, dtype=k.dtype)),
     "local": lambda q, k, v: linattn.local_attention(q, k, v, window=4),
+    "linear-decay": lambda q, k, v: linattn.linear_attention(q, k, v, g=torch.zeros(k.shape[:3], dtype=k.dtype)),
+    "gated-delta": lambda q, k, v: linattn.delta_rule(q, k, v, torch.full(k.shape[:3], 0.5, dtype=k.dtype),
+                                                      g=torch.zeros(*k.shape[:3], k.shape[3], dtype=k.dtype)),
 }
 
 
