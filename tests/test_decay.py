@@ -14,7 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import F64, assert_causal_jacobian, assert_close_rel, independent_features, make_qkv
+from _helpers import (
+    F64,
+    assert_causal_jacobian,
+    assert_close_rel,
+    independent_features,
+    make_qkv,
+    wide_shift_inputs,
+)
 from linattn import LinearAttentionState, linear_attention
 
 # Small matmuls: one thread (as the suite runs once test_activation_checkpointing.py is collected).
@@ -400,6 +407,31 @@ def test_half_precision_inputs_take_float32_decays():
         out, _ = linear_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), g=decay)
         assert out.dtype == torch.bfloat16
         assert_close_rel(out, expected, rtol=3e-2)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "channel"])
+def test_float32_wide_shifts_are_recomputed_with_the_decay(per_channel):
+    """The exp map in float32 on inputs whose stabilising shifts leave float32's range (the
+    call is recomputed in float64): output and gradients (g's included) equal the float64
+    loop in every form (compiled: tests/test_compile.py)."""
+    q, k, v = wide_shift_inputs()
+    g = make_g(1, 1, 13, 2 if per_channel else None)
+    weights = torch.randn(1, 2, 13, 3, generator=torch.Generator().manual_seed(6), dtype=F64)
+    ref_inputs = [t.clone().requires_grad_(True) for t in (q, k, v, g)]
+    expected = loop(*ref_inputs, "exp", "attention")[0]
+    expected_grads = torch.autograd.grad((expected * weights).sum(), ref_inputs)
+
+    def run(fn, **options):
+        inputs = [t.float().requires_grad_(True) for t in (q, k, v, g)]
+        out, _ = fn(*inputs[:3], g=inputs[3], feature_map="exp", chunk_size=4, **options)
+        return out, torch.autograd.grad((out * weights.float()).sum(), inputs)
+
+    for mode in MODES:
+        out, grads = run(linear_attention, mode=mode)
+        assert out.dtype == torch.float32
+        assert_close_rel(out, expected, rtol=1e-4, name=f"{mode} output")
+        for name, a, b in zip("qkvg", grads, expected_grads):
+            assert_close_rel(a, b, rtol=1e-4, name=f"{mode} d {name}")
 
 
 # ----------------------------------------------------------------------------- errors

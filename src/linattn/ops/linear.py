@@ -421,7 +421,10 @@ def _float64_if(wide: torch.Tensor, q, k, v, g, initial_state, form: tuple) -> t
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous (see ``_float64_if``)."""
+    """Identity whose backward gives the gradient the strides of a new tensor of its shape
+    (see ``_float64_if``): contiguous, and standard on size-1 dimensions too, which cond
+    compares and ``.contiguous()`` leaves as they are (a slice of a padded gradient). Always
+    a copy: the backward is traced once, before the strides it will see are known."""
 
     @staticmethod
     def forward(ctx, x):
@@ -429,7 +432,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        return grad.clone(memory_format=torch.contiguous_format)
 
 
 def _in_float64(q, k, v, g, initial_state, form: tuple) -> tuple:
