@@ -239,6 +239,19 @@ def test_gradcheck(per_channel, mode, C):
     assert torch.autograd.gradcheck(fn, (q, k, v, g, S0), eps=1e-6, atol=1e-8, fast_mode=True)
 
 
+def test_second_derivatives():
+    """Every form has them but the per-channel chunk form, which refuses create_graph,
+    naming the recurrent form."""
+    q, k, v = make_qkv(B=1, H=1, Hkv=1, T=20, Dk=2, Dv=2, seed=4, requires_grad=True)
+    for g, mode in [(make_g(1, 1, 20), "chunk"), (make_g(1, 1, 20, 2), "parallel"), (make_g(1, 1, 20, 2), "recurrent")]:
+        out, _ = linear_attention(q, k, v, g=g, mode=mode, chunk_size=8)
+        (grad,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+        assert grad.requires_grad
+    out, _ = linear_attention(q, k, v, g=make_g(1, 1, 20, 2), mode="chunk", chunk_size=8)
+    with pytest.raises(RuntimeError, match="mode='recurrent'"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+
+
 # ----------------------------------------------------------------------------- strong decay
 
 

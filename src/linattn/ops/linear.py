@@ -215,7 +215,8 @@ def linear_attention(
             Before position i writes, ``S`` and ``z`` are multiplied by ``exp(g_i)`` (per
             row f of S for per-channel g). Per key/value head, like the state it decays. In
             q's dtype or its accumulation dtype (float32 g with half-precision q). ``None``:
-            no decay (the computation without g).
+            no decay (the computation without g). With per-channel g the chunk form has no
+            second derivatives (``create_graph=True`` raises; the other forms have them).
         scale: multiplies the queries before the feature map (a temperature for exponential
             maps, as ``softmax_attention``'s scale; with ``"identity"`` and ``normalize=None``
             the output is scaled); a finite positive number, 1 by default.
