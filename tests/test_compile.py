@@ -201,6 +201,29 @@ def test_linear_float64_fallback_is_decided_inside_the_graph(final_state):
                 torch.testing.assert_close(getattr(state, name), getattr(eager_state, name), rtol=1e-6, atol=0)
 
 
+def test_decayed_float64_fallback_compiles_with_eagers_gradients():
+    """With per-channel log decays g (test_decay.py: eager equals the float64 formula), the
+    compiled wide-shift call (the float64 choice a torch.cond) gives eager's output and
+    gradients, g's included (whose gradient, a slice of a padded one, needs the standard
+    strides the cond compares)."""
+    q, k, v = wide_shift_inputs()
+    g = -torch.rand(1, 1, 13, 2, generator=torch.Generator().manual_seed(1), dtype=q.dtype)
+    call = functools.partial(linear_attention, feature_map="exp", chunk_size=4, check_inputs=False)
+    compiled = torch.compile(call, backend="aot_eager", fullgraph=True)
+
+    def run(fn):
+        inputs = [t.float().requires_grad_(True) for t in (q, k, v, g)]
+        out, _ = fn(*inputs[:3], g=inputs[3])
+        out.square().sum().backward()
+        return out.detach(), [t.grad for t in inputs]
+
+    eager_out, eager_grads = run(call)
+    out, grads = run(compiled)
+    torch.testing.assert_close(out, eager_out, rtol=1e-6, atol=0)
+    for actual, wanted in zip(grads, eager_grads):
+        torch.testing.assert_close(actual, wanted, rtol=1e-5, atol=1e-7)
+
+
 def test_float64_fallback_still_runs_in_eager_mode(monkeypatch):
     """The compiled path's cond did not replace eager's choice: wide shifts are recomputed."""
     calls = []

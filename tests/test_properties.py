@@ -62,6 +62,34 @@ def test_linear_attention_forms_agree(shape, feature_map, normalize, chunk, data
 
 
 @PROPERTY
+@given(shape=attention_shapes(max_length=40), feature_map=st.sampled_from(["identity", "elu", "exp", "dpfp"]),
+       normalize=st.sampled_from(["attention", "sum", None]), per_channel=st.booleans(), chunk=st.integers(1, 40),
+       data=st.data())
+def test_decayed_linear_attention_forms_agree(shape, feature_map, normalize, per_channel, chunk, data):
+    """With log decays g (scalar or per feature channel; chunks past 16 have sub-chunks):
+    chunk and recurrent equal parallel, and two pieces with the carried state equal one call."""
+    q, k, v, g = _inputs(shape, positive=normalize is None)
+    B, _, Hkv, T = shape[:4]
+    F = linattn.feature_maps.get_feature_map(feature_map).dim_out(shape[4])
+    decay = -2 * torch.rand(B, Hkv, T, *((F,) if per_channel else ()), generator=g, dtype=F64)
+    options = dict(feature_map=feature_map, normalize=normalize, g=decay, chunk_size=chunk)
+    expected, state = linattn.linear_attention(q, k, v, mode="parallel", output_final_state=True, **options)
+    for mode in ("chunk", "recurrent"):
+        out, final = linattn.linear_attention(q, k, v, mode=mode, output_final_state=True, **options)
+        assert_close_rel(out, expected, rtol=1e-9, name=mode)
+        assert_close_rel(final.kv, state.kv, rtol=1e-9, name=f"{mode} final state")
+    cut = _split(T, data)
+    if 0 < cut < T:
+        pieces, carried = [], None
+        for part in (slice(0, cut), slice(cut, T)):
+            out, carried = linattn.linear_attention(q[:, :, part], k[:, :, part], v[:, :, part],
+                                                    **{**options, "g": decay[:, :, part]}, initial_state=carried,
+                                                    output_final_state=True)
+            pieces.append(out)
+        assert_close_rel(torch.cat(pieces, 2), expected, rtol=1e-9, name="pieces")
+
+
+@PROPERTY
 @given(shape=attention_shapes(), feature_map=st.sampled_from(["identity", "elu", "dpfp"]),
        chunk=st.integers(1, 8), data=st.data())
 def test_delta_rule_chunk_equals_recurrent(shape, feature_map, chunk, data):
@@ -78,6 +106,31 @@ def test_delta_rule_chunk_equals_recurrent(shape, feature_map, chunk, data):
             out, carried = linattn.delta_rule(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], beta[:, :, lo:hi],
                                               mode="chunk", chunk_size=chunk, initial_state=carried,
                                               output_final_state=True, **options)
+            pieces.append(out)
+    assert_close_rel(torch.cat(pieces, 2), expected, rtol=1e-9, name="chunk pieces")
+    assert_close_rel(carried.memory, state.memory, rtol=1e-9, name="final state")
+
+
+@PROPERTY
+@given(shape=attention_shapes(max_length=40), feature_map=st.sampled_from(["identity", "elu", "dpfp"]),
+       per_channel=st.booleans(), chunk=st.integers(1, 40), data=st.data())
+def test_gated_delta_rule_chunk_equals_recurrent(shape, feature_map, per_channel, chunk, data):
+    """With log decays g (scalar: Gated DeltaNet; per feature channel: KDA): the chunk form
+    in two pieces with the carried memory equals the recurrent form in one call."""
+    q, k, v, g = _inputs(shape)
+    B, _, Hkv, T = shape[:4]
+    F = linattn.feature_maps.get_feature_map(feature_map).dim_out(shape[4])
+    beta = torch.rand(B, Hkv, T, generator=g, dtype=F64)
+    decay = -2 * torch.rand(B, Hkv, T, *((F,) if per_channel else ()), generator=g, dtype=F64)
+    options = dict(feature_map=feature_map, normalize="l2" if feature_map == "identity" else "sum")
+    expected, state = linattn.delta_rule(q, k, v, beta, g=decay, mode="recurrent", output_final_state=True, **options)
+    cut = _split(T, data)
+    pieces, carried = [], None
+    for lo, hi in ((0, cut), (cut, T)):
+        if hi > lo:
+            out, carried = linattn.delta_rule(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], beta[:, :, lo:hi],
+                                              g=decay[:, :, lo:hi], mode="chunk", chunk_size=chunk,
+                                              initial_state=carried, output_final_state=True, **options)
             pieces.append(out)
     assert_close_rel(torch.cat(pieces, 2), expected, rtol=1e-9, name="chunk pieces")
     assert_close_rel(carried.memory, state.memory, rtol=1e-9, name="final state")
@@ -147,6 +200,9 @@ _OPS = {
     "linear": lambda q, k, v: linattn.linear_attention(q, k, v),
     "delta": lambda q, k, v: linattn.delta_rule(q, k, v, torch.full(k.shape[:3], 0.5, dtype=k.dtype)),
     "local": lambda q, k, v: linattn.local_attention(q, k, v, window=4),
+    "linear-decay": lambda q, k, v: linattn.linear_attention(q, k, v, g=torch.zeros(k.shape[:3], dtype=k.dtype)),
+    "gated-delta": lambda q, k, v: linattn.delta_rule(q, k, v, torch.full(k.shape[:3], 0.5, dtype=k.dtype),
+                                                      g=torch.zeros(*k.shape[:3], k.shape[3], dtype=k.dtype)),
 }
 
 

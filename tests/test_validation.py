@@ -206,6 +206,22 @@ LINEAR_OPTION_CASES = [
         TypeError,
         r"initial_state\.kv.*int64",
     ),
+    # log decays g: [B, Hkv, T] or [B, Hkv, T, F] (here [2, 2, 8] or [2, 2, 8, 4]), <= 0, q's dtype
+    ("g-positive", dict(g=torch.full((2, 2, 8), 0.5, dtype=F64)), ValueError, r"\bg\b.*<= 0.*0\.5"),
+    ("g-nan", dict(g=torch.full((2, 2, 8), float("nan"), dtype=F64)), ValueError, r"\bg\b.*NaN"),
+    ("g-query-heads", dict(g=torch.zeros(2, 4, 8, dtype=F64)), ValueError, r"\bg\b.*" + shape_re(2, 4, 8)),
+    ("g-length", dict(g=torch.zeros(2, 2, 9, dtype=F64)), ValueError, r"\bg\b.*" + shape_re(2, 2, 9)),
+    ("g-channels", dict(g=torch.zeros(2, 2, 8, 5, dtype=F64)), ValueError, r"\bg\b.*" + shape_re(2, 2, 8, 5)),
+    ("g-rank-2", dict(g=torch.zeros(2, 16, dtype=F64)), ValueError, r"\bg\b.*" + shape_re(2, 16)),
+    ("g-int", dict(g=torch.zeros(2, 2, 8, dtype=torch.int64)), TypeError, r"\bg\b.*int64"),
+    ("g-float32", dict(g=torch.zeros(2, 2, 8, dtype=torch.float32)), TypeError, r"\bg\b.*float32"),
+    ("g-list", dict(g=[0.0]), TypeError, r"\bg\b.*list"),
+    ("g-device", dict(g=torch.empty(2, 2, 8, dtype=F64, device="meta")), ValueError, r"\bg\b.*meta"),
+    ("g-noncausal", dict(g=torch.zeros(2, 2, 8, dtype=F64), causal=False), ValueError, r"\bg\b.*causal"),
+    ("scale-zero", dict(scale=0.0), ValueError, r"scale.*\b0\.0"),
+    ("scale-inf", dict(scale=float("inf")), ValueError, r"scale.*inf"),
+    ("scale-str", dict(scale="entropy"), ValueError, r"scale.*'entropy'"),
+    ("check-inputs-int", dict(check_inputs=1), TypeError, r"check_inputs.*int"),
 ]
 
 
@@ -223,6 +239,15 @@ def test_unknown_impl_and_mode():
         softmax_attention(q, k, v, impl="flash")
     with pytest.raises(ValueError, match=r"mode.*'fast'"):
         linear_attention(q, k, v, mode="fast")
+
+
+@pytest.mark.parametrize("op", list(LINEAR_OPS))
+def test_valid_decays_pass(op):
+    """Both shapes of g, a reset (-inf) and a float64 g of float64 q are valid."""
+    q, k, v = good()
+    for g in (torch.zeros(2, 2, 8, dtype=F64), torch.full((2, 2, 8, 4), -float("inf"), dtype=F64)):
+        out, _ = LINEAR_OPS[op](q, k, v, g=g, scale=0.5)
+        assert out.shape == (2, 4, 8, 5) and torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("op", list(ALL_OPS))

@@ -306,6 +306,36 @@ def check_state_tensor(name: str, value: object, expected: tuple[int, ...], like
     return value
 
 
+def check_log_decay(name: str, value: object, *, heads_of: AttentionShapes, channels: int, like: torch.Tensor,
+                    values: bool) -> torch.Tensor:
+    """Log decays of a gated recurrence (the state is multiplied by ``exp(g)`` each step): a
+    floating tensor ``[B, Hkv, T]`` (one per key/value head and step) or ``[B, Hkv, T,
+    channels]`` (one per key channel), on ``like``'s device, of ``like``'s dtype or of its
+    accumulation dtype (``compute_dtype``: float32 log decays for half-precision inputs).
+    With ``values`` (reads them: a host sync on a GPU), every entry is ``<= 0`` and none is
+    NaN; ``-inf`` (a full reset: the state is forgotten) is allowed. Else TypeError (kind,
+    dtype) or ValueError (shape, device, values) naming ``name``."""
+    B, Hkv, T = heads_of.batch, heads_of.kv_heads, heads_of.length
+    layout = f"[{B}, {Hkv}, {T}] (one per key/value head and step) or [{B}, {Hkv}, {T}, {channels}] (per key channel)"
+    value = check_tensor(name, value, layout=layout)
+    allowed = (like.dtype, compute_dtype(like.dtype))
+    if value.dtype not in allowed:
+        wanted = " or ".join(dict.fromkeys(str(d) for d in allowed))
+        raise TypeError(f"{name} has dtype {value.dtype} but q has dtype {like.dtype}; {name} must be {wanted}")
+    if tuple(value.shape) not in ((B, Hkv, T), (B, Hkv, T, channels)):
+        raise ValueError(f"{name} has shape {_shape(value)}, expected {layout}")
+    if value.device != like.device:
+        raise ValueError(f"{name} is on {value.device} but q is on {like.device}; they must match")
+    if values and value.numel():
+        high = float(value.detach().max())  # NaN propagates
+        if math.isnan(high):
+            raise ValueError(f"{name} holds NaN; log decays must be <= 0 (-inf, a full reset, is allowed)")
+        if high > 0:
+            raise ValueError(f"{name} must be <= 0 (log decays: the state is multiplied by exp({name})), "
+                             f"got a largest value of {high:.4g}")
+    return value
+
+
 def check_first_order_backward(op: str, alternative: str) -> None:
     """Called first in a hand-written ``backward``: grad mode is on there only under
     ``create_graph=True``, which asks for second derivatives that such a backward cannot give

@@ -100,7 +100,9 @@ class LinearAttentionState(_State):
     (FAVOR+, exp) under ``normalize="attention"``: the stored sums are
     ``exp(-key_shift)`` times the true ones; the factor cancels in the output.
     ``steps``: number of positions consumed.
-    Sums are kept in float32 (float64 for float64 inputs).
+    Sums are kept in float32 (float64 for float64 inputs). With log decays ``g`` they are
+    the decayed sums (each term times ``exp`` of the decays since it was written); the
+    shapes are the same, and a continuation may use decays or not.
 
     What made it (None: unknown, only shapes are checked): ``feature_map``, the map's
     identity (``FeatureMap.describe()``: its name and every parameter that changes phi's
@@ -120,7 +122,8 @@ class LinearAttentionState(_State):
 class DeltaRuleState(_State):
     """State of the delta rule (fast weight memory), per key/value head.
 
-    ``memory``: ``[B, Hkv, F, Dv]``, the fast weights ``S`` read as ``S^T phi(q)``.
+    ``memory``: ``[B, Hkv, F, Dv]``, the fast weights ``S`` read as ``S^T phi(q)`` (decayed
+    by ``g`` for the gated delta rule: same shape).
     ``steps``: number of positions consumed. Kept in float32 (float64 for float64 inputs).
 
     What made it (None: unknown, only shapes are checked): ``feature_map``, the identity of

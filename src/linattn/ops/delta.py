@@ -15,12 +15,14 @@ Chunk form (Yang et al. 2024), per chunk of C positions with incoming state S:
 solve), ``W = T K``, ``U = T V``, ``U' = U - W S``, ``O = Q S + (Q K^T * tril) U'``,
 ``S <- S + K^T U'``. W and U of all chunks are computed at once, only ``U'`` and ``S``
 run chunk after chunk, and the reads ``O`` are batched again.
+
+With log decays ``g`` (the gated delta rule, ``_gated_delta.py``) the memory decays before
+each write: ``S <- diag(exp(g_t)) S``, then the update above.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..state import DeltaRuleState
 from .._checks import (
@@ -28,6 +30,7 @@ from .._checks import (
     check_first_order_backward,
     check_non_negative_number,
     check_choice,
+    check_log_decay,
     check_positive_int,
     check_qkv,
     check_same_dtype_device,
@@ -37,6 +40,8 @@ from .._checks import (
     compute_dtype,
     resolve_scale,
 )
+from . import _gated_delta
+from ._decay import pad_time
 from .feature_maps import FeatureMap, get_feature_map, normalized_features
 
 _MODES = ("chunk", "recurrent")
@@ -55,13 +60,6 @@ def _recurrent(q, k, v, beta, memory):
         memory = memory + k_t.unsqueeze(-1) * update.unsqueeze(1)
         outs.append(q_t @ memory)
     return torch.stack(outs, dim=2), memory
-
-
-def _pad_time(x, pad, dim):
-    if not pad:
-        return x
-    widths = [0, 0] * (x.dim() - 1 - dim) + [0, pad]
-    return F.pad(x, widths)
 
 
 class _ChunkDeltaRule(torch.autograd.Function):
@@ -92,7 +90,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         C = chunk_size
         n_chunks = -(-T // C)
         pad = n_chunks * C - T
-        q, k, v, beta = _pad_time(q, pad, 2), _pad_time(k, pad, 1), _pad_time(v, pad, 1), _pad_time(beta, pad, 1)
+        q, k, v, beta = pad_time(q, pad, 2), pad_time(k, pad, 1), pad_time(v, pad, 1), pad_time(beta, pad, 1)
         M = N * n_chunks
         keys = k.reshape(M, C, Fd)
         vals = v.reshape(M, C, E)
@@ -135,7 +133,7 @@ class _ChunkDeltaRule(torch.autograd.Function):
         M = N * n_chunks
         if grad_out is None:
             grad_out = rows.new_zeros(N, G, T, E)
-        grad_out = _pad_time(grad_out * scale, n_chunks * C - T, 2)
+        grad_out = pad_time(grad_out * scale, n_chunks * C - T, 2)
         d_rows = grad_out.reshape(N, G, n_chunks, C, E).transpose(1, 2).reshape(M, G * C, E)
         from_reads = torch.bmm(scores.transpose(1, 2), d_rows)  # P^T dO  [M, C, E]
         state_reads = torch.bmm(rows.transpose(1, 2), d_rows)  # Q^T dO  [M, F, E]
@@ -199,6 +197,7 @@ def delta_rule(
     output_final_state: bool = False,
     eps: float = 1e-6,
     check_inputs: bool = True,
+    g: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, DeltaRuleState | None]:
     """Causal delta-rule attention (DeltaNet / fast weight programmer with the delta rule).
 
@@ -217,10 +216,17 @@ def delta_rule(
         chunk_size: chunk length of ``mode="chunk"``.
         initial_state: a ``DeltaRuleState`` to continue from.
         output_final_state: also return the final ``DeltaRuleState``.
-        check_inputs: also check that beta lies in [0, 1], which reads its values (a host
-            sync on a GPU, a graph break under ``torch.compile``). ``False`` for callers whose
-            beta is in range by construction (``DeltaNet``: a sigmoid); types and shapes are
-            always checked.
+        check_inputs: also check that beta lies in [0, 1] and g is ``<= 0`` and not NaN,
+            which reads their values (a host sync on a GPU, a graph break under
+            ``torch.compile``). ``False`` for callers whose beta and g are in range by
+            construction (``DeltaNet``: a sigmoid); types and shapes are always checked.
+        g: log decays, the gated delta rule: ``[B, Hkv, T]`` (one per key/value head and step:
+            Gated DeltaNet) or ``[B, Hkv, T, F]`` (one per feature channel of the keys, F = the
+            map's output width, Dk for elementwise maps: KDA); ``g <= 0``, ``-inf`` resets the
+            memory. Before step t writes, ``S <- diag(exp(g_t)) S`` (rows of S); then the
+            update above reads and writes the decayed memory. Per key/value head, like beta.
+            In q's dtype or its accumulation dtype (float32 g with half-precision q).
+            ``None``: no decay. With per-channel g the chunk form has no second derivatives.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
@@ -249,6 +255,8 @@ def delta_rule(
     if mode is None:
         mode = "recurrent" if T == 1 else "chunk"
     Fd = fmap.dim_out(Dk)
+    if g is not None:
+        check_log_decay("g", g, heads_of=shapes, channels=Fd, like=q, values=check_inputs)
     scale = resolve_scale(scale, Fd)
     dtype = compute_dtype(q.dtype)
     identity, normalize_name = fmap.describe(), "none" if normalize is None else normalize
@@ -270,7 +278,14 @@ def delta_rule(
     values = v.to(dtype).reshape(B * Hkv, T, Dv)
     betas = beta.to(dtype).reshape(B * Hkv, T)
 
-    if mode == "recurrent":
+    if g is not None:
+        decay = g.to(dtype).reshape(B * Hkv, *g.shape[2:])
+        if mode == "recurrent":
+            out, memory = _gated_delta._recurrent(phi_q, phi_k, values, betas, decay, memory)
+        else:
+            out, memory = _gated_delta._chunk(phi_q, phi_k, values, betas, decay, memory, chunk_size)
+        out = out * scale
+    elif mode == "recurrent":
         out, memory = _recurrent(phi_q, phi_k, values, betas, memory)
         out = out * scale
     else:

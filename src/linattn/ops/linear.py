@@ -10,6 +10,9 @@ Causal kernel attention with feature map phi, per head:
 Non-causal: the sums run over every position (and the carried state).
 Keys/values have ``Hkv`` heads; query head ``h`` reads
 the state of key/value head ``h // (H / Hkv)``, so the state is per key/value head.
+
+With log decays ``g`` (causal only; ``_linear_decay.py``), the sums forget:
+``S_i = diag(exp(g_i)) S_{i-1} + phi(k_i) v_i^T`` and ``z_i = exp(g_i) * z_{i-1} + phi(k_i)``.
 """
 
 from __future__ import annotations
@@ -23,12 +26,15 @@ from .._checks import (
     check_non_negative_number,
     check_bool,
     check_choice,
+    check_log_decay,
     check_positive_int,
+    check_positive_number,
     check_qkv,
     check_state_setting,
     check_state_tensor,
     compute_dtype,
 )
+from . import _linear_decay
 from .feature_maps import FeatureMap, get_feature_map, normalized_features
 
 _MODES = ("parallel", "chunk", "recurrent")
@@ -180,6 +186,9 @@ def linear_attention(
     initial_state: LinearAttentionState | None = None,
     output_final_state: bool = False,
     eps: float = 1e-6,
+    g: torch.Tensor | None = None,
+    scale: float = 1.0,
+    check_inputs: bool = True,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Kernel attention ``out_i = phi(q_i)^T S_i / phi(q_i).z_i`` in linear time.
 
@@ -201,6 +210,21 @@ def linear_attention(
         output_final_state: also return the final state, the next call's ``initial_state``.
         eps: added to the denominator of ``normalize="attention"`` (and to the sums of
             ``"sum"`` for non-exponential maps).
+        g: log decays (causal only), ``[B, Hkv, T]`` (one per key/value head and step: RetNet,
+            Mamba-2) or ``[B, Hkv, T, F]`` (one per feature channel, F = the map's output
+            width, Dk for elementwise maps: GLA); ``g <= 0``, ``-inf`` resets the sums.
+            Before position i writes, ``S`` and ``z`` are multiplied by ``exp(g_i)`` (per
+            row f of S for per-channel g). Per key/value head, like the state it decays. In
+            q's dtype or its accumulation dtype (float32 g with half-precision q). ``None``:
+            no decay (the computation without g). With per-channel g the chunk form has no
+            second derivatives (``create_graph=True`` raises; the other forms have them).
+        scale: multiplies the queries before the feature map (a temperature for exponential
+            maps, as ``softmax_attention``'s scale; with ``"identity"`` and ``normalize=None``
+            the output is scaled); a finite positive number, 1 by default.
+        check_inputs: also check that g is ``<= 0`` and not NaN, which reads its values (a
+            host sync on a GPU, a graph break under ``torch.compile``); ``False`` for callers
+            whose g is in range by construction (a ``logsigmoid``). Shapes, dtypes and devices
+            are always checked.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``. Sums and states are
@@ -223,29 +247,35 @@ def linear_attention(
     check_choice("mode", mode, (None,) + _MODES)
     check_positive_int("chunk_size", chunk_size)
     check_non_negative_number("eps", eps)
+    check_positive_number("scale", scale, finite=True)
+    check_bool("check_inputs", check_inputs)
     if mode is None:
         mode = "recurrent" if causal and shapes.length == 1 else "chunk"
 
     B, Hkv, Dk, Dv = shapes.batch, shapes.kv_heads, shapes.key_dim, shapes.value_dim
     F = fmap.dim_out(Dk)
+    if g is not None:
+        if not causal:
+            raise ValueError("g (log decays) needs causal=True: a decay orders the positions")
+        check_log_decay("g", g, heads_of=shapes, channels=F, like=q, values=check_inputs)
     with_denominator = normalize == "attention"
     tracks_shift = fmap.exponential and with_denominator
     identity = fmap.describe()
     if initial_state is not None:
         _check_state(initial_state, (B, Hkv, F, Dv), q, with_denominator, tracks_shift, identity, normalize)
 
-    form = (fmap, causal, normalize, mode, chunk_size, eps, output_final_state)
+    form = (fmap, causal, normalize, mode, chunk_size, eps, scale, output_final_state)
     guarded = tracks_shift and compute_dtype(q.dtype) != torch.float64 and eps > 0
     limit = math.log(eps) + _FLOAT32_SHIFT_LIMIT if guarded else math.inf
     if guarded and torch.compiler.is_compiling():
         # The choice stays in the graph (no host read, no graph break), so it is made before
         # either computation, from the same shifts.
-        wide = _largest_shift(q, k, fmap, initial_state) > limit
-        out, S, z, key_shift = _float64_if(wide, q, k, v, initial_state, form)
+        wide = _largest_shift(q, k, fmap, initial_state, scale) > limit
+        out, S, z, key_shift = _float64_if(wide, q, k, v, g, initial_state, form)
     else:
-        out, S, z, key_shift, peak = _attend(q, k, v, initial_state, *form)
+        out, S, z, key_shift, peak = _attend(q, k, v, g, initial_state, *form)
         if guarded and peak.item() > limit:
-            out, S, z, key_shift = _in_float64(q, k, v, initial_state, form)
+            out, S, z, key_shift = _in_float64(q, k, v, g, initial_state, form)
 
     if not output_final_state:
         return out, None
@@ -282,7 +312,7 @@ def _check_state(state, kv_shape: tuple[int, ...], q: torch.Tensor, with_denomin
         check_state_tensor("initial_state.key_shift", state.key_shift, kv_shape[:2], q)
 
 
-def _attend(q, k, v, initial_state, fmap, causal, normalize, mode, chunk_size, eps, final_state):
+def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size, eps, scale, final_state):
     """The computation of ``linear_attention`` on checked arguments, in float32 (float64 for
     float64 inputs) -> ``(out [B, H, T, Dv] in q's dtype, S [B Hkv, F, Dv], z [B Hkv, F],
     key_shift [B Hkv], peak)``: ``z`` only with a denominator, ``key_shift`` only for
@@ -309,13 +339,15 @@ def _attend(q, k, v, initial_state, fmap, causal, normalize, mode, chunk_size, e
         z = q.new_zeros(B * Hkv, F, dtype=dtype)
 
     qf = q.to(dtype).reshape(B * Hkv, G, T, Dk)
+    if scale != 1.0:
+        qf = qf * scale
     kf = k.to(dtype).reshape(B * Hkv, T_keys, Dk)
     values = v.to(dtype).reshape(B * Hkv, T_keys, Dv)
     key_shift = key_logs = None
     if tracks_shift:
         key_logs = fmap.log_features(kf, is_query=False)
         key_shift = key_logs.detach().amax(dim=(-1, -2))  # [N]
-        if causal and mode == "chunk":
+        if causal and mode == "chunk" and g is None:
             key_logs = None  # the causal chunk form makes features chunk by chunk
         if state_shift is not None:
             old_shift = state_shift.reshape(B * Hkv)
@@ -336,7 +368,15 @@ def _attend(q, k, v, initial_state, fmap, causal, normalize, mode, chunk_size, e
             return num / (den + eps * torch.exp(-total_shift))
         return num / (den + eps)
 
-    if mode == "parallel":
+    if g is not None:
+        decay = g.to(dtype).reshape(B * Hkv, *g.shape[2:])
+        if mode == "parallel":
+            out, S, z = _linear_decay._parallel(qf, kf, values, S, z, decay, features, finish, final_state)
+        elif mode == "recurrent":
+            out, S, z = _linear_decay._recurrent(qf, kf, values, S, z, decay, features, finish)
+        else:
+            out, S, z = _linear_decay._chunk(qf, kf, values, S, z, decay, chunk_size, features, finish)
+    elif mode == "parallel":
         out, S, z = _parallel(qf, kf, values, S, z, causal, features, finish, final_state)
     elif mode == "recurrent":
         out, S, z = _recurrent(qf, kf, values, S, z, causal, features, finish)
@@ -348,13 +388,14 @@ def _attend(q, k, v, initial_state, fmap, causal, normalize, mode, chunk_size, e
     return out.reshape(B, H, T, Dv).to(q.dtype), S, z, key_shift, peak
 
 
-def _largest_shift(q, k, fmap: FeatureMap, initial_state) -> torch.Tensor:
+def _largest_shift(q, k, fmap: FeatureMap, initial_state, scale: float = 1.0) -> torch.Tensor:
     """The largest ``q_shift + key_shift`` of a row, as ``_attend`` computes it (float32, no
     gradient), from all queries and keys at once."""
     B, H, T, _ = q.shape
     Hkv = k.shape[1]
     with torch.no_grad():
-        q_shift = fmap.log_features(q.float(), is_query=True).reshape(B, Hkv, -1).amax(-1)
+        queries = q.float() if scale == 1.0 else q.float() * scale
+        q_shift = fmap.log_features(queries, is_query=True).reshape(B, Hkv, -1).amax(-1)
         key_shift = fmap.log_features(k.float(), is_query=False).reshape(B, Hkv, -1).amax(-1)
         if initial_state is not None:
             old = initial_state.key_shift
@@ -362,7 +403,7 @@ def _largest_shift(q, k, fmap: FeatureMap, initial_state) -> torch.Tensor:
         return (q_shift + key_shift).amax()
 
 
-def _float64_if(wide: torch.Tensor, q, k, v, initial_state, form: tuple) -> tuple:
+def _float64_if(wide: torch.Tensor, q, k, v, g, initial_state, form: tuple) -> tuple:
     """``torch.cond``: ``_in_float64`` where ``wide``, else ``_attend`` in float32 ->
     ``(out, S, z, key_shift)``. Every tensor crossing the cond gets contiguous gradients:
     the backward of a cond needs the same strides from both branches."""
@@ -371,17 +412,21 @@ def _float64_if(wide: torch.Tensor, q, k, v, initial_state, form: tuple) -> tupl
 
     def branch(compute):
         def run():
-            results = compute(*(contiguous_grad(t) for t in (q, k, v)), initial_state, form)
+            decay = None if g is None else contiguous_grad(g)
+            results = compute(*(contiguous_grad(t) for t in (q, k, v)), decay, initial_state, form)
             return tuple(contiguous_grad(t) for t in results[:crossing])
         return run
 
-    in_float32 = lambda q, k, v, state, form: _attend(q, k, v, state, *form)  # noqa: E731
+    in_float32 = lambda q, k, v, g, state, form: _attend(q, k, v, g, state, *form)  # noqa: E731
     chosen = torch.cond(wide, branch(_in_float64), branch(in_float32), ())
     return (*chosen, None, None, None)[:4]
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous (see ``_float64_if``)."""
+    """Identity whose backward gives the gradient the strides of a new tensor of its shape
+    (see ``_float64_if``): contiguous, and standard on size-1 dimensions too, which cond
+    compares and ``.contiguous()`` leaves as they are (a slice of a padded gradient). Always
+    a copy: the backward is traced once, before the strides it will see are known."""
 
     @staticmethod
     def forward(ctx, x):
@@ -389,11 +434,12 @@ class _ContiguousGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.contiguous()
+        return grad.clone(memory_format=torch.contiguous_format)
 
 
-def _in_float64(q, k, v, initial_state, form: tuple) -> tuple:
+def _in_float64(q, k, v, g, initial_state, form: tuple) -> tuple:
     """``_attend`` in float64 (which reads the carried state in float64) -> ``(out in q's
     dtype, S, z, key_shift)``, the state tensors in float32."""
-    out, S, z, key_shift, _ = _attend(q.double(), k.double(), v.double(), initial_state, *form)
+    decay = None if g is None else g.double()
+    out, S, z, key_shift, _ = _attend(q.double(), k.double(), v.double(), decay, initial_state, *form)
     return out.to(q.dtype), *(None if t is None else t.float() for t in (S, z, key_shift))
