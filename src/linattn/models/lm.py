@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_batch, check_int, check_sampling, check_state_batch, check_token_ids, token_id_tensor
 from ..nn.quantizer import VectorQuantizer
+from ..ops import _kv_cache as kv_cache
 from ..state import LMState
 from .config import LMConfig
 from .layers import layer_kind
@@ -238,7 +239,8 @@ class LM(nn.Module):
         integer tensor or a list of ints (a float or bool is a TypeError, never rounded to
         an id). The prompt is read in one pass, then one token per step with the carried
         state, so the memory per step is constant for every recurrent mechanism (VQ, linear,
-        FAVOR, delta, local) and grows only for exact softmax's KV cache. ``temperature=0`` is
+        FAVOR, delta, local) and grows only for exact softmax's KV cache, which is allocated
+        once after the prompt for all the tokens to come (``ops/_kv_cache.py``). ``temperature=0`` is
         greedy; ``top_k``/``top_p`` filter before sampling; ``seed`` makes it reproducible.
         The model is in eval mode while generating (no codebook statistics).
 
@@ -272,6 +274,7 @@ class LM(nn.Module):
         self.eval()
         try:
             logits, state, _ = self(ids, state, check_inputs=False)  # the ids' range was read in generate
+            state = kv_cache.reserve(state, max_new_tokens - 1)  # exact softmax caches: room for every fed token
             for produced in range(1, max_new_tokens + 1):
                 token = sample_next(logits[:, -1], generator=generator, **sampling)
                 yield int(token[0]) if single else token

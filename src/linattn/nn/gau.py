@@ -8,6 +8,7 @@ from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .._checks import check_batch, check_choice, check_state_batch, check_state_tensor, is_number
+from ..ops import _kv_cache as kv_cache
 from ..ops.soft_vq import soft_vq_attention
 from ..ops.softmax import entropy_scale
 from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
@@ -348,15 +349,13 @@ class GAU(nn.Module):
             out = out.to(dtype)
         else:
             past = 0 if state is None else state.keys.shape[2]
-            keys = k if state is None else torch.cat([state.keys.to(k.dtype), k], dim=2)
-            values = v if state is None else torch.cat([state.values.to(v.dtype), v], dim=2)
+            state = kv_cache.extend(state, k, v)
             row_scale = None
             if self.scale == "entropy":  # log_512(n): the logits already carry d_k^-1/2
                 row_scale = entropy_scale(torch.arange(past + 1, past + T + 1, device=k.device, dtype=dtype), 1)
             out = windowed_softmax(
-                queries.unsqueeze(2), keys, values, bias.reshape(1, 1, -1),
+                queries.unsqueeze(2), state.keys, state.values, bias.reshape(1, 1, -1),
                 position_keys.reshape(1, 1, *position_keys.shape), self.block_size, True, past=past,
                 row_scale=row_scale,
             ).squeeze(2)
-            state = KVCacheState(keys=keys, values=values, steps=(0 if state is None else state.steps) + T)
         return out, state, aux
