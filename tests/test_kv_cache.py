@@ -169,7 +169,7 @@ def test_softmax_gau_decodes_as_its_written_out_formula():
     with torch.no_grad():
         decoded, states = _decode(unit, x, 2)
         pointers = {s.keys.data_ptr() for s in states[-4:]}
-    torch.testing.assert_close(decoded, _paper_gau_reference(unit, x), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(decoded, _paper_gau_reference(unit, x, 1e5), rtol=1e-10, atol=1e-12)
     assert isinstance(states[-1], KVCacheState) and states[-1]._buffer.capacity == 16
     assert len(pointers) == 1  # positions 12..15 of a 16-row buffer: written in place
 

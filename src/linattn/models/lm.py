@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import check_batch, check_int, check_sampling, check_state_batch, check_token_ids, token_id_tensor
+from .._checks import (check_batch, check_int, check_sampling, check_state_batch, check_token_ids, compute_dtype,
+                       token_id_tensor)
 from ..nn.quantizer import VectorQuantizer
 from ..ops import _kv_cache as kv_cache
 from ..state import LMState
@@ -159,11 +160,13 @@ class LM(nn.Module):
         return logits
 
     def _commit_loss(self, x: torch.Tensor, unit_aux: list[dict]) -> torch.Tensor:
-        """The sum of the units' (already weighted) commitment losses, float32."""
-        commit = x.new_zeros((), dtype=torch.float32)
+        """The sum of the units' (already weighted) commitment losses, in float32 (float64 for
+        a float64 model: ``x``, the residual stream, in float64)."""
+        dtype = compute_dtype(x.dtype)
+        commit = x.new_zeros((), dtype=dtype)
         for aux in unit_aux:
             if "commit_loss" in aux:
-                commit = commit + aux["commit_loss"].float()
+                commit = commit + aux["commit_loss"].to(dtype)
         return commit
 
     def _aux(self, x: torch.Tensor, unit_aux: list[dict]) -> dict:
