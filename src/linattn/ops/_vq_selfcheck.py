@@ -91,7 +91,7 @@ def trusted(device: torch.device, dtype: torch.dtype, strict: bool) -> bool:
     if key not in _warned:
         _warned.add(key)
         warnings.warn(f"{message}; vq_attention uses the torch block form on {device} in {dtype} from now on",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=3)
     return False
 
 
