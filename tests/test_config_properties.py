@@ -80,6 +80,7 @@ LM_FIELDS = {
                    bad((), (1,), (2.5, 3), "855", None, (True, 3))),
     "gau_variant": (st.sampled_from(["linattn", "paper"]), bad("other", None)),
     "sinusoid_dropout": (optional(floats(0, 0.9)), bad(1.0, -0.1, NAN, INF, "0.1")),
+    "sinusoid_wavelength": (optional(floats(1.5, 1e6)), bad(0, 0.0, -1e4, NAN, INF, "1e4", True)),
     "vq_grad_scope": (optional(st.sampled_from(GRAD_SCOPES)), bad("all", 0)),
     "commitment_reduction": (optional(st.sampled_from(COMMITMENT_REDUCTIONS)), bad("sum", 0)),
     "tie_embeddings": (st.booleans(), BAD_BOOLS),

@@ -77,8 +77,9 @@ def test_softmax_twin_equals_vq_when_codebook_holds_every_key():
         y_vq, _, aux = vq(x)
         y_twin, _, _ = twin(x)
     assert torch.equal(aux["codes"].reshape(-1), torch.arange(B * T)), "each key should be its own code"
-    assert aux["commit_loss"].item() < 1e-20
-    # the codebook is kept in float32, so the stored keys carry float32 rounding
+    # the codebook is kept in float32, so the stored keys carry float32 rounding (~1e-8 each:
+    # the float64 commitment loss, 1e-4 times a mean squared distance, is ~1e-19)
+    assert aux["commit_loss"].dtype == F64 and aux["commit_loss"].item() < 1e-17
     close(y_vq, y_twin, rtol=1e-6, name="vq vs softmax twin")
     # and a different codebook makes them differ (the comparison can fail)
     with torch.no_grad():
@@ -302,14 +303,23 @@ def test_the_no_grad_path_equals_the_autograd_path(attention):
 
 def test_sinusoids_are_transformer_xl_relative_encodings():
     """``R[d] = [sin(d f_0), .., sin(d f_{n-1}), cos(d f_0), .., cos(d f_{n-1})]`` with
-    ``f_i = 10000^(-2i / width)`` for offsets d = 0..L (width d_k; d_model in the paper variant)."""
-    for variant, width in (("linattn", 6), ("paper", 10)):
-        gau = GAU(10, d_k=6, block_size=20, attention="softmax", variant=variant)
+    ``f_i = lam^(-2i / width)`` for offsets d = 0..L (width d_k; d_model in the paper variant);
+    ``lam = sinusoid_wavelength``, by default 1e4 (linattn) or 1e5 (paper, the official pe_lam)."""
+    for variant, width, wavelength, lam in (("linattn", 6, None, 1e4), ("paper", 10, None, 1e5),
+                                            ("linattn", 6, 1e5, 1e5), ("paper", 10, 1e4, 1e4),
+                                            ("linattn", 6, 300.0, 300.0)):
+        gau = GAU(10, d_k=6, block_size=20, attention="softmax", variant=variant, sinusoid_wavelength=wavelength)
         offsets = torch.arange(21, dtype=F64)[:, None]
-        frequencies = 10000.0 ** (-torch.arange(0, width, 2, dtype=F64) / width)
+        frequencies = lam ** (-torch.arange(0, width, 2, dtype=F64) / width)
         expected = torch.cat([torch.sin(offsets * frequencies), torch.cos(offsets * frequencies)], dim=-1)
-        assert gau.sinusoids.shape == (21, width)
+        assert gau.sinusoids.shape == (21, width) and gau.sinusoid_wavelength == lam
         torch.testing.assert_close(gau.sinusoids.double(), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("wavelength", [0, -1e4, float("inf"), float("nan"), "1e4", True])
+def test_a_wavelength_that_is_not_a_finite_positive_number_is_refused_by_name(wavelength):
+    with pytest.raises(ValueError, match="sinusoid_wavelength must be a finite positive number"):
+        GAU(8, d_k=8, sinusoid_wavelength=wavelength)
 
 
 @pytest.mark.parametrize("attention", ["vq", "soft-vq"])
@@ -359,14 +369,14 @@ def test_entropy_scale_and_sinusoid_dropout_outside_their_range_are_refused_by_n
 
 
 def test_sinusoids_stay_out_of_the_state_dict_and_are_rebuilt_on_reset():
-    """The sinusoids are a function of block size and width: not saved, and ``_reset_buffers``
-    (used after a weights-only materialisation) rebuilds all L + 1 offsets."""
-    gau = GAU(10, d_k=6, block_size=20, attention="softmax").double()
+    """The sinusoids are a function of block size, width and wavelength: not saved, and
+    ``_reset_buffers`` (used after a weights-only materialisation) rebuilds all L + 1 offsets."""
+    gau = GAU(10, d_k=6, block_size=20, attention="softmax", sinusoid_wavelength=500.0).double()
     assert "sinusoids" not in gau.state_dict()
     gau.sinusoids = torch.zeros(1, 6)
     gau._reset_buffers()
     offsets = torch.arange(21, dtype=F64)[:, None]
-    frequencies = 10000.0 ** (-torch.arange(0, 6, 2, dtype=F64) / 6)
+    frequencies = 500.0 ** (-torch.arange(0, 6, 2, dtype=F64) / 6)
     expected = torch.cat([torch.sin(offsets * frequencies), torch.cos(offsets * frequencies)], dim=-1)
     assert gau.sinusoids.dtype == F64 and gau.sinusoids.shape == (21, 6)
     torch.testing.assert_close(gau.sinusoids, expected, rtol=0, atol=1e-6)

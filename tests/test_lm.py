@@ -724,11 +724,12 @@ def test_sinusoid_dropout_outside_zero_to_one_is_refused_by_name(value):
 
 
 def test_gau_options_fill_unset_fields_from_the_variant():
-    # the defaults documented in LMConfig: linattn 0 / "cache" / "mean", paper 0.2 / "state" / "paper"
-    assert LMConfig().gau_options() == dict(variant="linattn", sinusoid_dropout=0.0, grad_scope="cache",
-                                            commitment_reduction="mean")
+    # the defaults documented in LMConfig: linattn 0 / 1e4 / "cache" / "mean", paper 0.2 / 1e5 / "state" / "paper"
+    assert LMConfig().gau_options() == dict(variant="linattn", sinusoid_dropout=0.0, sinusoid_wavelength=1e4,
+                                            grad_scope="cache", commitment_reduction="mean")
     assert LMConfig(gau_variant="paper").gau_options() == dict(variant="paper", sinusoid_dropout=0.2,
-                                                               grad_scope="state", commitment_reduction="paper")
+                                                               sinusoid_wavelength=1e5, grad_scope="state",
+                                                               commitment_reduction="paper")
 
 
 def test_check_inputs_false_does_not_read_the_ids():

@@ -800,3 +800,38 @@ def test_code_norms_while_compiling_are_recomputed_from_the_codebook(monkeypatch
     norms = vq._code_norms()
     assert norms.shape == (2, 4)
     torch.testing.assert_close(norms.double(), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "paper"])
+def test_commitment_loss_is_computed_in_the_keys_dtype(reduction):
+    """float64 keys give a float64 loss equal to the formula to float64 rounding (computed in
+    float32 it would be off by ~1e-8 of itself, as the contrasting case shows); float32 keys a
+    float32 loss. Masked positions count as the reduction says."""
+    torch.manual_seed(7)
+    quantizer = linattn.VectorQuantizer(2, 4, 5, commitment_weight=0.3, commitment_reduction=reduction).eval()
+    k = torch.randn(2, 2, 7, 4, dtype=F64)
+    mask = torch.tensor([[True] * 7, [True] * 5 + [False] * 2])
+    _, codes, loss = quantizer(k, mask)
+    chosen = quantizer.codebook.to(F64)[torch.arange(2)[None, :, None], codes]  # [B, H, T, Dk]
+    squared = ((k - chosen) ** 2).sum(-1) * mask[:, None].to(F64)
+    expected = 0.3 * (squared.sum() / (2 * 7) if reduction == "paper" else squared.sum() / (mask.sum() * 2))
+    assert loss.dtype == F64 and abs(loss.item() - expected.item()) <= 1e-15 * expected.item()
+    in_float32 = ((k.float() - chosen.float()) ** 2).sum(-1) * mask[:, None].float()
+    in_float32 = 0.3 * (in_float32.sum() / (2 * 7) if reduction == "paper" else in_float32.sum() / (mask.sum() * 2))
+    assert abs(in_float32.double().item() - expected.item()) > 1e-15 * expected.item()
+    assert quantizer(k.float(), mask)[2].dtype == torch.float32
+
+
+def test_the_models_commitment_loss_keeps_float64():
+    """A float64 model sums its units' float64 commitment losses in float64."""
+    torch.manual_seed(8)
+    model = linattn.LM(linattn.LMConfig(d_model=16, n_layers=2, gau_d_k=8, codebook_size=8, block_size=4,
+                                        commitment_weight=0.5)).double()
+    ids = torch.randint(0, 256, (2, 9))
+    _, _, aux = model(ids)
+    _, _, unit_aux, _ = model._trunk(model.embed(ids), None)
+    losses = [a["commit_loss"] for a in unit_aux]
+    assert len(losses) == 4 and all(loss.dtype == F64 for loss in losses)
+    assert aux["commit_loss"].dtype == F64
+    torch.testing.assert_close(aux["commit_loss"], sum(losses), rtol=1e-15, atol=0)
+    assert model.float()(ids)[2]["commit_loss"].dtype == torch.float32

@@ -771,10 +771,11 @@ def test_schedules_agree_with_everything_on(state_first, group, monkeypatch):
 
 
 def test_impl_triton_runs_the_kernels_only_for_calls_that_leave_the_current_block(monkeypatch):
-    """With the kernels chosen (``impl="triton"``, resolved here without a device; the kernels
-    replaced by a stub that records the call), a call whose new positions stay inside the current
-    block, the one that completes it included, is a decoding step on the torch decode form, with
-    or without gradients; a call that goes past the block's end runs the kernels."""
+    """With the kernels chosen (``impl="triton"``, resolved here without a device and trusted
+    without their self-check; the kernels replaced by a stub that records the call), a call
+    whose new positions stay inside the current block, the one that completes it included, is
+    a decoding step on the torch decode form, with or without gradients; a call that goes past
+    the block's end runs the kernels."""
     calls = []
 
     class KernelsCalled(Exception):
@@ -785,6 +786,7 @@ def test_impl_triton_runs_the_kernels_only_for_calls_that_leave_the_current_bloc
         raise KernelsCalled
 
     monkeypatch.setattr(vq.fused, "resolve_impl", lambda impl, *args: "triton" if impl == "triton" else "torch")
+    monkeypatch.setattr(vq.selfcheck, "trusted", lambda *args, **kwargs: True)  # (tests/test_vq_selfcheck.py)
     monkeypatch.setattr(vq.fused, "block", kernels)
     L = 4
     q, k_hat, v, codes, codebook = make_vq(T=6)

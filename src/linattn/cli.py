@@ -1,14 +1,15 @@
 """The ``linattn`` command: ``train``, ``eval``, ``generate``, ``plot``, ``data``, ``export``,
-``lm-eval``, ``convert``, ``inspect``, ``bench`` (and ``repro``).
+``lm-eval``, ``convert``, ``inspect``, ``bench``, ``doctor`` (and ``repro``).
 
 Each command group lives in the package it drives and provides
 ``register(commands)``, which adds its subparser and sets ``handler(args) -> int`` as
 the parser default; listing the module in ``_COMMAND_GROUPS`` wires it in (``train``,
 ``eval``, ``generate``, ``data``, ``repro`` follow the same pattern).
 
-Exit codes: 0 success, 2 bad arguments (argparse) or invalid values rejected by the
-library (``ValueError``/``TypeError``, printed as ``linattn: error: ...``), 3 a training run
-that diverged (``TrainingDiverged``: a non-finite loss or gradient), 130 on Ctrl-C.
+Exit codes: 0 success, 1 a ``doctor`` self-test check that failed, 2 bad arguments
+(argparse) or invalid values rejected by the library (``ValueError``/``TypeError``, printed
+as ``linattn: error: ...``), 3 a training run that diverged (``TrainingDiverged``: a
+non-finite loss or gradient), 130 on Ctrl-C.
 
 Under ``torchrun`` every process runs the command, and rank 0 alone speaks: the others run
 with their ``sys.stdout`` and ``sys.stderr`` sent to ``os.devnull`` (no progress, summary,
@@ -30,13 +31,13 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from . import __version__
 from .bench import cli as bench_cli
 from .data import cli as data_cli
-from . import convert, hf_cli, inspector
+from . import convert, doctor, hf_cli, inspector
 from .repro import cli as repro_cli
 from .train import cli as train_cli
 from .train.distributed import env_rank
 from .train.divergence import TrainingDiverged
 
-_COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, repro_cli)
+_COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, doctor, repro_cli)
 
 
 def build_parser() -> argparse.ArgumentParser:

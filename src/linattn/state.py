@@ -194,7 +194,9 @@ class KVCacheState(_State):
     """Decode state of exact (quadratic) attention: every key and value so far.
 
     ``keys [B, Hkv, t, Dk]``, ``values [B, Hkv, t, Dv]``; grows with the sequence (the point
-    of comparison for the constant-size states above).
+    of comparison for the constant-size states above). Without gradients an unbounded
+    cache's tensors are views of buffers with room for later positions, which the next steps
+    fill in place (``ops/_kv_cache.py``).
 
     ``window``: the keys a query sees in sliding-window attention (``local_attention``'s
     ``window * look_backward``), whose cache keeps the last ``window - 1`` of them; None
@@ -206,6 +208,9 @@ class KVCacheState(_State):
     values: torch.Tensor
     steps: int = 0
     window: int | None = None
+    # Decoding with gradients off keeps keys and values as views of preallocated buffers that
+    # later steps fill in place (ops/_kv_cache.py); a state rebuilt from this one starts without.
+    _buffer: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
-from ..models.config import LMConfig
+from ..models.config import SAVED_BEFORE, LMConfig
 
 _LM_FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
 
@@ -25,6 +25,8 @@ class LinattnConfig(PretrainedConfig):
 
     ``to_lm_config()`` and ``from_lm_config()`` convert losslessly; building one validates
     the model settings exactly as ``LMConfig`` does (an unknown layer kind is a ``ValueError``).
+    ``from_dict`` (so ``from_pretrained``) reads a config of an older export as its model was
+    built (``LMConfig.from_saved``).
     """
 
     model_type: ClassVar[str] = "linattn"
@@ -63,6 +65,7 @@ class LinattnConfig(PretrainedConfig):
     fsq_levels: tuple[int, ...] | list[int] = (8, 5, 5, 5)
     gau_variant: str = "linattn"
     sinusoid_dropout: float | None = None
+    sinusoid_wavelength: float | None = None
     vq_grad_scope: str | None = None
     commitment_reduction: str | None = None
     tie_embeddings: bool = True
@@ -78,6 +81,13 @@ class LinattnConfig(PretrainedConfig):
             self.extra = {}
         super().__post_init__(**kwargs)
         self.to_lm_config()
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "LinattnConfig":
+        """``PretrainedConfig.from_dict`` (what ``from_pretrained`` reads a ``config.json`` with); a
+        field the file lacks because it was written before the field existed takes the value
+        that model was built with (``LMConfig.from_saved``: ``sinusoid_wavelength`` 1e4)."""
+        return super().from_dict({**SAVED_BEFORE, **config_dict}, **kwargs)
 
     @property
     def num_key_value_heads(self) -> int:

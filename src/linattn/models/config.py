@@ -18,6 +18,9 @@ from ..ops.vq import GRAD_SCOPES
 from .layers import LayerSpec, layer_kind, layer_spec_help, parse_layer_spec
 
 _SEED_LIMIT = 2**63
+# Fields added after models were first saved, with the value a saved config without them meant:
+# before sinusoid_wavelength existed, every GAU (paper variant included) used 1e4.
+SAVED_BEFORE = {"sinusoid_wavelength": 1e4}
 
 
 def _check_attention_kind(attention: object) -> None:
@@ -89,6 +92,7 @@ class LMConfig:
     # "paper": the official code's GAU and training (docs/results.md); None below = the variant's choice
     gau_variant: str = "linattn"
     sinusoid_dropout: float | None = None  # linattn 0, paper 0.2 (its enwik8 setting)
+    sinusoid_wavelength: float | None = None  # linattn 1e4, paper 1e5 (the official pe_lam)
     vq_grad_scope: str | None = None  # linattn "cache", paper "state" (vq_attention's grad_scope)
     commitment_reduction: str | None = None  # linattn "mean", paper "paper"
     # embeddings and init
@@ -131,6 +135,9 @@ class LMConfig:
         if self.sinusoid_dropout is not None and not (is_number(self.sinusoid_dropout)
                                                       and 0.0 <= self.sinusoid_dropout < 1.0):
             raise ValueError(f"LMConfig.sinusoid_dropout must be in [0, 1) or None, got {self.sinusoid_dropout!r}")
+        if self.sinusoid_wavelength is not None:
+            check_number_fields(self, "LMConfig", ("sinusoid_wavelength",), low=0, low_inclusive=False,
+                                wanted="a positive number or None (the variant's: 1e4, paper 1e5)")
         for spec in self.layer_specs():  # validates the attention pattern, then each kind its settings
             layer_kind(spec).check_config(self, spec)
 
@@ -152,6 +159,7 @@ class LMConfig:
             return value if value is not None else (official if paper else ours)
 
         return dict(variant=self.gau_variant, sinusoid_dropout=pick(self.sinusoid_dropout, 0.0, 0.2),
+                    sinusoid_wavelength=pick(self.sinusoid_wavelength, 1e4, 1e5),
                     grad_scope=pick(self.vq_grad_scope, "cache", "state"),
                     commitment_reduction=pick(self.commitment_reduction, "mean", "paper"))
 
@@ -168,6 +176,13 @@ class LMConfig:
     def from_dict(cls, values: dict[str, Any]) -> "LMConfig":
         """Build from a dict (a checkpoint's JSON, a TOML ``[model]`` table); unknown keys are an error."""
         return config_from_dict(cls, values, "model")
+
+    @classmethod
+    def from_saved(cls, values: dict[str, Any]) -> "LMConfig":
+        """``from_dict`` of a config a model was saved with (a checkpoint's ``model_config``, an
+        export's ``config.json``): a field it lacks because it was written before the field
+        existed takes the value that model was built with (``SAVED_BEFORE``), not today's default."""
+        return cls.from_dict({**SAVED_BEFORE, **values})
 
 
 def matched_gau_value_width(d_model: int, gau_d_k: int) -> int:

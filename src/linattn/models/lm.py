@@ -10,8 +10,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .._checks import check_batch, check_int, check_sampling, check_state_batch, check_token_ids, token_id_tensor
+from .._checks import (check_batch, check_int, check_sampling, check_state_batch, check_token_ids, compute_dtype,
+                       token_id_tensor)
 from ..nn.quantizer import VectorQuantizer
+from ..ops import _kv_cache as kv_cache
 from ..state import LMState
 from .config import LMConfig
 from .layers import layer_kind
@@ -158,11 +160,13 @@ class LM(nn.Module):
         return logits
 
     def _commit_loss(self, x: torch.Tensor, unit_aux: list[dict]) -> torch.Tensor:
-        """The sum of the units' (already weighted) commitment losses, float32."""
-        commit = x.new_zeros((), dtype=torch.float32)
+        """The sum of the units' (already weighted) commitment losses, in float32 (float64 for
+        a float64 model: ``x``, the residual stream, in float64)."""
+        dtype = compute_dtype(x.dtype)
+        commit = x.new_zeros((), dtype=dtype)
         for aux in unit_aux:
             if "commit_loss" in aux:
-                commit = commit + aux["commit_loss"].float()
+                commit = commit + aux["commit_loss"].to(dtype)
         return commit
 
     def _aux(self, x: torch.Tensor, unit_aux: list[dict]) -> dict:
@@ -238,7 +242,8 @@ class LM(nn.Module):
         integer tensor or a list of ints (a float or bool is a TypeError, never rounded to
         an id). The prompt is read in one pass, then one token per step with the carried
         state, so the memory per step is constant for every recurrent mechanism (VQ, linear,
-        FAVOR, delta, local) and grows only for exact softmax's KV cache. ``temperature=0`` is
+        FAVOR, delta, local) and grows only for exact softmax's KV cache, which is allocated
+        once after the prompt for all the tokens to come (``ops/_kv_cache.py``). ``temperature=0`` is
         greedy; ``top_k``/``top_p`` filter before sampling; ``seed`` makes it reproducible.
         The model is in eval mode while generating (no codebook statistics).
 
@@ -272,6 +277,7 @@ class LM(nn.Module):
         self.eval()
         try:
             logits, state, _ = self(ids, state, check_inputs=False)  # the ids' range was read in generate
+            state = kv_cache.reserve(state, max_new_tokens - 1)  # exact softmax caches: room for every fed token
             for produced in range(1, max_new_tokens + 1):
                 token = sample_next(logits[:, -1], generator=generator, **sampling)
                 yield int(token[0]) if single else token

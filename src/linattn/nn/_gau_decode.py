@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._checks import compute_dtype
 from ..ops._vq_resident import state_after, window_for
 from ..state import VQAttentionState
 
@@ -111,8 +112,9 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
     k32 = k if k.dtype == torch.float32 else k.float()
     codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
     k_hat = c.codebook.index_select(0, codes)
-    k_hat32 = k_hat if k_hat.dtype == torch.float32 else k_hat.float()
-    commit = F.mse_loss(k32, k_hat32, reduction="sum") * (unit._modules["quantizer"].commitment_weight / B)
+    wide = compute_dtype(k.dtype)  # the quantizer's: float32, float64 for float64 keys
+    weight = unit._modules["quantizer"].commitment_weight
+    commit = F.mse_loss(k.to(wide), k_hat.to(wide), reduction="sum") * (weight / B)
     queries = q + c.content_bias
     relative = torch.addmm(c.bias_reversed, queries, c.position_keys_reversed_t)  # offsets L .. 0
     p = state.partial_keys.shape[2]

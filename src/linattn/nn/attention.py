@@ -7,6 +7,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from ..ops import _kv_cache as kv_cache
 from ..ops.feature_maps import FeatureMap, get_feature_map
 from ..ops.linear import linear_attention
 from ..ops.local import local_attention
@@ -23,7 +24,8 @@ class Attention(nn.Module):
     """Causal multi-head attention ``y = W_o attention(W_q x, W_k x, W_v x)`` (no biases).
 
     ``mechanism``:
-      - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``.
+      - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``
+        (preallocated without gradients, ``ops/_kv_cache.py``).
       - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
         ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
       - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
@@ -152,16 +154,14 @@ class Attention(nn.Module):
     @staticmethod
     def _softmax(q, k, v, state: KVCacheState | None, scale: float | None):
         T = q.shape[2]
-        if state is None or state.keys.shape[2] == 0:
-            out = softmax_attention(q, k, v, causal=True, scale=scale)
-            return out, KVCacheState(keys=k, values=v, steps=T if state is None else state.steps + T)
-        cached = state.keys.shape[2]
-        keys = torch.cat([state.keys.to(k.dtype), k], dim=2)
-        values = torch.cat([state.values.to(v.dtype), v], dim=2)
-        # query i (after `cached` older keys) sees keys j <= cached + i
-        visible = torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
-        out = softmax_attention(q, keys, values, causal=False, bias=visible, scale=scale)
-        return out, KVCacheState(keys=keys, values=values, steps=state.steps + T)
+        cached = 0 if state is None else state.keys.shape[2]
+        state = kv_cache.extend(state, k, v)
+        if cached == 0:
+            return softmax_attention(q, k, v, causal=True, scale=scale), state
+        # query i (after `cached` older keys) sees keys j <= cached + i: every key for one query
+        visible = None if T == 1 else torch.ones(T, cached + T, dtype=torch.bool, device=q.device).tril(cached)
+        out = softmax_attention(q, state.keys, state.values, causal=False, bias=visible, scale=scale)
+        return out, state
 
 
 def truncate_cache(state: KVCacheState, memory: int) -> KVCacheState:

@@ -7,7 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from .._checks import check_batch, check_choice, check_state_batch, check_state_tensor, is_number
+from .._checks import (check_batch, check_choice, check_positive_number, check_state_batch, check_state_tensor,
+                       is_number)
+from ..ops import _kv_cache as kv_cache
 from ..ops.soft_vq import soft_vq_attention
 from ..ops.softmax import entropy_scale
 from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
@@ -22,9 +24,11 @@ GAU_VARIANTS = ("linattn", "paper")
 _INPUT_MAPS = ("w_q", "w_k", "w_v", "w_g")  # the maps of the normalised input, fused without gradients
 
 
-def _sinusoids(length: int, dim: int) -> torch.Tensor:
-    """Transformer-XL's fixed relative encodings ``R [length, dim]`` for offsets 0..length-1."""
-    inverse_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+def _sinusoids(length: int, dim: int, wavelength: float = 10000.0) -> torch.Tensor:
+    """Transformer-XL's fixed relative encodings ``R [length, dim]`` for offsets t = 0..length-1:
+    ``[sin(t / lam^(2i/dim)) for i, then cos(...)]`` with ``lam = wavelength`` (the official
+    Transformer-VQ code's ``pe_lam``)."""
+    inverse_freq = 1.0 / (wavelength ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     angles = torch.arange(length, dtype=torch.float64)[:, None] * inverse_freq[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=-1)[:, :dim].float()
 
@@ -108,7 +112,10 @@ class GAU(nn.Module):
     ``variant="paper"`` is the official code's parameterisation: the input norm has a gain
     and a bias (RMS, eps 1e-6); R has width d_model and ``W_r: d_model -> d_k``; the position
     keys and u, w are scaled by ``d_k^-1/4``; ``sinusoid_dropout`` drops entries of R in
-    training. ``grad_scope`` is the VQ unit's ``vq_attention`` gradient scope and
+    training. ``sinusoid_wavelength``: the ``lam`` of R's frequencies ``lam^(-2i/width)`` (the
+    official ``pe_lam``); None takes the variant's, 1e4 (linattn) or the official 1e5 (paper).
+    ``grad_scope`` is the VQ unit's
+    ``vq_attention`` gradient scope and
     ``commitment_reduction`` its quantizer's (both only for ``attention="vq"``).
     ``scale="entropy"`` (``attention="softmax"`` only) multiplies query i's logits by
     ``log_512(n_i)``, n_i the keys it sees: the entropy-invariant scale (the logits already
@@ -135,6 +142,7 @@ class GAU(nn.Module):
         dead_code_threshold: float = 0.0,
         variant: str = "linattn",
         sinusoid_dropout: float = 0.0,
+        sinusoid_wavelength: float | None = None,
         grad_scope: str = "cache",
         commitment_reduction: str = "mean",
         scale: str = "default",
@@ -152,6 +160,9 @@ class GAU(nn.Module):
         if not is_number(sinusoid_dropout) or not 0.0 <= sinusoid_dropout < 1.0:
             raise ValueError(f"sinusoid_dropout must be in [0, 1), got {sinusoid_dropout!r}")
         self.variant, self.sinusoid_dropout, self.grad_scope = variant, float(sinusoid_dropout), grad_scope
+        if sinusoid_wavelength is None:
+            sinusoid_wavelength = 1e5 if variant == "paper" else 1e4
+        self.sinusoid_wavelength = check_positive_number("sinusoid_wavelength", sinusoid_wavelength, finite=True)
         d_v = 2 * d_model if d_v is None else d_v
         self.d_model, self.d_k, self.d_v, self.block_size = d_model, d_k, d_v, block_size
         self.attention, self.temperature = attention, temperature
@@ -166,7 +177,8 @@ class GAU(nn.Module):
         self.w_r = nn.Linear(self._sinusoid_width, d_k, bias=False)
         self.content_bias = nn.Parameter(torch.zeros(d_k))  # u
         self.position_bias = nn.Parameter(torch.zeros(d_k))  # w
-        self.register_buffer("sinusoids", _sinusoids(block_size + 1, self._sinusoid_width), persistent=False)
+        self.register_buffer("sinusoids", _sinusoids(block_size + 1, self._sinusoid_width, self.sinusoid_wavelength),
+                             persistent=False)
         self.quantizer = None
         self.codebook = None
         if attention == "vq":
@@ -185,10 +197,11 @@ class GAU(nn.Module):
 
     @torch.no_grad()
     def _reset_buffers(self) -> None:
-        """Recompute the non-persistent ``sinusoids`` (a function of the block size and width,
-        in the dtype of the weights), for models materialised without them (Hugging Face
-        ``from_pretrained``)."""
-        self.sinusoids = _sinusoids(self.block_size + 1, self._sinusoid_width).to(self.w_r.weight.dtype)
+        """Recompute the non-persistent ``sinusoids`` (a function of the block size, width and
+        wavelength, in the dtype of the weights), for models materialised without them (Hugging
+        Face ``from_pretrained``)."""
+        self.sinusoids = _sinusoids(self.block_size + 1, self._sinusoid_width,
+                                    self.sinusoid_wavelength).to(self.w_r.weight.dtype)
 
     def forward(
         self, x: torch.Tensor, state: VQAttentionState | KVCacheState | None = None
@@ -348,15 +361,13 @@ class GAU(nn.Module):
             out = out.to(dtype)
         else:
             past = 0 if state is None else state.keys.shape[2]
-            keys = k if state is None else torch.cat([state.keys.to(k.dtype), k], dim=2)
-            values = v if state is None else torch.cat([state.values.to(v.dtype), v], dim=2)
+            state = kv_cache.extend(state, k, v)
             row_scale = None
             if self.scale == "entropy":  # log_512(n): the logits already carry d_k^-1/2
                 row_scale = entropy_scale(torch.arange(past + 1, past + T + 1, device=k.device, dtype=dtype), 1)
             out = windowed_softmax(
-                queries.unsqueeze(2), keys, values, bias.reshape(1, 1, -1),
+                queries.unsqueeze(2), state.keys, state.values, bias.reshape(1, 1, -1),
                 position_keys.reshape(1, 1, *position_keys.shape), self.block_size, True, past=past,
                 row_scale=row_scale,
             ).squeeze(2)
-            state = KVCacheState(keys=keys, values=values, steps=(0 if state is None else state.steps) + T)
         return out, state, aux

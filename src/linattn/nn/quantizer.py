@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_batch, check_choice, check_non_negative_number
+from .._checks import check_batch, check_choice, check_non_negative_number, compute_dtype
 from ..ops._codebook import codebook_scores
 from .codebook import Codebook, SyncHook
 
@@ -167,9 +167,10 @@ class VectorQuantizer(Codebook):
         codes = self.nearest_codes(k)
         chosen = self.lookup(codes).to(k.dtype)
         k_hat = chosen + (k - k.detach()) if k.requires_grad else chosen
-        squared = (k.float() - chosen.float()).pow(2).sum(-1)  # [B, H, T]
+        wide = compute_dtype(k.dtype)  # float32, float64 for float64 keys
+        squared = (k.to(wide) - chosen.to(wide)).pow(2).sum(-1)  # [B, H, T]
         if mask is not None:
-            squared = squared * mask.unsqueeze(1).to(torch.float32)  # [B, 1, T] weights
+            squared = squared * mask.unsqueeze(1).to(wide)  # [B, 1, T] weights
         if self.commitment_reduction == "paper":  # summed over heads, over all B T positions
             commit = squared.sum() / (k.shape[0] * k.shape[2])
         elif mask is None:

@@ -32,8 +32,10 @@ import torch.nn.functional as F
 
 from .._checks import check_choice
 from ._vq_cache import mean_values
+from ._vq_selfcheck import ENV, forced_impl, verdict
 
 IMPLS = ("auto", "torch", "triton")
+AUTO_DEVICE_TYPES = ("cuda",)  # where impl="auto" takes the kernels (after their self-check)
 MAX_HEAD_DIM = 256  # largest Dk and Dv the kernels take (one tile holds a whole row)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -72,13 +74,22 @@ def unavailable_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def resolve_impl(impl: str, q: torch.Tensor, v: torch.Tensor, causal: bool, mode: str) -> str:
-    """``"torch"`` or ``"triton"`` for ``vq_attention``'s ``impl`` argument (see its docstring)."""
+    """``"torch"`` or ``"triton"`` for ``vq_attention``'s ``impl`` argument (see its docstring);
+    ``impl="auto"`` follows ``LINATTN_VQ_IMPL`` when it is set (``_vq_selfcheck.py``)."""
     check_choice("impl", impl, IMPLS)
     if impl == "torch":
         return impl
     block_form = causal and mode == "block"
     if impl == "auto":
-        return "triton" if block_form and q.device.type == "cuda" and unavailable_reason(q, v) is None else "torch"
+        forced = forced_impl()
+        if forced == "torch" or not block_form:
+            return "torch"
+        if forced == "triton":
+            reason = unavailable_reason(q, v)
+            if reason is not None:
+                raise ValueError(f"{ENV}=triton, but impl='triton' {reason}; unset {ENV} or set it to torch")
+            return "triton"
+        return "triton" if q.device.type in AUTO_DEVICE_TYPES and unavailable_reason(q, v) is None else "torch"
     if not block_form:
         raise ValueError(f"impl='triton' runs the causal block form; causal={causal}, mode={mode!r} is torch only "
                          "(pass impl='torch' or 'auto')")
@@ -86,6 +97,29 @@ def resolve_impl(impl: str, q: torch.Tensor, v: torch.Tensor, causal: bool, mode
     if reason is not None:
         raise ValueError(f"impl='triton' {reason}; pass impl='torch' or 'auto'")
     return impl
+
+
+def choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
+    """What ``impl="auto"`` takes for the causal block form on ``device`` in ``dtype``, and why
+    (for ``linattn doctor``); runs the self-check where it would run the kernels."""
+    try:
+        forced = forced_impl()
+    except ValueError as error:
+        return "error", str(error)
+    if forced == "torch":
+        return "torch", f"{ENV}=torch"
+    probe = torch.empty(1, 1, 1, 1, device=device, dtype=dtype)
+    reason = unavailable_reason(probe, probe)
+    if forced == "triton":
+        return ("error", f"{ENV}=triton, but impl='triton' {reason}") if reason else ("triton", f"{ENV}=triton")
+    if device.type not in AUTO_DEVICE_TYPES:
+        return "torch", f"the kernels are taken automatically on CUDA only, this is {device.type}"
+    if reason is not None:
+        return "torch", f"impl='triton' {reason}"
+    failure = verdict(device, dtype)
+    if failure is not None:
+        return "torch", f"the kernels failed their self-check: {failure}"
+    return "triton", "CUDA, triton imports, the self-check passed"
 
 
 def block(q, k_hat, v, codes, codebook, table, positions_k, L, scope, state, scale):

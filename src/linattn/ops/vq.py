@@ -40,6 +40,7 @@ from ..state import VQAttentionState
 from ._bias import offset_rows, relative_bias_table
 from ._codebook import codebook_scores
 from . import _vq_resident as resident
+from . import _vq_selfcheck as selfcheck
 from . import _vq_triton as fused
 from ._vq_cache import code_statistics, fold_block, log_counts, mean_values
 from .._checks import (
@@ -633,7 +634,11 @@ def vq_attention(
             Triton kernels, ``ops/_vq_triton.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
             Triton interpreter, ``TRITON_INTERPRET=1``) or ``"auto"`` (triton for CUDA inputs
-            of those dtypes when ``triton`` imports, torch otherwise). Calls whose new positions
+            of those dtypes when ``triton`` imports, torch otherwise; ``LINATTN_VQ_IMPL=torch``
+            or ``triton`` replaces this choice). Before the kernels first run on a device in a
+            dtype they check themselves against the torch form on a small call
+            (``ops/_vq_selfcheck.py``): after a failed check ``"auto"`` warns once and uses
+            torch there, ``"triton"`` raises ``RuntimeError``. Calls whose new positions
             stay inside the current block (decoding steps) use the torch decode form either way;
             ``mode="parallel"`` and ``causal=False`` are torch only.
 
@@ -647,7 +652,7 @@ def vq_attention(
         codes, codebook = _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias,
                                            position_keys, initial_state, output_final_state)
     mode = mode or "block"
-    impl = fused.resolve_impl(impl, q, v, causal, mode)
+    requested, impl = impl, fused.resolve_impl(impl, q, v, causal, mode)
     B, H, T, Dk = q.shape
     Hkv, Dv = k_hat.shape[1], v.shape[-1]
     G = H // Hkv
@@ -658,7 +663,9 @@ def vq_attention(
     positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
     positions_k = _as(positions_k, dtype) if positions_k is not None else None
     filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
-    if impl == "triton" and filled + T > L:  # the block form on the kernels, inputs in their own dtype
+    if impl == "triton" and filled + T > L and selfcheck.trusted(
+            q.device, q.dtype, strict=requested == "triton" or selfcheck.forced_impl() == "triton"):
+        # the block form on the kernels, inputs in their own dtype
         if torch.is_grad_enabled():
             resident.release(initial_state)
         out, pieces = fused.block(q, k_hat, v, codes, codebook, table, positions_k, L, scope, initial_state, scale)

@@ -401,7 +401,7 @@ def load_model(path: str | Path, device: torch.device | str = "cpu"):
             f"({', '.join(nonfinite[:3])}{', ...' if len(nonfinite) > 3 else ''}); the training that wrote it had "
             f"diverged. Use an earlier checkpoint of {checkpoint.path.parent} (a step-* folder)")
     try:
-        model = LM(LMConfig.from_dict(checkpoint.meta["model_config"]))
+        model = LM(LMConfig.from_saved(checkpoint.meta["model_config"]))
         model.load_state_dict(checkpoint.model, strict=True)
     except (KeyError, RuntimeError) as error:
         raise CheckpointError(f"{checkpoint.path}: the stored model does not match its config ({error})") from None

@@ -330,7 +330,7 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
     out = run_dir
     if resume:
         checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
-        model_config = LMConfig.from_dict(checkpoint.meta["model_config"])
+        model_config = LMConfig.from_saved(checkpoint.meta["model_config"])
         written_by, world_size = resharding.written_world_size(checkpoint), distributed.env_world_size()
         train_values = resharding.resharded_train_values({**checkpoint.meta["train_config"], "out": str(out)},
                                                          written_by, world_size)

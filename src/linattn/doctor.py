@@ -1,0 +1,190 @@
+"""``linattn doctor``: what linattn finds on this machine, what it will run there, and whether
+every op family's fast forms agree with their references here.
+
+Sections: versions (linattn, Python, torch and its CUDA runtime, the CUDA driver, triton,
+transformers, peft, numpy; read from the installed packages' metadata, nothing imported),
+threads, devices (every CUDA device torch sees, with its name, compute capability and
+memory), the implementation each op takes on each device and why (``implementations``), and
+the self-test of ``_selftest.py`` on each device (the VQ kernels' self-check included on
+CUDA). Exit code 0 when every check agrees, 1 when one does not (each named on a ``FAIL``
+line and in the last line), 2 for bad arguments. ``--json`` prints the same as one JSON
+object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import __version__, _selftest
+from ._checks import available_device_name
+from .ops import _vq_triton as vq_fused
+from .reporting import device_name
+
+_PACKAGES = ("triton", "transformers", "peft", "numpy")
+# torch's SDPA backends, by the operator each one runs
+_SDPA_BACKENDS = {
+    "_scaled_dot_product_flash_attention_for_cpu": "flash attention (CPU kernel)",
+    "_scaled_dot_product_flash_attention": "flash attention",
+    "_scaled_dot_product_efficient_attention": "memory-efficient attention",
+    "_scaled_dot_product_cudnn_attention": "cuDNN attention",
+    "_scaled_dot_product_attention_math": "math (materialised scores)",
+}
+
+
+def versions() -> dict[str, str]:
+    """Installed versions (``"not installed"`` for a missing package)."""
+    found = {"linattn": __version__, "python": platform.python_version(), "torch": torch.__version__,
+             "CUDA runtime (torch build)": torch.version.cuda or "none (CPU build)"}
+    if torch.cuda.is_available():
+        driver = torch._C._cuda_getDriverVersion()  # e.g. 12040 for 12.4
+        found["CUDA driver"] = f"{driver // 1000}.{driver % 1000 // 10}"
+    for package in _PACKAGES:
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def threads() -> dict[str, int | None]:
+    return {"torch intra-op threads": torch.get_num_threads(),
+            "torch inter-op threads": torch.get_num_interop_threads(), "CPUs": os.cpu_count()}
+
+
+def devices(selected: list[str] | None = None) -> list[torch.device]:
+    """``selected`` (``--device``), or the CPU and every CUDA device torch sees."""
+    if selected:
+        return list(dict.fromkeys(torch.device(name) for name in selected))
+    return [torch.device("cpu")] + [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+
+
+def describe_device(device: torch.device) -> str:
+    """Its name, and for CUDA its compute capability and memory."""
+    if device.type != "cuda":
+        return device_name(device)
+    properties = torch.cuda.get_device_properties(device)
+    return (f"{properties.name} (sm_{properties.major}{properties.minor}, "
+            f"{properties.total_memory / 2**30:.1f} GiB)")
+
+
+class _Ops(TorchDispatchMode):
+    """The operators that run below autograd (to see which SDPA backend torch picks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def sdpa_backend(device: torch.device, dtype: torch.dtype, queries: int, keys: int) -> str:
+    """The backend torch's ``scaled_dot_product_attention`` runs for a causal prefill
+    (``queries == keys``) or a decoding step (one query, no mask) of 8 heads of 64 on ``device``."""
+    q = torch.zeros(1, 8, queries, 64, device=device, dtype=dtype)
+    k = torch.zeros(1, 8, keys, 64, device=device, dtype=dtype)
+    with _Ops() as ops:
+        F.scaled_dot_product_attention(q, k, k, is_causal=queries == keys and queries > 1)
+    for name in ops.names:
+        if name in _SDPA_BACKENDS:
+            return _SDPA_BACKENDS[name]
+    return _SDPA_BACKENDS["_scaled_dot_product_attention_math"]
+
+
+def implementations(device: torch.device) -> list[tuple[str, str]]:
+    """``(op, what it runs on device and why)`` for each op with a choice."""
+    dtypes = (torch.float32,) if device.type == "cpu" else (torch.float32, torch.bfloat16)
+    rows = []
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        rows.append((f"softmax_attention ({name})",
+                     f"impl='auto': torch SDPA (the tiled form only for a callable bias); SDPA runs "
+                     f"{sdpa_backend(device, dtype, 128, 128)} for a causal prefill, "
+                     f"{sdpa_backend(device, dtype, 1, 128)} for one decoded token"))
+    rows.append(("linear_attention", "mode=None: chunk form (chunk_size 64), recurrent for one causal token"))
+    rows.append(("delta_rule", "mode=None: chunk form (WY/UT), recurrent for one token"))
+    for dtype in dtypes:
+        impl, why = vq_fused.choice(device, dtype)
+        rows.append((f"vq_attention ({str(dtype).replace('torch.', '')})", f"impl='auto': {impl} ({why})"))
+    rows.append(("vq_attention schedule", "schedule='auto': batched (groups of blocks as batched matmuls); "
+                                          "decoding steps inside a block: the decode form"))
+    rows.append(("KV cache (softmax layers)", "preallocated without gradients: rows written in place, doubling "
+                                              "when full; LM.generate reserves prompt + new tokens"))
+    return rows
+
+
+def _print_section(title: str, rows) -> None:
+    print(f"\n{title}")
+    rows = list(rows)
+    width = max((len(str(key)) for key, _ in rows), default=0)
+    for key, value in rows:
+        print(f"  {str(key):<{width}}  {value}")
+
+
+def _result_line(result: _selftest.Result) -> str:
+    errors = ("raised" if result.out_error is None
+              else f"out {result.out_error:.1e}, grads {result.grad_error:.1e}")
+    line = (f"  {'ok  ' if result.ok else 'FAIL'}  {result.family:<28} {result.form:<34} {result.dtype:<9} "
+            f"{errors} (tolerance {result.out_rtol:g} / {result.grad_rtol:g})")
+    return line if result.ok else f"{line}: {result.detail}"
+
+
+def run(selected: list[str] | None = None, as_json: bool = False) -> int:
+    """Print the report (text, or one JSON object with ``as_json``); 0 when every check agrees."""
+    start = time.perf_counter()
+    chosen = devices(selected)
+    report = {"versions": versions(), "threads": threads(),
+              "devices": {str(device): describe_device(device) for device in chosen},
+              "implementations": {}, "self_test": {}}
+    if not as_json:
+        print("linattn doctor")
+        _print_section("versions", report["versions"].items())
+        _print_section("threads", report["threads"].items())
+        _print_section("devices", report["devices"].items())
+    failures = []
+    for device in chosen:
+        rows = implementations(device)
+        results = _selftest.run_all(device)
+        report["implementations"][str(device)] = dict(rows)
+        report["self_test"][str(device)] = [vars(result) for result in results]
+        failures += [f"{result.family} {result.form} ({result.dtype}, {device})" for result in results if not result.ok]
+        if not as_json:
+            _print_section(f"implementations on {device}", rows)
+            print(f"\nself-test on {device} (fast form vs reference, relative error, tolerance out / gradients)")
+            for result in results:
+                print(_result_line(result))
+    checked = sum(len(results) for results in report["self_test"].values())
+    report["ok"], report["failures"] = not failures, failures
+    report["seconds"] = round(time.perf_counter() - start, 2)
+    if as_json:
+        print(json.dumps(report, indent=2))
+    elif failures:
+        print(f"\n{len(failures)} of {checked} checks FAILED: {'; '.join(failures)}")
+    else:
+        print(f"\nall {checked} checks agree ({report['seconds']:.1f} s)")
+    sys.stdout.flush()
+    return 0 if not failures else 1
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    """Add ``linattn doctor``."""
+    parser = commands.add_parser(
+        "doctor", help="report versions, devices and implementations, and self-test the ops",
+        description="What linattn finds on this machine (versions, threads, devices), what each op runs on each "
+                    "device and why, and a self-test of every op family's fast forms against their references "
+                    "there. Exit code 0 when every check agrees, 1 otherwise.")
+    parser.add_argument("--device", action="append", type=available_device_name,
+                        help="a device to report and test (repeatable; default: the CPU and every CUDA device)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    parser.set_defaults(handler=lambda args: run(args.device, args.json))
