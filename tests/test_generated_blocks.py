@@ -35,6 +35,8 @@ def test_readme_and_docs_match_their_results(tool):
         count[name] = len(blocks)
         drifted += [f"{b.path}:{b.line}: {b.spec}\n{b.diff()}" for b in blocks if b.differs]
     assert not drifted, "generated blocks differ from their results (run `make generated`):\n" + "\n".join(drifted)
+    for page in ("README.md", "docs/results.md", "docs/benchmarks.md"):  # the check has blocks to check
+        assert count[page] > 0, page
 
 
 # --- a temporary repository ---------------------------------------------------------------
