@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench docs mutate clean
+.PHONY: demo test test-gpu bench docs generated mutate clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ test-gpu: $(STAMP)
 # the docstrings) into site/; --strict: a broken link, anchor or reference is an error.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# Rewrite the tables and numbers between `<!-- generated: ... -->` markers in README.md and
+# docs/ from their result files (tools/generated_blocks.py; make test checks them).
+generated: $(STAMP)
+	$(BIN)/python tools/generated_blocks.py
 
 bench: $(STAMP)
 	$(BIN)/linattn bench attention --out results/bench

@@ -18,6 +18,7 @@ from linattn import __version__
 from linattn._checks import available_device_name
 from linattn.bench import attention
 from linattn.bench.attention import CASES, default_cases
+from linattn.bench.cli import report_page
 from linattn.bench.harness import Case, profile_call, run_cases, time_call
 from linattn.reporting import peak_memory
 from linattn.cli import main
@@ -81,6 +82,7 @@ def test_bench_attention_writes_json_markdown_and_plots(tmp_path, capsys):
     assert "\n```text\ntargets:" in table  # a fence with a language (tools/doc_snippets.py)
     for case in default_cases("cpu"):
         assert f"| {case} | 64 |" in table and f"| {case} | 128 |" in table
+    assert report_page(tmp_path) == table  # the page again, from results.json alone
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -210,6 +212,32 @@ def test_runner_skips_over_max_length_and_after_out_of_memory():
     assert by_key["fwd-only", 32]["forward_s"] > 0 and by_key["fwd-only", 32]["forward_backward_s"] is None
 
 
+def test_speedups_view_gives_time_and_ratio_per_length_and_pass():
+    """The ``speedups`` table of the documentation: a case's label per row, ``ms (baseline /
+    case)`` per measured (length, pass), the baseline without a ratio, "—" where not measured."""
+    def row(case, length, forward, backward):
+        return {"case": case, "label": f"{case} label", "length": length, "forward_s": forward,
+                "forward_backward_s": backward}
+
+    rows = [row("sdpa", 8, 0.040, 0.120), row("sdpa", 16, 0.160, None), row("fast", 8, 0.010, 0.008),
+            row("fast", 16, 0.0125, None), row("slow", 8, 0.080, None)]
+    text = attention.VIEWS["speedups"]({"rows": rows, "metadata": {"baseline": "sdpa"}}, cases="fast,sdpa,slow")
+    assert text.splitlines() == [
+        "| case | T=8 forward | T=8 forward+backward | T=16 forward |",  # no forward+backward at 16
+        "| --- | --- | --- | --- |",
+        f"| fast label | 10 ms ({0.040 / 0.010:.2f}x) | 8 ms ({0.120 / 0.008:.1f}x) "
+        f"| 12.5 ms ({0.160 / 0.0125:.1f}x) |",
+        "| sdpa label | 40 ms | 120 ms | 160 ms |",
+        f"| slow label | 80 ms ({0.040 / 0.080:.2f}x) | — | — |",
+    ]
+    assert attention.VIEWS["speedups"]({"rows": rows, "metadata": {"baseline": "sdpa"}}, cases="fast",
+                                       lengths="16", baseline="fast").splitlines()[2] == "| fast label | 12.5 ms |"
+    for options, message in (({"cases": "nope"}, r"cases \['nope'\] not measured"),
+                             ({"lengths": "32"}, r"lengths \[32\] not measured"), ({"lengths": "x"}, "integers")):
+        with pytest.raises(ValueError, match=message):
+            attention.VIEWS["speedups"]({"rows": rows, "metadata": {"baseline": "sdpa"}}, **options)
+
+
 def test_bench_decode_writes_rows_and_growth(tmp_path):
     assert main(["bench", "decode", "--contexts", "32", "64", "--tokens", "2", "--models", "--device", "cpu", "--out",
                  str(tmp_path)]) == 0
@@ -222,6 +250,7 @@ def test_bench_decode_writes_rows_and_growth(tmp_path):
     assert set(ops) == cases and all(s["growth"] > 0 for s in ops.values())
     text = (tmp_path / "results.md").read_text()
     assert "per-token time" in text and f"on cpu ({result['metadata']['device_name']})" in text
+    assert report_page(tmp_path) == text  # the page again, from results.json alone
 
 
 def test_bench_decode_models_at_equal_size(tmp_path):
@@ -238,6 +267,7 @@ def test_bench_decode_models_at_equal_size(tmp_path):
     assert set(result["summary"]["models"]) == {"vq_over_softmax_batch1", "vq_over_softmax_batch2"}
     assert (tmp_path / "generation.png").stat().st_size > 0
     assert "generated tokens/s" in (tmp_path / "results.md").read_text()
+    assert report_page(tmp_path) == (tmp_path / "results.md").read_text()
 
 
 def test_profile_call_names_the_operators_that_take_the_time():
@@ -315,6 +345,7 @@ def test_bench_train_times_the_trainer_after_its_warm_up(tmp_path, monkeypatch, 
     assert row["step_s"] == sorted(row["step_times_s"][1:])[1]  # the median of steps 2..4
     text = (tmp_path / "out" / "results.md").read_text()
     assert "| eager |" in text and f"on cpu ({result['metadata']['device_name']}): linear:elu" in text
+    assert report_page(tmp_path / "out") == text  # the page again, from results.json alone
     assert main([*argv[:-2], "--warmup", "4", "--out", str(tmp_path / "other")]) == 2
     assert "--warmup (4) must be smaller than --steps (4)" in capsys.readouterr().err
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from linattn.bench import lm
+from linattn.bench.cli import report_page
 from linattn.bench.harness import Measurement
 from linattn.cli import main
 from linattn.models import LM, LMConfig
@@ -72,6 +73,7 @@ def test_bench_lm_end_to_end(tmp_path, capsys):
         assert (f"| `{row['case']}` | {row['parameters']:,} | {row['context']} | {row['batch']} | "
                 f"{row['train_tokens_per_s']:,.0f} |") in table
     assert "\n```text\ntargets:" in table  # a fence with a language (tools/doc_snippets.py)
+    assert report_page(tmp_path) == table  # the page again, from results.json alone
     for name in ("throughput.png", "decode.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "profile.md").exists()
@@ -199,6 +201,33 @@ def test_summary_targets_from_the_rows():
     assert _verdicts(long) == ["not measured"] * 3
     behind = [_row("softmax", 32768, 10), _row("vq", 32768, 6), _row("softmax", 65536, 5), _row("vq", 65536, 40)]
     assert _verdicts(behind)[0] == "fail"
+
+
+def test_context_table_pivots_models_against_contexts():
+    """The ``contexts`` view of the documentation: a model per row, METRIC@C per column, growth
+    METRIC@C/C0, and a speed-up row (tokens/s a/b, ms b/a); "—" where a context was skipped."""
+    rows = [{"case": "softmax", "context": 512, "train_tokens_per_s": 12000.0, "decode_ms_per_token": 2.0,
+             "train_peak_bytes": 3 * 2**20},
+            {"case": "softmax", "context": 4096, "train_tokens_per_s": 3000.0, "decode_ms_per_token": 8.0,
+             "train_peak_bytes": 12 * 2**20},
+            {"case": "vq", "context": 512, "train_tokens_per_s": 9000.0, "decode_ms_per_token": 2.5,
+             "train_peak_bytes": 5 * 2**20},
+            {"case": "vq", "context": 4096, "train_tokens_per_s": None, "decode_ms_per_token": 2.0,
+             "train_peak_bytes": None}]
+    text = lm.VIEWS["contexts"]({"rows": rows}, columns="train@512,train@4096,decode@4096,decode@4096/512,peak@512",
+                                speedup="vq/softmax")
+    assert text.splitlines() == [
+        "| model | train tok/s 512 | train tok/s 4096 | decode ms 4096 | decode ms 4096 / 512 | step peak MiB 512 |",
+        "| --- | --- | --- | --- | --- | --- |",
+        "| `softmax` | 12,000 | 3,000 | 8 | 4.00x | 3 |",
+        "| `vq` | 9,000 | — | 2 | 0.80x | 5 |",
+        f"| vq / softmax | {9000 / 12000:.2f}x |  | {8 / 2:.2f}x |  |  |",
+    ]
+    for columns, speedup, message in (("train@512,bogus@1", None, "METRIC@C"), ("train@x", None, "METRIC@C"),
+                                      ("train@512", "vq/local", "among softmax, vq"),
+                                      ("train@512", "vq", "MODEL/MODEL")):
+        with pytest.raises(ValueError, match=message):
+            lm.VIEWS["contexts"]({"rows": rows}, columns=columns, speedup=speedup)
 
 
 @pytest.mark.parametrize(

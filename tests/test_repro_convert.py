@@ -7,6 +7,8 @@ import json
 
 from test_train_cli import corpus, run_captured  # noqa: F401  (the tiny corpus fixture)
 
+from linattn.repro import conversion
+
 TINY = ["--steps", "8", "--sizes", "4", "16", "--calibration-tokens", "512", "--eval-tokens", "256", "--test-tokens",
         "256", "--d-model", "16", "--gau-d-k", "8", "--block-size", "8", "--context", "32", "--batch-size", "2",
         "--codebook-size", "8", "--no-progress", "--threads", "1"]
@@ -40,6 +42,7 @@ def test_repro_convert_end_to_end(corpus, tmp_path):  # noqa: F811
         mean, std = sum(bpb) / 2, (bpb[1] - bpb[0]) / 2 ** 0.5
         assert f"| {mean:.3f} ± {std:.3f} ({bpb[0]:.3f}–{bpb[1]:.3f}) |" in text
     assert (out / "conversion.png").stat().st_size > 0
+    assert conversion.page(document) == text  # the page again, from results.json alone
     code, _, stderr = run_captured(["repro", "convert", "--data", str(corpus), "--out", str(out), "--resume",
                                     "--seeds", "2", *TINY])
     assert code == 0, stderr  # every case reused from the journal

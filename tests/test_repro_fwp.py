@@ -262,6 +262,7 @@ def test_command_writes_json_markdown_and_plot(tmp_path, capsys, command, plot, 
 
     markdown = (tmp_path / "results.md").read_text()
     assert markdown.startswith(f"# repro {command}") and "`test`" in markdown
+    assert linattn.repro.cli.REPRODUCTIONS[command].page(result) == markdown  # from the JSON alone
     assert "| softmax | ∞ |" in markdown and "| linear-elu | 64 |" in markdown
     assert "n = 2 seeds per row (0, 1)." in markdown
     for row in result["rows"]:  # aggregated over the two seeds

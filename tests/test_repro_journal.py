@@ -216,6 +216,7 @@ def test_report_only_reports_the_recorded_runs_and_trains_nothing(tmp_path, monk
     assert "Interim report (--report-only): 2 of the grid's 4 runs are recorded" in text
     assert "Wall time" not in text  # this invocation trained nothing
     assert "| S=4 | S=6 |" not in text  # only the sizes with recorded runs get a column
+    assert fwp.page(fwp.CAPACITY, json.loads((tmp_path / "results.json").read_text())) == text  # from the JSON
     assert (tmp_path / JOURNAL_NAME).read_text() == journal  # read, not rewritten
     with pytest.raises(RuntimeError, match="read-only"):
         RunJournal(tmp_path / JOURNAL_NAME, resume=True, read_only=True).record({"x": 1}, {})

@@ -85,6 +85,9 @@ def test_repro_length_extrapolation_end_to_end(corpus, tmp_path, monkeypatch, ca
     assert "Extrapolate (test bpb at every context up to 128" in table and "## Differences" in table
     assert "Test bpb at C=128, the longest context (lower is better):" in table
     assert (out / "bpb_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    assert main(["repro", "report", str(out)]) == 0  # the page again, from results.json alone
+    assert capsys.readouterr().out == table
 
     # --resume: every variant is recorded in runs.jsonl, so nothing is trained again
     def fail(*args, **kwargs):

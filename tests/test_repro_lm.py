@@ -63,6 +63,7 @@ def test_repro_lm_writes_table_json_and_plot(corpus, tmp_path, monkeypatch):
         name = f"| {row['mechanism']} | `{row['spec']}` |"
         assert f"{name} {row['parameters']:,} | 1 | {row['validation_bpb']:.3f} ± — |" in table
     assert "n = 1 seed per row (0)." in table and "## Differences" in table
+    assert lm_quality.page(json.loads((out / "results.json").read_text())) == table  # from the JSON alone
     assert (out / "loss_curves.png").stat().st_size > 0
 
     # --resume: both mechanisms are recorded in runs.jsonl, so nothing is trained again.

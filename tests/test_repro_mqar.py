@@ -184,6 +184,7 @@ def test_command_runs_end_to_end_on_a_tiny_grid(tmp_path):
         assert f"| {row['mechanism']} | {mean:.3f} ± {std:.3f} ({accuracy[0]:.3f}–{accuracy[1]:.3f}) |" in markdown
     assert "## Differences" in markdown and "Accuracy, d=16, T=32, 2 pairs (higher is better):" in markdown
     assert f"| softmax |  | {means['softmax'] - means['local']:+.3f}" in markdown
+    assert mqar.page(data) == markdown  # from the JSON alone
     assert (out / "mqar_accuracy.png").read_bytes()[:8] == PNG
 
 

@@ -11,6 +11,7 @@ import pytest
 
 from linattn.cli import main
 from linattn.repro import framework
+from linattn.repro.cli import report_page
 from linattn.repro.framework import (JOURNAL_NAME, ExperimentSpec, Grid, aggregate, difference_matrix, format_stats,
                                      metric_stats, resolved, run_journaled, seed_list)
 
@@ -297,6 +298,7 @@ def test_repro_demo_runs_are_linattn_train_of_the_run_file(corpus, tmp_path, mon
     text = (out / "results.md").read_text()
     stats = row["metrics"]["validation_bpb"]
     assert f"| 2 | {stats['mean']:.3f} | {stats['std']:.3f} | {min(bpb):.3f}–{max(bpb):.3f} |" in text
+    assert report_page(out) == text  # `linattn repro report`: the page again, from results.json alone
     assert (out / "validation_bpb.png").read_bytes()[:4] == b"\x89PNG"
 
     # --resume with one more seed trains only that one

@@ -4,6 +4,9 @@
   command, shapes) -- what a reader needs to reproduce or compare a result;
 - writers: ``write_json`` (``{"metadata", "rows", "summary"}``), ``write_markdown``,
   ``markdown_table_lines`` (a GitHub table), ``pyplot`` / ``save_figure`` (PNG plots, Agg backend);
+- readers: ``read_results`` (a ``results.json``), ``read_results_of`` (with the ``linattn``
+  subcommand that wrote it, from its ``metadata.command``) and ``results_page`` (that
+  subcommand's page of it);
 - ``peak_memory(fn, device)``: the largest extra memory in use while ``fn()`` runs (CPU:
   resident set of the process; CUDA: the caching allocator's allocated bytes).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import json
 import platform
+import shlex
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -82,6 +86,58 @@ def markdown_table_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -
     """The lines of a GitHub table: ``header``, the ``---`` rule, one line per row of cells."""
     return (["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
             + ["| " + " | ".join(cells) + " |" for cells in rows])
+
+
+# --- readers ----------------------------------------------------------------------------
+
+RESULTS_NAME = "results.json"
+
+
+def read_results(out_dir: str | Path) -> dict:
+    """The contents of ``out_dir/results.json``: ``{"metadata", "rows", "summary"}`` (and
+    whatever else the writer added). A ValueError naming the file when it is missing, is not
+    JSON, or lacks ``metadata`` (with its ``command``) or ``rows``."""
+    path = Path(out_dir) / RESULTS_NAME
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file (expected the {RESULTS_NAME} a `linattn bench` or "
+                         "`linattn repro` command wrote into its --out directory)")
+    try:
+        results = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+    if not isinstance(results, dict) or not isinstance(results.get("metadata"), dict) or "rows" not in results \
+            or not isinstance(results["metadata"].get("command"), str):
+        raise ValueError(f"{path}: expected an object with \"metadata\" (holding \"command\") and \"rows\"")
+    results.setdefault("summary", {})
+    return results
+
+
+def read_results_of(out_dir: str | Path, group: str, names: Sequence[str]) -> tuple[dict, str]:
+    """:func:`read_results` of ``out_dir`` and ``NAME``, where its ``metadata.command`` is
+    ``linattn GROUP NAME ...`` (a ValueError naming the file when NAME is not one of ``names``)."""
+    results = read_results(out_dir)
+    path, command = Path(out_dir) / RESULTS_NAME, results["metadata"]["command"]
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        words = []
+    if len(words) < 3 or words[:2] != ["linattn", group] or words[2] not in names:
+        raise ValueError(f"{path}: metadata.command {command!r} is not a `linattn {group} NAME ...` command with "
+                         f"NAME one of {', '.join(names)}")
+    return results, words[2]
+
+
+def results_page(out_dir: str | Path, group: str, pages: dict[str, Callable[[dict], str]]) -> str:
+    """The Markdown page of ``out_dir/results.json`` made from that file alone: ``pages[NAME]``
+    of its contents (:func:`read_results_of`). A ValueError naming the file when it lacks a
+    field the page reads (written by an older version of the command)."""
+    results, name = read_results_of(out_dir, group, list(pages))
+    try:
+        return pages[name](results)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{Path(out_dir) / RESULTS_NAME}: `linattn {group} {name}`'s report cannot be made from this "
+                         f"file ({type(error).__name__}: {error}); it was written by an older version of the "
+                         "command: run it again") from None
 
 
 def pyplot():

@@ -314,6 +314,31 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def page(results: dict) -> str:
+    """``results.md`` of ``results.json``'s contents: the command, the table (speed ratios
+    against the metadata's ``baseline``) and the summary."""
+    metadata = results["metadata"]
+    table = report.markdown_table(results["rows"], baseline=metadata["baseline"])
+    return (f"# bench attention\n\n`{metadata['command']}`\n\n{table}\n```text\n{format_summary(results['summary'])}\n"
+            "```\n")
+
+
+def _speedups_view(results: dict, *, cases: str | None = None, lengths: str | None = None,
+                   baseline: str | None = None) -> str:
+    """``report.speedup_table`` of ``results.json``'s rows (comma-separated ``cases`` and
+    ``lengths``; ``baseline`` default the run's): the options of a generated block."""
+    try:
+        chosen_lengths = [int(t) for t in lengths.split(",")] if lengths else None
+    except ValueError:
+        raise ValueError(f"lengths={lengths!r}: expected comma-separated integers") from None
+    return report.speedup_table(results["rows"], baseline or results["metadata"]["baseline"],
+                                cases=cases.split(",") if cases else None, lengths=chosen_lengths)
+
+
+# Named tables of a results.json for the documentation: name -> view(results, **options).
+VIEWS = {"speedups": _speedups_view}
+
+
 # --- running and the command line ---------------------------------------------------
 
 
@@ -351,10 +376,9 @@ def run(config: AttentionBenchConfig, *, out_dir: Path, command: str, progress: 
     table = report.markdown_table(rows, baseline=BASELINE)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = [reporting.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary)]
-    markdown = out_dir / "results.md"
-    markdown.write_text(f"# bench attention\n\n`{command}`\n\n{table}\n```text\n{format_summary(summary)}\n```\n")
-    files.append(markdown)
+    files = [reporting.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary),
+             reporting.write_markdown(out_dir / "results.md",
+                                      page({"metadata": metadata, "rows": rows, "summary": summary}))]
     files += report.write_plots(rows, out_dir, title="causal attention")
     if config.profile_top:
         profile = out_dir / "profile.md"

@@ -246,6 +246,25 @@ def _model_plot(rows: list[dict], models, prompts, batches, path: Path) -> Path:
     return reporting.save_figure(figure, path)
 
 
+def page(results: dict) -> str:
+    """``results.md`` of ``results.json``'s contents: the command, the op table and the model
+    table (cases and models in the order they ran; sizes from the metadata's ``shapes``)."""
+    metadata, shapes, rows = results["metadata"], results["metadata"]["shapes"], results["rows"]
+    op_rows = [r for r in rows if r["kind"] == "op"]
+    model_rows = [r for r in rows if r["kind"] == "model"]
+    text = f"# bench decode\n\n`{metadata['command']}`\n\non {metadata['device']} ({metadata['device_name']})\n"
+    if op_rows:
+        cases = list(dict.fromkeys(r["case"] for r in op_rows))
+        table = _op_table(op_rows, cases, shapes["contexts"])[0]
+        text += f"\nper-token time of one op (B=1, H={shapes['heads']}, D={shapes['dim']})\n\n{table}\n"
+    if model_rows:
+        models = list(dict.fromkeys(r["case"] for r in model_rows))
+        table = _model_table(model_rows, models, shapes["prompts"], shapes["batches"])[0]
+        text += (f"\nwhole models: generated tokens/s (greedy, {model_rows[0]['new_tokens']} tokens after the prompt, "
+                 f"from the median step time) and prefill tokens/s\n\n{table}\n")
+    return text
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Measure the op cases and the models, write results.json, results.md and a plot, print the tables."""
     if args.threads is not None:
@@ -263,16 +282,13 @@ def run_command(args: argparse.Namespace) -> int:
     shapes = {"heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts, "prompts": prompts,
               "batches": batches, "models": {name: model_config(name).to_dict() for name in args.models}}
     metadata = reporting.collect_metadata(device=args.device, command=args.command_line, shapes=shapes)
-    text = f"# bench decode\n\n`{args.command_line}`\n\non {metadata['device']} ({metadata['device_name']})\n"
     summary, files = {"ops": {}, "models": {}}, [args.out / "results.json", args.out / "results.md"]
     if op_rows:
-        table, summary["ops"] = _op_table(op_rows, args.cases, contexts)
-        text += f"\nper-token time of one op (B=1, H={args.heads}, D={args.dim})\n\n{table}\n"
+        summary["ops"] = _op_table(op_rows, args.cases, contexts)[1]
     if model_rows:
-        table, summary["models"] = _model_table(model_rows, args.models, prompts, batches)
-        text += (f"\nwhole models: generated tokens/s (greedy, {args.new_tokens} tokens after the prompt, from the "
-                 f"median step time) and prefill tokens/s\n\n{table}\n")
+        summary["models"] = _model_table(model_rows, args.models, prompts, batches)[1]
         files.append(_model_plot(model_rows, args.models, prompts, batches, args.out / "generation.png"))
+    text = page({"metadata": metadata, "rows": op_rows + model_rows, "summary": summary})
     reporting.write_json(args.out / "results.json", rows=op_rows + model_rows, metadata=metadata, summary=summary)
     reporting.write_markdown(args.out / "results.md", text)
     print(text)

@@ -360,6 +360,84 @@ def markdown_table(rows: Sequence[dict]) -> str:
     return "\n".join(reporting.markdown_table_lines(header, cells)) + "\n"
 
 
+# Metrics of context_table: name -> (row key, header, scale, format, "speed" | "time" | None).
+_CONTEXT_METRICS = {
+    "train": ("train_tokens_per_s", "train tok/s", 1.0, ",.0f", "speed"),
+    "prefill": ("prefill_tokens_per_s", "prefill tok/s", 1.0, ",.0f", "speed"),
+    "decode": ("decode_ms_per_token", "decode ms", 1.0, ".3g", "time"),
+    "peak": ("train_peak_bytes", "step peak MiB", 1 / _MIB, ",.0f", None),
+}
+
+
+def _context_column(text: str) -> tuple[str, int, int | None]:
+    """``METRIC@C`` -> (METRIC, C, None); ``METRIC@C/C0`` -> (METRIC, C, C0)."""
+    metric, _, contexts = text.partition("@")
+    first, _, second = contexts.partition("/")
+    if metric not in _CONTEXT_METRICS or not first.isdigit() or (second and not second.isdigit()):
+        raise ValueError(f"column {text!r}: expected METRIC@C or METRIC@C/C0 with METRIC one of "
+                         f"{', '.join(_CONTEXT_METRICS)} and C, C0 context lengths")
+    return metric, int(first), int(second) if second else None
+
+
+def context_table(rows: Sequence[dict], columns: Sequence[str], speedup: tuple[str, str] | None = None) -> str:
+    """Models (rows, in the order they ran) against ``columns``: ``METRIC@C``, the metric at
+    context C, or ``METRIC@C/C0``, its growth from C0 to C (``x``); METRIC is ``train`` or
+    ``prefill`` (tokens/s), ``decode`` (ms per token) or ``peak`` (training-step MiB); "—"
+    where a context was skipped. ``speedup=(a, b)`` adds a row ``a / b``: how many times
+    faster model ``a`` is than ``b`` in each column (tokens/s a/b, ms b/a; blank for memory
+    and growth)."""
+    parsed = [_context_column(c) for c in columns]
+    values = {(r["case"], r["context"]): r for r in rows}
+    models = list(dict.fromkeys(r["case"] for r in rows))
+    if speedup is not None and any(m not in models for m in speedup):
+        raise ValueError(f"speedup {'/'.join(speedup)}: both models must be among {', '.join(models)}")
+
+    def value(model: str, metric: str, context: int) -> float | None:
+        key, _, scale, _, _ = _CONTEXT_METRICS[metric]
+        row = values.get((model, context))
+        return None if row is None or row[key] is None else row[key] * scale
+
+    header = ["model"] + [f"{_CONTEXT_METRICS[m][1]} {c}" + (f" / {c0}" if c0 else "") for m, c, c0 in parsed]
+    cells = []
+    for model in models:
+        line = [f"`{model}`"]
+        for metric, context, base in parsed:
+            v = value(model, metric, context)
+            if base is None:
+                line.append(_number(v, _CONTEXT_METRICS[metric][3]))
+            else:
+                b = value(model, metric, base)
+                line.append("—" if v is None or not b else f"{v / b:.2f}x")
+        cells.append(line)
+    if speedup is not None:
+        a, b = speedup
+        line = [f"{a} / {b}"]
+        for metric, context, base in parsed:
+            kind, va, vb = _CONTEXT_METRICS[metric][4], value(a, metric, context), value(b, metric, context)
+            if base is not None or kind is None or not va or not vb:
+                line.append("")
+            else:
+                line.append(f"{va / vb if kind == 'speed' else vb / va:.2f}x")
+        cells.append(line)
+    return "\n".join(reporting.markdown_table_lines(header, cells)) + "\n"
+
+
+def _contexts_view(results: dict, *, columns: str, speedup: str | None = None) -> str:
+    """``context_table`` of ``results.json``'s rows; ``columns`` comma-separated, ``speedup``
+    ``a/b`` (the options of a generated block in the documentation)."""
+    pair = None
+    if speedup is not None:
+        a, _, b = speedup.partition("/")
+        if not a or not b:
+            raise ValueError(f"speedup {speedup!r}: expected MODEL/MODEL")
+        pair = (a, b)
+    return context_table(results["rows"], columns.split(","), pair)
+
+
+# Named tables of a results.json for the documentation: name -> view(results, **options).
+VIEWS = {"contexts": _contexts_view}
+
+
 def write_plots(rows: Sequence[dict], out_dir: Path) -> list[Path]:
     """``throughput.png`` (training and prefill tokens/s) and ``decode.png`` (decode ms per token,
     training-step peak memory) against the context, log-log, one line per model."""
@@ -387,6 +465,18 @@ def _profile_markdown(rows: Sequence[dict], command: str) -> str:
     return "\n".join(sections)
 
 
+def page(results: dict) -> str:
+    """``results.md`` of ``results.json``'s contents: the command, the settings its metadata
+    records (``shapes``: the ``LMBenchConfig``), the table and the targets."""
+    metadata, shapes = results["metadata"], results["metadata"]["shapes"]
+    precision = "bfloat16 autocast" if shapes["dtype"] == "bfloat16" else "float32"
+    return (f"# bench lm\n\n`{metadata['command']}`\n\nWhole models on {metadata['device']} "
+            f"({metadata['device_name']}), {precision}, {shapes['tokens_per_step']:,} tokens per training step and "
+            f"prefill (batch = tokens / C), decode at batch 1 (median of {shapes['decode_tokens']} greedy tokens); "
+            f"each model in a fresh process.\n\n{markdown_table(results['rows'])}\n```text\n"
+            f"{format_summary(results['summary'])}\n```\n")
+
+
 def write_results(rows: Sequence[dict], config: LMBenchConfig, out_dir: Path, *, command: str,
                   models: Sequence[str]) -> dict:
     """Write results.json, results.md, the plots (and profile.md with ``--profile``) into
@@ -397,11 +487,7 @@ def write_results(rows: Sequence[dict], config: LMBenchConfig, out_dir: Path, *,
     shapes = {**dataclasses.asdict(config), "autocast": config.dtype != "float32", "decode_batch": 1,
               "models": {spec: config.model_config(spec).to_dict() for spec in models}}
     metadata = reporting.collect_metadata(device=config.device, command=command, shapes=shapes)
-    precision = "bfloat16 autocast" if config.dtype == "bfloat16" else "float32"
-    text = (f"# bench lm\n\n`{command}`\n\nWhole models on {metadata['device']} ({metadata['device_name']}), "
-            f"{precision}, {config.tokens_per_step:,} tokens per training step and "
-            f"prefill (batch = tokens / C), decode at batch 1 (median of {config.decode_tokens} greedy tokens); "
-            f"each model in a fresh process.\n\n{markdown_table(rows)}\n```text\n{format_summary(summary)}\n```\n")
+    text = page({"metadata": metadata, "rows": rows, "summary": summary})
     files = [reporting.write_json(out_dir / "results.json", rows=rows, metadata=metadata, summary=summary),
              reporting.write_markdown(out_dir / "results.md", text)]
     files += write_plots(rows, out_dir)

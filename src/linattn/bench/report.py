@@ -1,5 +1,6 @@
-"""Benchmark tables and plots: the timing table, the profile tables, log-log PNG plots
-(``plot_lines``, shared by ``bench attention`` and ``bench lm``).
+"""Benchmark tables and plots: the timing table, a speed-up table of chosen cases and lengths,
+the profile tables, log-log PNG plots (``plot_lines``, shared by ``bench attention`` and
+``bench lm``).
 
 Rows are the dicts of ``harness.run_cases``; metadata and the JSON file are written by
 ``linattn.reporting``. Speed ratios are ``baseline time / case time`` at the same length
@@ -78,6 +79,40 @@ def markdown_table(rows: Sequence[dict], *, baseline: str | None = None) -> str:
                 ]
             cells.append(row["skip_reason"] or row["backward_skip_reason"] or "")
             lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+_PASSES = (("forward_s", "forward"), ("forward_backward_s", "forward+backward"))
+
+
+def speedup_table(rows: Sequence[dict], baseline: str, *, cases: Sequence[str] | None = None,
+                  lengths: Sequence[int] | None = None) -> str:
+    """One line per case (its label; ``cases``: these, in this order; default all), a column
+    per length of ``lengths`` (default all) and pass (forward, forward+backward; a pass no
+    chosen case measured at that length is left out): ``"time ms (ratio)"``, the ratio
+    ``baseline time / case time`` (none on the baseline's own line), "—" where not measured."""
+    known = _cases_in_order(rows)
+    cases = list(cases) if cases else known
+    lengths = list(lengths) if lengths else sorted({r["length"] for r in rows})
+    for name, values, present in (("cases", cases, known), ("lengths", lengths, sorted({r["length"] for r in rows}))):
+        missing = [v for v in values if v not in present]
+        if missing:
+            raise ValueError(f"{name} {missing} not measured; measured: {present}")
+    columns = [(length, key, name) for length in lengths for key, name in _PASSES
+               if any((row := find_row(rows, case, length)) and row[key] for case in cases)]
+    labels = {r["case"]: r["label"] for r in rows}
+    header = ["case", *(f"T={length} {name}" for length, _, name in columns)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(" --- " for _ in header) + "|"]
+    for case in cases:
+        cells = [labels[case]]
+        for length, key, _ in columns:
+            row = find_row(rows, case, length)
+            if row is None or not row[key]:
+                cells.append("—")
+                continue
+            ratio = speed_ratio(rows, case, baseline, length, key)
+            cells.append(f"{_ms(row[key])} ms" + ("" if case == baseline or ratio is None else f" ({_ratio(ratio)})"))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

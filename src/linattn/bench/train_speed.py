@@ -142,6 +142,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("results/bench-train"), help="output directory")
 
 
+def page(results: dict) -> str:
+    """``results.md`` of ``results.json``'s contents: the command, the model and tokens per step
+    (from the run file's tables its metadata records), the table and the compiled speed-ups."""
+    metadata, shapes, rows = results["metadata"], results["metadata"]["shapes"], results["rows"]
+    model_config, train_config = build_configs(shapes["model"], shapes["train"])
+    warmup, steps = shapes["warmup"], shapes["steps"]
+    header = ["layout", "mode", "step time (median)", "tokens/s (all processes)", f"first {warmup} steps (warm-up)"]
+    cells = [[r["layout"], r["case"], f"{r['step_s'] * 1e3:.0f} ms", f"{r['tokens_per_s']:,.0f}",
+              f"{r['warmup_s']:.1f} s"] for r in rows]
+    text = (f"# bench train\n\n`{metadata['command']}`\n\non {metadata['device']} ({metadata['device_name']}): "
+            f"{model_config.attention} x {model_config.n_layers} layers, d_model {model_config.d_model}, "
+            f"{train_config.batch_size * train_config.context:,} tokens per step and process; median over steps "
+            f"{warmup + 1}..{steps}\n\n" + "\n".join(reporting.markdown_table_lines(header, cells)) + "\n")
+    if "compiled_speedup" in results["summary"]:
+        text += "\ncompiled / eager speed: " + ", ".join(f"{layout} {speedup:.2f}x" for layout, speedup
+                                                        in results["summary"]["compiled_speedup"].items()) + "\n"
+    return text
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Time each mode, write results.json and results.md, print the table."""
     if args.warmup >= args.steps:
@@ -166,10 +185,6 @@ def run_command(args: argparse.Namespace) -> int:
     rows = [time_layout(name, tables["model"], tables["train"], compiled=mode == "compiled", steps=args.steps,
                         warmup=args.warmup, threads=args.threads)
             for name, _, _ in args.layouts for mode in args.modes]
-    header = ["layout", "mode", "step time (median)", "tokens/s (all processes)",
-              f"first {args.warmup} steps (warm-up)"]
-    cells = [[r["layout"], r["case"], f"{r['step_s'] * 1e3:.0f} ms", f"{r['tokens_per_s']:,.0f}",
-              f"{r['warmup_s']:.1f} s"] for r in rows]
     summary = {}
     if len(args.modes) == 2:
         summary["compiled_speedup"] = {r["layout"]: r["step_s"] / c["step_s"]
@@ -177,13 +192,7 @@ def run_command(args: argparse.Namespace) -> int:
     shapes = {"model": tables["model"], "train": tables["train"], "steps": args.steps, "warmup": args.warmup,
               "layouts": [name for name, _, _ in args.layouts]}
     metadata = reporting.collect_metadata(device=train_config.device, command=args.command_line, shapes=shapes)
-    text = (f"# bench train\n\n`{args.command_line}`\n\non {metadata['device']} ({metadata['device_name']}): "
-            f"{model_config.attention} x {model_config.n_layers} layers, d_model {model_config.d_model}, "
-            f"{train_config.batch_size * train_config.context:,} tokens per step and process; median over steps "
-            f"{args.warmup + 1}..{args.steps}\n\n" + "\n".join(reporting.markdown_table_lines(header, cells)) + "\n")
-    if "compiled_speedup" in summary:
-        text += "\ncompiled / eager speed: " + ", ".join(f"{layout} {speedup:.2f}x" for layout, speedup
-                                                        in summary["compiled_speedup"].items()) + "\n"
+    text = page({"metadata": metadata, "rows": rows, "summary": summary})
     args.out.mkdir(parents=True, exist_ok=True)
     reporting.write_json(args.out / "results.json", rows=rows, metadata=metadata, summary=summary)
     reporting.write_markdown(args.out / "results.md", text)

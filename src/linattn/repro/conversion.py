@@ -149,6 +149,12 @@ def markdown(rows: list[dict], metadata: dict, *, runs: int, note: str = "") -> 
     return "\n".join(lines) + "\n"
 
 
+def page(results: dict) -> str:
+    """The page of ``results.json``'s contents: :func:`markdown` of its rows and metadata."""
+    metadata, runs = results["metadata"], len(results["runs"])
+    return markdown(results["rows"], metadata, runs=runs, note=framework.metadata_interim_note(metadata, runs))
+
+
 def write_plot(rows: list[dict], path: Path) -> Path:
     """Test bpb against the codebook size (mean over the seeds, min–max error bars); the source
     and the scratch model as horizontal lines (mean) with their min–max bands."""
@@ -232,13 +238,13 @@ def _run(args: argparse.Namespace) -> int:
                 seed_of=lambda run: run[2].seed,
                 describe=lambda row: f"{row['case']} {row['test_bpb']:.3f} bpb", label="repro convert", unit="case")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
-    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
+    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
+                    report_only=args.report_only)
     rows = framework.aggregate(outcome.rows, identity=ROW_IDENTITY, constants=ROW_CONSTANTS)
-    note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
-    text = markdown(rows, metadata, runs=len(outcome.rows), note=note)
+    text = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     plot=partial(write_plot, rows), plot_name="conversion.png")
     return framework.print_result({"markdown": text, "files": files})
 
 
-command = Experiment(SPEC, add_arguments=_add_arguments, run=_run)
+command = Experiment(SPEC, add_arguments=_add_arguments, run=_run, page=page)

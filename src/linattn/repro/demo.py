@@ -81,6 +81,13 @@ def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "")
     return "\n".join(lines) + "\n"
 
 
+def page(results: dict) -> str:
+    """The page of ``results.json``'s contents: :func:`markdown` of its rows, runs and metadata."""
+    metadata = results["metadata"]
+    return markdown(results["rows"], results["runs"], metadata,
+                    note=framework.metadata_interim_note(metadata, len(results["runs"])))
+
+
 def _number(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
@@ -149,13 +156,13 @@ def _run(args: argparse.Namespace) -> int:
     grid = Grid(train=train_seed, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
                 label="repro demo", unit="run")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
-    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
+    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
+                    report_only=args.report_only)
     rows = framework.aggregate(outcome.rows, identity=("run",), constants=("parameters",))
-    note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
-    text = markdown(rows, outcome.rows, metadata, note=note)
+    text = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     plot=partial(write_plot, outcome.rows), plot_name="validation_bpb.png")
     return framework.print_result({"markdown": text, "files": files})
 
 
-command = Experiment(SPEC, add_arguments=_add_arguments, run=_run)
+command = Experiment(SPEC, add_arguments=_add_arguments, run=_run, page=page)

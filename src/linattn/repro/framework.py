@@ -33,7 +33,9 @@ numeric metric's n, mean, sample standard deviation, min and max (:func:`metric_
 (:data:`RESOLVED_RULE`), and :func:`differences_lines` the reports' "Differences" section.
 
 **Results.** :func:`write_results` writes ``results.json`` (the aggregated rows, the per-seed
-``runs``, metadata, summary), ``results.md`` and the experiment's PNG plot into ``--out``.
+``runs``, metadata, summary), ``results.md`` and the experiment's PNG plot into ``--out``. The
+page is the experiment's ``page(results)`` of what ``results.json`` holds, so ``linattn repro
+report DIR`` (``repro.cli.report_page``) writes it again from the JSON alone.
 """
 
 from __future__ import annotations
@@ -143,12 +145,17 @@ def add_lm_arguments(parser: argparse.ArgumentParser, *, n_heads: int, window: i
 
 class Experiment:
     """One ``linattn repro`` subcommand: ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)``
-    and ``run_command(args) -> int``, as ``linattn._command_group`` registers it."""
+    and ``run_command(args) -> int``, as ``linattn._command_group`` registers it.
+
+    ``page(results) -> str``: the experiment's Markdown page from the contents of its
+    ``results.json`` (``{"metadata", "rows", "runs", "summary"}``); the run writes
+    ``results.md`` with it and ``linattn repro report DIR`` prints it.
+    """
 
     def __init__(self, spec: ExperimentSpec, *, add_arguments: Callable[[argparse.ArgumentParser], None],
-                 run: Callable[[argparse.Namespace], int]):
+                 run: Callable[[argparse.Namespace], int], page: Callable[[dict], str]):
         self.spec, self.HELP, self.DESCRIPTION = spec, spec.help, spec.description
-        self._add_own_arguments, self.run = add_arguments, run
+        self._add_own_arguments, self.run, self.page = add_arguments, run, page
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """The experiment's own flags, then the shared ones."""
@@ -274,6 +281,12 @@ def interim_note(recorded: int, total: int, unit: str = "runs") -> str:
     """The report's sentence on a ``--report-only`` page."""
     return (f"Interim report (--report-only): {recorded} of the grid's {total} {unit} are recorded;"
             " empty cells are not run yet.")
+
+
+def metadata_interim_note(metadata: dict, recorded: int, unit: str = "runs") -> str:
+    """:func:`interim_note` of a page whose ``metadata`` says ``report_only`` (with the
+    grid's size ``grid_runs``); '' for a page of a run that trained."""
+    return interim_note(recorded, metadata["grid_runs"], unit) if metadata.get("report_only") else ""
 
 
 # --- the worker pool --------------------------------------------------------------------

@@ -463,21 +463,31 @@ def run_experiment(spec: RetrievalSpec, *, mechanisms: Sequence[str], sizes: Seq
         reused_runs=outcome.reused, grid_runs=outcome.total, report_only=report_only,
         paper="Schlag, Irie & Schmidhuber 2021, Linear Transformers Are Secretly Fast Weight Programmers")
     summary = summarize(rows, target_loss=config.target_loss)
-    markdown = markdown_report(rows, runs, title=f"repro {spec.command}", command=command, setting=setting,
-                               config=config, summary=summary)
-    # The wall time and the processes describe this invocation: said only when it trained runs.
-    trained_here = outcome.trained if not report_only else 0
-    markdown += ((f"\nWall time {outcome.seconds:.0f} s ({jobs} process(es) x {metadata['threads']} thread(s)), "
-                  if trained_here else "\n")
-                 + f"CPU time of the runs {cpu:.0f} s, on {metadata['device_name']}."
-                 + (f" {framework.reuse_note(outcome.reused, len(runs))}."
-                    if outcome.reused and not report_only else "")
-                 + (f" {framework.interim_note(len(runs), outcome.total)}" if report_only else "") + "\n")
+    markdown = page(spec, {"metadata": metadata, "rows": rows, "runs": runs, "summary": summary})
     plot = partial(write_plot, rows, title=setting.title, target_loss=config.target_loss, mark_d_dot=spec.mark_d_dot)
     files = framework.write_results(out_dir, rows=rows, runs=runs, metadata=metadata, summary=summary,
                                     markdown=markdown, plot=plot, plot_name=spec.plot_name)
     return {"metadata": metadata, "rows": rows, "runs": runs, "summary": summary, "markdown": markdown,
             "files": files}
+
+
+def page(spec: RetrievalSpec, results: dict) -> str:
+    """The page of ``results.json``'s contents: :func:`markdown_report` of its rows, runs and
+    summary with the setting and ``RetrievalTrainConfig`` its metadata records, then the
+    times (the wall time and processes only when the invocation trained runs)."""
+    metadata, runs = results["metadata"], results["runs"]
+    config = RetrievalTrainConfig(**metadata["config"])
+    markdown = markdown_report(results["rows"], runs, title=f"repro {spec.command}", command=metadata["command"],
+                               setting=SETTINGS[metadata["shapes"]["setting"]], config=config,
+                               summary=results["summary"])
+    report_only, reused = metadata.get("report_only", False), metadata["reused_runs"]
+    trained_here = 0 if report_only else len(runs) - reused
+    return markdown + (
+        (f"\nWall time {metadata['wall_seconds']:.0f} s ({metadata['jobs']} process(es) x {metadata['threads']} "
+         "thread(s)), " if trained_here else "\n")
+        + f"CPU time of the runs {metadata['cpu_seconds']:.0f} s, on {metadata['device_name']}."
+        + (f" {framework.reuse_note(reused, len(runs))}." if reused and not report_only else "")
+        + (f" {framework.interim_note(len(runs), metadata['grid_runs'])}" if report_only else "") + "\n")
 
 
 # --- command line -------------------------------------------------------------------
@@ -525,7 +535,8 @@ def _run(spec: RetrievalSpec, args: argparse.Namespace) -> int:
 
 
 def _command(spec: RetrievalSpec) -> Experiment:
-    return Experiment(spec.experiment, add_arguments=partial(_add_arguments, spec), run=partial(_run, spec))
+    return Experiment(spec.experiment, add_arguments=partial(_add_arguments, spec), run=partial(_run, spec),
+                      page=partial(page, spec))
 
 
 capacity_command = _command(CAPACITY)

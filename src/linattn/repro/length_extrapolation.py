@@ -253,6 +253,13 @@ def markdown(rows: list[dict], metadata: dict, summary: dict, *, runs: int, note
     return "\n".join(lines) + "\n"
 
 
+def page(results: dict) -> str:
+    """The page of ``results.json``'s contents: :func:`markdown` of its rows, metadata and summary."""
+    metadata, runs = results["metadata"], len(results["runs"])
+    return markdown(results["rows"], metadata, results["summary"], runs=runs,
+                    note=framework.metadata_interim_note(metadata, runs))
+
+
 def _name(row: dict) -> str:
     return row["variant"]
 
@@ -386,15 +393,15 @@ def _run(args: argparse.Namespace) -> int:
     grid = Grid(train=run_variant, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
                 label="repro length-extrapolation", unit="run")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
-    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
+    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
+                    report_only=args.report_only)
     rows = aggregate(outcome.rows)
     summary = summarize(rows, outcome.rows, args.tolerance)
-    note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
-    text = markdown(rows, metadata, summary, runs=len(outcome.rows), note=note)
+    text = page({"metadata": metadata, "rows": rows, "runs": outcome.rows, "summary": summary})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     summary=summary, plot=partial(write_plot, rows, outcome.rows, args.context),
                                     plot_name="bpb_vs_context.png")
     return framework.print_result({"markdown": text, "files": files})
 
 
-command = Experiment(SPEC, add_arguments=_add_arguments, run=_run)
+command = Experiment(SPEC, add_arguments=_add_arguments, run=_run, page=page)

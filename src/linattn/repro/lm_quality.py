@@ -186,6 +186,13 @@ def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "")
     return "\n".join(lines) + "\n"
 
 
+def page(results: dict) -> str:
+    """The page of ``results.json``'s contents: :func:`markdown` of its rows, runs and metadata."""
+    metadata = results["metadata"]
+    return markdown(results["rows"], results["runs"], metadata,
+                    note=framework.metadata_interim_note(metadata, len(results["runs"])))
+
+
 def _mebibytes(value: float | None) -> str:
     return "—" if not value else f"{value / 2**20:,.0f} MiB"
 
@@ -281,14 +288,14 @@ def _run(args: argparse.Namespace) -> int:
     grid = Grid(train=run_mechanism, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
                 label="repro lm", unit="run")
     outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
-    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused)
+    metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
+                    report_only=args.report_only)
     rows = framework.aggregate(outcome.rows, identity=("mechanism",),
                                constants=("parameters", "carry_windows", "test_tokens"))
-    note = framework.interim_note(len(outcome.rows), outcome.total) if args.report_only else ""
-    text = markdown(rows, outcome.rows, metadata, note=note)
+    text = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     plot=partial(write_plot, rows, outcome.rows), plot_name="loss_curves.png")
     return framework.print_result({"markdown": text, "files": files})
 
 
-command = Experiment(SPEC, add_arguments=_add_arguments, run=_run)
+command = Experiment(SPEC, add_arguments=_add_arguments, run=_run, page=page)

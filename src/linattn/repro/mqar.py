@@ -432,13 +432,21 @@ def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Se
     metadata = framework.experiment_metadata(
         device="cpu", command=command, shapes=shapes, seconds=outcome.seconds, config=asdict(config), seeds=seeds,
         mechanisms=list(mechanisms), jobs=jobs, threads=threads, reused_runs=outcome.reused,
+        grid_runs=outcome.total, report_only=report_only,
         paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient Language Models")
     rows = framework.aggregate(outcome.rows, identity=ROW_IDENTITY)
-    note = framework.interim_note(len(outcome.rows), outcome.total) if report_only else ""
-    markdown = markdown_report(rows, outcome.rows, command=command, config=config, metadata=metadata, note=note)
+    markdown = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=markdown,
                                     plot=partial(write_plot, rows), plot_name="mqar_accuracy.png")
     return {"metadata": metadata, "rows": rows, "runs": outcome.rows, "markdown": markdown, "files": files}
+
+
+def page(results: dict) -> str:
+    """The page of ``results.json``'s contents: :func:`markdown_report` of its rows and runs,
+    with the command and ``MQARConfig`` its metadata records."""
+    metadata, runs = results["metadata"], results["runs"]
+    return markdown_report(results["rows"], runs, command=metadata["command"], config=MQARConfig(**metadata["config"]),
+                           metadata=metadata, note=framework.metadata_interim_note(metadata, len(runs)))
 
 
 # --- command line -------------------------------------------------------------------
@@ -511,4 +519,4 @@ def _run(args: argparse.Namespace) -> int:
     return framework.print_result(run_experiment(mechanisms, d_models, tasks, config, **options))
 
 
-command = Experiment(SPEC, add_arguments=_add_arguments, run=_run)
+command = Experiment(SPEC, add_arguments=_add_arguments, run=_run, page=page)
