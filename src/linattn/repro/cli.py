@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 
 from .._command_group import add_command_group
-from . import conversion, demo, fwp_retrieval, length_extrapolation, lm_quality, mqar
+from . import conversion, demo, fwp_retrieval, length_extrapolation, lm_quality, long_range, mqar
 from .framework import Experiment
 
 REPRODUCTIONS: dict[str, Experiment] = {
     command.spec.name: command
     for command in (fwp_retrieval.capacity_command, fwp_retrieval.update_rule_command, mqar.command, lm_quality.command,
-                    conversion.command, length_extrapolation.command, demo.command)
+                    conversion.command, length_extrapolation.command, demo.command, long_range.command)
 }
 
 
