@@ -7,7 +7,7 @@ quantized to a finite set, should let it extrapolate better.
 **Task** (``make_long_range_batch``). Vocabulary ``V`` (default 256) split in three disjoint
 ranges: keys ``[0, K)``, values ``[K, 2K)`` and filler ``[2K, V)``, ``K = V // 4``. A
 sequence of length ``T`` holds ``N`` facts (default 4) and their ``N`` questions, each
-question exactly ``d`` tokens after its fact:
+question exactly ``d`` tokens after its fact's value:
 
 - the ``N`` keys of a sequence are distinct, and so are its ``N`` values (uniformly random
   subsets in random order);
@@ -35,7 +35,8 @@ embedding, gradient clipping at 1.0, loss = cross-entropy at the answer position
 commitment).
 
 **Evaluation.** The trained model at every ``d`` of the grid (default 16, 64, 128, 256, 512,
-1024, 2048, 4096; past ``D_train`` from 256 on, and past ``T_train``): ``--eval-sequences``
+1024, 2048, 4096: 16 within the local control's reach, past ``D_train`` and ``T_train`` from
+256 on): ``--eval-sequences``
 (default 64) sequences per ``d`` of length ``T(d) = d + 2N + M`` (``M = --eval-margin``,
 default 64, so ``p`` is uniform over ``[0, M - 1]``), from a generator seeded by (seed, d),
 the same for every mechanism. Each sequence is read whole in one forward pass from an empty
@@ -51,7 +52,16 @@ cannot answer at ``d >= 62``: a control that must sit at chance there). Equal pa
 counts: d_model, depth and heads are the same for all; each model's inner width (the
 SwiGLU hidden width of attention blocks, the GAU value width ``d_v`` of VQ layers; a multiple
 of 4) is chosen so its parameter count is nearest that of the ``softmax`` model at the
-default SwiGLU width (``matched_model_config``); the counts are reported.
+default SwiGLU width (``matched_model_config``); the counts are reported. A mechanism is one
+line of ``LONG_RANGE_SPECS``: any layer kind whose parameter count grows with ``ffn_hidden``
+or ``gau_d_v`` is matched the same way.
+
+**Budget.** About 0.3 s per training step of 16 x 256 tokens at one thread on the 2-core
+machine (from one timing of a few ``vq`` steps, scaled by the process's share of a busy
+machine), so about 7 minutes of training and at most a minute of evaluation per (mechanism,
+seed) at the defaults; four mechanisms at 3 seeds: about 1.7 CPU-hours, ``--jobs 2 --threads
+1``. ``--quick`` (8 steps of 8 x 48 tokens, distances 16 and 64, 8 sequences each, one seed)
+is a smoke test of seconds that learns nothing. Report: ``long_range_report``.
 """
 
 from __future__ import annotations
@@ -389,7 +399,8 @@ def run_experiment(mechanisms: Sequence[str], distances: Sequence[int], config: 
     note = framework.interim_note(len(outcome.rows), outcome.total) if report_only else ""
     markdown = markdown_report(rows, outcome.rows, distances=distances, config=config, metadata=metadata, note=note)
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=markdown,
-                                    plot=partial(write_plot, outcome.rows, distances=distances, config=config),
+                                    plot=partial(write_plot, outcome.rows, distances=distances, config=config,
+                                                 local_reach=metadata["local_reach"]),
                                     plot_name="accuracy_vs_distance.png")
     return {"metadata": metadata, "rows": rows, "runs": outcome.rows, "markdown": markdown, "files": files}
 

@@ -92,14 +92,19 @@ def _target(runs: Sequence[dict]) -> str:
     return ", ".join(f"{t:,}" for t in targets) + " parameters"
 
 
-def write_plot(runs: Sequence[dict], path: Path, *, distances: Sequence[int], config: LongRangeConfig) -> Path:
+def write_plot(runs: Sequence[dict], path: Path, *, distances: Sequence[int], config: LongRangeConfig,
+               local_reach: int | None = None) -> Path:
     """Accuracy against d (log2 axis), one line per mechanism: the mean over the seeds with
-    its min–max band; the largest training distance and chance marked."""
+    its min–max band; the largest training distance, chance and (``local_reach``, when given
+    and ``local`` is among the runs) the reach of the local control marked."""
     figure, axis = pyplot().subplots(figsize=(7.5, 4.5))
     names = list(dict.fromkeys(r["mechanism"] for r in runs))
     for index, name in enumerate(names):
         curves = [[(int(d), value) for d, value in run["accuracy"].items()] for run in runs if run["mechanism"] == name]
         framework.plot_band(axis, curves, color=f"C{index % 10}", marker="o", label=name)
+        if name == "local" and local_reach is not None:
+            axis.axvline(local_reach, color=f"C{index % 10}", linestyle=":", linewidth=1,
+                         label=f"reach of local ({local_reach})")
     axis.axvline(config.max_distance, color="gray", linestyle="--", linewidth=1,
                  label=f"largest training d ({config.max_distance})")
     axis.axhline(1 / (config.vocab_size // 4), color="gray", linestyle=":", linewidth=1, label="chance")
@@ -107,7 +112,7 @@ def write_plot(runs: Sequence[dict], path: Path, *, distances: Sequence[int], co
     axis.set_xticks(list(distances), [str(d) for d in distances])
     axis.tick_params(axis="x", which="minor", bottom=False, labelbottom=False)
     axis.set_ylim(-0.03, 1.03)
-    axis.set(xlabel="distance d (tokens between a fact and its question)", ylabel="answer accuracy",
+    axis.set(xlabel="distance d (tokens between a fact's value and its question)", ylabel="answer accuracy",
              title="Recall of a fact d tokens back" + (" (mean, band: min–max over seeds)"
                                                        if len(runs) > len(names) else ""))
     axis.grid(True, alpha=0.3)
