@@ -55,18 +55,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .._checks import check_fraction, check_int, check_positive_number, int_at_least, int_between, is_int
 from .._checks import positive_float
 from ..models import LM, LMConfig
-from ..train.optim import parameter_groups
-from ..train.schedule import learning_rate
 from . import framework
 from .framework import Experiment, ExperimentSpec, Grid, RunJournal, seeded_generator
 from .mqar_report import markdown_report, write_plot
-
-IGNORE = -100
+from .query_task import IGNORE, evaluate_queries, fit_queries, query_logits, query_positions  # noqa: F401
 
 # CLI name -> LMConfig attention spec ("local" gets its window appended).
 MQAR_LAYER_SPECS = {
@@ -136,35 +132,6 @@ def make_mqar_batch(
     return inputs, targets
 
 
-def query_positions(targets: torch.Tensor) -> torch.Tensor:
-    """``[B, N]`` sorted positions where ``targets != -100`` (every row must have the same count)."""
-    mask = targets != IGNORE
-    counts = mask.sum(1)
-    if counts.numel() == 0 or not bool((counts == counts[0]).all()) or int(counts[0]) == 0:
-        raise ValueError(f"every row needs the same number (>= 1) of query positions, got {counts.tolist()}")
-    return mask.nonzero()[:, 1].view(targets.shape[0], int(counts[0]))
-
-
-def query_logits(model: LM, inputs: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """``model(inputs)``'s logits at ``positions [B, N]`` only: ``([B, N, V], aux)``.
-
-    ``LM.forward`` runs unchanged except that a pre-hook on the final norm keeps only the
-    hidden states of the query positions, so the ``[B, T, V]`` output projection (the bulk of
-    the cost at V = 8192) is never built. Equal to ``model(inputs)[0].gather(...)``.
-    """
-    index = positions.unsqueeze(-1).expand(-1, -1, model.config.d_model)
-
-    def keep_queries(_module, args):
-        return (args[0].gather(1, index),)
-
-    handle = model.norm.register_forward_pre_hook(keep_queries)
-    try:
-        logits, _, aux = model(inputs)
-    finally:
-        handle.remove()
-    return logits, aux
-
-
 # --- models and training ------------------------------------------------------------
 
 
@@ -226,26 +193,10 @@ def default_pairs(seq_len: int) -> int:
     return max(1, seq_len // 16)
 
 
-@torch.no_grad()
 def evaluate(model: LM, seq_len: int, num_pairs: int, config: MQARConfig, generator: torch.Generator) -> dict:
     """Accuracy and mean cross-entropy on the query positions of ``eval_batches`` fresh batches."""
-    was_training = model.training
-    model.eval()  # no codebook statistics
-    hits = total = 0
-    loss_sum = 0.0
-    try:
-        for _ in range(config.eval_batches):
-            inputs, targets = make_mqar_batch(config.batch_size, seq_len, num_pairs, config.vocab_size,
-                                              config.power_a, generator)
-            positions = query_positions(targets)
-            logits, _ = query_logits(model, inputs, positions)
-            wanted = targets.gather(1, positions)
-            loss_sum += F.cross_entropy(logits.flatten(0, 1), wanted.flatten(), reduction="sum").item()
-            hits += int((logits.argmax(-1) == wanted).sum())
-            total += wanted.numel()
-    finally:
-        model.train(was_training)
-    return {"accuracy": hits / total, "loss": loss_sum / total, "queries": total}
+    return evaluate_queries(model, (make_mqar_batch(config.batch_size, seq_len, num_pairs, config.vocab_size,
+                                                    config.power_a, generator) for _ in range(config.eval_batches)))
 
 
 def train_run(
@@ -262,46 +213,16 @@ def train_run(
     make_mqar_batch(1, seq_len, num_pairs, config.vocab_size, config.power_a)  # validate the sizes up front
     torch.manual_seed(seeded_generator(config.seed, d_model, seq_len, num_pairs, 1).initial_seed())
     model = LM(model_cfg)
-    model.train()
-    # Matrices and the embedding decay (the published MQAR runs were trained so); norms, biases not.
-    groups = parameter_groups(model, config.weight_decay, decay_embeddings=True)
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=(0.9, 0.98))
     train_data = seeded_generator(config.seed, seq_len, num_pairs, 2)
     eval_data = seeded_generator(config.seed, seq_len, num_pairs, 3)
-    warmup = max(1, round(config.warmup_fraction * config.steps))
-    log_every = max(1, config.steps // 50)
-    curve: list[list[float]] = []
-    recent: list[float] = []
-    steps_taken = 0
-    status = "ok"
     start = time.perf_counter()
-    for step in range(1, config.steps + 1):
-        lr = learning_rate(step - 1, peak=config.lr, total_steps=config.steps, warmup_steps=warmup,
-                           min_ratio=config.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        inputs, targets = make_mqar_batch(config.batch_size, seq_len, num_pairs, config.vocab_size,
-                                          config.power_a, train_data)
-        positions = query_positions(targets)
-        logits, aux = query_logits(model, inputs, positions)
-        task_loss = F.cross_entropy(logits.flatten(0, 1), targets.gather(1, positions).flatten())
-        loss = task_loss + aux["commit_loss"]
-        if not torch.isfinite(loss):
-            status = "non_finite"
-            break
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-        optimizer.step()
-        model.update_codebooks()
-        steps_taken += 1
-        value = task_loss.item()
-        recent = (recent + [value])[-20:]
-        if step % log_every == 0 or step == config.steps:
-            curve.append([step, value])
-            if on_step is not None:
-                on_step(step, value)
-    train_seconds = time.perf_counter() - start
+    # Matrices and the embedding decay (the published MQAR runs were trained so); norms, biases not.
+    fit = fit_queries(model, lambda: make_mqar_batch(config.batch_size, seq_len, num_pairs, config.vocab_size,
+                                                     config.power_a, train_data),
+                      steps=config.steps, lr=config.lr, weight_decay=config.weight_decay,
+                      warmup_fraction=config.warmup_fraction, min_lr_ratio=config.min_lr_ratio,
+                      grad_clip=config.grad_clip, on_step=on_step)
+    status = fit["status"]
     # A diverged run scores 0 and has no evaluation loss (None keeps results.json strict JSON).
     result = evaluate(model, seq_len, num_pairs, config, eval_data) if status == "ok" else None
     if result is None or not math.isfinite(result["loss"]):
@@ -319,14 +240,14 @@ def train_run(
         "accuracy": result["accuracy"],
         "eval_loss": result["loss"],
         "eval_queries": result["queries"],
-        "final_loss": sum(recent) / len(recent) if recent else None,  # mean train CE of the last 20 steps
-        "steps": steps_taken,
+        "final_loss": fit["final_loss"],  # mean train CE of the last 20 steps
+        "steps": fit["steps"],
         "status": status,
         "seconds": time.perf_counter() - start,
-        "train_seconds": train_seconds,
+        "train_seconds": fit["train_seconds"],
         "parameters": model.num_parameters(),
         "codebook_usage": usage,
-        "loss_curve": curve,
+        "loss_curve": fit["loss_curve"],
     }
 
 
