@@ -154,6 +154,21 @@ class DeltaNetState(_State):
 
 
 @dataclass
+class RetentionState(_State):
+    """Decode state of the ``linattn.nn.MultiScaleRetention`` layer (RetNet).
+
+    ``attention``: the decayed sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
+    features, no normaliser; it records those). ``steps``: positions consumed, the rotary
+    position of the next one. ``rotary_base``: the base of the rotary positions the stored
+    keys were turned by (None: unknown, only shapes are checked).
+    """
+
+    attention: LinearAttentionState
+    steps: int = 0
+    rotary_base: float | None = None
+
+
+@dataclass
 class VQAttentionState(_State):
     """Decode state of Transformer-VQ attention (``vq_attention``), per key/value head.
 

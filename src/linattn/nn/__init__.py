@@ -7,9 +7,10 @@ from .fsq import FSQuantizer
 from .gau import GAU
 from .linformer import LinformerAttention
 from .quantizer import VectorQuantizer
+from .retention import MultiScaleRetention
 from .short_conv import ShortConvolution
 
 __all__ = [
-    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "LinformerAttention", "ShortConvolution",
-    "VectorQuantizer", "kmeans",
+    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "LinformerAttention", "MultiScaleRetention",
+    "ShortConvolution", "VectorQuantizer", "kmeans",
 ]
