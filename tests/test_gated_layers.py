@@ -1,4 +1,5 @@
-"""The gated layers: multi-scale retention (``retnet``). Each layer's forward equals its math written out here in
+"""The gated layers: multi-scale retention (``retnet``) and gated linear attention (``gla``).
+Each layer's forward equals its math written out here in
 float64 with a loop over positions (the projections, rotary positions, gates, norms and the
 recurrence step by step; the ops are not called), gradients included; decoding token by token
 and in pieces equals the full pass; states of another kind, setting or batch are refused;
@@ -13,13 +14,13 @@ import torch
 
 import linattn
 from _helpers import F64
-from linattn.nn import MultiScaleRetention
-from linattn.state import LinearAttentionState, RetentionState
+from linattn.nn import GatedLinearAttention, MultiScaleRetention
+from linattn.state import GatedLinearAttentionState, LinearAttentionState, RetentionState
 
 torch.set_num_threads(1)
 
 D_MODEL, HEADS, KV_HEADS = 24, 4, 2
-LAYERS = {"retnet": MultiScaleRetention}
+LAYERS = {"retnet": MultiScaleRetention, "gla": GatedLinearAttention}
 KINDS = list(LAYERS)
 
 
@@ -74,6 +75,10 @@ def read(S, q_t, H):
     return torch.stack([(S[:, h // group] * q_t[:, h, :, None]).sum(1) for h in range(H)], 1)
 
 
+def rms_norm(o, norm):
+    return o / torch.sqrt(o.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight
+
+
 def gated_output(layer, x, o, norm):
     """``W_o (norm(o) * swish(W_g x))`` for head outputs ``o [B, T, H, D]``."""
     gate = linear(x, layer.gate_proj)
@@ -104,8 +109,24 @@ def retnet_reference(layer: MultiScaleRetention, x):
     return gated_output(layer, x, o, group_norm), S
 
 
-REFERENCES = {"retnet": retnet_reference}
-STATE_TYPES = {"retnet": RetentionState}
+def gla_reference(layer: GatedLinearAttention, x):
+    B, T, _ = x.shape
+    H, Hkv, D = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    q, k, v = (split_heads(linear(x, p), n) for p, n in ((layer.q_proj, H), (layer.k_proj, Hkv), (layer.v_proj, Hkv)))
+    # the paper's form of the gate: alpha = sigmoid(x W1 W2 + b)^(1/tau)
+    alpha = torch.sigmoid(linear(linear(x, layer.decay_down), layer.decay_up) + layer.decay_bias)
+    alpha = split_heads(alpha ** (1 / layer.gate_temperature), Hkv)
+    S = torch.zeros(B, Hkv, D, D, dtype=F64)
+    outs = []
+    for t in range(T):
+        S = alpha[:, t, :, :, None] * S + k[:, t, :, :, None] * v[:, t, :, None, :]
+        outs.append(read(S, q[:, t], H))
+    o = torch.stack(outs, 1) / math.sqrt(D)
+    return gated_output(layer, x, o, lambda o: rms_norm(o, layer.norm)), S
+
+
+REFERENCES = {"retnet": retnet_reference, "gla": gla_reference}
+STATE_TYPES = {"retnet": RetentionState, "gla": GatedLinearAttentionState}
 
 
 def final_memory(state):
@@ -138,8 +159,8 @@ def test_forward_and_final_state_equal_the_written_out_recurrence(kind, layout):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_equal_the_written_out_recurrence_and_are_finite(kind):
-    """Gradients w.r.t. the input and every parameter, float64, against autograd through the
-    loop above."""
+    """Gradients w.r.t. the input and every parameter (GLA's gate bias included), float64,
+    against autograd through the loop above."""
     layer = make(kind)
     x = inputs(T=9, requires_grad=True)
     weights = torch.randn(2, 9, D_MODEL, generator=torch.Generator().manual_seed(7), dtype=F64)
@@ -233,6 +254,34 @@ def test_retention_decays_are_the_papers_and_positions_are_rotary():
     assert (other(x)[0] - layer(x)[0]).abs().max() > 1e-3
 
 
+def test_gla_gate_temperature_and_rank_are_the_layers_settings():
+    base = make("gla")
+    assert base.gate_temperature == 16.0 and base.decay_down.out_features == 16
+    hot = make("gla", gate_temperature=2.0)
+    x = inputs()
+    assert (hot(x)[0] - base(x)[0]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="gate_temperature"):
+        GatedLinearAttention(D_MODEL, HEADS, gate_temperature=0.0)
+    with pytest.raises(ValueError, match="gate_rank"):
+        GatedLinearAttention(D_MODEL, HEADS, gate_rank=0)
+
+
+@pytest.mark.parametrize("kind", ["gla"])
+def test_strong_decays_stay_finite_and_exact(kind):
+    """Decays of exp(-300) per step (each state forgets almost everything at once) over
+    several chunks: finite, and equal to the loop."""
+    layer = make(kind)
+    with torch.no_grad():
+        layer.decay_bias.fill_(-300.0 * layer.gate_temperature)  # logsigmoid(-4800) / 16 ~ -300
+        layer.decay_up.weight.zero_()
+    x = inputs(T=11)
+    y, state, _ = layer(x)
+    expected, memory = REFERENCES[kind](layer, x)
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, expected, rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(final_memory(state), memory, rtol=1e-9, atol=1e-12)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_layer_is_causal(kind):
     layer = make(kind)
@@ -260,7 +309,7 @@ def test_retention_needs_an_even_head_dimension():
         MultiScaleRetention(15, 3)
     with pytest.raises(ValueError, match="'retnet' uses rotary positions"):
         linattn.LMConfig(n_layers=1, attention="retnet", d_model=15, n_heads=3)
-    linattn.LMConfig(n_layers=1, attention="delta", d_model=15, n_heads=3)  # no rotary positions
+    linattn.LMConfig(n_layers=1, attention="gla", d_model=15, n_heads=3)
 
 
 # ----------------------------------------------------------------------------- states of another kind
@@ -268,6 +317,14 @@ def test_retention_needs_an_even_head_dimension():
 
 def _state(kind, **options):
     return make(kind, **options)(inputs(T=5))[1]
+
+
+@pytest.mark.parametrize("made_by, used_by", [("retnet", "gla"), ("gla", "retnet")])
+def test_a_state_of_another_gated_kind_is_refused(made_by, used_by):
+    state = _state(made_by)
+    with pytest.raises(TypeError, match=f"state is a {STATE_TYPES[used_by].__name__}, got {type(state).__name__}"):
+        make(used_by)(inputs(T=1, seed=2), state)
+    make(made_by)(inputs(T=1, seed=2), state)  # the contrast: its own kind continues it
 
 
 def test_retention_and_kernel_attention_refuse_each_others_states():
@@ -284,15 +341,15 @@ def test_retention_and_kernel_attention_refuse_each_others_states():
         kernel(inputs(T=1), _state("retnet"))
 
 
-def test_the_lm_refuses_a_state_of_another_kind():
+def test_the_lm_refuses_a_state_of_another_gated_kind():
     def model(attention):
         torch.manual_seed(0)
         return linattn.LM(linattn.LMConfig(d_model=16, n_heads=2, n_layers=1, attention=attention)).double().eval()
 
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
     _, state, _ = model("retnet")(ids)
-    with pytest.raises(ValueError, match=r"attention=\['retnet'\].*attention=\['linear:identity'\]"):
-        model("linear:identity")(ids[:, :1], state)
+    with pytest.raises(ValueError, match=r"attention=\['retnet'\].*attention=\['gla'\]"):
+        model("gla")(ids[:, :1], state)
     model("retnet")(ids[:, :1], state)
 
 
@@ -314,7 +371,7 @@ def test_the_kind_builds_its_layer_from_the_config(kind):
     assert mixer.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.2)
 
 
-@pytest.mark.parametrize("spec", ["retnet:4", "retnet:nope"])
+@pytest.mark.parametrize("spec", ["retnet:4", "gla:16"])
 def test_the_kinds_take_no_option(spec):
     with pytest.raises(ValueError, match="unknown layer attention spec"):
         linattn.LMConfig(n_layers=1, attention=spec)

@@ -19,8 +19,8 @@ import linattn
 from _helpers import F64, make_qkv
 from linattn import LM, LMConfig, LMState
 from linattn.feature_maps import FAVOR
-from linattn.nn import (GAU, Attention, DeltaNet, FSQuantizer, LinformerAttention, MultiScaleRetention,
-                        ShortConvolution, VectorQuantizer)
+from linattn.nn import (GAU, Attention, DeltaNet, FSQuantizer, GatedLinearAttention, LinformerAttention,
+                        MultiScaleRetention, ShortConvolution, VectorQuantizer)
 from linattn.state import KVCacheState, _State
 from linattn.train.checkpoint import flatten_state, unflatten_state
 from linattn.train.microbatch import join_states, split_state
@@ -200,6 +200,7 @@ LAYER_CASES = [
      lambda: Attention(12, 2, mechanism="local", window=4), 3, False, BATCH),
     ("delta-net-batch", lambda: DeltaNet(12, 2), lambda: DeltaNet(12, 2), 3, False, BATCH),
     ("retention-batch", lambda: MultiScaleRetention(12, 2), lambda: MultiScaleRetention(12, 2), 3, False, BATCH),
+    ("gla-batch", lambda: GatedLinearAttention(12, 2), lambda: GatedLinearAttention(12, 2), 3, False, BATCH),
     ("gau-vq-batch-decode", _gau, _gau, 3, False, BATCH),
     ("gau-vq-batch", _gau, _gau, 3, True, BATCH),
     ("gau-soft-vq-batch", lambda: _gau(attention="soft-vq"), lambda: _gau(attention="soft-vq"), 3, False, BATCH),
@@ -293,7 +294,7 @@ def test_without_the_model_settings_the_layers_still_check_their_states():
 
 
 @pytest.mark.parametrize("attention", ["vq", "linear:elu", "delta", "local:4", "softmax", "soft-vq", "gau-softmax",
-                                       "retnet"])
+                                       "retnet", "gla"])
 def test_the_lm_refuses_a_state_of_another_batch_size(attention):
     model = tiny_lm(attention)
     _, state, _ = model(ids(B=2))
@@ -343,12 +344,12 @@ def known(value) -> set[str]:
     return found
 
 
-ALL_KINDS = "vq,vq-fsq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,retnet,local:4"
+ALL_KINDS = "vq,vq-fsq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,retnet,gla,local:4"
 
 
 @pytest.fixture(scope="module")
 def lm_state():
-    model = tiny_lm(ALL_KINDS, n_layers=10)
+    model = tiny_lm(ALL_KINDS, n_layers=11)
     _, state, _ = model(ids(B=4))
     return model, state
 
@@ -356,7 +357,7 @@ def lm_state():
 def test_every_layer_state_records_its_settings(lm_state):
     model, state = lm_state
     assert state.model == model.state_settings and dict(state.model)["attention"][-1] == "local:4"
-    vq, fsq, soft, gau_softmax, softmax, elu, favor, delta_state, retnet, local_state = state.layers
+    vq, fsq, soft, gau_softmax, softmax, elu, favor, delta_state, retnet, gla, local_state = state.layers
     assert (vq[0].block_size, vq[0].codebook_size, fsq[1].codebook_size) == (4, 8, 8 * 5 * 5 * 5)
     assert (soft[0].block_size, soft[0].codebook_size) == (4, 8)
     assert gau_softmax[0].window is None and softmax.window is None and local_state.window == 4
@@ -364,6 +365,7 @@ def test_every_layer_state_records_its_settings(lm_state):
     assert favor.feature_map == "favor:8:seed=6"  # feature_seed 0 + the layer's index
     assert (delta_state.rule.feature_map, delta_state.rule.normalize, delta_state.short_conv) == ("identity", "l2", 4)
     assert (retnet.attention.feature_map, retnet.attention.normalize, retnet.rotary_base) == ("identity", "none", 1e4)
+    assert (gla.attention.feature_map, gla.attention.normalize) == ("identity", "none")
 
 
 def test_the_settings_survive_a_checkpoint(lm_state):
@@ -473,6 +475,7 @@ LAYER_EMPTY = [
     ("attention-local", lambda: Attention(12, 2, mechanism="local", window=2)),
     ("delta-net", lambda: DeltaNet(12, 2, short_conv=4)),
     ("retention", lambda: MultiScaleRetention(12, 2)),
+    ("gla", lambda: GatedLinearAttention(12, 2)),
     ("gau-vq", lambda: GAU(12, d_k=8, codebook_size=6, block_size=2)),
     ("gau-fsq", lambda: GAU(12, d_k=8, block_size=2, attention="fsq")),
     ("gau-soft-vq", lambda: GAU(12, d_k=8, codebook_size=6, block_size=2, attention="soft-vq")),
@@ -497,7 +500,7 @@ def test_a_quantizer_refuses_an_empty_batch(quantizer):
 
 
 @pytest.mark.parametrize("attention", ["vq", "linear:elu", "favor", "delta", "local:4", "softmax", "soft-vq",
-                                       "gau-softmax", "vq-fsq", "retnet"])
+                                       "gau-softmax", "vq-fsq", "retnet", "gla"])
 def test_the_lm_refuses_an_empty_batch(attention):
     model = tiny_lm(attention)
     empty = torch.zeros(0, 3, dtype=torch.long)

@@ -169,6 +169,19 @@ class RetentionState(_State):
 
 
 @dataclass
+class GatedLinearAttentionState(_State):
+    """Decode state of the ``linattn.nn.GatedLinearAttention`` layer (GLA).
+
+    ``attention``: the gated sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
+    features, no normaliser; it records those). ``steps``: positions consumed. The gate has
+    no setting a continuation must share beyond the shapes.
+    """
+
+    attention: LinearAttentionState
+    steps: int = 0
+
+
+@dataclass
 class VQAttentionState(_State):
     """Decode state of Transformer-VQ attention (``vq_attention``), per key/value head.
 

@@ -5,12 +5,13 @@ from .codebook import Codebook, kmeans
 from .delta_net import DeltaNet
 from .fsq import FSQuantizer
 from .gau import GAU
+from .gla import GatedLinearAttention
 from .linformer import LinformerAttention
 from .quantizer import VectorQuantizer
 from .retention import MultiScaleRetention
 from .short_conv import ShortConvolution
 
 __all__ = [
-    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "LinformerAttention", "MultiScaleRetention",
-    "ShortConvolution", "VectorQuantizer", "kmeans",
+    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "GatedLinearAttention", "LinformerAttention",
+    "MultiScaleRetention", "ShortConvolution", "VectorQuantizer", "kmeans",
 ]
