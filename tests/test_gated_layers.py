@@ -1,5 +1,5 @@
-"""The gated layers: multi-scale retention (``retnet``) and gated linear attention (``gla``).
-Each layer's forward equals its math written out here in
+"""The gated layers: multi-scale retention (``retnet``), gated linear attention (``gla``) and
+Gated DeltaNet (``gated-delta``). Each layer's forward equals its math written out here in
 float64 with a loop over positions (the projections, rotary positions, gates, norms and the
 recurrence step by step; the ops are not called), gradients included; decoding token by token
 and in pieces equals the full pass; states of another kind, setting or batch are refused;
@@ -11,16 +11,19 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import linattn
 from _helpers import F64
-from linattn.nn import GatedLinearAttention, MultiScaleRetention
-from linattn.state import GatedLinearAttentionState, LinearAttentionState, RetentionState
+from linattn.nn import DeltaNet, GatedDeltaNet, GatedLinearAttention, MultiScaleRetention
+from linattn.state import (DeltaNetState, GatedDeltaNetState, GatedLinearAttentionState, LinearAttentionState,
+                           RetentionState)
+from linattn.train.optim import parameter_groups
 
 torch.set_num_threads(1)
 
 D_MODEL, HEADS, KV_HEADS = 24, 4, 2
-LAYERS = {"retnet": MultiScaleRetention, "gla": GatedLinearAttention}
+LAYERS = {"retnet": MultiScaleRetention, "gla": GatedLinearAttention, "gated-delta": GatedDeltaNet}
 KINDS = list(LAYERS)
 
 
@@ -125,13 +128,40 @@ def gla_reference(layer: GatedLinearAttention, x):
     return gated_output(layer, x, o, lambda o: rms_norm(o, layer.norm)), S
 
 
-REFERENCES = {"retnet": retnet_reference, "gla": gla_reference}
-STATE_TYPES = {"retnet": RetentionState, "gla": GatedLinearAttentionState}
+def gated_delta_reference(layer: GatedDeltaNet, x):
+    B, T, _ = x.shape
+    H, Hkv, D = layer.n_heads, layer.n_kv_heads, layer.head_dim
+    qkv = torch.cat([linear(x, layer.q_proj), linear(x, layer.k_proj), linear(x, layer.v_proj)], -1)
+    if layer.conv is not None:  # causal depthwise: y_t = b + sum_i w_i qkv_{t-K+1+i}, zeros before 0
+        K = layer.conv.kernel_size
+        padded = F.pad(qkv, (0, 0, K - 1, 0))
+        qkv = torch.stack([(padded[:, t : t + K] * layer.conv.weight[:, 0].T).sum(1) for t in range(T)], 1)
+        qkv = qkv + layer.conv.bias
+    qkv = qkv * torch.sigmoid(qkv)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], -1)
+    q, k, v = split_heads(q, H), split_heads(k, Hkv), split_heads(v, Hkv)
+    q, k = q / q.norm(dim=-1, keepdim=True), k / k.norm(dim=-1, keepdim=True)
+    beta = torch.sigmoid(linear(x, layer.beta_proj))  # [B, T, Hkv]
+    dt = F.softplus(linear(x, layer.decay_proj) + layer.dt_bias)
+    alpha = torch.exp(-torch.exp(layer.A_log) * dt)  # Mamba-2's exp(-dt A)
+    eye = torch.eye(D, dtype=F64)
+    S = torch.zeros(B, Hkv, D, D, dtype=F64)
+    outs = []
+    for t in range(T):
+        k_t, v_t, b_t = k[:, t, :, :, None], v[:, t, :, None, :], beta[:, t, :, None, None]
+        S = (eye - b_t * k_t @ k_t.transpose(-1, -2)) @ (alpha[:, t, :, None, None] * S) + b_t * k_t @ v_t
+        outs.append(read(S, q[:, t], H))
+    o = torch.stack(outs, 1) / math.sqrt(D)
+    return gated_output(layer, x, o, lambda o: rms_norm(o, layer.norm)), S
+
+
+REFERENCES = {"retnet": retnet_reference, "gla": gla_reference, "gated-delta": gated_delta_reference}
+STATE_TYPES = {"retnet": RetentionState, "gla": GatedLinearAttentionState, "gated-delta": GatedDeltaNetState}
 
 
 def final_memory(state):
     """The recurrent matrix ``[B, Hkv, Dk, Dv]`` inside a layer's state."""
-    return state.attention.kv
+    return state.rule.memory if hasattr(state, "rule") else state.attention.kv
 
 
 # ----------------------------------------------------------------------------- forward and gradients
@@ -159,8 +189,8 @@ def test_forward_and_final_state_equal_the_written_out_recurrence(kind, layout):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_gradients_equal_the_written_out_recurrence_and_are_finite(kind):
-    """Gradients w.r.t. the input and every parameter (GLA's gate bias included), float64,
-    against autograd through the loop above."""
+    """Gradients w.r.t. the input and every parameter (the decays' A_log, dt_bias and gate bias
+    included), float64, against autograd through the loop above."""
     layer = make(kind)
     x = inputs(T=9, requires_grad=True)
     weights = torch.randn(2, 9, D_MODEL, generator=torch.Generator().manual_seed(7), dtype=F64)
@@ -266,14 +296,36 @@ def test_gla_gate_temperature_and_rank_are_the_layers_settings():
         GatedLinearAttention(D_MODEL, HEADS, gate_rank=0)
 
 
-@pytest.mark.parametrize("kind", ["gla"])
+def test_gated_delta_net_initial_decays_are_mamba2s():
+    """A = exp(A_log) in [1, 16]; softplus(dt_bias) = dt in [1e-3, 1e-1]; no weight decay on them."""
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(64, 8, n_kv_heads=8)
+    A, dt = layer.A_log.exp(), F.softplus(layer.dt_bias)
+    assert (A >= 1).all() and (A <= 16).all() and A.max() - A.min() > 1
+    assert (dt >= 1e-3 * (1 - 1e-6)).all() and (dt <= 1e-1 * (1 + 1e-6)).all() and dt.max() / dt.min() > 3
+    no_decay = parameter_groups(layer, 0.1)[1]["params"]
+    assert any(p is layer.A_log for p in no_decay) and any(p is layer.dt_bias for p in no_decay)
+
+
+def test_gated_delta_net_without_a_short_convolution_applies_silu_alone():
+    layer = make("gated-delta", short_conv=None)
+    x = inputs()
+    torch.testing.assert_close(layer(x)[0], gated_delta_reference(layer, x)[0], rtol=1e-10, atol=1e-12)
+    assert layer(x)[1].conv is None and layer(x)[1].short_conv == 0
+
+
+@pytest.mark.parametrize("kind", ["gla", "gated-delta"])
 def test_strong_decays_stay_finite_and_exact(kind):
     """Decays of exp(-300) per step (each state forgets almost everything at once) over
     several chunks: finite, and equal to the loop."""
     layer = make(kind)
     with torch.no_grad():
-        layer.decay_bias.fill_(-300.0 * layer.gate_temperature)  # logsigmoid(-4800) / 16 ~ -300
-        layer.decay_up.weight.zero_()
+        if kind == "gla":
+            layer.decay_bias.fill_(-300.0 * layer.gate_temperature)  # logsigmoid(-4800) / 16 ~ -300
+            layer.decay_up.weight.zero_()
+        else:
+            layer.A_log.fill_(math.log(16.0))
+            layer.dt_bias.fill_(20.0)  # g ~ -16 * 20 = -320
     x = inputs(T=11)
     y, state, _ = layer(x)
     expected, memory = REFERENCES[kind](layer, x)
@@ -309,7 +361,7 @@ def test_retention_needs_an_even_head_dimension():
         MultiScaleRetention(15, 3)
     with pytest.raises(ValueError, match="'retnet' uses rotary positions"):
         linattn.LMConfig(n_layers=1, attention="retnet", d_model=15, n_heads=3)
-    linattn.LMConfig(n_layers=1, attention="gla", d_model=15, n_heads=3)
+    linattn.LMConfig(n_layers=2, attention="gla,gated-delta", d_model=15, n_heads=3)
 
 
 # ----------------------------------------------------------------------------- states of another kind
@@ -319,12 +371,26 @@ def _state(kind, **options):
     return make(kind, **options)(inputs(T=5))[1]
 
 
-@pytest.mark.parametrize("made_by, used_by", [("retnet", "gla"), ("gla", "retnet")])
+@pytest.mark.parametrize("made_by, used_by", [("retnet", "gla"), ("gla", "retnet"), ("gated-delta", "retnet"),
+                                              ("retnet", "gated-delta")])
 def test_a_state_of_another_gated_kind_is_refused(made_by, used_by):
     state = _state(made_by)
     with pytest.raises(TypeError, match=f"state is a {STATE_TYPES[used_by].__name__}, got {type(state).__name__}"):
         make(used_by)(inputs(T=1, seed=2), state)
     make(made_by)(inputs(T=1, seed=2), state)  # the contrast: its own kind continues it
+
+
+def test_delta_net_and_gated_delta_net_refuse_each_others_states():
+    """Both hold a delta-rule memory of the same shape: only the state's type tells them apart."""
+    gated = _state("gated-delta")
+    torch.manual_seed(0)
+    plain = DeltaNet(D_MODEL, HEADS, n_kv_heads=KV_HEADS, short_conv=4).double()
+    plain_state = plain(inputs(T=5))[1]
+    assert isinstance(plain_state, DeltaNetState)
+    with pytest.raises(TypeError, match="GatedDeltaNet's state is a GatedDeltaNetState, got DeltaNetState"):
+        make("gated-delta")(inputs(T=1), plain_state)
+    with pytest.raises(TypeError, match="DeltaNet's state is a DeltaNetState, got GatedDeltaNetState"):
+        plain(inputs(T=1), gated)
 
 
 def test_retention_and_kernel_attention_refuse_each_others_states():
@@ -359,19 +425,23 @@ def test_the_lm_refuses_a_state_of_another_gated_kind():
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_kind_builds_its_layer_from_the_config(kind):
     config = linattn.LMConfig(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, attention=kind, chunk_size=8,
-                              rotary_base=500.0)
+                              rotary_base=500.0, delta_short_conv=3)
     model = linattn.LM(config)
     mixer = model.layers[0].mixer
     assert type(mixer) is LAYERS[kind]
     assert (mixer.n_heads, mixer.n_kv_heads, mixer.head_dim, mixer.chunk_size) == (4, 2, 8, 8)
     if kind == "retnet":
         assert mixer.rotary_base == 500.0
+    if kind == "gated-delta":
+        assert mixer.conv.kernel_size == 3
+        without = linattn.LMConfig(**{**config.to_dict(), "delta_short_conv": None})
+        assert linattn.LM(without).layers[0].mixer.conv is None
     # output projections start with the residual std init_std / sqrt(2 n_layers)
     assert mixer.o_proj.weight.std().item() == pytest.approx(0.02 / 2, rel=0.2)
     assert mixer.q_proj.weight.std().item() == pytest.approx(0.02, rel=0.2)
 
 
-@pytest.mark.parametrize("spec", ["retnet:4", "gla:16"])
+@pytest.mark.parametrize("spec", ["retnet:4", "gla:16", "gated-delta:elu", "gated_delta"])
 def test_the_kinds_take_no_option(spec):
     with pytest.raises(ValueError, match="unknown layer attention spec"):
         linattn.LMConfig(n_layers=1, attention=spec)

@@ -23,7 +23,7 @@ from _helpers import codebook_trainer, lm_eval_task
 torch.set_num_threads(1)
 
 KINDS = ["vq", "soft-vq", "gau-softmax", "softmax", "linear:elu", "linear:relu", "linear:dpfp", "linear:taylor",
-         "favor", "delta", "delta:dpfp", "delta:elu", "retnet", "gla", "local:4", "local:4,vq,delta"]
+         "favor", "delta", "delta:dpfp", "delta:elu", "retnet", "gla", "gated-delta", "local:4", "local:4,vq,delta"]
 
 
 def tiny_lm(attention: str = "vq", seed: int = 0, **overrides) -> LM:
@@ -203,7 +203,7 @@ def test_bad_input_is_named(call, match):
 
 
 @pytest.mark.parametrize("attention", ["vq", "softmax", "delta", "local:4", "linear:elu", "local:4,vq,delta",
-                                       "retnet,gla"])
+                                       "retnet,gla,gated-delta"])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(attention):
     lm = tiny_lm(attention)
     model = H.LinattnForCausalLM.from_lm(lm).eval()
@@ -284,7 +284,7 @@ def saved(tmp_path_factory, request):
     return lm, out
 
 
-@pytest.mark.parametrize("saved", ["local:4,vq,delta", "retnet,gla"], indirect=True)
+@pytest.mark.parametrize("saved", ["local:4,vq,delta", "retnet,gla,gated-delta"], indirect=True)
 def test_save_and_load_give_identical_logits_tokens_and_buffers(saved):
     lm, out = saved
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}

@@ -21,12 +21,12 @@ torch.set_num_threads(1)
 
 # every projection of every layer kind: the GAU's (w_r included: its relative terms are
 # cached without gradients), multi-head attention's, DeltaNet's, the gated layers' (output
-# gates, GLA's low-rank decay) and the SwiGLU FFN's
+# gates, GLA's low-rank decay, Gated DeltaNet's decay rate) and the SwiGLU FFN's
 TARGETS = ["w_q", "w_k", "w_v", "w_g", "w_o", "w_r", "q_proj", "k_proj", "v_proj", "o_proj", "beta_proj",
-           "gate_proj", "decay_down", "decay_up", "w_gate", "w_up", "w_down"]
+           "gate_proj", "decay_down", "decay_up", "decay_proj", "w_gate", "w_up", "w_down"]
 # each mix with a GAU kind: those are the layers with fast paths that read weights
 GAU_MIXES = ["vq,softmax,delta", "gau-softmax,linear:elu,local:4"]
-MIXES = [*GAU_MIXES, "retnet,gla"]
+MIXES = [*GAU_MIXES, "retnet,gla,gated-delta"]
 
 
 def tiny_lm(attention: str, seed: int = 0) -> LM:

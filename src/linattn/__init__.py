@@ -16,8 +16,8 @@ from .ops.softmax import softmax_attention
 from .ops.soft_vq import soft_vq_attention
 from .ops.vq import vq_attention
 from .nn import Codebook, FSQuantizer, VectorQuantizer
-from .state import (DeltaNetState, DeltaRuleState, GatedLinearAttentionState, KVCacheState, LinearAttentionState,
-                    LMState, RetentionState, VQAttentionState)
+from .state import (DeltaNetState, DeltaRuleState, GatedDeltaNetState, GatedLinearAttentionState, KVCacheState,
+                    LinearAttentionState, LMState, RetentionState, VQAttentionState)
 
 __version__ = "0.1.0"
 
@@ -41,6 +41,7 @@ __all__ = [
     "DeltaNetState",
     "RetentionState",
     "GatedLinearAttentionState",
+    "GatedDeltaNetState",
     "LMState",
     "LM",
     "LMConfig",

@@ -182,6 +182,22 @@ class GatedLinearAttentionState(_State):
 
 
 @dataclass
+class GatedDeltaNetState(_State):
+    """Decode state of the ``linattn.nn.GatedDeltaNet`` layer.
+
+    ``rule``: the gated delta-rule memory. ``conv``: ``[B, C, kernel_size - 1]`` last inputs
+    of the short causal convolution over the q/k/v channels (None without one).
+    ``short_conv``: the kernel size of that convolution, 0 for a layer without one (None:
+    unknown, only shapes are checked).
+    """
+
+    rule: DeltaRuleState
+    conv: torch.Tensor | None = None
+    steps: int = 0
+    short_conv: int | None = None
+
+
+@dataclass
 class VQAttentionState(_State):
     """Decode state of Transformer-VQ attention (``vq_attention``), per key/value head.
 

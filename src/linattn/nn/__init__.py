@@ -4,6 +4,7 @@ from .attention import Attention
 from .codebook import Codebook, kmeans
 from .delta_net import DeltaNet
 from .fsq import FSQuantizer
+from .gated_delta_net import GatedDeltaNet
 from .gau import GAU
 from .gla import GatedLinearAttention
 from .linformer import LinformerAttention
@@ -12,6 +13,6 @@ from .retention import MultiScaleRetention
 from .short_conv import ShortConvolution
 
 __all__ = [
-    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "GatedLinearAttention", "LinformerAttention",
-    "MultiScaleRetention", "ShortConvolution", "VectorQuantizer", "kmeans",
+    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "GatedDeltaNet", "GatedLinearAttention",
+    "LinformerAttention", "MultiScaleRetention", "ShortConvolution", "VectorQuantizer", "kmeans",
 ]
