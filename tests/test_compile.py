@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 # maps (a torch.cond decides their float64 recomputation), which
 # test_linear_float64_fallback_is_decided_inside_the_graph covers for "exp"
 KINDS = ["vq", "vq-fsq", "soft-vq", "gau-softmax:entropy", "softmax:nope:entropy", "linear:elu", "favor", "delta",
-         "local:4:entropy"]
+         "retnet", "gla", "gated-delta", "local:4:entropy"]
 
 
 @pytest.fixture(autouse=True)
@@ -97,11 +97,13 @@ def test_training_forward_compiles_as_one_graph_and_equals_eager(attention):
         torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=1e-9)
 
 
-def test_delta_backward_traces_through_aot_autograd():
+@pytest.mark.parametrize("attention", ["delta", "gla", "gated-delta"])
+def test_chunked_backward_traces_through_aot_autograd(attention):
     """AOTAutograd traces forward and backward as one graph, through the chunked delta rule's
-    hand-written backward, here on a window with a carried state: loss and gradients equal
-    eager's to float32 rounding (AOT decomposes some ops, e.g. RMSNorm)."""
-    eager_model = tiny_lm("delta")
+    hand-written backward (delta), the per-channel decay's pairwise scores (gla) and the gated
+    delta rule's chunk form (gated-delta), here on a window with a carried state: loss and
+    gradients equal eager's to float32 rounding (AOT decomposes some ops, e.g. RMSNorm)."""
+    eager_model = tiny_lm(attention)
     first, second = windows()
     carried = eager_model.carry(eager_model(first, check_inputs=False)[1])
     model = copy.deepcopy(eager_model)

@@ -34,6 +34,7 @@ from _helpers import F64, HostRoundTrips, english_like
 DEVICE = torch.device(os.environ.get("LINATTN_TEST_DEVICE", "cpu"))
 
 SPECS = ["vq", "vq-fsq", "soft-vq", "gau-softmax", "softmax", "softmax:nope:entropy", "linear:elu", "favor", "delta",
+         "retnet", "gla", "gated-delta",
          "local:8:entropy", "local:8,vq"]
 # the float32 overflow guard of feature maps with a tracked shift (module docstring)
 ALLOWED = {"favor": ("ops/linear.py",)}

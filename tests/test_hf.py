@@ -23,7 +23,7 @@ from _helpers import codebook_trainer, lm_eval_task
 torch.set_num_threads(1)
 
 KINDS = ["vq", "soft-vq", "gau-softmax", "softmax", "linear:elu", "linear:relu", "linear:dpfp", "linear:taylor",
-         "favor", "delta", "delta:dpfp", "delta:elu", "local:4", "local:4,vq,delta"]
+         "favor", "delta", "delta:dpfp", "delta:elu", "retnet", "gla", "gated-delta", "local:4", "local:4,vq,delta"]
 
 
 def tiny_lm(attention: str = "vq", seed: int = 0, **overrides) -> LM:
@@ -202,7 +202,8 @@ def test_bad_input_is_named(call, match):
 # -- left padding and beam search ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("attention", ["vq", "softmax", "delta", "local:4", "linear:elu", "local:4,vq,delta"])
+@pytest.mark.parametrize("attention", ["vq", "softmax", "delta", "local:4", "linear:elu", "local:4,vq,delta",
+                                       "retnet,gla,gated-delta"])
 def test_left_padded_batch_generates_what_each_prompt_generates_alone(attention):
     lm = tiny_lm(attention)
     model = H.LinattnForCausalLM.from_lm(lm).eval()
@@ -275,13 +276,15 @@ def test_cache_row_selection_moves_every_state_tensor():
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    lm = tiny_lm("local:4,vq,delta", n_layers=3, tie_embeddings=False)
+def saved(tmp_path_factory, request):
+    """A saved model of three kinds (``request.param``: other kinds, for a test that asks)."""
+    lm = tiny_lm(getattr(request, "param", "local:4,vq,delta"), n_layers=3, tie_embeddings=False)
     out = tmp_path_factory.mktemp("hf") / "model"
     H.save_pretrained_lm(lm, out)
     return lm, out
 
 
+@pytest.mark.parametrize("saved", ["local:4,vq,delta", "retnet,gla,gated-delta"], indirect=True)
 def test_save_and_load_give_identical_logits_tokens_and_buffers(saved):
     lm, out = saved
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}

@@ -16,8 +16,10 @@ from linattn.state import KVCacheState, LMState, _State
 torch.set_num_threads(1)
 
 ALL_KINDS = ["vq", "softmax", "linear:elu", "favor:16", "delta", "local:5", "linear:dpfp", "soft-vq",
-             "gau-softmax", "delta:dpfp"]
-RECURRENT = ["vq", "linear:elu", "favor:16", "delta", "local:5", "linear:dpfp", "soft-vq", "delta:dpfp"]
+             "gau-softmax", "delta:dpfp", "retnet", "gla", "gated-delta"]
+RECURRENT = ["vq", "linear:elu", "favor:16", "delta", "local:5", "linear:dpfp", "soft-vq", "delta:dpfp", "retnet",
+             "gla", "gated-delta"]
+FIXED_SIZE = ["linear:elu", "favor:16", "delta", "delta:dpfp", "retnet", "gla", "gated-delta"]  # the same at every step
 TINY = dict(d_model=16, n_heads=2, chunk_size=4, gau_d_k=8, codebook_size=8, block_size=4, ffn_hidden=32)
 
 
@@ -118,7 +120,7 @@ def _state_sizes(model, steps):
     return sizes  # sizes[t - 1] = after t steps
 
 
-@pytest.mark.parametrize("kind", ["vq", "linear:elu", "favor:16", "delta", "local:5", "soft-vq", "delta:dpfp"])
+@pytest.mark.parametrize("kind", ["vq", "local:5", "soft-vq", *FIXED_SIZE])
 def test_recurrent_state_size_is_constant(kind):
     block = TINY["block_size"]
     sizes = _state_sizes(make_model(kind, n_layers=1), 45)
@@ -128,7 +130,7 @@ def test_recurrent_state_size_is_constant(kind):
     assert sizes[5 - 1] == sizes[41 - 1]
     assert sizes[40 - 1] == sizes[8 - 1]
     assert max(sizes) == max(sizes[: 2 * block + 5])
-    if kind in ("linear:elu", "favor:16", "delta", "delta:dpfp"):
+    if kind in FIXED_SIZE:
         assert len(set(sizes)) == 1
 
 

@@ -20,11 +20,13 @@ from _helpers import codebook_trainer
 torch.set_num_threads(1)
 
 # every projection of every layer kind: the GAU's (w_r included: its relative terms are
-# cached without gradients), multi-head attention's, DeltaNet's and the SwiGLU FFN's
+# cached without gradients), multi-head attention's, DeltaNet's, the gated layers' (output
+# gates, GLA's low-rank decay, Gated DeltaNet's decay rate) and the SwiGLU FFN's
 TARGETS = ["w_q", "w_k", "w_v", "w_g", "w_o", "w_r", "q_proj", "k_proj", "v_proj", "o_proj", "beta_proj",
-           "w_gate", "w_up", "w_down"]
-# each mix has a GAU kind: those are the layers with fast paths that read weights
-MIXES = ["vq,softmax,delta", "gau-softmax,linear:elu,local:4"]
+           "gate_proj", "decay_down", "decay_up", "decay_proj", "w_gate", "w_up", "w_down"]
+# each mix with a GAU kind: those are the layers with fast paths that read weights
+GAU_MIXES = ["vq,softmax,delta", "gau-softmax,linear:elu,local:4"]
+MIXES = [*GAU_MIXES, "retnet,gla,gated-delta"]
 
 
 def tiny_lm(attention: str, seed: int = 0) -> LM:
@@ -205,7 +207,7 @@ def _scale_in_its_own_forward(module: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("change", [_scale_by_a_hook, _scale_in_its_own_forward])
-@pytest.mark.parametrize("attention", MIXES)
+@pytest.mark.parametrize("attention", GAU_MIXES)
 def test_a_projection_whose_call_changes_its_output_is_called_without_gradients(attention, change):
     """A plain ``nn.Linear`` whose forward hook or own ``forward`` changes its output is
     called, not read."""

@@ -19,14 +19,15 @@ import linattn
 from _helpers import F64, make_qkv
 from linattn import LM, LMConfig, LMState
 from linattn.feature_maps import FAVOR
-from linattn.nn import GAU, Attention, DeltaNet, FSQuantizer, LinformerAttention, ShortConvolution, VectorQuantizer
+from linattn.nn import (GAU, Attention, DeltaNet, FSQuantizer, GatedDeltaNet, GatedLinearAttention, LinformerAttention,
+                        MultiScaleRetention, ShortConvolution, VectorQuantizer)
 from linattn.state import KVCacheState, _State
 from linattn.train.checkpoint import flatten_state, unflatten_state
 from linattn.train.microbatch import join_states, split_state
 
 torch.set_num_threads(1)
 
-SETTINGS = ("feature_map", "normalize", "short_conv", "window", "block_size", "codebook_size", "model")
+SETTINGS = ("feature_map", "normalize", "short_conv", "window", "block_size", "codebook_size", "rotary_base", "model")
 BATCH = r"batch size 2\b.*batch size 3\b"
 
 
@@ -179,6 +180,12 @@ LAYER_CASES = [
      r"short_conv=4.*short_conv=0"),
     ("delta-net-feature-map", lambda: DeltaNet(12, 2), lambda: DeltaNet(12, 2, feature_map="elu"), 2, False,
      r"feature_map='identity'.*feature_map='elu'"),
+    ("retention-rotary-base", lambda: MultiScaleRetention(12, 2), lambda: MultiScaleRetention(12, 2, rotary_base=500),
+     2, False, r"rotary_base=10000.0.*rotary_base=500.0"),
+    ("gated-delta-net-short-conv", lambda: GatedDeltaNet(12, 2, short_conv=4),
+     lambda: GatedDeltaNet(12, 2, short_conv=3), 2, False, r"short_conv=4.*short_conv=3"),
+    ("gated-delta-net-without-short-conv", lambda: GatedDeltaNet(12, 2, short_conv=4),
+     lambda: GatedDeltaNet(12, 2, short_conv=None), 2, False, r"short_conv=4.*short_conv=0"),
     ("gau-vq-codebook-size-decode", lambda: _gau(codebook_size=6), lambda: _gau(codebook_size=8), 2, False,
      r"codebook_size=6.*codebook_size is 8"),
     ("gau-vq-codebook-size", lambda: _gau(codebook_size=6), lambda: _gau(codebook_size=8), 2, True,
@@ -196,6 +203,9 @@ LAYER_CASES = [
     ("attention-local-batch", lambda: Attention(12, 2, mechanism="local", window=4),
      lambda: Attention(12, 2, mechanism="local", window=4), 3, False, BATCH),
     ("delta-net-batch", lambda: DeltaNet(12, 2), lambda: DeltaNet(12, 2), 3, False, BATCH),
+    ("retention-batch", lambda: MultiScaleRetention(12, 2), lambda: MultiScaleRetention(12, 2), 3, False, BATCH),
+    ("gla-batch", lambda: GatedLinearAttention(12, 2), lambda: GatedLinearAttention(12, 2), 3, False, BATCH),
+    ("gated-delta-net-batch", lambda: GatedDeltaNet(12, 2), lambda: GatedDeltaNet(12, 2), 3, False, BATCH),
     ("gau-vq-batch-decode", _gau, _gau, 3, False, BATCH),
     ("gau-vq-batch", _gau, _gau, 3, True, BATCH),
     ("gau-soft-vq-batch", lambda: _gau(attention="soft-vq"), lambda: _gau(attention="soft-vq"), 3, False, BATCH),
@@ -249,6 +259,10 @@ LM_CASES = [
      r"feature_seed=0.*feature_seed=1"),
     ("short-conv", dict(attention="delta", delta_short_conv=4), dict(attention="delta", delta_short_conv=None),
      r"delta_short_conv=4.*delta_short_conv=None"),
+    ("gated-delta-short-conv", dict(attention="gated-delta", delta_short_conv=4),
+     dict(attention="gated-delta", delta_short_conv=3), r"delta_short_conv=4.*delta_short_conv=3"),
+    ("retnet-rotary-base", dict(attention="retnet"), dict(attention="retnet", rotary_base=500.0),
+     r"rotary_base=10000.0.*rotary_base=500.0"),
     ("gau-variant", dict(gau_variant="linattn"), dict(gau_variant="paper"), r"gau_variant='linattn'.*'paper'"),
     ("kv-heads", dict(attention="softmax", n_kv_heads=2), dict(attention="softmax", n_kv_heads=1),
      r"n_kv_heads=2.*n_kv_heads=1"),
@@ -286,7 +300,8 @@ def test_without_the_model_settings_the_layers_still_check_their_states():
         tiny_lm(attention="local:16")(ids(T=1, seed=1), dataclasses.replace(state, model=None))
 
 
-@pytest.mark.parametrize("attention", ["vq", "linear:elu", "delta", "local:4", "softmax", "soft-vq", "gau-softmax"])
+@pytest.mark.parametrize("attention", ["vq", "linear:elu", "delta", "local:4", "softmax", "soft-vq", "gau-softmax",
+                                       "retnet", "gla", "gated-delta"])
 def test_the_lm_refuses_a_state_of_another_batch_size(attention):
     model = tiny_lm(attention)
     _, state, _ = model(ids(B=2))
@@ -336,12 +351,12 @@ def known(value) -> set[str]:
     return found
 
 
-ALL_KINDS = "vq,vq-fsq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,local:4"
+ALL_KINDS = "vq,vq-fsq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,retnet,gla,gated-delta,local:4"
 
 
 @pytest.fixture(scope="module")
 def lm_state():
-    model = tiny_lm(ALL_KINDS, n_layers=9)
+    model = tiny_lm(ALL_KINDS, n_layers=12)
     _, state, _ = model(ids(B=4))
     return model, state
 
@@ -349,13 +364,16 @@ def lm_state():
 def test_every_layer_state_records_its_settings(lm_state):
     model, state = lm_state
     assert state.model == model.state_settings and dict(state.model)["attention"][-1] == "local:4"
-    vq, fsq, soft, gau_softmax, softmax, elu, favor, delta_state, local_state = state.layers
+    vq, fsq, soft, gau_softmax, softmax, elu, favor, delta_state, retnet, gla, gated_delta, local_state = state.layers
     assert (vq[0].block_size, vq[0].codebook_size, fsq[1].codebook_size) == (4, 8, 8 * 5 * 5 * 5)
     assert (soft[0].block_size, soft[0].codebook_size) == (4, 8)
     assert gau_softmax[0].window is None and softmax.window is None and local_state.window == 4
     assert (elu.feature_map, elu.normalize) == ("elu", "attention")
     assert favor.feature_map == "favor:8:seed=6"  # feature_seed 0 + the layer's index
     assert (delta_state.rule.feature_map, delta_state.rule.normalize, delta_state.short_conv) == ("identity", "l2", 4)
+    assert (retnet.attention.feature_map, retnet.attention.normalize, retnet.rotary_base) == ("identity", "none", 1e4)
+    assert (gla.attention.feature_map, gla.attention.normalize) == ("identity", "none")
+    assert (gated_delta.rule.feature_map, gated_delta.rule.normalize, gated_delta.short_conv) == ("identity", "l2", 4)
 
 
 def test_the_settings_survive_a_checkpoint(lm_state):
@@ -464,6 +482,9 @@ LAYER_EMPTY = [
     ("attention-favor", lambda: Attention(12, 2, mechanism="linear", feature_map="favor:8")),
     ("attention-local", lambda: Attention(12, 2, mechanism="local", window=2)),
     ("delta-net", lambda: DeltaNet(12, 2, short_conv=4)),
+    ("retention", lambda: MultiScaleRetention(12, 2)),
+    ("gla", lambda: GatedLinearAttention(12, 2)),
+    ("gated-delta-net", lambda: GatedDeltaNet(12, 2)),
     ("gau-vq", lambda: GAU(12, d_k=8, codebook_size=6, block_size=2)),
     ("gau-fsq", lambda: GAU(12, d_k=8, block_size=2, attention="fsq")),
     ("gau-soft-vq", lambda: GAU(12, d_k=8, codebook_size=6, block_size=2, attention="soft-vq")),
@@ -488,7 +509,7 @@ def test_a_quantizer_refuses_an_empty_batch(quantizer):
 
 
 @pytest.mark.parametrize("attention", ["vq", "linear:elu", "favor", "delta", "local:4", "softmax", "soft-vq",
-                                       "gau-softmax", "vq-fsq"])
+                                       "gau-softmax", "vq-fsq", "retnet", "gla", "gated-delta"])
 def test_the_lm_refuses_an_empty_batch(attention):
     model = tiny_lm(attention)
     empty = torch.zeros(0, 3, dtype=torch.long)

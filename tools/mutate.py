@@ -82,6 +82,8 @@ NN = [
     *_targets(["src/linattn/nn/delta_net.py", "src/linattn/nn/short_conv.py"],
               ["tests/test_delta_net.py", "tests/test_layers.py"]),
     Target("src/linattn/nn/linformer.py", ("tests/test_linformer.py", "tests/test_layers.py")),
+    *_targets(["src/linattn/nn/retention.py", "src/linattn/nn/gla.py", "src/linattn/nn/gated_delta_net.py"],
+              ["tests/test_gated_layers.py", "tests/test_state_mismatch.py"]),
 ]
 # The lm-eval, export, pipeline and Trainer runs load whole stacks; the rest judge the wrapper.
 HF = _targets(["src/linattn/hf/modeling.py", "src/linattn/hf/cache.py", "src/linattn/hf/config.py"],

@@ -16,7 +16,8 @@ from .ops.softmax import softmax_attention
 from .ops.soft_vq import soft_vq_attention
 from .ops.vq import vq_attention
 from .nn import Codebook, FSQuantizer, VectorQuantizer
-from .state import DeltaNetState, DeltaRuleState, KVCacheState, LinearAttentionState, LMState, VQAttentionState
+from .state import (DeltaNetState, DeltaRuleState, GatedDeltaNetState, GatedLinearAttentionState, KVCacheState,
+                    LinearAttentionState, LMState, RetentionState, VQAttentionState)
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,9 @@ __all__ = [
     "LinearAttentionState",
     "DeltaRuleState",
     "DeltaNetState",
+    "RetentionState",
+    "GatedLinearAttentionState",
+    "GatedDeltaNetState",
     "LMState",
     "LM",
     "LMConfig",

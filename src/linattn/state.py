@@ -154,6 +154,50 @@ class DeltaNetState(_State):
 
 
 @dataclass
+class RetentionState(_State):
+    """Decode state of the ``linattn.nn.MultiScaleRetention`` layer (RetNet).
+
+    ``attention``: the decayed sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
+    features, no normaliser; it records those). ``steps``: positions consumed, the rotary
+    position of the next one. ``rotary_base``: the base of the rotary positions the stored
+    keys were turned by (None: unknown, only shapes are checked).
+    """
+
+    attention: LinearAttentionState
+    steps: int = 0
+    rotary_base: float | None = None
+
+
+@dataclass
+class GatedLinearAttentionState(_State):
+    """Decode state of the ``linattn.nn.GatedLinearAttention`` layer (GLA).
+
+    ``attention``: the gated sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
+    features, no normaliser; it records those). ``steps``: positions consumed. The gate has
+    no setting a continuation must share beyond the shapes.
+    """
+
+    attention: LinearAttentionState
+    steps: int = 0
+
+
+@dataclass
+class GatedDeltaNetState(_State):
+    """Decode state of the ``linattn.nn.GatedDeltaNet`` layer.
+
+    ``rule``: the gated delta-rule memory. ``conv``: ``[B, C, kernel_size - 1]`` last inputs
+    of the short causal convolution over the q/k/v channels (None without one).
+    ``short_conv``: the kernel size of that convolution, 0 for a layer without one (None:
+    unknown, only shapes are checked).
+    """
+
+    rule: DeltaRuleState
+    conv: torch.Tensor | None = None
+    steps: int = 0
+    short_conv: int | None = None
+
+
+@dataclass
 class VQAttentionState(_State):
     """Decode state of Transformer-VQ attention (``vq_attention``), per key/value head.
 

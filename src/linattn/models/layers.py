@@ -28,7 +28,10 @@ from torch import nn
 
 from ..nn.attention import Attention, truncate_cache
 from ..nn.delta_net import DeltaNet
+from ..nn.gated_delta_net import GatedDeltaNet
 from ..nn.gau import GAU
+from ..nn.gla import GatedLinearAttention
+from ..nn.retention import MultiScaleRetention
 from ..ops.feature_maps import FAVOR
 
 if TYPE_CHECKING:
@@ -253,6 +256,23 @@ def _delta_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
     return PreNormBlock(config, mixer)
 
 
+def _retnet_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    mixer = MultiScaleRetention(config.d_model, config.n_heads, rotary_base=config.rotary_base,
+                                chunk_size=config.chunk_size, **_heads(config))
+    return PreNormBlock(config, mixer)
+
+
+def _gla_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    return PreNormBlock(config, GatedLinearAttention(config.d_model, config.n_heads, chunk_size=config.chunk_size,
+                                                     **_heads(config)))
+
+
+def _gated_delta_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    mixer = GatedDeltaNet(config.d_model, config.n_heads, short_conv=config.delta_short_conv,
+                          chunk_size=config.chunk_size, **_heads(config))
+    return PreNormBlock(config, mixer)
+
+
 def _softmax_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
     _, flags = _exact_options(spec.option, ("nope", "entropy"))
     return _attention_block(config, mechanism="softmax", rotary="nope" not in flags, scale=_scale(config, flags))
@@ -329,6 +349,12 @@ for _kind in (
     LayerKind("favor", _favor_block, "'favor' / 'favor:M'", check_option=_optional_count,
               output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
     LayerKind("delta", _delta_block, "'delta' / 'delta:dpfp' / 'delta:elu'", check_option=_delta_option,
+              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+    LayerKind("retnet", _retnet_block, "'retnet' (multi-scale retention: fixed decay per head, rotary positions)",
+              output_projections=_BLOCK_OUTPUTS, check_config=_check_rotary_head_dim),
+    LayerKind("gla", _gla_block, "'gla' (gated linear attention: data-dependent decay per key channel)",
+              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+    LayerKind("gated-delta", _gated_delta_block, "'gated-delta' (Gated DeltaNet: delta rule with a decay per head)",
               output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
     LayerKind("local", _local_block, "'local' / 'local:WINDOW' (flags ':nope', ':entropy', e.g. 'local:128:entropy')",
               check_option=_local_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_position_head_dim),

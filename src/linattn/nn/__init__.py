@@ -4,12 +4,15 @@ from .attention import Attention
 from .codebook import Codebook, kmeans
 from .delta_net import DeltaNet
 from .fsq import FSQuantizer
+from .gated_delta_net import GatedDeltaNet
 from .gau import GAU
+from .gla import GatedLinearAttention
 from .linformer import LinformerAttention
 from .quantizer import VectorQuantizer
+from .retention import MultiScaleRetention
 from .short_conv import ShortConvolution
 
 __all__ = [
-    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "LinformerAttention", "ShortConvolution",
-    "VectorQuantizer", "kmeans",
+    "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "GatedDeltaNet", "GatedLinearAttention",
+    "LinformerAttention", "MultiScaleRetention", "ShortConvolution", "VectorQuantizer", "kmeans",
 ]
