@@ -133,7 +133,8 @@ def test_model_config_maps_the_mechanisms():
     config = mqar.MQARConfig(window=24)
     specs = {name: mqar.model_config(name, 64, config).attention for name in mqar.MQAR_LAYER_SPECS}
     assert specs == {"softmax": "softmax", "vq": "vq", "delta": "delta", "linear-elu": "linear:elu",
-                     "favor": "favor", "local": "local:24"}
+                     "favor": "favor", "local": "local:24", "retnet": "retnet", "gla": "gla",
+                     "gated-delta": "gated-delta"}
     vq = mqar.model_config("vq", 64, config)
     assert vq.kmeans_init and vq.dead_code_threshold == 0.5 and vq.n_layers == 2 and vq.vocab_size == 8192
     with pytest.raises(ValueError, match="unknown mechanism"):

@@ -48,6 +48,9 @@ VARIANTS = {
     "vq": "vq",
     "delta": "delta",
     "linear-elu": "linear:elu",
+    "retnet": "retnet",
+    "gla": "gla",
+    "gated-delta": "gated-delta",
 }
 DEFAULT_EVAL_CONTEXTS = (256, 512, 1024, 2048, 4096)
 QUICK_EVAL_CONTEXTS = (32, 64, 128)

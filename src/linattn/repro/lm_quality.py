@@ -42,6 +42,9 @@ LM_QUALITY_SPECS = {
     "local": "local",
     "vq-paper": "vq",
     "vq-fsq": "vq-fsq",
+    "retnet": "retnet",
+    "gla": "gla",
+    "gated-delta": "gated-delta",
 }
 # Further LMConfig settings of a row: the official Transformer-VQ's GAU and training.
 LM_QUALITY_OPTIONS = {"vq-paper": {"gau_variant": "paper"}}

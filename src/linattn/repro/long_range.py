@@ -88,6 +88,9 @@ LONG_RANGE_SPECS = {
     "delta": "delta",
     "softmax": "softmax",
     "local": "local",
+    "retnet": "retnet",
+    "gla": "gla",
+    "gated-delta": "gated-delta",
 }
 REFERENCE = "softmax"  # the parameter count every model is matched to (default SwiGLU width)
 WIDTH_STEP = 4  # inner widths are multiples of this

@@ -72,6 +72,9 @@ MQAR_LAYER_SPECS = {
     "linear-elu": "linear:elu",
     "favor": "favor",
     "local": "local",
+    "retnet": "retnet",
+    "gla": "gla",
+    "gated-delta": "gated-delta",
 }
 
 DEFAULT_LENGTHS = (64, 128)
