@@ -172,6 +172,25 @@ def check_batch(name: str, value: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def check_layer_input(x: torch.Tensor, d_model: int) -> None:
+    """A layer's input ``x [batch >= 1, length, d_model]``; else ValueError naming ``x``."""
+    if x.dim() != 3 or x.shape[-1] != d_model:
+        raise ValueError(f"x must have shape [batch, length, {d_model}], got {list(x.shape)}")
+    check_batch("x", x)
+
+
+def check_head_layout(d_model: int, n_heads: int, n_kv_heads: int | None, head_dim: int | None) -> tuple[int, int]:
+    """A multi-head layer's ``(n_kv_heads, head_dim)``: ``n_kv_heads`` (None: ``n_heads``) must be
+    >= 1 and divide ``n_heads``; ``head_dim`` (None: ``d_model // n_heads``) must be >= 1."""
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
+    head_dim = d_model // n_heads if head_dim is None else head_dim
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim} (d_model={d_model}, n_heads={n_heads})")
+    return n_kv_heads, head_dim
+
+
 def check_state_batch(name: str, state_batch: object, batch: int) -> None:
     """A carried state of ``state_batch`` rows continues inputs of ``batch`` rows; else
     ValueError naming both batch sizes. ``state_batch`` may be the state's first tensor (its

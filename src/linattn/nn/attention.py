@@ -7,13 +7,13 @@ import dataclasses
 import torch
 from torch import nn
 
+from .._checks import check_choice, check_head_layout, check_layer_input, check_state_batch, check_state_tensor
 from ..ops import _kv_cache as kv_cache
 from ..ops.feature_maps import FeatureMap, get_feature_map
 from ..ops.linear import linear_attention
 from ..ops.local import local_attention
 from ..ops.softmax import entropy_scale, softmax_attention
 from ..state import KVCacheState, LinearAttentionState
-from .._checks import check_batch, check_choice, check_state_batch, check_state_tensor
 from .rotary import apply_rotary
 
 _MECHANISMS = ("softmax", "linear", "local")
@@ -65,12 +65,7 @@ class Attention(nn.Module):
         check_choice("scale", scale, ATTENTION_SCALES)
         if scale == "entropy" and mechanism == "linear":
             raise ValueError("scale='entropy' is for the softmax mechanisms (softmax, local), not 'linear'")
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_kv_heads < 1 or n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
-        head_dim = d_model // n_heads if head_dim is None else head_dim
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim} (d_model={d_model}, n_heads={n_heads})")
+        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.mechanism, self.window, self.chunk_size = mechanism, window, chunk_size
         self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
@@ -86,9 +81,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, state: KVCacheState | LinearAttentionState | None = None
     ) -> tuple[torch.Tensor, KVCacheState | LinearAttentionState, dict]:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        check_batch("x", x)
+        check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x)
         B, T, _ = x.shape

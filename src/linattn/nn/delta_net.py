@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._checks import check_layer_input, check_state_batch, check_state_setting
 from ..ops.delta import delta_rule
 from ..ops.feature_maps import FeatureMap, get_feature_map
 from ..state import DeltaNetState
-from .._checks import check_batch, check_state_batch, check_state_setting
 from .short_conv import ShortConvolution
 
 
@@ -55,9 +55,7 @@ class DeltaNet(nn.Module):
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
 
     def forward(self, x: torch.Tensor, state: DeltaNetState | None = None) -> tuple[torch.Tensor, DeltaNetState, dict]:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        check_batch("x", x)
+        check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x.shape[0])
         B, T, _ = x.shape

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import check_head_layout, check_layer_input, check_state_batch, check_state_setting, compute_dtype
 from ..ops.delta import delta_rule
 from ..state import DeltaRuleState, GatedDeltaNetState
-from .._checks import check_batch, check_state_batch, check_state_setting, compute_dtype
 from .short_conv import ShortConvolution
 
 # Mamba-2's initial decay rates A = exp(A_log) ~ U(1, 16) and step sizes dt in [1e-3, 1e-1]
@@ -62,12 +62,7 @@ class GatedDeltaNet(nn.Module):
         chunk_size: int = 64,
     ):
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_kv_heads < 1 or n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
-        head_dim = d_model // n_heads if head_dim is None else head_dim
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim} (d_model={d_model}, n_heads={n_heads})")
+        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.chunk_size = chunk_size
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
@@ -88,9 +83,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
                 ) -> tuple[torch.Tensor, GatedDeltaNetState, dict]:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        check_batch("x", x)
+        check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x.shape[0])
         B, T, _ = x.shape

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
-from .._checks import (check_batch, check_choice, check_positive_number, check_state_batch, check_state_tensor,
+from .._checks import (check_choice, check_layer_input, check_positive_number, check_state_batch, check_state_tensor,
                        is_number)
 from ..ops import _kv_cache as kv_cache
 from ..ops.soft_vq import soft_vq_attention
@@ -206,9 +206,7 @@ class GAU(nn.Module):
     def forward(
         self, x: torch.Tensor, state: VQAttentionState | KVCacheState | None = None
     ) -> tuple[torch.Tensor, VQAttentionState | KVCacheState, dict]:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        check_batch("x", x)
+        check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x)
         if can_decode_token(self, x, state):

@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import (check_head_layout, check_layer_input, check_positive_int, check_positive_number,
+                       check_state_batch, compute_dtype)
 from ..ops.linear import linear_attention
 from ..state import GatedLinearAttentionState, LinearAttentionState
-from .._checks import check_batch, check_positive_int, check_positive_number, check_state_batch, compute_dtype
-
 
 # The per-head output norm's eps, one value in every dtype (nn.RMSNorm's default, the dtype's
 # machine epsilon, would make float32 and float64 models differ on small head outputs).
@@ -47,12 +47,7 @@ class GatedLinearAttention(nn.Module):
         chunk_size: int = 64,
     ):
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_kv_heads < 1 or n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
-        head_dim = d_model // n_heads if head_dim is None else head_dim
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim} (d_model={d_model}, n_heads={n_heads})")
+        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
         check_positive_int("gate_rank", gate_rank)
         self.gate_temperature = check_positive_number("gate_temperature", gate_temperature, finite=True)
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
@@ -69,9 +64,7 @@ class GatedLinearAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, state: GatedLinearAttentionState | None = None
                 ) -> tuple[torch.Tensor, GatedLinearAttentionState, dict]:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        check_batch("x", x)
+        check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x.shape[0])
         B, T, _ = x.shape

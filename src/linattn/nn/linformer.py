@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_batch
+from .._checks import check_layer_input
 from ..ops.linformer import linformer_attention
 
 
@@ -30,9 +30,7 @@ class LinformerAttention(nn.Module):
         self.F = nn.Parameter(torch.randn(k, max_len) / k**0.5)
 
     def forward(self, x: torch.Tensor, state: None = None) -> tuple[torch.Tensor, None, dict]:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        check_batch("x", x)
+        check_layer_input(x, self.d_model)
         if state is not None:
             raise ValueError("LinformerAttention is non-causal and carries no state; state must be None")
         B, T, _ = x.shape

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._checks import check_head_layout, check_layer_input, check_state_batch, check_state_setting, compute_dtype
 from ..ops.linear import linear_attention
 from ..state import LinearAttentionState, RetentionState
-from .._checks import check_batch, check_state_batch, check_state_setting, compute_dtype
 from .rotary import apply_rotary
 
 
@@ -57,10 +57,7 @@ class MultiScaleRetention(nn.Module):
         chunk_size: int = 64,
     ):
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_kv_heads < 1 or n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads} must be >= 1 and divide n_heads={n_heads}")
-        head_dim = d_model // n_heads if head_dim is None else head_dim
+        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even and >= 2 (rotary positions), got {head_dim} "
                              f"(d_model={d_model}, n_heads={n_heads})")
@@ -75,9 +72,7 @@ class MultiScaleRetention(nn.Module):
 
     def forward(self, x: torch.Tensor, state: RetentionState | None = None
                 ) -> tuple[torch.Tensor, RetentionState, dict]:
-        if x.dim() != 3 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x must have shape [batch, length, {self.d_model}], got {list(x.shape)}")
-        check_batch("x", x)
+        check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x.shape[0])
         B, T, _ = x.shape

@@ -37,6 +37,23 @@ def pad_time(x: torch.Tensor, pad: int, dim: int) -> torch.Tensor:
     return F.pad(x, widths)
 
 
+def to_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int) -> tuple:
+    """``q [N, G, T, F]``, ``k [N, T, F]``, ``v [N, T, E]`` and ``g [N, T(, F)]`` in chunks of
+    ``C = min(chunk_size, T)`` positions, the last zero-padded (k = 0 and g = 0: nothing written,
+    nothing decayed): ``(rows [M, G, C, F], keys [M, C, F], vals [M, C, E], chunk_g [M, C(, F)],
+    n, C, pad)`` with ``n`` chunks per row, ``M = N n`` and ``pad = n C - T``."""
+    N, G, T, Fd = q.shape
+    C = min(chunk_size, T)
+    n = -(-T // C)
+    pad = n * C - T
+    M = N * n
+    rows = pad_time(q, pad, 2).view(N, G, n, C, Fd).transpose(1, 2).reshape(M, G, C, Fd)
+    keys = pad_time(k, pad, 1).reshape(M, C, Fd)
+    vals = pad_time(v, pad, 1).reshape(M, C, v.shape[-1])
+    chunk_g = pad_time(g, pad, 1).reshape(M, C, *g.shape[2:])
+    return rows, keys, vals, chunk_g, n, C, pad
+
+
 def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
     """``E_j = sum_{m>j} g_m`` along ``dim`` (0 at the last position): the decay from step j's
     write to the end of the chunk."""

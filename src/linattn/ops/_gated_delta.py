@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ._decay import decayed_scores, pad_time, suffix_sums
+from ._decay import decayed_scores, pad_time, suffix_sums, to_chunks
 
 # Layout: q [N, G, T, F], k [N, T, F], v [N, T, E], beta [N, T], g [N, T] or [N, T, F],
 # memory [N, F, E] (N = B * Hkv, G query heads per key/value head).
@@ -50,15 +50,9 @@ def _chunk(q, k, v, beta, g, memory, chunk_size):
     T is padded to a multiple of the chunk with k = 0, beta = 0 and g = 0 (no writes, no decay)."""
     N, G, T, Fd = q.shape
     E = v.shape[-1]
-    C = min(chunk_size, T)
-    n = -(-T // C)
-    pad = n * C - T
+    rows, keys, vals, chunk_g, n, C, pad = to_chunks(q, k, v, g, chunk_size)
     M = N * n
-    rows = pad_time(q, pad, 2).view(N, G, n, C, Fd).transpose(1, 2).reshape(M, G, C, Fd)
-    keys = pad_time(k, pad, 1).reshape(M, C, Fd)
-    vals = pad_time(v, pad, 1).reshape(M, C, E)
     betas = pad_time(beta, pad, 1).reshape(M, C, 1)
-    chunk_g = pad_time(g, pad, 1).reshape(M, C, *g.shape[2:])
     decays = chunk_g.unsqueeze(-1) if chunk_g.dim() == 2 else chunk_g  # [M, C, 1 or F]
     entering = decays.cumsum(1).exp()  # exp(P)
 

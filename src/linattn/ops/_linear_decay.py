@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._decay import causal_mask, decayed_scores, pad_time, pair_sums, suffix_sums
+from ._decay import causal_mask, decayed_scores, pair_sums, suffix_sums, to_chunks
 
 
 def _per_channel(g: torch.Tensor) -> torch.Tensor:
@@ -95,14 +95,8 @@ def _chunk(q, k, v, S, z, g, chunk_size, features, finish):
     if z is not None:
         state = torch.cat([state, z.unsqueeze(-1)], -1)
     width = values.shape[-1]
-    C = min(chunk_size, T)
-    n = -(-T // C)
-    pad = n * C - T
+    rows, keys, vals, chunk_g, n, C, _ = to_chunks(phi_q, phi_k, values, g, chunk_size)
     M = N * n
-    rows = pad_time(phi_q, pad, 2).view(N, G, n, C, Fd).transpose(1, 2).reshape(M, G, C, Fd)
-    keys = pad_time(phi_k, pad, 1).reshape(M, C, Fd)
-    vals = pad_time(values, pad, 1).reshape(M, C, width)
-    chunk_g = pad_time(g, pad, 1).reshape(M, C, *g.shape[2:])  # padding: g = 0, nothing written
     scores = decayed_scores(rows, keys, chunk_g, strict=False)
     decays = _per_channel(chunk_g)
     writes = torch.bmm((keys * suffix_sums(decays, 1).exp()).transpose(1, 2), vals).view(N, n, Fd, width)

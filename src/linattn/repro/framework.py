@@ -277,6 +277,19 @@ def reuse_note(reused: int, total: int, unit: str = "runs") -> str:
             + (", the wall time is this invocation's" if reused < total else ""))
 
 
+def closing_note(metadata: dict, runs: int, note: str = "") -> str:
+    """A report's last sentence: the invocation's wall time on its device and processes (only
+    when it trained some of the ``runs``), then ``note`` (an interim report's sentence) or the
+    clause on runs reused from the journal."""
+    reused = metadata.get("reused_runs", 0)
+    closing = (f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
+               f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
+               if reused < runs else f"Runs on {metadata['device_name']}.")
+    if note:
+        return f"{closing} {note}"
+    return f"{closing} {reuse_note(reused, runs)}." if reused else closing
+
+
 def interim_note(recorded: int, total: int, unit: str = "runs") -> str:
     """The report's sentence on a ``--report-only`` page."""
     return (f"Interim report (--report-only): {recorded} of the grid's {total} {unit} are recorded;"

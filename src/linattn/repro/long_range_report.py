@@ -76,15 +76,7 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, distances: Se
             [[r["mechanism"], str(r["seed"]), str(r["width"]), f"{r['parameters']:,}", _number(r["final_loss"]),
               str(r["steps"]), r["status"], f"{r['train_seconds']:.0f}"] for r in runs]),
     ]
-    reused = metadata.get("reused_runs", 0)
-    closing = (f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
-               f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
-               if reused < len(runs) else f"Runs on {metadata['device_name']}.")
-    if note:
-        closing += f" {note}"
-    elif reused:
-        closing += f" {framework.reuse_note(reused, len(runs))}."
-    return "\n".join([*lines, "", closing]) + "\n"
+    return "\n".join([*lines, "", framework.closing_note(metadata, len(runs), note)]) + "\n"
 
 
 def _target(runs: Sequence[dict]) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ..reporting import markdown_table_lines, pyplot, save_figure
 from . import framework
-from .framework import reuse_note
+from .framework import closing_note
 
 if TYPE_CHECKING:
     from .mqar import MQARConfig
@@ -91,15 +91,7 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, command: str,
               str(r["seed"]), f"{r['parameters']:,}", f"{r['accuracy']:.3f}", _number(r["eval_loss"]),
               _number(r["final_loss"]), str(r["steps"]), f"{r['seconds']:.0f}"] for r in runs]),
     ]
-    reused = metadata.get("reused_runs", 0)
-    closing = (f"Wall time: {metadata.get('seconds', 0):.0f} s on {metadata['device_name']} "
-               f"({metadata.get('jobs', 1)} process(es) x {metadata['threads']} thread(s))."
-               if reused < len(runs) else f"Runs on {metadata['device_name']}.")
-    if note:
-        closing += f" {note}"
-    elif reused:
-        closing += f" {reuse_note(reused, len(runs))}."
-    lines += ["", closing]
+    lines += ["", closing_note(metadata, len(runs), note)]
     return "\n".join(lines) + "\n"
 
 
