@@ -19,6 +19,9 @@ from linattn._checks import available_device_name
 from linattn.bench import attention
 from linattn.bench.attention import CASES, default_cases
 from linattn.bench.cli import report_page
+from linattn.bench.decode import DECODE_CASES, MODEL_SPECS
+from linattn.bench.lm import DEFAULT_MODELS as LM_DEFAULT_MODELS, QUICK as LM_QUICK, LMBenchConfig
+from linattn.models.sizes import count_parameters
 from linattn.bench.harness import Case, profile_call, run_cases, time_call
 from linattn.reporting import peak_memory
 from linattn.cli import main
@@ -244,7 +247,8 @@ def test_bench_decode_writes_rows_and_growth(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["metadata"]["device"] == "cpu"
     cases = {row["case"] for row in result["rows"]}
-    assert cases == {"vq-b128", "linear-elu", "delta", "sdpa-kvcache"}
+    assert cases == set(DECODE_CASES) >= {"vq-b128", "linear-elu", "delta", "decay-scalar", "decay-channel",
+                                          "gated-delta", "sdpa-kvcache"}
     assert all(row["per_token_s"] > 0 and len(row["times_s"]) == 2 for row in result["rows"])
     ops = result["summary"]["ops"]
     assert set(ops) == cases and all(s["growth"] > 0 for s in ops.values())
@@ -260,14 +264,25 @@ def test_bench_decode_models_at_equal_size(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["rows"]
     assert {(r["case"], r["prompt"], r["batch"]) for r in rows} == {
-        (m, p, b) for m in ("vq", "softmax", "delta", "linear-elu", "local") for p in (8, 40) for b in (1, 2)}
+        (m, p, b) for m in MODEL_SPECS for p in (8, 40) for b in (1, 2)}
+    assert {"retnet", "gla", "gated-delta"} <= set(MODEL_SPECS)
     assert all(r["tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["new_tokens"] == 3 for r in rows)
     sizes = {r["case"]: r["parameters"] for r in rows}
-    assert max(sizes.values()) / min(sizes.values()) < 1.05, sizes
+    assert max(sizes.values()) / min(sizes.values()) < 1.01, sizes
     assert set(result["summary"]["models"]) == {"vq_over_softmax_batch1", "vq_over_softmax_batch2"}
     assert (tmp_path / "generation.png").stat().st_size > 0
     assert "generated tokens/s" in (tmp_path / "results.md").read_text()
     assert report_page(tmp_path) == (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("config, tolerance", [(LMBenchConfig(), 0.01), (LM_QUICK, 0.03)], ids=["default", "quick"])
+def test_bench_lm_models_have_equal_parameter_counts(config, tolerance):
+    """Every default model of ``bench lm`` (the gated kinds' extra projections paid for by a
+    narrower SwiGLU) lies within 1% of the softmax model's parameter count (3% for the
+    quick models, where one step of 8 in the SwiGLU width is 5% of the count)."""
+    counts = {spec: count_parameters(config.model_config(spec)) for spec in LM_DEFAULT_MODELS}
+    assert {"retnet", "gla", "gated-delta"} <= set(counts)
+    assert max(abs(n / counts["softmax"] - 1) for n in counts.values()) < tolerance, counts
 
 
 def test_profile_call_names_the_operators_that_take_the_time():

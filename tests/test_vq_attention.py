@@ -933,15 +933,51 @@ def test_block_caches_are_the_counts_and_means_of_the_blocks_two_behind(has_prev
             assert_close_rel(final[1], sums, rtol=1e-12, name="final sums")
 
 
-@pytest.mark.parametrize("schedule, expected", [("loop", "_block_loop"), ("batched", "_all_blocks"),
-                                                ("auto", "_all_blocks")])
-def test_schedule_runs_the_walk_it_names(monkeypatch, schedule, expected):
-    """An explicit ``schedule`` walks the blocks that way (they hold different memory); ``"auto"``
-    is the batched schedule. The walks are wrapped to record which one ran."""
+def _record_walks(monkeypatch) -> list:
+    """Wrap ``_block_loop`` and ``_all_blocks`` to append their names to the returned list when they run."""
     ran = []
     for name in ("_block_loop", "_all_blocks"):
         walk = getattr(vq, name)
         monkeypatch.setattr(vq, name, lambda *a, walk=walk, name=name: ran.append(name) or walk(*a))
+    return ran
+
+
+@pytest.mark.parametrize("schedule, expected", [("loop", "_block_loop"), ("batched", "_all_blocks")])
+def test_schedule_runs_the_walk_it_names(monkeypatch, schedule, expected):
+    """An explicit ``schedule`` walks the blocks that way (they hold different memory)."""
+    ran = _record_walks(monkeypatch)
     q, k_hat, v, codes, codebook = make_vq(T=9)
     linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, mode="block", schedule=schedule)
     assert ran == [expected]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("winner", ["loop", "batched"])
+def test_auto_schedule_runs_the_grid_winner(monkeypatch, grad, winner):
+    """``schedule="auto"`` on a CPU walks the blocks the way ``_AUTO_SCHEDULE`` names for the
+    call's gradient mode and its (batch x heads, L, S), and the same call with gradients
+    switched the other way reads the other half of the grid."""
+    q, k_hat, v, codes, codebook = make_vq(B=2, H=2, T=9, S=5)
+    other = "batched" if winner == "loop" else "loop"
+    monkeypatch.setattr(vq, "_AUTO_SCHEDULE", {(grad, 4, 4, 5): winner, (not grad, 4, 4, 5): other})
+    ran = _record_walks(monkeypatch)
+    with torch.set_grad_enabled(grad):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto")
+    with torch.set_grad_enabled(not grad):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto")
+    assert ran == [f"_{'block_loop' if winner == 'loop' else 'all_blocks'}",
+                   f"_{'block_loop' if other == 'loop' else 'all_blocks'}"]
+
+
+def test_auto_schedule_takes_the_nearest_grid_point_in_log_scale(monkeypatch):
+    """Off the grid, the nearest point in log2 of rows, L and S decides; only points of the
+    call's gradient mode count; devices other than the CPU get the batched schedule."""
+    grid = {(False, 1, 64, 128): "batched", (False, 16, 64, 128): "loop", (False, 1, 256, 512): "loop",
+            (True, 6, 64, 128): "batched"}
+    monkeypatch.setattr(vq, "_AUTO_SCHEDULE", grid)
+    cpu = torch.device("cpu")
+    assert vq._auto_schedule(False, 3, 64, 128, cpu) == "batched"  # log2 distance 1.58 vs 2.42
+    assert vq._auto_schedule(False, 5, 64, 128, cpu) == "loop"  # 2.32 vs 1.68
+    assert vq._auto_schedule(False, 1, 200, 400, cpu) == "loop"  # L and S count as rows do
+    assert vq._auto_schedule(True, 1000, 8, 8, cpu) == "batched"  # the only point with gradients
+    assert vq._auto_schedule(False, 32, 64, 128, torch.device("meta")) == "batched"

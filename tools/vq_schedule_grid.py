@@ -1,13 +1,16 @@
-"""Loop vs batched schedule of ``vq_attention``'s block form, and the batched schedule's group
-budget (``ops.vq._BATCHED_SCORES``), on a grid of the shapes whole models hand it.
+"""Loop vs batched schedule of ``vq_attention``'s block form on a grid of shapes, for
+``schedule="auto"`` (``ops.vq._AUTO_SCHEDULE``) and the batched schedule's group budget
+(``ops.vq._BATCHED_SCORES``).
 
-For each (rows = batch x heads, block length L, value width Dv) at T = 16384, Dk = 64, S = 128,
-with a relative bias and position keys as the GAU layer passes them: the median of 3
-forward + backward calls on the loop, then on the batched schedule at each group budget
-(score entries a group of blocks may hold). Prints one line per shape with the times and
-loop/batched ratios. Run on a quiet machine, from the repository root:
+For each (rows = batch x heads, block length L, codebook size S) at T = 16384, Dk = Dv = 64,
+with a relative bias and position keys as the GAU layer passes them: the median of 3 calls
+of the loop and of the batched schedule (at each ``--budgets`` group budget), in the
+``--modes`` asked for: ``forward`` (under ``no_grad``: prefill, evaluation) and ``train``
+(forward + backward). Prints one line per shape with the times and loop/batched ratios,
+then (``--emit``) the winners as the Python literal ``_AUTO_SCHEDULE`` holds. Run on a
+quiet machine, from the repository root:
 
-    .venv/bin/python tools/vq_schedule_grid.py --threads 2 --budgets 32768 131072 524288 4194304
+    .venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit
 """
 
 from __future__ import annotations
@@ -21,20 +24,25 @@ import torch
 import linattn.ops.vq as vq
 
 
-def seconds(rows: int, L: int, Dv: int, schedule: str, T: int = 16384, Dk: int = 64, S: int = 128) -> float:
-    """Median seconds of 3 forward + backward calls (after one untimed call)."""
+def seconds(rows: int, L: int, S: int, schedule: str, mode: str, T: int = 16384, D: int = 64) -> float:
+    """Median seconds of 3 calls (after one untimed call): forward under ``no_grad``
+    (``mode="forward"``) or forward + backward (``"train"``)."""
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, rows, T, Dk, generator=g, requires_grad=True)
-    codebook = torch.randn(rows, S, Dk, generator=g)
+    train = mode == "train"
+    q = torch.randn(1, rows, T, D, generator=g, requires_grad=train)
+    codebook = torch.randn(rows, S, D, generator=g)
     codes = torch.randint(0, S, (1, rows, T), generator=g)
-    k_hat = codebook[torch.arange(rows)[None, :, None], codes].clone().requires_grad_()
-    v = torch.randn(1, rows, T, Dv, generator=g, requires_grad=True)
-    bias, position_keys = torch.randn(rows, L + 1, generator=g), torch.randn(rows, L + 1, Dk, generator=g)
+    k_hat = codebook[torch.arange(rows)[None, :, None], codes].clone().requires_grad_(train)
+    v = torch.randn(1, rows, T, D, generator=g, requires_grad=train)
+    bias, position_keys = torch.randn(rows, L + 1, generator=g), torch.randn(rows, L + 1, D, generator=g)
 
     def call() -> None:
-        out, _ = vq.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=bias, position_keys=position_keys,
-                                 schedule=schedule, check_inputs=False)
-        out.sum().backward()
+        with torch.set_grad_enabled(train):
+            out, _ = vq.vq_attention(q, k_hat, v, codes, codebook, block_size=L, bias=bias,
+                                     position_keys=position_keys, schedule=schedule, impl="torch",
+                                     check_inputs=False)
+            if train:
+                out.sum().backward()
 
     call()
     times = []
@@ -48,19 +56,33 @@ def seconds(rows: int, L: int, Dv: int, schedule: str, T: int = 16384, Dk: int =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[1 << 15, 1 << 17, 1 << 19, 1 << 22])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--modes", nargs="+", choices=["forward", "train"], default=["forward", "train"])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[vq._BATCHED_SCORES["cpu"]],
+                        help="batched schedule group budgets (score entries) to try")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--codes", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--emit", action="store_true", help="print the winners as _AUTO_SCHEDULE's literal")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    device = "cpu"
-    for rows, L, Dv in itertools.product(args.rows, [64, 128], [64, 256]):
-        loop = seconds(rows, L, Dv, "loop")
-        line = f"rows={rows:2d} L={L:3d} Dv={Dv:3d} loop {loop * 1e3:6.0f} ms"
+    device, default_budget = "cpu", vq._BATCHED_SCORES["cpu"]
+    winners = {}
+    for mode, rows, L, S in itertools.product(args.modes, args.rows, args.blocks, args.codes):
+        loop = seconds(rows, L, S, "loop", mode)
+        line = f"{mode:7s} rows={rows:2d} L={L:3d} S={S:3d} loop {loop * 1e3:6.0f} ms"
         for budget in args.budgets:
             vq._BATCHED_SCORES[device] = budget
-            batched = seconds(rows, L, Dv, "batched")
+            batched = seconds(rows, L, S, "batched", mode)
             line += f" | 2^{budget.bit_length() - 1}: {batched * 1e3:6.0f} ms ({loop / batched:.2f}x)"
+            if budget == default_budget:
+                winners[(mode == "train", rows, L, S)] = "loop" if loop < batched else "batched"
+        vq._BATCHED_SCORES[device] = default_budget
         print(line, flush=True)
+    if args.emit:
+        print("{")
+        for key, winner in winners.items():
+            print(f"    {key}: {winner!r},")
+        print("}")
 
 
 if __name__ == "__main__":

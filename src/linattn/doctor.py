@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import __version__, _selftest
 from ._checks import available_device_name
 from .ops import _vq_triton as vq_fused
+from .ops import vq as vq_ops
 from .reporting import device_name
 
 _PACKAGES = ("triton", "transformers", "peft", "numpy")
@@ -117,11 +118,24 @@ def implementations(device: torch.device) -> list[tuple[str, str]]:
     for dtype in dtypes:
         impl, why = vq_fused.choice(device, dtype)
         rows.append((f"vq_attention ({str(dtype).replace('torch.', '')})", f"impl='auto': {impl} ({why})"))
-    rows.append(("vq_attention schedule", "schedule='auto': batched (groups of blocks as batched matmuls); "
+    rows.append(("vq_attention schedule", f"schedule='auto': {_schedule_choice(device)}; "
                                           "decoding steps inside a block: the decode form"))
     rows.append(("KV cache (softmax layers)", "preallocated without gradients: rows written in place, doubling "
                                               "when full; LM.generate reserves prompt + new tokens"))
     return rows
+
+
+def _schedule_choice(device: torch.device) -> str:
+    """What ``vq_attention``'s ``schedule="auto"`` picks on ``device``, from ``ops.vq._AUTO_SCHEDULE``."""
+    if device.type != "cpu":
+        return "batched (groups of blocks as batched matmuls; the grid is measured on CPUs only)"
+    parts = []
+    for grad, mode in ((False, "without gradients"), (True, "with gradients")):
+        winners = [winner for key, winner in vq_ops._AUTO_SCHEDULE.items() if key[0] == grad]
+        parts.append(f"{mode} loop at {winners.count('loop')} and batched at {winners.count('batched')} "
+                     f"of {len(winners)} measured shapes")
+    return ("the faster of loop and batched at the nearest measured (batch x heads, L, S): "
+            + "; ".join(parts))
 
 
 def _print_section(title: str, rows) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .. import reporting
 from .._checks import available_device_name, check_cuda_available
@@ -112,6 +113,28 @@ def _delta_case(name: str, label: str, mode: str, **extra) -> Case:
     return Case(name, label, attend, **extra)
 
 
+def _decay(k: torch.Tensor, per_channel: bool) -> torch.Tensor:
+    """A data-dependent log decay from the keys (part of the timed call, as a layer's gate):
+    ``logsigmoid(k[..., 0]) [B, H, T]`` or, per key channel (GLA, temperature 16),
+    ``logsigmoid(k) / 16 [B, H, T, D]``."""
+    return F.logsigmoid(k) / 16 if per_channel else F.logsigmoid(k[..., 0])
+
+
+def _decay_case(name: str, label: str, per_channel: bool, delta: bool = False) -> Case:
+    """Kernel attention with decay (identity features, no normaliser, scale D^-1/2: RetNet /
+    GLA) or the gated delta rule (beta = 0.5), chunk form, the log decay from ``_decay``."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        g = _decay(k, per_channel)
+        if delta:
+            beta = torch.full(k.shape[:3], 0.5, dtype=k.dtype, device=k.device)
+            return delta_rule(q, k, v, beta, g=g, mode="chunk")[0]
+        return linear_attention(q, k, v, feature_map="identity", normalize=None, scale=q.shape[-1] ** -0.5,
+                                g=g, mode="chunk")[0]
+
+    return Case(name, label, attend)
+
+
 def _vq_case(config: AttentionBenchConfig, block_size: int, codebook_size: int = 512, variant: str = "",
              **options) -> Case:
     """Transformer-VQ: keys quantized (S codes per head, part of the timed call), block form;
@@ -140,6 +163,11 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
         "delta-recurrent", "delta rule (recurrent)", "recurrent",
         max_length=config.recurrent_max_length, max_length_note="--recurrent-max-length",
     ),
+    "decay-scalar": lambda config: _decay_case("decay-scalar", "linear, scalar decay (chunk; RetNet, Mamba-2)",
+                                               False),
+    "decay-channel": lambda config: _decay_case("decay-channel", "linear, per-channel decay (chunk; GLA)", True),
+    "gated-delta": lambda config: _decay_case("gated-delta", "gated delta rule (chunk; Gated DeltaNet)", False,
+                                              delta=True),
     "local-256": lambda config: Case(
         "local-256", "local softmax (window 256)",
         lambda q, k, v: local_attention(q, k, v, window=256)[0],

@@ -21,6 +21,7 @@ live there, and the clock is read only after the device has finished each timed 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -30,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from .. import reporting
-from ..models import LM, LMConfig
+from ..models import LM, LMConfig, sizes
 from ..models.config import matched_gau_value_width
+from ..ops import _kv_cache as kv_cache
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.vq import vq_attention
@@ -77,16 +79,35 @@ def _delta(heads: int, dim: int, device: torch.device) -> DecodeCase:
     return _recurrent(run)
 
 
-def _kv_cache(heads: int, dim: int, device: torch.device) -> DecodeCase:
-    """Exact attention: the state is every key and value so far (the KV cache)."""
+def _decayed(heads: int, dim: int, device: torch.device, per_channel: bool = False,
+             delta: bool = False) -> DecodeCase:
+    """Kernel attention with a data-dependent decay (identity features, no normaliser: RetNet,
+    Mamba-2, GLA per channel) or the gated delta rule, the decay from the keys as in
+    ``bench attention``'s decay cases."""
+    def run(q, k, v, state):
+        g = F.logsigmoid(k) / 16 if per_channel else F.logsigmoid(k[..., 0])
+        if delta:
+            beta = torch.full(k.shape[:3], 0.5, dtype=k.dtype, device=k.device)
+            return delta_rule(q, k, v, beta, g=g, initial_state=state, output_final_state=True,
+                              check_inputs=False)[1]
+        return linear_attention(q, k, v, feature_map="identity", normalize=None, scale=dim ** -0.5, g=g,
+                                initial_state=state, output_final_state=True, check_inputs=False)[1]
+
+    return _recurrent(run)
+
+
+def _kv_cache(heads: int, dim: int, device: torch.device, room: int = 4096) -> DecodeCase:
+    """Exact attention over a preallocated KV cache (``ops/_kv_cache.py``): the state is every
+    key and value so far, in buffers with ``room`` free rows after the prefill, so a step
+    writes its row in place and attends with SDPA's fused kernel (as a static cache does)."""
 
     def prefill(q, k, v):
-        return k, v
+        return kv_cache.reserve(kv_cache.extend(None, k, v), room)
 
     def step(q, k, v, cache):
-        keys, values = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
-        F.scaled_dot_product_attention(q, keys, values)
-        return keys, values
+        cache = kv_cache.extend(cache, k, v)
+        F.scaled_dot_product_attention(q, cache.keys, cache.values)
+        return cache
 
     return prefill, step
 
@@ -95,6 +116,9 @@ DECODE_CASES: dict[str, Callable[[int, int, torch.device], DecodeCase]] = {
     "vq-b128": _vq,
     "linear-elu": _linear,
     "delta": _delta,
+    "decay-scalar": _decayed,
+    "decay-channel": lambda heads, dim, device: _decayed(heads, dim, device, per_channel=True),
+    "gated-delta": lambda heads, dim, device: _decayed(heads, dim, device, delta=True),
     "sdpa-kvcache": _kv_cache,
 }
 
@@ -129,15 +153,24 @@ def measure(name: str, contexts, *, heads: int, dim: int, tokens: int, seed: int
 
 
 # Whole models: CLI name -> layer spec; demo-sized (configs/demo.toml), equal parameter counts.
-MODEL_SPECS = {"vq": "vq", "softmax": "softmax", "delta": "delta", "linear-elu": "linear:elu", "local": "local"}
+MODEL_SPECS = {"vq": "vq", "softmax": "softmax", "delta": "delta", "linear-elu": "linear:elu", "local": "local",
+               "retnet": "retnet", "gla": "gla", "gated-delta": "gated-delta"}
 DEFAULT_PROMPTS = (1024, 16384, 65536)
 
 
 def model_config(name: str) -> LMConfig:
-    """The demo-sized model of ``name`` (a ``MODEL_SPECS`` key)."""
+    """The demo-sized model of ``name`` (a ``MODEL_SPECS`` key): d_model 128, 2 layers, 4
+    heads; VQ layers with the GAU value width matched to an attention + SwiGLU block, every
+    other kind with the SwiGLU width (a multiple of 8) that gives it the softmax model's
+    parameter count."""
     d_model, gau_d_k = 128, 64
-    return LMConfig(d_model=d_model, n_layers=2, n_heads=4, attention=MODEL_SPECS[name], gau_d_k=gau_d_k,
+    base = LMConfig(d_model=d_model, n_layers=2, n_heads=4, attention=MODEL_SPECS[name], gau_d_k=gau_d_k,
                     gau_d_v=matched_gau_value_width(d_model, gau_d_k), codebook_size=128, block_size=64)
+    if name == "vq":
+        return base
+    target = sizes.count_parameters(dataclasses.replace(base, attention="softmax"))
+    width = sizes.matched_width(lambda w: dataclasses.replace(base, ffn_hidden=w), target, 8)
+    return dataclasses.replace(base, ffn_hidden=width)
 
 
 def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: int = 0,

@@ -42,7 +42,7 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -51,13 +51,13 @@ import torch.nn.functional as F
 from .. import reporting
 from .._checks import (available_device_name, check_choice, check_cuda_available, check_device, non_negative_int,
                        positive_float, positive_int)
-from ..models import LM, LMConfig, parse_layer_spec
+from ..models import LM, LMConfig, parse_layer_spec, sizes
 from ..models.config import matched_gau_value_width
 from ..train.optim import parameter_groups
 from . import report
 from .harness import in_fresh_process, measure, median, profile_call, synchronize
 
-DEFAULT_MODELS = ("softmax", "vq", "delta", "linear:elu", "local", "local,local,vq")
+DEFAULT_MODELS = ("softmax", "vq", "delta", "linear:elu", "local", "local,local,vq", "retnet", "gla", "gated-delta")
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384)
 DTYPES = ("float32", "bfloat16")  # bfloat16: autocast, as train.bf16
 _MIB = 2**20
@@ -101,11 +101,20 @@ class LMBenchConfig:
                               enabled=self.dtype == "bfloat16")
 
     def model_config(self, spec: str) -> LMConfig:
-        """The ``LMConfig`` of the model ``spec`` (a layer spec or comma-separated pattern)."""
-        return LMConfig(attention=spec, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
+        """The ``LMConfig`` of the model ``spec`` (a layer spec or comma-separated pattern):
+        VQ layers with the GAU value width matched to an attention + SwiGLU block; a spec with
+        SwiGLU blocks gets the SwiGLU width (a multiple of 8) that gives it the softmax model's
+        parameter count (a layer kind with extra projections, such as ``gla``, a narrower one)."""
+        base = LMConfig(attention=spec, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
                         local_window=self.window, gau_d_k=self.gau_d_k,
                         gau_d_v=matched_gau_value_width(self.d_model, self.gau_d_k),
                         codebook_size=self.codebook_size, block_size=self.block_size)
+        target = sizes.count_parameters(replace(base, attention="softmax"))
+        try:
+            width = sizes.matched_width(lambda w: replace(base, ffn_hidden=w), target, 8)
+        except ValueError:  # no SwiGLU block (only VQ layers): the GAU width is the match
+            return base
+        return replace(base, ffn_hidden=width)
 
     def batch(self, context: int) -> int:
         """Windows per training step and prefill at ``context``: equal tokens per step."""

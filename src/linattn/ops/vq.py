@@ -31,6 +31,7 @@ the codebook. The reference form (``mode="parallel"``) is always ``"none"``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -291,6 +292,47 @@ def _entering(codes, values, scope, S):
 # GPU few large kernels (memory stays bounded at 64k); on a CPU 2 MB of float32 scores, the
 # fastest of 2^15..2^22 over batch x heads 1..16, L 64/128, Dv 64/256 (docs/results.md).
 _BATCHED_SCORES = {"cuda": 1 << 22, "cpu": 1 << 19}
+
+
+# schedule="auto" on a CPU: the faster schedule at the nearest point (in log2 of each
+# coordinate) of a grid measured at T = 16384, Dk = Dv = 64 with bias and position keys,
+# keyed by (gradients on, rows = batch x heads, block length L, codebook size S); quiet
+# machine, 2 threads: `.venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit`
+# (the times are in docs/results.md, "VQ block schedules").
+_AUTO_SCHEDULE = {
+    (False, 1, 64, 128): "batched", (False, 1, 64, 512): "batched", (False, 1, 128, 128): "batched",
+    (False, 1, 128, 512): "loop", (False, 1, 256, 128): "loop", (False, 1, 256, 512): "batched",
+    (False, 4, 64, 128): "batched", (False, 4, 64, 512): "loop", (False, 4, 128, 128): "loop",
+    (False, 4, 128, 512): "loop", (False, 4, 256, 128): "loop", (False, 4, 256, 512): "loop",
+    (False, 8, 64, 128): "loop", (False, 8, 64, 512): "loop", (False, 8, 128, 128): "loop",
+    (False, 8, 128, 512): "loop", (False, 8, 256, 128): "loop", (False, 8, 256, 512): "loop",
+    (False, 32, 64, 128): "loop", (False, 32, 64, 512): "loop", (False, 32, 128, 128): "loop",
+    (False, 32, 128, 512): "loop", (False, 32, 256, 128): "loop", (False, 32, 256, 512): "loop",
+    (True, 1, 64, 128): "batched", (True, 1, 64, 512): "batched", (True, 1, 128, 128): "batched",
+    (True, 1, 128, 512): "batched", (True, 1, 256, 128): "batched", (True, 1, 256, 512): "batched",
+    (True, 4, 64, 128): "batched", (True, 4, 64, 512): "batched", (True, 4, 128, 128): "batched",
+    (True, 4, 128, 512): "batched", (True, 4, 256, 128): "batched", (True, 4, 256, 512): "batched",
+    (True, 8, 64, 128): "batched", (True, 8, 64, 512): "batched", (True, 8, 128, 128): "batched",
+    (True, 8, 128, 512): "batched", (True, 8, 256, 128): "loop", (True, 8, 256, 512): "batched",
+    (True, 32, 64, 128): "batched", (True, 32, 64, 512): "batched", (True, 32, 128, 128): "batched",
+    (True, 32, 128, 512): "batched", (True, 32, 256, 128): "batched", (True, 32, 256, 512): "batched",
+}
+
+
+def _auto_schedule(grad: bool, rows: int, L: int, S: int, device: torch.device) -> str:
+    """``schedule="auto"``'s choice for a call with gradients on or off over ``rows`` =
+    batch x heads rows, block length ``L`` and ``S`` codes: on a CPU the winner of the nearest
+    ``_AUTO_SCHEDULE`` point; elsewhere ``"batched"`` (fewer, larger kernels; not measured)."""
+    if device.type != "cpu":
+        return "batched"
+    best, best_distance = "batched", math.inf
+    for (key_grad, key_rows, key_L, key_S), winner in _AUTO_SCHEDULE.items():  # a plain loop: torch.compile traces it
+        if key_grad == grad:
+            distance = (abs(math.log2(key_rows) - math.log2(rows)) + abs(math.log2(key_L) - math.log2(L))
+                        + abs(math.log2(key_S) - math.log2(S)))
+            if distance < best_distance:
+                best, best_distance = winner, distance
+    return best
 
 
 def _blocks_per_group(device: torch.device, scores_per_block: int) -> int:
@@ -628,8 +670,10 @@ def vq_attention(
         schedule: how the block form walks the blocks: ``"loop"`` (one block after another,
             the readable form) or ``"batched"`` (groups of blocks as batched matmuls, each
             block's cache from a prefix sum over the group's blocks: fewer, larger kernels; the
-            faster on CPUs too, by up to 4x when batch x heads is small). ``"auto"``: batched.
-            Same results.
+            faster on CPUs when batch x heads is small, by up to 4x with gradients). ``"auto"``:
+            on a CPU the faster of the two at the nearest point of a measured grid of
+            (gradients on or off, batch x heads, L, S) (``_AUTO_SCHEDULE``; mostly the loop
+            without gradients, batched with them), batched on other devices. Same results.
         impl: ``"torch"`` (the forms above), ``"triton"`` (the causal block form as fused
             Triton kernels, ``ops/_vq_triton.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
@@ -693,7 +737,7 @@ def vq_attention(
         out, pieces = _decode(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
     else:
         if schedule == "auto":
-            schedule = "batched"
+            schedule = _auto_schedule(torch.is_grad_enabled(), B * H, L, cb.shape[1], q.device)
         out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
     return _result(out, pieces, q.dtype, initial_state, output_final_state, L)
 

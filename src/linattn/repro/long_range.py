@@ -76,7 +76,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_fraction, check_int, check_positive_number, int_at_least, positive_float
-from ..models import LM, LMConfig
+from ..models import LM, LMConfig, sizes
 from . import framework
 from .framework import Experiment, ExperimentSpec, Grid, seeded_generator
 from .long_range_report import markdown_report, write_plot
@@ -267,9 +267,8 @@ def base_model_config(mechanism: str, config: LongRangeConfig, **fields) -> LMCo
 
 
 def count_parameters(config: LMConfig) -> int:
-    """The parameter count of ``LM(config)``, built on the meta device (no memory, no RNG)."""
-    with torch.device("meta"):
-        return LM(config).num_parameters()
+    """The parameter count of ``LM(config)`` (``models.sizes.count_parameters``)."""
+    return sizes.count_parameters(config)
 
 
 def matched_model_config(mechanism: str, config: LongRangeConfig) -> tuple[LMConfig, int]:
@@ -283,16 +282,11 @@ def matched_model_config(mechanism: str, config: LongRangeConfig) -> tuple[LMCon
     def at(width: int) -> LMConfig:
         return base_model_config(mechanism, config, ffn_hidden=width, gau_d_v=width)
 
-    first, second = count_parameters(at(WIDTH_STEP)), count_parameters(at(2 * WIDTH_STEP))
-    per_width = (second - first) / WIDTH_STEP
-    if per_width <= 0:
-        raise ValueError(f"mechanism {mechanism!r} (spec {LONG_RANGE_SPECS[mechanism]!r}): its parameter count does "
-                         "not grow with ffn_hidden or gau_d_v, so it cannot be matched to the others")
-    guess = WIDTH_STEP + (target - first) / per_width
-    centre = max(1, round(guess / WIDTH_STEP))
-    candidates = [WIDTH_STEP * k for k in (centre - 1, centre, centre + 1) if k >= 1]
-    best = min(candidates, key=lambda width: (abs(count_parameters(at(width)) - target), width))
-    return at(best), target
+    try:
+        width = sizes.matched_width(at, target, WIDTH_STEP, count=count_parameters)
+    except ValueError as error:
+        raise ValueError(f"mechanism {mechanism!r} (spec {LONG_RANGE_SPECS[mechanism]!r}): {error}") from None
+    return at(width), target
 
 
 # --- one run ------------------------------------------------------------------------
