@@ -66,11 +66,12 @@ def _chunk(q, k, v, beta, g, memory, chunk_size):
     carry = decays.sum(1).exp().view(N, n, -1, 1)
 
     states, updates = [], []
-    for c in range(n):
+    # unbind, not [:, c]: the backward of a slice is a zero-filled gradient of the whole tensor
+    for u_c, w_c, carry_c, writes_c in zip(u.unbind(1), w.unbind(1), carry.unbind(1), writes.unbind(1)):
         states.append(memory)
-        update = torch.baddbmm(u[:, c], w[:, c], memory, alpha=-1.0)
+        update = torch.baddbmm(u_c, w_c, memory, alpha=-1.0)
         updates.append(update)
-        memory = torch.baddbmm(carry[:, c] * memory, writes[:, c].transpose(1, 2), update)
+        memory = torch.baddbmm(carry_c * memory, writes_c.transpose(1, 2), update)
     states = torch.stack(states, 1).reshape(M, Fd, E)
     updates = torch.stack(updates, 1).reshape(M, C, E)
 

@@ -102,9 +102,10 @@ def _chunk(q, k, v, S, z, g, chunk_size, features, finish):
     writes = torch.bmm((keys * suffix_sums(decays, 1).exp()).transpose(1, 2), vals).view(N, n, Fd, width)
     carry = decays.sum(1).exp().view(N, n, -1, 1)
     entering = []
-    for c in range(n):
+    # unbind, not [:, c]: the backward of a slice is a zero-filled gradient of the whole tensor
+    for carry_c, writes_c in zip(carry.unbind(1), writes.unbind(1)):
         entering.append(state)
-        state = carry[:, c] * state + writes[:, c]
+        state = carry_c * state + writes_c
     entering = torch.stack(entering, 1).reshape(M, Fd, width)
     reads = (rows * decays.cumsum(1).exp().unsqueeze(1)).reshape(M, G * C, Fd)
     num = torch.baddbmm(torch.bmm(reads, entering), scores.reshape(M, G * C, C), vals)
