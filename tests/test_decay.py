@@ -109,8 +109,8 @@ def initial(setting, B=2, Hkv=2, Dv=3, seed=5):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("T, with_state", [(37, False), (37, True), (1, True)], ids=["T37", "T37-state", "T1-state"])
 def test_forms_equal_the_recurrence(setting, per_channel, T, with_state):
-    """parallel, chunk (sizes 1, 5, 16, 17, 64: T not a multiple, per-channel sub-chunks
-    and several of them) and recurrent == the loop; B=2, GQA (H=4 over Hkv=2)."""
+    """parallel, chunk (sizes 1, 5, 16, 17, 64: T not a multiple; per-channel chunks
+    cut to 16) and recurrent == the loop; B=2, GQA (H=4 over Hkv=2)."""
     fmap, normalize, F = SETTINGS[setting]
     q, k, v = inputs(setting, T=T)
     g = make_g(2, 2, T, F if per_channel else None)
@@ -225,7 +225,7 @@ def test_gradients_equal_the_recurrence(setting, per_channel):
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "channel"])
 def test_gradcheck(per_channel, mode, C):
     """torch.autograd.gradcheck (float64) w.r.t. q, k, v, g and the initial kv; T = 19 with
-    chunk 20 has two sub-chunks of the per-channel form."""
+    chunk 20 is two chunks (16 + 3) of the per-channel form."""
     q, k, v = make_qkv(B=1, H=2, Hkv=1, T=19, Dk=2, Dv=2, seed=4, requires_grad=True)
     g = make_g(1, 1, 19, 2 if per_channel else None).requires_grad_(True)
     S0 = torch.randn(1, 1, 2, 2, dtype=F64, requires_grad=True)
@@ -402,8 +402,8 @@ def test_causality(mode, per_channel):
     assert_causal_jacobian(fn, (q, k, v, g), ("q", "k", "v", "g"))
 
 
-def test_causality_across_sub_chunks():
-    """The per-channel chunk form with two sub-chunks (chunk 24, T = 24): out_i does not
+def test_causality_across_per_channel_chunks():
+    """The per-channel chunk form with chunk 24 at T = 24 (two chunks, 16 + 8): out_i does not
     depend on any input after i."""
     q, k, v = make_qkv(B=1, H=1, Hkv=1, T=24, Dk=2, Dv=1, seed=7)
     g = make_g(1, 1, 24, 2)

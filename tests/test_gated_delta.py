@@ -159,7 +159,7 @@ def test_gradients_equal_the_recurrence(setting, per_channel):
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "channel"])
 def test_gradcheck(per_channel, mode, C):
     """torch.autograd.gradcheck (float64) w.r.t. q, k, v, beta, g and the initial memory;
-    T = 19 with chunk 20 has two sub-chunks of the per-channel form."""
+    T = 19 with chunk 20 is two chunks (16 + 3) of the per-channel form."""
     q, k, v, beta, g = make_inputs(B=1, H=2, Hkv=1, T=19, Dk=2, Dv=2, F=2 if per_channel else None, seed=4)
     S0 = memory(2, B=1, Hkv=1, Dv=2)
     inputs = tuple(t.requires_grad_(True) for t in (q, k, v, beta, g, S0))
@@ -310,7 +310,7 @@ def test_decoding_one_token_at_a_time():
 
 
 @pytest.mark.parametrize("per_channel, T, C", [(False, 11, 4), (True, 11, 4), (True, 24, 24)],
-                         ids=["scalar", "channel", "channel-sub-chunks"])
+                         ids=["scalar", "channel", "channel-cut-to-16"])
 def test_causality(per_channel, T, C):
     """d out_i / d (q, k, v, beta, g)_j == 0 for j > i (chunk form)."""
     q, k, v, beta, g = make_inputs(B=1, H=2, Hkv=1, T=T, Dk=2, Dv=2, F=2 if per_channel else None, seed=6)

@@ -66,7 +66,7 @@ def test_linear_attention_forms_agree(shape, feature_map, normalize, chunk, data
        normalize=st.sampled_from(["attention", "sum", None]), per_channel=st.booleans(), chunk=st.integers(1, 40),
        data=st.data())
 def test_decayed_linear_attention_forms_agree(shape, feature_map, normalize, per_channel, chunk, data):
-    """With log decays g (scalar or per feature channel; chunks past 16 have sub-chunks):
+    """With log decays g (scalar or per feature channel; per-channel chunks hold at most 16):
     chunk and recurrent equal parallel, and two pieces with the carried state equal one call."""
     q, k, v, g = _inputs(shape, positive=normalize is None)
     B, _, Hkv, T = shape[:4]

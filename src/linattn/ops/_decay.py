@@ -10,11 +10,10 @@ factor exceeds 1 (no ``exp(+x)`` anywhere), and a strong decay (``g = -30``, or 
 reset) next to weak ones costs the weak ones no precision.
 
 Per-channel decays cannot be factored into one query factor and one key factor without
-``exp(+x)``, so ``decayed_scores`` splits a chunk into sub-chunks of ``_SUB_CHUNK``: across
-sub-chunks, queries times ``exp(sum over their own sub-chunk up to i)`` against keys times
-``exp(sum from j to that sub-chunk)`` (both at most 1, one matmul per query sub-chunk);
-within one, the ``[c, c, F]`` factors pairwise (``_PairwiseScores``, which recomputes them in
-its backward instead of storing them).
+``exp(+x)``, so inside a chunk their scores are pairwise, row after row as products of the
+steps' factors (``_PairwiseScores``, which never holds ``[c, c, F]`` factors and recomputes
+the rows in its backward); their chunks hold at most ``CHANNEL_CHUNK`` positions, as the
+pairwise work grows with the chunk while the state recurrence between chunks is cheap.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ import torch.nn.functional as F
 
 from .._checks import check_first_order_backward
 
-_SUB_CHUNK = 16
-# Elements of one [m, F, c, c] block of pairwise factors made at a time.
-_PAIRWISE_BLOCK = 1 << 21
+CHANNEL_CHUNK = 16  # most positions in a chunk of a per-channel decay form
 
 
 def pad_time(x: torch.Tensor, pad: int, dim: int) -> torch.Tensor:
@@ -39,11 +36,12 @@ def pad_time(x: torch.Tensor, pad: int, dim: int) -> torch.Tensor:
 
 def to_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int) -> tuple:
     """``q [N, G, T, F]``, ``k [N, T, F]``, ``v [N, T, E]`` and ``g [N, T(, F)]`` in chunks of
-    ``C = min(chunk_size, T)`` positions, the last zero-padded (k = 0 and g = 0: nothing written,
-    nothing decayed): ``(rows [M, G, C, F], keys [M, C, F], vals [M, C, E], chunk_g [M, C(, F)],
-    n, C, pad)`` with ``n`` chunks per row, ``M = N n`` and ``pad = n C - T``."""
+    ``C = min(chunk_size, T)`` positions (at most ``CHANNEL_CHUNK`` for a per-channel ``g``),
+    the last zero-padded (k = 0 and g = 0: nothing written, nothing decayed): ``(rows
+    [M, G, C, F], keys [M, C, F], vals [M, C, E], chunk_g [M, C(, F)], n, C, pad)`` with
+    ``n`` chunks per row, ``M = N n`` and ``pad = n C - T``."""
     N, G, T, Fd = q.shape
-    C = min(chunk_size, T)
+    C = min(chunk_size, T, CHANNEL_CHUNK if g.dim() == 3 else T)
     n = -(-T // C)
     pad = n * C - T
     M = N * n
@@ -86,87 +84,89 @@ def decayed_scores(x: torch.Tensor, y: torch.Tensor, g: torch.Tensor, *, strict:
     -> ``[M, R, C, C]``.
     """
     M, R, C, Fd = x.shape
-    mask = causal_mask(C, strict, x.device)
-    if g.dim() == 2:
-        decay = torch.where(mask, pair_sums(g).exp(), g.new_zeros(()))
-        scores = torch.bmm(x.reshape(M, R * C, Fd), y.transpose(1, 2)).view(M, R, C, C)
-        return scores * decay.unsqueeze(1)
-    c = min(C, _SUB_CHUNK)
-    n = -(-C // c)
-    pad = n * c - C
-    x, y, g = pad_time(x, pad, 2), pad_time(y, pad, 1), pad_time(g, pad, 1)
-    diagonal = _PairwiseScores.apply(
-        x.view(M, R, n, c, Fd).transpose(1, 2).reshape(M * n, R, c, Fd),
-        y.reshape(M * n, c, Fd), g.reshape(M * n, c, Fd), strict,
-    ).view(M, n, R, c, c)
-    if n == 1:
-        return diagonal.view(M, R, c, c)[:, :, :C, :C]
-    blocks = g.view(M, n, c, Fd)
-    # Queries of sub-chunk a: exp(sum from a's start to i). Keys of sub-chunk b: exp(sum from
-    # j to b's end), times exp(sum over the whole sub-chunks between b and a), 0 unless b < a.
-    rows = x.view(M, R, n, c, Fd) * blocks.cumsum(2).exp().unsqueeze(1)
-    keys = y.view(M, n, c, Fd) * suffix_sums(blocks, 2).exp()
-    spans = pair_sums(blocks.sum(2).transpose(1, 2))  # [M, F, a, b]: sum over sub-chunks b < m <= a
-    between = torch.cat([torch.zeros_like(spans[:, :, :1]), spans[:, :, :-1]], 2)  # b < m < a
-    earlier = causal_mask(n, True, x.device)
-    factor = torch.where(earlier, between.exp(), between.new_zeros(()))
-    keys = keys.unsqueeze(1) * factor.permute(0, 2, 3, 1).unsqueeze(3)  # [M, a, b, c, F]
-    across = torch.bmm(
-        rows.permute(0, 2, 1, 3, 4).reshape(M * n, R * c, Fd),
-        keys.reshape(M * n, n * c, Fd).transpose(1, 2),
-    ).view(M, n, R, c, n, c)
-    # The diagonal blocks of `across` are zero: put the pairwise ones there.
-    scores = torch.diagonal_scatter(across, diagonal.permute(0, 2, 3, 4, 1), dim1=1, dim2=4)
-    return scores.permute(0, 2, 1, 3, 4, 5).reshape(M, R, n * c, n * c)[:, :, :C, :C]
+    if g.dim() == 3:
+        return _PairwiseScores.apply(x, y, g, strict)
+    decay = torch.where(causal_mask(C, strict, x.device), pair_sums(g).exp(), g.new_zeros(()))
+    scores = torch.bmm(x.reshape(M, R * C, Fd), y.transpose(1, 2)).view(M, R, C, C)
+    return scores * decay.unsqueeze(1)
 
 
 class _PairwiseScores(torch.autograd.Function):
     """``A_ij = sum_f x_if y_jf exp(L_ijf)`` on the causal mask, ``x [M, R, c, F]``,
-    ``y [M, c, F]``, ``g [M, c, F]`` -> ``[M, R, c, c]``.
+    ``y [M, c, F]``, ``g [M, c, F]`` -> ``[M, R, c, c]``, row after row without forming
+    ``exp`` of a sum: with ``a_i = exp(g_i)`` (each at most 1) the row
+    ``Z_i[f, j] = y_jf exp(L_ijf)`` (``j <= i``) is ``a_i * Z_{i-1}`` with column i set to
+    ``y_i``, and ``A_i = x_i Z_i`` (the diagonal zeroed when ``strict``).
 
-    The ``[c, c, F]`` factors of a block are made, used and dropped block by block, in the
-    forward and again in the backward (first order only), which saves only x, y and g. With
-    ``W_fij = y_jf exp(L_ijf)`` and ``H_fij = sum_r dA_rij x_rif``: ``dx = dA W``,
-    ``dy_jf = sum_i H_fij exp(L_ijf)``, ``dL = H W`` and ``dg_p = sum_{j<p<=i} dL_ij``.
+    Backward (first order; a ``strict`` call's gradient has its diagonal zeroed first):
+    ``dx_i = dA_i Z_i^T``; ``dy_j = Q_j[:, j]`` with ``Q_i = x_i^T dA_i + a_{i+1} * Q_{i+1}``
+    (rows from the last); ``dg_p = sum_{j<p<=i} dL_ij = a_p sum_{j<p} Z_{p-1}[:, j] Q_p[:, j]``
+    (every term a product of factors at most 1: no cancellation, strong decays next to weak
+    ones cost nothing). The rows ``Z`` of a slice of M are held while its ``Q`` runs.
     """
 
     @staticmethod
     def forward(ctx, x, y, g, strict):
         ctx.save_for_backward(x, y, g)
         ctx.strict = strict
-        out = x.new_empty(x.shape[:-1] + (x.shape[-2],))
-        for lo, hi in _blocks(x):
-            factors = _decay_factors(g[lo:hi], strict) * y[lo:hi].transpose(1, 2).unsqueeze(2)
-            out[lo:hi] = torch.einsum("mrif,mfij->mrij", x[lo:hi], factors)
+        M, R, c, Fd = x.shape
+        out = x.new_zeros(M, R, c, c)
+        for i, z in _rows(y, g.exp()):
+            out[:, :, i, : i + 1] = _row_times(x[:, :, i], z[:, :, : i + 1])
+        if strict:
+            out.diagonal(dim1=2, dim2=3).zero_()
         return out
 
     @staticmethod
     def backward(ctx, grad):
         check_first_order_backward("a chunk form with per-channel decay", "mode='recurrent'")
         x, y, g = ctx.saved_tensors
-        c = x.shape[-2]
-        earlier = causal_mask(c, True, x.device)  # [p, j]: j < p
-        d_x, d_y, d_g = torch.empty_like(x), torch.empty_like(y), torch.empty_like(g)
-        for lo, hi in _blocks(x):
-            decay = _decay_factors(g[lo:hi], ctx.strict)  # exp(L) [m, F, i, j]
-            factors = decay * y[lo:hi].transpose(1, 2).unsqueeze(2)  # W
-            d_x[lo:hi] = torch.einsum("mrij,mfij->mrif", grad[lo:hi], factors)
-            h = torch.einsum("mrij,mrif->mfij", grad[lo:hi], x[lo:hi])
-            d_y[lo:hi] = (h * decay).sum(2).transpose(1, 2)
-            after = (h * factors).flip(2).cumsum(2).flip(2)  # dL summed over i >= p: [m, F, p, j]
-            d_g[lo:hi] = (after * earlier).sum(-1).transpose(1, 2)
+        M, R, c, Fd = x.shape
+        if ctx.strict:
+            grad = grad.clone()
+            grad.diagonal(dim1=2, dim2=3).zero_()
+        steps = g.exp()
+        d_x, d_y, d_g = torch.empty_like(x), torch.empty_like(y), torch.zeros_like(g)
+        for lo, hi in _slices(M, c * Fd * c):
+            xs, dA, a = x[lo:hi], grad[lo:hi], steps[lo:hi]
+            rows = x.new_empty(c, hi - lo, Fd, c)
+            for i, z in _rows(y[lo:hi], a):
+                rows[i] = z
+                d_x[lo:hi, :, i] = (dA[:, :, i, None, : i + 1] * z[:, None, :, : i + 1]).sum(-1)
+            q = x.new_zeros(hi - lo, Fd, c)
+            for i in range(c - 1, -1, -1):
+                if i < c - 1:
+                    q.mul_(a[:, i + 1].unsqueeze(-1))  # a_{i+1} Q_{i+1}
+                    d_g[lo:hi, i + 1] = (rows[i, :, :, : i + 1] * q[:, :, : i + 1]).sum(-1)
+                q += (xs[:, :, i, :, None] * dA[:, :, i, None, :]).sum(1)  # Q_i
+                d_y[lo:hi, i] = q[:, :, i]
         return d_x, d_y, d_g, None
 
 
-def _blocks(x):
-    """Slices ``(lo, hi)`` of the first dimension of x whose ``[m, R, F, c, c]`` temporaries
-    stay near ``_PAIRWISE_BLOCK`` elements."""
-    M, R, c, Fd = x.shape
-    step = max(1, _PAIRWISE_BLOCK // (c * c * Fd * max(R, 1)))
+def _row_times(x_i: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """``x_i [M, R, F]`` times ``z [M, F, n]`` -> ``[M, R, n]``, as products and a sum (a
+    batched matmul of M tiny matrices would loop over them one by one)."""
+    return (x_i.unsqueeze(-1) * z.unsqueeze(1)).sum(2)
+
+
+# Entries of the rows Z that one slice of the backward holds at once.
+_ROWS_BUDGET = 1 << 22
+
+
+def _slices(M: int, per_item: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` slices of ``range(M)`` of at most ``_ROWS_BUDGET // per_item`` items (at least one)."""
+    step = max(1, _ROWS_BUDGET // per_item)
     return [(lo, min(lo + step, M)) for lo in range(0, M, step)]
 
 
-def _decay_factors(g, strict):
-    """``exp(L_ijf)`` on the mask, 0 elsewhere: ``[m, F, c, c]`` from ``g [m, c, F]``."""
-    c = g.shape[1]
-    return torch.where(causal_mask(c, strict, g.device), pair_sums(g.transpose(1, 2)).exp(), g.new_zeros(()))
+def _rows(y, steps):
+    """``(i, Z_i)`` for i = 0 .. c - 1: ``Z_i [M, F, c]`` with ``Z_i[f, j] = y_jf exp(L_ijf)``
+    for ``j <= i``, 0 elsewhere, from ``y [M, c, F]`` and the step factors
+    ``steps = exp(g) [M, c, F]``. One buffer, updated in place."""
+    M, c, Fd = y.shape
+    z = y.new_zeros(M, Fd, c)
+    for i in range(c):
+        if i:
+            z[:, :, :i].mul_(steps[:, i].unsqueeze(-1))
+        z[:, :, i] = y[:, i]
+        yield i, z

@@ -205,7 +205,8 @@ def linear_attention(
             non-causal queries over many keys, ``T T_k (F + Dv)`` instead of
             ``T_k F Dv`` work), ``"chunk"``, ``"recurrent"``; ``None`` picks
             ``"recurrent"`` for a causal T == 1 call (decoding) and ``"chunk"`` otherwise.
-        chunk_size: chunk length of ``mode="chunk"`` (any T: the sequence is split, the last chunk is shorter).
+        chunk_size: chunk length of ``mode="chunk"`` (any T: the sequence is split, the last chunk is shorter;
+            with a per-channel ``g`` at most 16, the pairwise work inside a chunk growing with it).
         initial_state: a ``LinearAttentionState`` to continue from (carried across calls).
         output_final_state: also return the final state, the next call's ``initial_state``.
         eps: added to the denominator of ``normalize="attention"`` (and to the sums of
