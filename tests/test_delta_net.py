@@ -86,8 +86,10 @@ def test_bad_input_is_named():
     layer = _layer()
     with pytest.raises(ValueError, match=r"x must have shape \[batch, length, 24\], got \[2, 5\]"):
         layer(torch.randn(2, 5, dtype=torch.float64))
-    with pytest.raises(ValueError, match="n_kv_heads=3 must divide n_heads=4"):
+    with pytest.raises(ValueError, match="n_kv_heads=3 must be >= 1 and divide n_heads=4"):
         DeltaNet(D_MODEL, 4, n_kv_heads=3)
+    with pytest.raises(ValueError, match="n_kv_heads=0 must be >= 1 and divide n_heads=4"):
+        DeltaNet(D_MODEL, 4, n_kv_heads=0)
 
 
 def test_one_wide_heads_and_inputs_of_the_wrong_rank_or_width():

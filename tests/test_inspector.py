@@ -76,19 +76,21 @@ def test_window_and_cache_mass_of_uniform_rows():
 
 
 def test_every_layer_kind_is_reported():
-    config = linattn.LMConfig(d_model=16, n_layers=7, n_heads=2, gau_d_k=8, block_size=4, codebook_size=8,
-                              attention="softmax,local:4,vq,gau-softmax,linear:elu,delta,vq-fsq", fsq_levels=(3, 3))
+    config = linattn.LMConfig(d_model=16, n_layers=10, n_heads=2, gau_d_k=8, block_size=4, codebook_size=8,
+                              attention="softmax,local:4,vq,gau-softmax,linear:elu,delta,vq-fsq,retnet,gla,gated-delta",
+                              fsq_levels=(3, 3))
     torch.manual_seed(0)
     entries = inspect_model(linattn.LM(config), torch.randint(0, 256, (1, 30)))
     kinds = {entry["module"]: entry["kind"] for entry in entries}
     assert kinds == {"layers.0.mixer": "softmax", "layers.1.mixer": "local", "layers.2.units.0": "vq",
                      "layers.2.units.1": "vq", "layers.3.units.0": "gau-softmax", "layers.3.units.1": "gau-softmax",
                      "layers.4.mixer": "linear", "layers.5.mixer": "delta", "layers.6.units.0": "vq-fsq",
-                     "layers.6.units.1": "vq-fsq"}
+                     "layers.6.units.1": "vq-fsq", "layers.7.mixer": "retnet", "layers.8.mixer": "gla",
+                     "layers.9.mixer": "gated-delta"}
     by_name = {entry["module"]: entry for entry in entries}
     assert len(by_name["layers.0.mixer"]["heads"]) == 2 and len(by_name["layers.2.units.0"]["heads"]) == 1
     assert "window_mass" in by_name["layers.2.units.0"]["heads"][0]
-    assert len(by_name["layers.4.mixer"]["effective_rank"]) == 2
+    assert all(len(by_name[f"layers.{i}.mixer"]["effective_rank"]) == 2 for i in (4, 7, 8, 9))
     codes = by_name["layers.6.units.0"]["codes"]
     assert codes["codebook_size"] == 9 and 1 <= codes["perplexity"] <= 9
 

@@ -21,7 +21,8 @@ Per head, over the queries that see more than one key (n_t keys), averaged over 
 - quantized units: code use on these tokens — perplexity ``exp(entropy of the code
   histogram)``, codes never chosen, relative quantization error ``|k - k^| / |k|``.
 
-Kernel layers (``linear``, ``favor``, ``delta``) have no probabilities to recompute; for them
+Kernel layers (``linear``, ``favor``, ``delta`` and the gated ``retnet``, ``gla``,
+``gated-delta``) have no probabilities to recompute; for them
 the effective rank (Roy & Vetterli 2007) ``exp(-sum_i q_i log q_i)``, ``q_i = sigma_i / sum sigma``,
 of the final state matrix per head is reported. ``soft-vq`` layers report nothing.
 """
@@ -40,6 +41,9 @@ from .data import open_data
 from .nn import attention as attention_module
 from .nn import delta_net as delta_module
 from .nn import gau as gau_module
+from .nn import gated_delta_net as gated_delta_module
+from .nn import gla as gla_module
+from .nn import retention as retention_module
 from .nn.fsq import FSQuantizer
 from .nn.quantizer import VectorQuantizer
 from .ops.vq import vq_attention_weights, windowed_weights
@@ -85,7 +89,9 @@ class _Recorder:
         self.block_size: dict[str, int] = {}
         self._handles = []
         for name, module in model.named_modules():
-            if isinstance(module, (attention_module.Attention, gau_module.GAU, delta_module.DeltaNet)):
+            if isinstance(module, (attention_module.Attention, gau_module.GAU, delta_module.DeltaNet,
+                                   retention_module.MultiScaleRetention, gla_module.GatedLinearAttention,
+                                   gated_delta_module.GatedDeltaNet)):
                 self._handles.append(module.register_forward_pre_hook(self._enter(name)))
                 self._handles.append(module.register_forward_hook(self._leave))
             if isinstance(module, (VectorQuantizer, FSQuantizer)):
@@ -124,7 +130,10 @@ class _Recorder:
                    (attention_module, "linear_attention", self._kernel("linear")),
                    (gau_module, "vq_attention", self._vq),
                    (gau_module, "windowed_softmax", self._windowed),
-                   (delta_module, "delta_rule", self._kernel("delta"))]
+                   (delta_module, "delta_rule", self._kernel("delta")),
+                   (retention_module, "linear_attention", self._kernel("retnet")),
+                   (gla_module, "linear_attention", self._kernel("gla")),
+                   (gated_delta_module, "delta_rule", self._kernel("gated-delta"))]
         originals = [(module, name, getattr(module, name)) for module, name, _ in targets]
         for (module, name, wrap), (_, _, original) in zip(targets, originals):
             setattr(module, name, wrap(original))
@@ -176,7 +185,7 @@ class _Recorder:
             def recorded(*args, **kw):
                 out, state = op(*args, **kw)
                 if state is not None:
-                    matrix = state.kv if kind == "linear" else state.memory  # [B, Hkv, F, Dv]
+                    matrix = state.kv if kind in ("linear", "retnet", "gla") else state.memory  # [B, Hkv, F, Dv]
                     self.kinds[self.current[-1]] = kind
                     self.states[self.current[-1]] = matrix.detach()[0]
                 return out, state

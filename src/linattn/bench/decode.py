@@ -3,12 +3,15 @@
 Ops: for each mechanism and context length C, the state after C random tokens is built in
 one call (not timed), then ``--tokens`` single-token steps are timed one by one, each
 feeding the state of the previous, the contexts in turns; the median step time is reported. Mechanisms with a
-constant-size state (Transformer-VQ, kernel attention, the delta rule) should be flat in C;
-exact attention with a KV cache (``sdpa-kvcache``: one query against all cached keys) grows
-linearly. B=1, H=8, D=64, float32 by default.
+constant-size state (Transformer-VQ, kernel attention with or without decay, the delta rule
+and the gated delta rule) should be flat in C; exact attention with a KV cache
+(``sdpa-kvcache``: the preallocated cache of the softmax layers, one row written in place per
+step, then SDPA of one query against all cached keys) grows linearly. B=1, H=8, D=64,
+float32 by default.
 
 Models: demo-sized language models (d_model 128, 2 layers, equal parameter counts: the VQ
-layers' value width is matched to an attention + SwiGLU block) of each mechanism read a
+layers' value width is matched to an attention + SwiGLU block, the other kinds' SwiGLU width
+to the softmax model's count) of each mechanism read a
 random prompt of P tokens (prefill, timed) and then generate ``--new-tokens`` tokens with
 ``LM.generate`` (greedy, each step timed), each model in a freshly spawned process: prefill
 tokens/s and generation tokens/s from the median step time (robust to a busy machine's

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._checks import check_layer_input, check_state_batch, check_state_setting
+from .._checks import check_head_layout, check_layer_input, check_state_batch, check_state_setting
 from ..ops.delta import delta_rule
 from ..ops.feature_maps import FeatureMap, get_feature_map
 from ..state import DeltaNetState
@@ -36,12 +36,7 @@ class DeltaNet(nn.Module):
         chunk_size: int = 64,
     ):
         super().__init__()
-        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
-        if n_heads % n_kv_heads:
-            raise ValueError(f"n_kv_heads={n_kv_heads} must divide n_heads={n_heads}")
-        head_dim = d_model // n_heads if head_dim is None else head_dim
-        if head_dim < 1:
-            raise ValueError(f"head_dim must be >= 1, got {head_dim} (d_model={d_model}, n_heads={n_heads})")
+        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.feature_map = get_feature_map(feature_map)
         self.normalize, self.use_beta, self.chunk_size = normalize, use_beta, chunk_size
