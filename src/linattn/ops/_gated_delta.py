@@ -45,12 +45,20 @@ def _recurrent(q, k, v, beta, g, memory):
     return torch.stack(outs, dim=2), memory
 
 
+# Most positions in a chunk of the gated form: its backward is autograd's, whose cost grows
+# with the chunk (T = 16384, B 1, H 8, D 64, 2 threads: forward + backward 1,219 ms at 32
+# against 1,590 ms at 64; forward at 65536 1,809 against 2,526 ms; docs/benchmarks.md).
+GATED_CHUNK = 32
+
+
 def _chunk(q, k, v, beta, g, memory, chunk_size):
-    """The chunkwise WY form of the module docstring: ``(out [N, G, T, E], final memory)``.
-    T is padded to a multiple of the chunk with k = 0, beta = 0 and g = 0 (no writes, no decay)."""
+    """The chunkwise WY form of the module docstring: ``(out [N, G, T, E], final memory)``,
+    in chunks of ``min(chunk_size, GATED_CHUNK)`` positions (``to_chunks`` cuts per-channel
+    ones further). T is padded to a multiple of the chunk with k = 0, beta = 0 and g = 0 (no
+    writes, no decay)."""
     N, G, T, Fd = q.shape
     E = v.shape[-1]
-    rows, keys, vals, chunk_g, n, C, pad = to_chunks(q, k, v, g, chunk_size)
+    rows, keys, vals, chunk_g, n, C, pad = to_chunks(q, k, v, g, min(chunk_size, GATED_CHUNK))
     M = N * n
     betas = pad_time(beta, pad, 1).reshape(M, C, 1)
     decays = chunk_g.unsqueeze(-1) if chunk_g.dim() == 2 else chunk_g  # [M, C, 1 or F]

@@ -213,7 +213,8 @@ def delta_rule(
         mode: ``"chunk"`` (WY/UT) or ``"recurrent"`` (token by token, the reference and
             the decoding step); ``None`` picks recurrent for T == 1, else chunk. Only the
             recurrent form has second derivatives (``create_graph=True``).
-        chunk_size: chunk length of ``mode="chunk"`` (with a per-channel ``g`` at most 16).
+        chunk_size: chunk length of ``mode="chunk"`` (with ``g`` at most 32, per channel at most 16:
+            the gated form's cost grows with the chunk).
         initial_state: a ``DeltaRuleState`` to continue from.
         output_final_state: also return the final ``DeltaRuleState``.
         check_inputs: also check that beta lies in [0, 1] and g is ``<= 0`` and not NaN,
