@@ -221,6 +221,62 @@ def test_gradients_equal_the_recurrence(setting, per_channel):
             assert_close_rel(a, b, rtol=1e-11, name=f"{mode} {C}: d {name}")
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "channel"])
+def test_decayed_scan_equals_the_chunk_loop(per_channel):
+    """``_decay.decayed_scan`` (a hand-written backward) gives the states of
+    ``S_{c+1} = carry_c S_c + W_c`` written as a loop, their gradients with a reset (carry 0)
+    among the chunks, and (gradgradcheck) second derivatives."""
+    from linattn.ops._decay import decayed_scan
+
+    gen = torch.Generator().manual_seed(11)
+    N, n, F, W = 2, 5, 3, 2
+    carry = torch.rand(N, n, F if per_channel else 1, 1, generator=gen, dtype=F64)
+    carry[0, 2] = 0.0
+    carry.requires_grad_(True)
+    writes = torch.randn(N, n, F, W, generator=gen, dtype=F64, requires_grad=True)
+    S0 = torch.randn(N, F, W, generator=gen, dtype=F64, requires_grad=True)
+    states, S = [], S0
+    for c in range(n):
+        states.append(S)
+        S = carry[:, c] * S + writes[:, c]
+    expected = (torch.stack(states, 1), S)
+    got = decayed_scan(carry, writes, S0)
+    weights = [torch.randn(t.shape, generator=gen, dtype=F64) for t in expected]
+    leaves = (carry, writes, S0)
+    d_expected = torch.autograd.grad(sum((t * w).sum() for t, w in zip(expected, weights)), leaves)
+    d_got = torch.autograd.grad(sum((t * w).sum() for t, w in zip(got, weights)), leaves)
+    for name, a, b in zip(("entering", "final"), got, expected):
+        assert_close_rel(a, b, rtol=1e-12, name=name)
+    for name, a, b in zip(("carry", "writes", "state"), d_got, d_expected):
+        assert_close_rel(a, b, rtol=1e-12, name=f"d {name}")
+    assert torch.autograd.gradgradcheck(decayed_scan, leaves, eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("forward_budget, backward_budget", [(1, 1), (140, 980)], ids=["one-chunk", "five-chunks"])
+def test_per_channel_chunks_in_slices_equal_the_recurrence(monkeypatch, forward_budget, backward_budget):
+    """The per-channel pairwise scores walk the chunks in slices (``_decay._FORWARD_BUDGET``,
+    ``_BACKWARD_BUDGET``): one chunk per slice, and 5 (24 chunks of 7 with F = 4: the last
+    slice shorter), give the loop's outputs and gradients."""
+    import linattn.ops._decay as decay
+
+    monkeypatch.setattr(decay, "_FORWARD_BUDGET", forward_budget)
+    monkeypatch.setattr(decay, "_BACKWARD_BUDGET", backward_budget)
+    fmap, normalize, F = SETTINGS["identity-none"]
+    q, k, v = inputs("identity-none")
+    g = make_g(2, 2, 37, F)
+    state, S0, z0 = initial("identity-none")
+    gen = torch.Generator().manual_seed(3)
+    weights = (torch.randn(2, 4, 37, 3, generator=gen, dtype=F64), torch.randn(2, 2, F, 3, generator=gen, dtype=F64),
+               torch.randn(2, 2, F, generator=gen, dtype=F64))
+    expected = _loop_gradients(q, k, v, g, S0, z0, weights, fmap, normalize)
+    got = _gradients(q, k, v, g, state, weights, feature_map=fmap, normalize=normalize, mode="chunk", chunk_size=7)
+    for name, a, b in zip(("q", "k", "v", "g", "initial kv"), got, expected):
+        assert_close_rel(a, b, rtol=1e-11, name=f"d {name}")
+    out, _ = linear_attention(q, k, v, feature_map=fmap, normalize=normalize, g=g, mode="chunk", chunk_size=7,
+                              initial_state=state)
+    assert_close_rel(out, loop(q, k, v, g, fmap, normalize, S0=S0, z0=z0)[0], rtol=1e-11, name="out")
+
+
 @pytest.mark.parametrize("mode, C", [("chunk", 3), ("chunk", 20), ("parallel", 3), ("recurrent", 3)])
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "channel"])
 def test_gradcheck(per_channel, mode, C):

@@ -979,5 +979,7 @@ def test_auto_schedule_takes_the_nearest_grid_point_in_log_scale(monkeypatch):
     assert vq._auto_schedule(False, 3, 64, 128, cpu) == "batched"  # log2 distance 1.58 vs 2.42
     assert vq._auto_schedule(False, 5, 64, 128, cpu) == "loop"  # 2.32 vs 1.68
     assert vq._auto_schedule(False, 1, 200, 400, cpu) == "loop"  # L and S count as rows do
+    assert vq._auto_schedule(False, 1, 256, 181, cpu) == "loop"  # 2.5 vs 1.5: L decides (S alone: batched)
+    assert vq._auto_schedule(False, 1, 120, 512, cpu) == "loop"  # 2.91 vs 2.09: S decides (L alone: batched)
     assert vq._auto_schedule(True, 1000, 8, 8, cpu) == "batched"  # the only point with gradients
     assert vq._auto_schedule(False, 32, 64, 128, torch.device("meta")) == "batched"

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_head_layout, check_layer_input, check_state_batch, check_state_setting, compute_dtype
+from .._checks import check_layer_input, check_state_batch, check_state_setting, compute_dtype
 from ..ops.delta import delta_rule
 from ..state import DeltaRuleState, GatedDeltaNetState
-from .short_conv import ShortConvolution
+from ._heads import _NORM_EPS, _HeadsMixer
 
 # Mamba-2's initial decay rates A = exp(A_log) ~ U(1, 16) and step sizes dt in [1e-3, 1e-1]
 # (log-uniform, at least 1e-4), per head.
@@ -20,16 +20,12 @@ _DT_RANGE = (1e-3, 1e-1)
 _DT_FLOOR = 1e-4
 
 
-# The per-head output norm's eps, one value in every dtype (nn.RMSNorm's default, the dtype's
-# machine epsilon, would make float32 and float64 models differ on small head outputs).
-_NORM_EPS = 1e-5
-
 def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
     """``x`` with ``softplus(x) = log(1 + e^x) = y`` (y > 0): ``y + log(1 - e^-y)``."""
     return y + torch.log(-torch.expm1(-y))
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(_HeadsMixer):
     """Gated DeltaNet, per key/value head:
 
         q_t, k_t, v_t = SiLU(conv(W_{q,k,v} x)_t)      (causal depthwise short convolution)
@@ -62,15 +58,10 @@ class GatedDeltaNet(nn.Module):
         chunk_size: int = 64,
     ):
         super().__init__()
-        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
-        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
+        self._build_projections(d_model, n_heads, n_kv_heads, head_dim)
+        head_dim, n_kv_heads = self.head_dim, self.n_kv_heads
         self.chunk_size = chunk_size
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.conv = None
-        if short_conv is not None:
-            self.conv = ShortConvolution((n_heads + 2 * n_kv_heads) * head_dim, kernel_size=short_conv)
+        self._build_short_conv(short_conv)
         self.beta_proj = nn.Linear(d_model, n_kv_heads, bias=False)
         self.decay_proj = nn.Linear(d_model, n_kv_heads, bias=False)
         self.A_log = nn.Parameter(torch.empty(n_kv_heads).uniform_(*_A_RANGE).log())
@@ -86,12 +77,10 @@ class GatedDeltaNet(nn.Module):
         check_layer_input(x, self.d_model)
         if state is not None:
             self._check_state(state, x.shape[0])
-        B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self._project(x)
         conv_cache = None
         if self.conv is not None:
-            mixed, conv_cache = self.conv(torch.cat([q, k, v], dim=-1), state.conv if state is not None else None)
-            q, k, v = mixed.split([q.shape[-1], k.shape[-1], v.shape[-1]], dim=-1)
+            q, k, v, conv_cache = self._convolve(q, k, v, state.conv if state is not None else None)
         else:
             q, k, v = F.silu(q), F.silu(k), F.silu(v)
         dtype = compute_dtype(q.dtype)
@@ -101,22 +90,16 @@ class GatedDeltaNet(nn.Module):
         # than eager gives, and the compiled backward fails)
         logits = self.decay_proj(x).to(dtype).transpose(1, 2).contiguous() + self.dt_bias.to(dtype).unsqueeze(-1)
         g = -torch.exp(self.A_log.to(dtype)).unsqueeze(-1) * F.softplus(logits)
-        heads = lambda t, n: t.reshape(B, T, n, self.head_dim).transpose(1, 2)  # noqa: E731
+        q, k, v = self._split_heads(q, k.to(q.dtype), v.to(q.dtype))
         with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
             out, rule = delta_rule(
-                heads(q, self.n_heads), heads(k.to(q.dtype), self.n_kv_heads), heads(v.to(q.dtype), self.n_kv_heads),
-                beta.to(q.dtype), feature_map="identity", normalize="l2", g=g, chunk_size=self.chunk_size,
+                q, k, v, beta.to(q.dtype), feature_map="identity", normalize="l2", g=g, chunk_size=self.chunk_size,
                 initial_state=state.rule if state is not None else None, output_final_state=True,
                 check_inputs=False,  # beta is a sigmoid, g = -exp * softplus: in range by construction
             )
-        normed = self.norm(out.transpose(1, 2).to(self.norm.weight.dtype)).reshape(B, T, -1)  # the gain's dtype
-        y = self.o_proj(normed * F.silu(self.gate_proj(x)))
-        return y, GatedDeltaNetState(rule=rule, conv=conv_cache, steps=rule.steps, short_conv=self._short_conv), {}
-
-    @property
-    def _short_conv(self) -> int:
-        """The kernel size of the short convolution, 0 without one (as ``GatedDeltaNetState`` records it)."""
-        return 0 if self.conv is None else self.conv.kernel_size
+        normed = self.norm(out.transpose(1, 2).to(self.norm.weight.dtype)).flatten(2)  # the gain's dtype
+        state = GatedDeltaNetState(rule=rule, conv=conv_cache, steps=rule.steps, short_conv=self._short_conv)
+        return self._gated_output(normed, x), state, {}
 
     def _check_state(self, state, batch: int) -> None:
         """A carried state fits this layer: its kind, the short convolution it was made with,

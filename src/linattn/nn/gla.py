@@ -6,16 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._checks import (check_head_layout, check_layer_input, check_positive_int, check_positive_number,
-                       check_state_batch, compute_dtype)
+from .._checks import check_layer_input, check_positive_int, check_positive_number, check_state_batch, compute_dtype
 from ..ops.linear import linear_attention
 from ..state import GatedLinearAttentionState, LinearAttentionState
+from ._heads import _NORM_EPS, _HeadsMixer
 
-# The per-head output norm's eps, one value in every dtype (nn.RMSNorm's default, the dtype's
-# machine epsilon, would make float32 and float64 models differ on small head outputs).
-_NORM_EPS = 1e-5
 
-class GatedLinearAttention(nn.Module):
+class GatedLinearAttention(_HeadsMixer):
     """Gated linear attention, per key/value head h and key channel c:
 
         q_t, k_t, v_t = W_{q,k,v} x_t                                   (no biases)
@@ -47,14 +44,11 @@ class GatedLinearAttention(nn.Module):
         chunk_size: int = 64,
     ):
         super().__init__()
-        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
+        self._build_projections(d_model, n_heads, n_kv_heads, head_dim)
+        head_dim, n_kv_heads = self.head_dim, self.n_kv_heads
         check_positive_int("gate_rank", gate_rank)
         self.gate_temperature = check_positive_number("gate_temperature", gate_temperature, finite=True)
-        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.chunk_size = chunk_size
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.decay_down = nn.Linear(d_model, gate_rank, bias=False)
         self.decay_up = nn.Linear(gate_rank, n_kv_heads * head_dim, bias=False)
         self.decay_bias = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
@@ -68,12 +62,10 @@ class GatedLinearAttention(nn.Module):
         if state is not None:
             self._check_state(state, x.shape[0])
         B, T, _ = x.shape
-        heads = lambda t, n: t.view(B, T, n, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k, v = heads(self.q_proj(x), self.n_heads), heads(self.k_proj(x), self.n_kv_heads), heads(
-            self.v_proj(x), self.n_kv_heads)
+        q, k, v = self._split_heads(*self._project(x))
         dtype = compute_dtype(q.dtype)
         logits = self.decay_up(self.decay_down(x)).to(dtype) + self.decay_bias.to(dtype)
-        g = heads(F.logsigmoid(logits) / self.gate_temperature, self.n_kv_heads)
+        g = self._heads(F.logsigmoid(logits) / self.gate_temperature, self.n_kv_heads)
         with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
             out, attention = linear_attention(
                 q, k.to(q.dtype), v.to(q.dtype), feature_map="identity", normalize=None, g=g,
@@ -82,8 +74,7 @@ class GatedLinearAttention(nn.Module):
                 check_inputs=False,  # g is a logsigmoid: <= 0 by construction
             )
         normed = self.norm(out.transpose(1, 2).to(self.norm.weight.dtype)).reshape(B, T, -1)  # the gain's dtype
-        y = self.o_proj(normed * F.silu(self.gate_proj(x)))
-        return y, GatedLinearAttentionState(attention=attention, steps=attention.steps), {}
+        return self._gated_output(normed, x), GatedLinearAttentionState(attention=attention, steps=attention.steps), {}
 
     def _check_state(self, state, batch: int) -> None:
         """A carried state fits this layer: its kind and batch size (``linear_attention``

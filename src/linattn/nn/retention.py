@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .._checks import check_head_layout, check_layer_input, check_state_batch, check_state_setting, compute_dtype
+from .._checks import check_layer_input, check_state_batch, check_state_setting, compute_dtype
 from ..ops.linear import linear_attention
 from ..state import LinearAttentionState, RetentionState
+from ._heads import _HeadsMixer
 from .rotary import apply_rotary
 
 
@@ -20,7 +20,7 @@ def retention_log_decays(n_heads: int, *, device: torch.device | str | None = No
     return torch.log1p(-torch.exp2(exponents))
 
 
-class MultiScaleRetention(nn.Module):
+class MultiScaleRetention(_HeadsMixer):
     """RetNet's multi-scale retention:
 
         q_t = rot(W_q x_t, t),  k_t = rot(W_k x_t, t),  v_t = W_v x_t     (per head, no biases)
@@ -57,15 +57,12 @@ class MultiScaleRetention(nn.Module):
         chunk_size: int = 64,
     ):
         super().__init__()
-        n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
+        self._build_projections(d_model, n_heads, n_kv_heads, head_dim)
+        head_dim, n_kv_heads = self.head_dim, self.n_kv_heads
         if head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even and >= 2 (rotary positions), got {head_dim} "
                              f"(d_model={d_model}, n_heads={n_heads})")
-        self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.rotary_base, self.chunk_size = float(rotary_base), chunk_size
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
         self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.group_norm = nn.GroupNorm(n_heads, n_heads * head_dim)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
@@ -76,9 +73,7 @@ class MultiScaleRetention(nn.Module):
         if state is not None:
             self._check_state(state, x.shape[0])
         B, T, _ = x.shape
-        heads = lambda t, n: t.view(B, T, n, self.head_dim).transpose(1, 2)  # noqa: E731
-        q, k, v = heads(self.q_proj(x), self.n_heads), heads(self.k_proj(x), self.n_kv_heads), heads(
-            self.v_proj(x), self.n_kv_heads)
+        q, k, v = self._split_heads(*self._project(x))
         past = 0 if state is None else state.steps
         q, k = apply_rotary(q, past, self.rotary_base), apply_rotary(k, past, self.rotary_base)
         with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
@@ -91,8 +86,8 @@ class MultiScaleRetention(nn.Module):
                 check_inputs=False,  # g is log(gamma) < 0 by construction
             )
         normed = self.group_norm(out.transpose(1, 2).reshape(B * T, -1)).view(B, T, -1)
-        y = self.o_proj(normed * F.silu(self.gate_proj(x)))
-        return y, RetentionState(attention=attention, steps=attention.steps, rotary_base=self.rotary_base), {}
+        state = RetentionState(attention=attention, steps=attention.steps, rotary_base=self.rotary_base)
+        return self._gated_output(normed, x), state, {}
 
     def _check_state(self, state, batch: int) -> None:
         """A carried state fits this layer: its kind, its rotary base, its batch size

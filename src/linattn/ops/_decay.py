@@ -60,6 +60,50 @@ def suffix_sums(g: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([inclusive.narrow(dim, 1, n - 1), torch.zeros_like(g.narrow(dim, 0, 1))], dim)
 
 
+def decayed_scan(carry: torch.Tensor, writes: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state before each of n chunks and after the last, for
+
+        S_{c+1} = carry_c * S_c + W_c       (S_0 = ``state``)
+
+    with ``carry`` ``[N, n, 1 or F, 1]`` (each chunk's decay, ``exp`` of its summed log decay),
+    ``writes`` W ``[N, n, F, W]`` and ``state [N, F, W]``: ``(entering [N, n, F, W], final
+    [N, F, W])``. Backward by the reverse recurrence
+    ``dS_c = carry_c * dS_{c+1} + d entering_c``, ``dW_c = dS_{c+1}``,
+    ``d carry_c = sum(S_c * dS_{c+1})`` over its broadcast channels, written with differentiable
+    operations (second derivatives hold); one operation per chunk each way instead of
+    autograd's several.
+    """
+    return _DecayedScan.apply(carry, writes, state)
+
+
+class _DecayedScan(torch.autograd.Function):
+    """``decayed_scan``."""
+
+    @staticmethod
+    def forward(ctx, carry, writes, state):
+        entering = []
+        for carry_c, writes_c in zip(carry.unbind(1), writes.unbind(1)):
+            entering.append(state)
+            state = torch.addcmul(writes_c, carry_c, state)
+        entering = torch.stack(entering, 1)
+        ctx.save_for_backward(carry, entering)
+        return entering, state
+
+    @staticmethod
+    def backward(ctx, d_entering, d_final):
+        carry, entering = ctx.saved_tensors
+        d_after = []  # dS_{c+1}, from the last chunk
+        d = d_final
+        for carry_c, d_entering_c in zip(reversed(carry.unbind(1)), reversed(d_entering.unbind(1))):
+            d_after.append(d)
+            d = torch.addcmul(d_entering_c, carry_c, d)
+        d_writes = torch.stack(d_after[::-1], 1)
+        d_carry = (entering * d_writes).sum(-1, keepdim=True)
+        if carry.shape[2] == 1:
+            d_carry = d_carry.sum(2, keepdim=True)
+        return d_carry, d_writes, d
+
+
 def pair_sums(g: torch.Tensor) -> torch.Tensor:
     """``L [..., C, C]`` with ``L_ij = sum_{j<m<=i} g_m`` for ``i >= j`` (0 above the diagonal),
     from ``g [..., C]``."""
@@ -95,14 +139,17 @@ class _PairwiseScores(torch.autograd.Function):
     """``A_ij = sum_f x_if y_jf exp(L_ijf)`` on the causal mask, ``x [M, R, c, F]``,
     ``y [M, c, F]``, ``g [M, c, F]`` -> ``[M, R, c, c]``, row after row without forming
     ``exp`` of a sum: with ``a_i = exp(g_i)`` (each at most 1) the row
-    ``Z_i[f, j] = y_jf exp(L_ijf)`` (``j <= i``) is ``a_i * Z_{i-1}`` with column i set to
-    ``y_i``, and ``A_i = x_i Z_i`` (the diagonal zeroed when ``strict``).
+    ``Z_i[j, f] = y_jf exp(L_ijf)`` (``j <= i``) is ``a_i * Z_{i-1}`` with row i set to
+    ``y_i``, and ``A_i = Z_i x_i`` (the diagonal zeroed when ``strict``).
 
     Backward (first order; a ``strict`` call's gradient has its diagonal zeroed first):
-    ``dx_i = dA_i Z_i^T``; ``dy_j = Q_j[:, j]`` with ``Q_i = x_i^T dA_i + a_{i+1} * Q_{i+1}``
-    (rows from the last); ``dg_p = sum_{j<p<=i} dL_ij = a_p sum_{j<p} Z_{p-1}[:, j] Q_p[:, j]``
+    ``dx_i = Z_i^T dA_i``; ``dy_j = Q_j[j]`` with ``Q_i = dA_i^T x_i + a_{i+1} * Q_{i+1}``
+    (rows from the last); ``dg_p = sum_{j<p<=i} dL_ij = a_p sum_{j<p} Z_{p-1}[j] Q_p[j]``
     (every term a product of factors at most 1: no cancellation, strong decays next to weak
-    ones cost nothing). The rows ``Z`` of a slice of M are held while its ``Q`` runs.
+    ones cost nothing).
+
+    Both directions walk M in slices (``_FORWARD_BUDGET``, ``_BACKWARD_BUDGET`` entries of
+    the rows at once) so that a slice's rows stay in the cache across its c steps.
     """
 
     @staticmethod
@@ -111,8 +158,11 @@ class _PairwiseScores(torch.autograd.Function):
         ctx.strict = strict
         M, R, c, Fd = x.shape
         out = x.new_zeros(M, R, c, c)
-        for i, z in _rows(y, g.exp()):
-            out[:, :, i, : i + 1] = _row_times(x[:, :, i], z[:, :, : i + 1])
+        steps = g.exp()
+        for lo, hi in _slices(M, c * Fd, _FORWARD_BUDGET):
+            xs, scores = x[lo:hi], out[lo:hi]
+            for i, z in _rows(y[lo:hi], steps[lo:hi]):
+                scores[:, :, i, : i + 1] = (xs[:, :, i].unsqueeze(2) * z[:, None, : i + 1]).sum(-1)
         if strict:
             out.diagonal(dim1=2, dim2=3).zero_()
         return out
@@ -127,46 +177,46 @@ class _PairwiseScores(torch.autograd.Function):
             grad.diagonal(dim1=2, dim2=3).zero_()
         steps = g.exp()
         d_x, d_y, d_g = torch.empty_like(x), torch.empty_like(y), torch.zeros_like(g)
-        for lo, hi in _slices(M, c * Fd * c):
+        for lo, hi in _slices(M, c * c * Fd, _BACKWARD_BUDGET):
             xs, dA, a = x[lo:hi], grad[lo:hi], steps[lo:hi]
-            rows = x.new_empty(c, hi - lo, Fd, c)
+            dxs, dys, dgs = d_x[lo:hi], d_y[lo:hi], d_g[lo:hi]
+            rows = x.new_empty(c, hi - lo, c, Fd)
             for i, z in _rows(y[lo:hi], a):
-                rows[i] = z
-                d_x[lo:hi, :, i] = (dA[:, :, i, None, : i + 1] * z[:, None, :, : i + 1]).sum(-1)
-            q = x.new_zeros(hi - lo, Fd, c)
+                rows[i, :, : i + 1] = z[:, : i + 1]  # the rest of rows[i] is never read
+                dxs[:, :, i] = (dA[:, :, i, : i + 1, None] * z[:, None, : i + 1]).sum(2)
+            q = x.new_zeros(hi - lo, c, Fd)  # Q_i [m, j, F]
             for i in range(c - 1, -1, -1):
                 if i < c - 1:
-                    q.mul_(a[:, i + 1].unsqueeze(-1))  # a_{i+1} Q_{i+1}
-                    d_g[lo:hi, i + 1] = (rows[i, :, :, : i + 1] * q[:, :, : i + 1]).sum(-1)
-                q += (xs[:, :, i, :, None] * dA[:, :, i, None, :]).sum(1)  # Q_i
-                d_y[lo:hi, i] = q[:, :, i]
+                    q[:, : i + 2].mul_(a[:, i + 1].unsqueeze(1))  # a_{i+1} Q_{i+1}
+                    dgs[:, i + 1] = (rows[i, :, : i + 1] * q[:, : i + 1]).sum(1)
+                if R == 1:
+                    q[:, : i + 1].addcmul_(dA[:, 0, i, : i + 1, None], xs[:, 0, i, None, :])
+                else:
+                    q[:, : i + 1] += (dA[:, :, i, : i + 1, None] * xs[:, :, i, None, :]).sum(1)
+                dys[:, i] = q[:, i]
         return d_x, d_y, d_g, None
 
 
-def _row_times(x_i: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """``x_i [M, R, F]`` times ``z [M, F, n]`` -> ``[M, R, n]``, as products and a sum (a
-    batched matmul of M tiny matrices would loop over them one by one)."""
-    return (x_i.unsqueeze(-1) * z.unsqueeze(1)).sum(2)
+# Entries of the rows Z (forward: one Z_i per chunk; backward: all c of them) that one slice
+# of M holds at once: a few MB, so that the c steps over a slice find it in the cache.
+_FORWARD_BUDGET = 1 << 20
+_BACKWARD_BUDGET = 1 << 22
 
 
-# Entries of the rows Z that one slice of the backward holds at once.
-_ROWS_BUDGET = 1 << 22
-
-
-def _slices(M: int, per_item: int) -> list[tuple[int, int]]:
-    """``(lo, hi)`` slices of ``range(M)`` of at most ``_ROWS_BUDGET // per_item`` items (at least one)."""
-    step = max(1, _ROWS_BUDGET // per_item)
+def _slices(M: int, per_item: int, budget: int) -> list[tuple[int, int]]:
+    """``(lo, hi)`` slices of ``range(M)`` of at most ``budget // per_item`` items (at least one)."""
+    step = max(1, budget // per_item)
     return [(lo, min(lo + step, M)) for lo in range(0, M, step)]
 
 
 def _rows(y, steps):
-    """``(i, Z_i)`` for i = 0 .. c - 1: ``Z_i [M, F, c]`` with ``Z_i[f, j] = y_jf exp(L_ijf)``
+    """``(i, Z_i)`` for i = 0 .. c - 1: ``Z_i [M, c, F]`` with ``Z_i[j, f] = y_jf exp(L_ijf)``
     for ``j <= i``, 0 elsewhere, from ``y [M, c, F]`` and the step factors
     ``steps = exp(g) [M, c, F]``. One buffer, updated in place."""
     M, c, Fd = y.shape
-    z = y.new_zeros(M, Fd, c)
+    z = y.new_zeros(M, c, Fd)
     for i in range(c):
         if i:
-            z[:, :, :i].mul_(steps[:, i].unsqueeze(-1))
-        z[:, :, i] = y[:, i]
+            z[:, :i].mul_(steps[:, i].unsqueeze(1))
+        z[:, i] = y[:, i]
         yield i, z

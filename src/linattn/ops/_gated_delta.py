@@ -46,8 +46,8 @@ def _recurrent(q, k, v, beta, g, memory):
 
 
 # Most positions in a chunk of the gated form: its backward is autograd's, whose cost grows
-# with the chunk (T = 16384, B 1, H 8, D 64, 2 threads: forward + backward 1,219 ms at 32
-# against 1,590 ms at 64; forward at 65536 1,809 against 2,526 ms; docs/benchmarks.md).
+# with the chunk; 32 is the fastest forward + backward of 16, 32 and 64 in
+# `tools/decay_chunk_sizes.py` (docs/benchmarks/decay-chunk-sizes/sizes.txt).
 GATED_CHUNK = 32
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._decay import causal_mask, decayed_scores, pair_sums, suffix_sums, to_chunks
+from ._decay import causal_mask, decayed_scan, decayed_scores, pair_sums, suffix_sums, to_chunks
 
 
 def _per_channel(g: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ def _chunk(q, k, v, S, z, g, chunk_size, features, finish):
     positions, with ``P_i = sum_{m<=i} g_m`` and ``E_j = sum_{m>j} g_m`` inside the chunk:
 
         out_c = (phi(Q_c) * exp(P)) S_c + A_c V_c     (A_c: ``decayed_scores``)
-        S_{c+1} = exp(P_{C-1}) * S_c + (phi(K_c) * exp(E))^T V_c
+        S_{c+1} = exp(P_{C-1}) * S_c + (phi(K_c) * exp(E))^T V_c     (``decayed_scan``)
 
     The normaliser z rides along as one more value column (values 1), so it decays and is
     read exactly like S.
@@ -100,13 +100,8 @@ def _chunk(q, k, v, S, z, g, chunk_size, features, finish):
     scores = decayed_scores(rows, keys, chunk_g, strict=False)
     decays = _per_channel(chunk_g)
     writes = torch.bmm((keys * suffix_sums(decays, 1).exp()).transpose(1, 2), vals).view(N, n, Fd, width)
-    carry = decays.sum(1).exp().view(N, n, -1, 1)
-    entering = []
-    # unbind, not [:, c]: the backward of a slice is a zero-filled gradient of the whole tensor
-    for carry_c, writes_c in zip(carry.unbind(1), writes.unbind(1)):
-        entering.append(state)
-        state = carry_c * state + writes_c
-    entering = torch.stack(entering, 1).reshape(M, Fd, width)
+    entering, state = decayed_scan(decays.sum(1).exp().view(N, n, -1, 1), writes, state)
+    entering = entering.reshape(M, Fd, width)
     reads = (rows * decays.cumsum(1).exp().unsqueeze(1)).reshape(M, G * C, Fd)
     num = torch.baddbmm(torch.bmm(reads, entering), scores.reshape(M, G * C, C), vals)
     num = num.view(N, n, G, C, width).transpose(1, 2).reshape(N, G, n * C, width)[:, :, :T]
