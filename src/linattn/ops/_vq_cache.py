@@ -21,6 +21,18 @@ def code_statistics(codes: torch.Tensor, values: torch.Tensor, num_codes: int) -
     return counts, sums
 
 
+def add_code_statistics(counts: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor, values: torch.Tensor) -> None:
+    """``code_statistics`` added in place into ``counts [..., S]`` and ``sums [..., S, E]``
+    (e.g. views of a larger buffer): codes ``[..., L]`` (hard) or ``[..., L, S]`` (soft),
+    values ``[..., L, E]``."""
+    if codes.is_floating_point():
+        counts.add_(codes.sum(-2))
+        sums.add_(codes.transpose(-1, -2) @ values)
+        return
+    counts.scatter_add_(-1, codes, torch.ones_like(codes, dtype=counts.dtype))
+    sums.scatter_add_(-2, codes.unsqueeze(-1).expand(*codes.shape, values.shape[-1]), values)
+
+
 def mean_values(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mean value per code, ``sums / counts`` (0 for unused codes; soft counts may be < 1)."""
     return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)

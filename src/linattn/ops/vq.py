@@ -43,7 +43,7 @@ from ._codebook import codebook_scores
 from . import _vq_resident as resident
 from . import _vq_selfcheck as selfcheck
 from . import _vq_triton as fused
-from ._vq_cache import code_statistics, fold_block, log_counts, mean_values
+from ._vq_cache import add_code_statistics, code_statistics, fold_block, log_counts, mean_values
 from .._checks import (
     check_bool,
     check_choice,
@@ -201,9 +201,12 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
         first_prev = (
             k.new_zeros(B, Hkv, L, D), v.new_zeros(B, Hkv, L, E), codes.new_zeros(B, Hkv, L, *codes.shape[3:])
         )
-    # Block r's previous block: the state's for r = 0, else block r - 1.
-    prev_k = torch.cat([first_prev[0].unsqueeze(2), k_blocks[:, :, :-1]], dim=2)
-    prev_v = torch.cat([first_prev[1].unsqueeze(2), v_blocks[:, :, :-1]], dim=2)
+    # Block r's previous block: the state's for r = 0, else block r - 1. The keys and values
+    # after the state's previous block, so that block r's window (previous, own) is blocks
+    # r and r + 1 of one tensor.
+    k_ext = torch.cat([first_prev[0].unsqueeze(2), k_blocks], dim=2)  # [B, Hkv, R + 1, L, D]
+    v_ext = torch.cat([first_prev[1].unsqueeze(2), v_blocks], dim=2)
+    prev_k, k_blocks, prev_v, v_blocks = k_ext[:, :, :-1], k_ext[:, :, 1:], v_ext[:, :, :-1], v_ext[:, :, 1:]
     prev_codes = torch.cat([first_prev[2].unsqueeze(2), code_blocks[:, :, :-1]], dim=2)
 
     if state is not None:
@@ -227,8 +230,9 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
     blocks = (q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes)
     run = (run_counts, run_sums)
     if schedule == "batched":
-        outs, final_cache = _all_blocks(blocks, codebook, window, window_without_prev, positions, run, has_prev,
-                                        full_blocks, scope, S)
+        windows = (_windows(k_ext, cut), _windows(v_ext, cut))
+        outs, final_cache = _all_blocks(blocks, windows, codebook, window, window_without_prev, positions, run,
+                                        has_prev, full_blocks, scope, S)
     else:
         outs, final_cache = _block_loop(blocks, codebook, window, window_without_prev, positions, run, has_prev,
                                         full_blocks, scope, S)
@@ -346,15 +350,23 @@ def _group_caches(prev_codes, prev_v, run, skip_first, scope, S):
     block r, on top of ``run = (counts, sums)``, the cache before the group's first block
     (``skip_first``: that block has no previous block). Returns the running (counts
     ``[B, Hkv, g + 1, S]``, sums ``[B, Hkv, g + 1, S, E]``): index r is the cache before block r,
-    index g the cache after the group."""
-    counts, sums = _entering(prev_codes, prev_v, scope, S)
-    if skip_first:
-        keep = torch.ones(counts.shape[2], dtype=counts.dtype, device=counts.device)
-        keep[0] = 0
-        counts, sums = counts * keep[:, None], sums * keep[:, None, None]
-    # the loop's order of additions: the carried cache, then block by block
-    return (torch.cumsum(torch.cat([run[0].unsqueeze(2), counts], dim=2), dim=2),
-            torch.cumsum(torch.cat([run[1].unsqueeze(2), sums], dim=2), dim=2))
+    index g the cache after the group. One buffer each: the carried cache, the blocks'
+    statistics added in place after it, then summed block by block in place (the loop's
+    order of additions: the carried cache, then block by block)."""
+    B, Hkv, g = prev_v.shape[:3]
+    counts = prev_v.new_zeros(B, Hkv, g + 1, S)
+    sums = prev_v.new_zeros(B, Hkv, g + 1, S, prev_v.shape[-1])
+    counts[:, :, 0], sums[:, :, 0] = run
+    first = 1 if skip_first else 0
+    values = prev_v[:, :, first:] if scope == "none" else prev_v[:, :, first:].detach()
+    codes = prev_codes[:, :, first:]
+    if codes.is_floating_point() and scope != "none":
+        codes = codes.detach()  # soft counts carry no gradient either
+    add_code_statistics(counts[:, :, first + 1 :], sums[:, :, first + 1 :], codes, values)
+    for r in range(1, g + 1):  # in-place adds: torch's cumsum over a leading dimension is several times slower
+        counts[:, :, r] += counts[:, :, r - 1]
+        sums[:, :, r] += sums[:, :, r - 1]
+    return counts, sums
 
 
 def _block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S):
@@ -368,19 +380,29 @@ def _block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S):
     return log_counts(run_counts), mean_values(run_sums, run_counts), final_cache
 
 
-def _all_blocks(blocks, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope, S):
-    """The blocks in groups (``_block_loop``'s arguments and results). Within a group the cache
+def _windows(ext: torch.Tensor, cut: bool) -> torch.Tensor:
+    """Every block's window, its previous block then its own: ``ext [B, Hkv, R + 1, L, X]``
+    (the previous block of block 0, then the R blocks) -> ``[B, Hkv, R, 2L, X]``, a view of
+    overlapping windows; with ``cut``, a copy whose previous halves are detached."""
+    if cut:
+        return torch.cat([ext[:, :, :-1].detach(), ext[:, :, 1:]], dim=-2)
+    L = ext.shape[3]
+    return ext.flatten(2, 3).unfold(2, 2 * L, L).transpose(-1, -2)
+
+
+def _all_blocks(blocks, windows, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope,
+                S):
+    """The blocks in groups (``_block_loop``'s arguments and results, and ``windows``: every
+    block's keys and values over its window, ``_windows``). Within a group the cache
     each block reads is the carried cache plus the statistics of the group's blocks that entered
     before it, a prefix sum; scores and outputs are batched matmuls over the group's blocks. A
     group holds at most ``_BATCHED_SCORES[device]`` score entries (``_blocks_per_group``)."""
     q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
     B, Hkv, G, R, L, D = q_blocks.shape
-    cut = scope == "state"
     masks = window.unsqueeze(-3).expand(*window.shape[:-2], R, L, 2 * L).clone()  # [(h, g,) R, L, 2L]
     if not has_prev:
         masks[..., 0, :, :] = window_without_prev
-    window_keys = torch.cat([_cut(prev_k, cut), k_blocks], dim=-2)  # [B, Hkv, R, 2L, D]
-    window_values = torch.cat([_cut(prev_v, cut), v_blocks], dim=-2)
+    window_keys, window_values = windows  # [B, Hkv, R, 2L, D], [B, Hkv, R, 2L, E]
     codebook_t = codebook.transpose(-1, -2)[None, :, None, None]  # [1, Hkv, 1, 1, D, S]
     group = _blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
     # split, not sliced: the backward of a split is one concatenation, that of each slice a
@@ -394,13 +416,18 @@ def _all_blocks(blocks, codebook, window, window_without_prev, positions, run, h
             final_cache = _owned(counts[:, :, full_blocks - start], sums[:, :, full_blocks - start])
         run = (counts[:, :, -1], sums[:, :, -1])
         counts, sums = counts[:, :, :-1], sums[:, :, :-1]
-        scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2) + masks_g  # [B, Hkv, G, g, L, 2L]
+        scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, L, 2L]
+        scores_w += masks_g
         if positions is not None:
-            scores_w = scores_w + _position_scores(q_g, positions.unsqueeze(3), L, 2 * L, L)
-        scores_c = q_g @ codebook_t + log_counts(counts)[:, :, None, :, None, :]
+            scores_w += _position_scores(q_g, positions.unsqueeze(3), L, 2 * L, L)
+        scores_c = q_g @ codebook_t
+        scores_c += log_counts(counts)[:, :, None, :, None, :]
         probs = torch.softmax(torch.cat([scores_w, scores_c], dim=-1), dim=-1)
-        means = mean_values(sums, counts)[:, :, None]
-        outs.append(probs[..., : 2 * L] @ values_g.unsqueeze(2) + probs[..., 2 * L :] @ means)
+        # p_s m_s = (p_s / n_s) sums_s: the division on the [L, S] weights, not the [S, E] sums
+        per_position = probs[..., 2 * L :] / counts.clamp_min(torch.finfo(counts.dtype).tiny)[:, :, None, :, None, :]
+        out = probs[..., : 2 * L] @ values_g.unsqueeze(2)
+        out += per_position @ sums[:, :, None]
+        outs.append(out)
     return torch.cat(outs, dim=3), (final_cache if final_cache is not None else _owned(*run))
 
 
