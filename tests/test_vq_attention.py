@@ -770,6 +770,24 @@ def test_schedules_agree_with_everything_on(state_first, group, monkeypatch):
         torch.testing.assert_close(getattr(state_b, name), getattr(state_a, name), rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("scope", ["none", "cache"])
+def test_schedules_agree_on_soft_code_gradients(scope, monkeypatch):
+    """Soft codes (assignment weights) with gradients: the batched schedule (groups of two
+    blocks) gives the loop's gradients w.r.t. the weights, including those that reach them
+    through the cache sums when the scope detaches only the counts and values."""
+    monkeypatch.setattr(vq, "_blocks_per_group", lambda device, scores_per_block: 2)
+    q, k_hat, v, codes, codebook = make_vq(B=2, H=4, Hkv=2, T=23, Dk=4, Dv=3, S=8, seed=5)
+    logits = torch.randn(2, 2, 23, 8, generator=torch.Generator().manual_seed(9), dtype=F64)
+    grads = []
+    for schedule in ("loop", "batched"):
+        leaf = logits.clone().requires_grad_(True)
+        weights = torch.softmax(leaf, dim=-1)
+        out, _ = linattn.vq_attention(q, weights @ codebook.unsqueeze(0), v, weights, codebook, block_size=4,
+                                      grad_scope=scope, schedule=schedule)
+        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1], dtype=F64)).sum(), leaf)[0])
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-10, atol=1e-12)
+
+
 def test_impl_triton_runs_the_kernels_only_for_calls_that_leave_the_current_block(monkeypatch):
     """With the kernels chosen (``impl="triton"``, resolved here without a device and trusted
     without their self-check; the kernels replaced by a stub that records the call), a call

@@ -21,12 +21,14 @@ def code_statistics(codes: torch.Tensor, values: torch.Tensor, num_codes: int) -
     return counts, sums
 
 
-def add_code_statistics(counts: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor, values: torch.Tensor) -> None:
+def add_code_statistics(counts: torch.Tensor, sums: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,
+                        detach_counts: bool = False) -> None:
     """``code_statistics`` added in place into ``counts [..., S]`` and ``sums [..., S, E]``
     (e.g. views of a larger buffer): codes ``[..., L]`` (hard) or ``[..., L, S]`` (soft),
-    values ``[..., L, E]``."""
+    values ``[..., L, E]``. ``detach_counts`` cuts the gradient of soft counts (the sums keep it)."""
     if codes.is_floating_point():
-        counts.add_(codes.sum(-2))
+        added = codes.sum(-2)
+        counts.add_(added.detach() if detach_counts else added)
         sums.add_(codes.transpose(-1, -2) @ values)
         return
     counts.scatter_add_(-1, codes, torch.ones_like(codes, dtype=counts.dtype))

@@ -286,10 +286,15 @@ def _block_loop(blocks, codebook, window, window_without_prev, positions, run, h
 def _entering(codes, values, scope, S):
     """Counts and value sums of blocks entering the cache (``[B, Hkv, R, L(, S)]`` codes), with
     the gradient the scope lets through (values detached unless ``"none"``, soft counts too)."""
-    counts, sums = code_statistics(codes, values if scope == "none" else values.detach(), S)
+    counts, sums = code_statistics(codes, _scoped(values, scope), S)
     if codes.is_floating_point() and scope != "none":
         counts = counts.detach()
     return counts, sums
+
+
+def _scoped(values: torch.Tensor, scope: str) -> torch.Tensor:
+    """The values a block adds to the cache, detached unless the scope is ``"none"``."""
+    return values if scope == "none" else values.detach()
 
 
 # Score entries a group of blocks may hold at once (batched schedule), by device type: on a
@@ -358,11 +363,8 @@ def _group_caches(prev_codes, prev_v, run, skip_first, scope, S):
     sums = prev_v.new_zeros(B, Hkv, g + 1, S, prev_v.shape[-1])
     counts[:, :, 0], sums[:, :, 0] = run
     first = 1 if skip_first else 0
-    values = prev_v[:, :, first:] if scope == "none" else prev_v[:, :, first:].detach()
-    codes = prev_codes[:, :, first:]
-    if codes.is_floating_point() and scope != "none":
-        codes = codes.detach()  # soft counts carry no gradient either
-    add_code_statistics(counts[:, :, first + 1 :], sums[:, :, first + 1 :], codes, values)
+    add_code_statistics(counts[:, :, first + 1 :], sums[:, :, first + 1 :], prev_codes[:, :, first:],
+                        _scoped(prev_v[:, :, first:], scope), detach_counts=scope != "none")
     for r in range(1, g + 1):  # in-place adds: torch's cumsum over a leading dimension is several times slower
         counts[:, :, r] += counts[:, :, r - 1]
         sums[:, :, r] += sums[:, :, r - 1]
