@@ -72,6 +72,18 @@ def test_codes_are_nearest():
     assert torch.equal(vq.nearest_codes(k), expected)
 
 
+@pytest.mark.parametrize("entries", [1, 2 * 3 * 32 * 7])  # one position at a time; pieces of 7 and a rest of 6
+def test_codes_are_nearest_when_searched_in_pieces(monkeypatch, entries):
+    """The search over a long input goes ``_DISTANCE_ENTRIES`` distances at a time: pieces
+    (including a shorter last one) give the nearest codes of every position, in order."""
+    import linattn.nn.quantizer as quantizer
+
+    monkeypatch.setattr(quantizer, "_DISTANCE_ENTRIES", entries)
+    vq = linattn.VectorQuantizer(3, 5, 32)
+    k = keys(B=2, H=3, T=20, D=5, seed=2)
+    assert torch.equal(vq.nearest_codes(k), distances64(k, vq.codebook).argmin(-1))
+
+
 def test_straight_through_gradient():
     vq = linattn.VectorQuantizer(2, 4, 16)
     k = keys(seed=2).requires_grad_(True)

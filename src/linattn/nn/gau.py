@@ -221,7 +221,7 @@ class GAU(nn.Module):
             qk, vg = projected.split([2 * self.d_k, 2 * self.d_v], dim=-1)
             qk = _rms(qk.unflatten(-1, (2, self.d_k))) * scale
             q, k = qk.unbind(-2)
-            v, gate = F.silu(vg).split(self.d_v, dim=-1)
+            v, gate = F.silu(vg, inplace=True).split(self.d_v, dim=-1)  # vg is a view of a fresh tensor
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [B, 1, T, .]
         position_keys, bias = self._relative_terms(x.dtype)
         # The attention ops keep their own precision (float32 sums and softmax); under
@@ -231,7 +231,8 @@ class GAU(nn.Module):
         v, bias, position_keys = v.to(dtype), bias.to(dtype), position_keys.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
             out, state, aux = self._attend(queries, k, v, bias, position_keys, state, x.new_zeros(()))
-        y = self.w_o(out.squeeze(1) * gate)
+        gated = out.squeeze(1) * gate if torch.is_grad_enabled() else out.squeeze(1).mul_(gate)  # out: a fresh tensor
+        y = self.w_o(gated)
         return y, state, aux
 
     def _reads_plainly(self, names: tuple[str, ...]) -> bool:

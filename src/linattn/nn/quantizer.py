@@ -117,13 +117,16 @@ class VectorQuantizer(Codebook):
     def nearest_codes(self, k: torch.Tensor) -> torch.Tensor:
         """``[B, H, T]`` index of the nearest code by squared L2 distance, computed in float32.
 
-        ``argmin_s |k - c_s|^2 = argmin_s (|c_s|^2 - 2 k.c_s)``, evaluated 1024 positions at a time.
+        ``argmin_s |k - c_s|^2 = argmin_s (|c_s|^2 - 2 k.c_s)``, evaluated over as many positions
+        at a time as hold ``_DISTANCE_ENTRIES`` distances (``B x H x positions x S``).
         """
         keys = k.detach().float()
         codebook, code_norms = self.codebook.float(), self._code_norms()
-        if keys.shape[2] <= 1024:
+        B, H, T = keys.shape[:3]
+        chunk = max(1, _DISTANCE_ENTRIES // (B * H * self.codebook_size))
+        if T <= chunk:
             return _nearest(keys, codebook, code_norms)
-        return torch.cat([_nearest(chunk, codebook, code_norms) for chunk in keys.split(1024, dim=2)], dim=2)
+        return torch.cat([_nearest(piece, codebook, code_norms) for piece in keys.split(chunk, dim=2)], dim=2)
 
     def _code_norms(self) -> torch.Tensor:
         """``|c_s|^2`` per head, ``[H, S]``, recomputed only when the codebook changes (its
@@ -195,6 +198,11 @@ class VectorQuantizer(Codebook):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, commitment_weight={self.commitment_weight}"
+
+
+# Distances the nearest-code search holds at once (4 MiB of float32): big enough that a
+# chunk's matmul is not dominated by per-call costs, small enough for the cache.
+_DISTANCE_ENTRIES = 1 << 20
 
 
 def _nearest(keys: torch.Tensor, codebook: torch.Tensor, code_norms: torch.Tensor) -> torch.Tensor:

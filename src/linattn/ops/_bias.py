@@ -61,3 +61,51 @@ def offset_rows(table: torch.Tensor, first_offset: int, rows: int, columns: int,
         return table.new_zeros(*table.shape[:-2], rows, columns)
     ext = torch.nn.functional.pad(table[..., start:stop], (left, right))  # offsets lo..hi
     return diagonal_gather(ext.flip(-1), columns)
+
+
+def window_position_keys(position_keys: torch.Tensor) -> torch.Tensor:
+    """Position keys ``P_0..P_L`` ``[..., L + 1, D]`` laid out for ``add_window_band``:
+    ``[..., 2L, D]``, rows ``0..L-2`` zero and row ``L - 1 + e`` = ``P_{L - e}``."""
+    L = position_keys.shape[-2] - 1
+    zeros = position_keys.new_zeros(*position_keys.shape[:-2], L - 1, position_keys.shape[-1])
+    return torch.cat([zeros, position_keys.flip(-2)], dim=-2)
+
+
+class _WindowBand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
+        L = band.shape[-2]
+        window = scores[..., : 2 * L]
+        # row a of the view starts L - 1 - a entries into band's row a: a stride of 2L - 1 from
+        # entry L - 1 (as_strided without an offset keeps that of the narrowed view)
+        start = band.flatten(-2).narrow(-1, L - 1, 1)
+        view = start.as_strided(band.shape, (*band.stride()[:-2], 2 * L - 1, 1))
+        window.add_(view)
+        ctx.mark_dirty(scores)
+        ctx.band_shape = band.shape
+        return scores
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        L = ctx.band_shape[-2]
+        window = grad[..., : 2 * L]
+        row, column = window.stride()[-2:]
+        # grad[a, a + e] for e = 0..L: a diagonal band, read with row stride row + column
+        diagonal = window.as_strided((*window.shape[:-2], L, L + 1), (*window.stride()[:-2], row + column, column))
+        grad_band = grad.new_zeros(ctx.band_shape)
+        grad_band[..., L - 1 :] = diagonal
+        return grad, grad_band
+
+
+def add_window_band(scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
+    """The relative term of a block's window, added in place to the first 2L columns of
+    ``scores [..., L, >= 2L]`` (L queries; columns: the previous block, then the own block, so
+    query a sits at column L + a): ``scores[..., a, c] += q_a . P_{L + a - c}`` for offsets
+    ``0 <= L + a - c <= L``, nothing elsewhere. ``band [..., L, 2L]`` (contiguous, the leading
+    shape of ``scores``) is ``q @ window_position_keys(P).T``: row a, column ``L - 1 + e`` holds
+    ``q_a . P_{L - e}`` and columns ``0..L-2`` zero. Entry (a, c) reads band's flat index
+    ``a (2L - 1) + c + L - 1``: row a's offsets for ``a <= c <= a + L``, its zero columns for
+    ``c < a`` and the next row's zero columns for ``c > a + L``, so one strided view adds it
+    all without a copy. The backward reads the band's gradient along the diagonals (each entry
+    once: deterministic) and forms none for the zero columns (constant keys). Returns ``scores``."""
+    return _WindowBand.apply(scores, band)

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..state import VQAttentionState
-from ._bias import offset_rows, relative_bias_table
+from ._bias import add_window_band, offset_rows, relative_bias_table, window_position_keys
 from ._codebook import codebook_scores
 from . import _vq_resident as resident
 from . import _vq_selfcheck as selfcheck
@@ -224,17 +224,18 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
         window = window + _offset_bias(table, L, L, 2 * L, L)
     window_without_prev = window.clone()
     window_without_prev[..., :L] = float("-inf")
-    positions = positions_k.unsqueeze(0) if positions_k is not None else None
+    # q . P over a block's window: one matmul with keys laid out for add_window_band
+    band_keys = None if positions_k is None else _shared(window_position_keys(positions_k.unsqueeze(0)))
 
     full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
     blocks = (q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes)
     run = (run_counts, run_sums)
     if schedule == "batched":
         windows = (_windows(k_ext, cut), _windows(v_ext, cut))
-        outs, final_cache = _all_blocks(blocks, windows, codebook, window, window_without_prev, positions, run,
-                                        has_prev, full_blocks, scope, S)
+        outs, final_cache = _all_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks,
+                                        scope, S)
     else:
-        outs, final_cache = _block_loop(blocks, codebook, window, window_without_prev, positions, run, has_prev,
+        outs, final_cache = _block_loop(blocks, codebook, window, window_without_prev, band_keys, run, has_prev,
                                         full_blocks, scope, S)
     out = outs.reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
 
@@ -251,7 +252,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
     return out, new_state
 
 
-def _block_loop(blocks, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope, S):
+def _block_loop(blocks, codebook, window, window_without_prev, band_keys, run, has_prev, full_blocks, scope, S):
     """The blocks one after another, the cache carried from each to the next.
     Returns (outputs ``[B, Hkv, G, R, L, E]``, (counts, sums) of the cache before block ``full_blocks``)."""
     q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
@@ -270,8 +271,8 @@ def _block_loop(blocks, codebook, window, window_without_prev, positions, run, h
         values = torch.cat([_cut(prev_v_r, cut), v_r, mean_values(run_sums, run_counts)], dim=-2)
         scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
         scores[..., : 2 * L] += window if with_prev else window_without_prev
-        if positions is not None:
-            scores[..., : 2 * L] += _position_scores(q_r, positions, L, 2 * L, L)
+        if band_keys is not None:
+            add_window_band(scores, q_r @ band_keys.transpose(-1, -2))
         scores[..., 2 * L :] += log_counts(run_counts)[:, :, None, None, :]
         outs.append(torch.softmax(scores, dim=-1) @ values.unsqueeze(2))
         if with_prev:
@@ -307,12 +308,13 @@ _BATCHED_SCORES = {"cuda": 1 << 22, "cpu": 1 << 19}
 # coordinate) of a grid measured at T = 16384, Dk = Dv = 64 with bias and position keys,
 # keyed by (gradients on, rows = batch x heads, block length L, codebook size S); quiet
 # machine, 2 threads: `.venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit`
-# (the times are in docs/results.md, "VQ block schedules").
+# (its output: docs/benchmarks/vq-schedule-grid/grid-after-rewrite.txt; the times are in
+# docs/results.md, "VQ block schedules").
 _AUTO_SCHEDULE = {
     (False, 1, 64, 128): "batched", (False, 1, 64, 512): "batched", (False, 1, 128, 128): "batched",
-    (False, 1, 128, 512): "loop", (False, 1, 256, 128): "loop", (False, 1, 256, 512): "batched",
-    (False, 4, 64, 128): "batched", (False, 4, 64, 512): "loop", (False, 4, 128, 128): "loop",
-    (False, 4, 128, 512): "loop", (False, 4, 256, 128): "loop", (False, 4, 256, 512): "loop",
+    (False, 1, 128, 512): "batched", (False, 1, 256, 128): "batched", (False, 1, 256, 512): "loop",
+    (False, 4, 64, 128): "batched", (False, 4, 64, 512): "batched", (False, 4, 128, 128): "batched",
+    (False, 4, 128, 512): "batched", (False, 4, 256, 128): "loop", (False, 4, 256, 512): "loop",
     (False, 8, 64, 128): "loop", (False, 8, 64, 512): "loop", (False, 8, 128, 128): "loop",
     (False, 8, 128, 512): "loop", (False, 8, 256, 128): "loop", (False, 8, 256, 512): "loop",
     (False, 32, 64, 128): "loop", (False, 32, 64, 512): "loop", (False, 32, 128, 128): "loop",
@@ -322,7 +324,7 @@ _AUTO_SCHEDULE = {
     (True, 4, 64, 128): "batched", (True, 4, 64, 512): "batched", (True, 4, 128, 128): "batched",
     (True, 4, 128, 512): "batched", (True, 4, 256, 128): "batched", (True, 4, 256, 512): "batched",
     (True, 8, 64, 128): "batched", (True, 8, 64, 512): "batched", (True, 8, 128, 128): "batched",
-    (True, 8, 128, 512): "batched", (True, 8, 256, 128): "loop", (True, 8, 256, 512): "batched",
+    (True, 8, 128, 512): "batched", (True, 8, 256, 128): "batched", (True, 8, 256, 512): "batched",
     (True, 32, 64, 128): "batched", (True, 32, 64, 512): "batched", (True, 32, 128, 128): "batched",
     (True, 32, 128, 512): "batched", (True, 32, 256, 128): "batched", (True, 32, 256, 512): "batched",
 }
@@ -365,9 +367,11 @@ def _group_caches(prev_codes, prev_v, run, skip_first, scope, S):
     first = 1 if skip_first else 0
     add_code_statistics(counts[:, :, first + 1 :], sums[:, :, first + 1 :], prev_codes[:, :, first:],
                         _scoped(prev_v[:, :, first:], scope), detach_counts=scope != "none")
-    for r in range(1, g + 1):  # in-place adds: torch's cumsum over a leading dimension is several times slower
-        counts[:, :, r] += counts[:, :, r - 1]
-        sums[:, :, r] += sums[:, :, r - 1]
+    for each in (counts, sums):  # in-place adds: torch's cumsum over a leading dimension is several times slower
+        # one unbind makes every block's view at once; autograd lets only indexed views be written
+        blocks = [each[:, :, r] for r in range(g + 1)] if torch.is_grad_enabled() else each.unbind(2)
+        for r in range(1, g + 1):
+            blocks[r].add_(blocks[r - 1])
     return counts, sums
 
 
@@ -392,36 +396,85 @@ def _windows(ext: torch.Tensor, cut: bool) -> torch.Tensor:
     return ext.flatten(2, 3).unfold(2, 2 * L, L).transpose(-1, -2)
 
 
-def _all_blocks(blocks, windows, codebook, window, window_without_prev, positions, run, has_prev, full_blocks, scope,
-                S):
+def _shared(t: torch.Tensor) -> torch.Tensor:
+    """``t [1, ..., 1, n, D]`` as ``[n, D]`` when it is the same for every head (a matmul
+    with a matrix folds the rows into one product), else unchanged."""
+    return t.reshape(t.shape[-2:]) if t.shape[:-2].numel() == 1 else t
+
+
+def _per_block(keys: torch.Tensor) -> torch.Tensor:
+    """Keys per head ``[1, Hkv, G, n, D]`` with a dimension for the blocks of a group; a shared
+    matrix ``[n, D]`` as it is."""
+    return keys if keys.dim() == 2 else keys.unsqueeze(-3)
+
+
+def _all_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
     """The blocks in groups (``_block_loop``'s arguments and results, and ``windows``: every
-    block's keys and values over its window, ``_windows``). Within a group the cache
-    each block reads is the carried cache plus the statistics of the group's blocks that entered
-    before it, a prefix sum; scores and outputs are batched matmuls over the group's blocks. A
-    group holds at most ``_BATCHED_SCORES[device]`` score entries (``_blocks_per_group``)."""
+    block's keys and values over its window, ``_windows``), one (batch, kv head) row at a time:
+    a row's blocks are one batch dimension of a single stride, so the batched matmuls read the
+    window views in place (over several rows they would copy them)."""
+    B, Hkv = blocks[0].shape[:2]
+    if B * Hkv == 1:
+        return _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S)
+    rows = [_rows(t) for t in (*blocks, *windows, *run)]  # per tensor: its B * Hkv rows, views
+    outs, counts, sums = [], [], []
+    for i, row in enumerate(zip(*rows)):
+        h = i % Hkv
+        out, (c, s) = _row_blocks(row[:6], row[6:8], codebook[h : h + 1], _head(window, h, 4), _head(band_keys, h, 5),
+                                  row[8:], has_prev, full_blocks, scope, S)
+        outs.append(out), counts.append(c), sums.append(s)
+    return _unrows(outs, B, Hkv), (_unrows(counts, B, Hkv), _unrows(sums, B, Hkv))
+
+
+def _rows(t: torch.Tensor) -> list[torch.Tensor]:
+    """``t [B, Hkv, ...]`` as B * Hkv views ``[1, 1, ...]``, batch-major (one split each way:
+    its backward is one concatenation)."""
+    return [row for batch in t.split(1, dim=0) for row in batch.split(1, dim=1)]
+
+
+def _unrows(rows: list[torch.Tensor], B: int, Hkv: int) -> torch.Tensor:
+    """The inverse of ``_rows``: B * Hkv tensors ``[1, 1, ...]`` -> ``[B, Hkv, ...]``."""
+    return torch.cat(rows, dim=1).reshape(B, Hkv, *rows[0].shape[2:])
+
+
+def _head(t: torch.Tensor | None, h: int, ndim: int) -> torch.Tensor | None:
+    """Kv head h of a per-head tensor with ``ndim`` dimensions ``[1, Hkv, ...]`` or ``[Hkv, ...]``
+    (head dimension of size > 1 first after a leading 1); a shared one as it is."""
+    if t is None or t.dim() != ndim:
+        return t
+    dim = 1 if ndim == 5 else 0
+    return t.narrow(dim, h, 1) if t.shape[dim] > 1 else t
+
+
+def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
+    """``_all_blocks`` for one row (``B = Hkv = 1``): within a group the cache each block reads
+    is the carried cache plus the statistics of the group's blocks that entered before it, a
+    prefix sum; scores and outputs are batched matmuls over the group's blocks. A group holds
+    at most ``_BATCHED_SCORES[device]`` score entries (``_blocks_per_group``)."""
     q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
     B, Hkv, G, R, L, D = q_blocks.shape
-    masks = window.unsqueeze(-3).expand(*window.shape[:-2], R, L, 2 * L).clone()  # [(h, g,) R, L, 2L]
-    if not has_prev:
-        masks[..., 0, :, :] = window_without_prev
+    window = window.unsqueeze(-3)  # [(h, g,) 1, L, 2L]: the same for every block
     window_keys, window_values = windows  # [B, Hkv, R, 2L, D], [B, Hkv, R, 2L, E]
-    codebook_t = codebook.transpose(-1, -2)[None, :, None, None]  # [1, Hkv, 1, 1, D, S]
+    codebook_t = _per_block(_shared(codebook.unsqueeze(0).unsqueeze(2))).transpose(-1, -2)  # [(1, Hkv, 1, 1,) D, S]
+    band_keys_t = None if band_keys is None else _per_block(band_keys).transpose(-1, -2)  # [(1, Hkv|1, G|1, 1,) D, 2L]
     group = _blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
     # split, not sliced: the backward of a split is one concatenation, that of each slice a
     # zero-filled gradient of the whole tensor
     pieces = zip(q_blocks.split(group, dim=3), window_keys.split(group, dim=2), window_values.split(group, dim=2),
-                 prev_codes.split(group, dim=2), prev_v.split(group, dim=2), masks.split(group, dim=-3))
+                 prev_codes.split(group, dim=2), prev_v.split(group, dim=2))
     outs, final_cache = [], None
-    for start, (q_g, keys_g, values_g, prev_codes_g, prev_v_g, masks_g) in zip(range(0, R, group), pieces):
+    for start, (q_g, keys_g, values_g, prev_codes_g, prev_v_g) in zip(range(0, R, group), pieces):
         counts, sums = _group_caches(prev_codes_g, prev_v_g, run, start == 0 and not has_prev, scope, S)
         if start <= full_blocks < start + group:
             final_cache = _owned(counts[:, :, full_blocks - start], sums[:, :, full_blocks - start])
         run = (counts[:, :, -1], sums[:, :, -1])
         counts, sums = counts[:, :, :-1], sums[:, :, :-1]
         scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, L, 2L]
-        scores_w += masks_g
-        if positions is not None:
-            scores_w += _position_scores(q_g, positions.unsqueeze(3), L, 2 * L, L)
+        scores_w += window
+        if start == 0 and not has_prev:  # the first block has no previous block
+            scores_w[:, :, :, 0, :, :L] = float("-inf")
+        if band_keys_t is not None:
+            add_window_band(scores_w, q_g @ band_keys_t)
         scores_c = q_g @ codebook_t
         scores_c += log_counts(counts)[:, :, None, :, None, :]
         probs = torch.softmax(torch.cat([scores_w, scores_c], dim=-1), dim=-1)
@@ -699,10 +752,11 @@ def vq_attention(
         schedule: how the block form walks the blocks: ``"loop"`` (one block after another,
             the readable form) or ``"batched"`` (groups of blocks as batched matmuls, each
             block's cache from a prefix sum over the group's blocks: fewer, larger kernels; the
-            faster on CPUs when batch x heads is small, by up to 4x with gradients). ``"auto"``:
-            on a CPU the faster of the two at the nearest point of a measured grid of
-            (gradients on or off, batch x heads, L, S) (``_AUTO_SCHEDULE``; mostly the loop
-            without gradients, batched with them), batched on other devices. Same results.
+            faster on CPUs when batch x heads is small, by up to 3.5x with gradients).
+            ``"auto"``: on a CPU the faster of the two at the nearest point of a measured grid
+            of (gradients on or off, batch x heads, L, S) (``_AUTO_SCHEDULE``: batched with
+            gradients; without them the loop from 8 rows on, mostly batched below), batched
+            on other devices. Same results.
         impl: ``"torch"`` (the forms above), ``"triton"`` (the causal block form as fused
             Triton kernels, ``ops/_vq_triton.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
