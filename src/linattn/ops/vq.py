@@ -222,10 +222,8 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
     window = torch.zeros(L, 2 * L, dtype=dtype, device=q.device).masked_fill(offsets < 0, float("-inf"))
     if table is not None:
         window = window + _offset_bias(table, L, L, 2 * L, L)
-    window_without_prev = window.clone()
-    window_without_prev[..., :L] = float("-inf")
     # q . P over a block's window: one matmul with keys laid out for add_window_band
-    band_keys = None if positions_k is None else _shared(window_position_keys(positions_k.unsqueeze(0)))
+    band_keys = None if positions_k is None else _shared(window_position_keys(positions_k))  # [(Hkv|1, G|1,) 2L, D]
 
     full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
     blocks = (q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes)
@@ -235,8 +233,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
         outs, final_cache = _all_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks,
                                         scope, S)
     else:
-        outs, final_cache = _block_loop(blocks, codebook, window, window_without_prev, band_keys, run, has_prev,
-                                        full_blocks, scope, S)
+        outs, final_cache = _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S)
     out = outs.reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
 
     start = full_blocks * L
@@ -252,7 +249,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
     return out, new_state
 
 
-def _block_loop(blocks, codebook, window, window_without_prev, band_keys, run, has_prev, full_blocks, scope, S):
+def _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
     """The blocks one after another, the cache carried from each to the next.
     Returns (outputs ``[B, Hkv, G, R, L, E]``, (counts, sums) of the cache before block ``full_blocks``)."""
     q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
@@ -270,7 +267,9 @@ def _block_loop(blocks, codebook, window, window_without_prev, band_keys, run, h
         keys = torch.cat([_cut(prev_k_r, cut), k_r, codebook_keys], dim=-2)
         values = torch.cat([_cut(prev_v_r, cut), v_r, mean_values(run_sums, run_counts)], dim=-2)
         scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
-        scores[..., : 2 * L] += window if with_prev else window_without_prev
+        scores[..., : 2 * L] += window
+        if not with_prev:  # the first block has no previous block
+            scores[..., :L] = float("-inf")
         if band_keys is not None:
             add_window_band(scores, q_r @ band_keys.transpose(-1, -2))
         scores[..., 2 * L :] += log_counts(run_counts)[:, :, None, None, :]
@@ -403,7 +402,7 @@ def _shared(t: torch.Tensor) -> torch.Tensor:
 
 
 def _per_block(keys: torch.Tensor) -> torch.Tensor:
-    """Keys per head ``[1, Hkv, G, n, D]`` with a dimension for the blocks of a group; a shared
+    """Keys per head ``[Hkv|1, G|1, n, D]`` with a dimension for the blocks of a group; a shared
     matrix ``[n, D]`` as it is."""
     return keys if keys.dim() == 2 else keys.unsqueeze(-3)
 
@@ -420,7 +419,7 @@ def _all_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, ful
     outs, counts, sums = [], [], []
     for i, row in enumerate(zip(*rows)):
         h = i % Hkv
-        out, (c, s) = _row_blocks(row[:6], row[6:8], codebook[h : h + 1], _head(window, h, 4), _head(band_keys, h, 5),
+        out, (c, s) = _row_blocks(row[:6], row[6:8], codebook[h : h + 1], _head(window, h), _head(band_keys, h),
                                   row[8:], has_prev, full_blocks, scope, S)
         outs.append(out), counts.append(c), sums.append(s)
     return _unrows(outs, B, Hkv), (_unrows(counts, B, Hkv), _unrows(sums, B, Hkv))
@@ -437,17 +436,14 @@ def _unrows(rows: list[torch.Tensor], B: int, Hkv: int) -> torch.Tensor:
     return torch.cat(rows, dim=1).reshape(B, Hkv, *rows[0].shape[2:])
 
 
-def _head(t: torch.Tensor | None, h: int, ndim: int) -> torch.Tensor | None:
-    """Kv head h of a per-head tensor with ``ndim`` dimensions ``[1, Hkv, ...]`` or ``[Hkv, ...]``
-    (head dimension of size > 1 first after a leading 1); a shared one as it is."""
-    if t is None or t.dim() != ndim:
-        return t
-    dim = 1 if ndim == 5 else 0
-    return t.narrow(dim, h, 1) if t.shape[dim] > 1 else t
+def _head(t: torch.Tensor | None, h: int) -> torch.Tensor | None:
+    """Kv head h of a per-head tensor ``[Hkv, G|1, ...]`` (4-D); a shared one (a matrix, or
+    a first dimension of 1) as it is."""
+    return t if t is None or t.dim() == 2 or t.shape[0] == 1 else t.narrow(0, h, 1)
 
 
 def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
-    """``_all_blocks`` for one row (``B = Hkv = 1``): within a group the cache each block reads
+    """``_all_blocks`` for one row (``B = Hkv = 1``, codebook ``[1, S, D]``): within a group the cache each block reads
     is the carried cache plus the statistics of the group's blocks that entered before it, a
     prefix sum; scores and outputs are batched matmuls over the group's blocks. A group holds
     at most ``_BATCHED_SCORES[device]`` score entries (``_blocks_per_group``)."""
@@ -455,8 +451,8 @@ def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, ful
     B, Hkv, G, R, L, D = q_blocks.shape
     window = window.unsqueeze(-3)  # [(h, g,) 1, L, 2L]: the same for every block
     window_keys, window_values = windows  # [B, Hkv, R, 2L, D], [B, Hkv, R, 2L, E]
-    codebook_t = _per_block(_shared(codebook.unsqueeze(0).unsqueeze(2))).transpose(-1, -2)  # [(1, Hkv, 1, 1,) D, S]
-    band_keys_t = None if band_keys is None else _per_block(band_keys).transpose(-1, -2)  # [(1, Hkv|1, G|1, 1,) D, 2L]
+    codebook_t = codebook[0].transpose(-1, -2)  # [D, S]: one matrix, so the matmul folds the rows
+    band_keys_t = None if band_keys is None else _per_block(band_keys).transpose(-1, -2)  # [(1, G|1, 1,) D, 2L]
     group = _blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
     # split, not sliced: the backward of a split is one concatenation, that of each slice a
     # zero-filled gradient of the whole tensor
