@@ -435,6 +435,48 @@ def test_state_pieces_equal_one_call(splits):
     assert_close_rel(state.cache_means, full_state.cache_means, rtol=1e-10, name="cache means")
 
 
+@pytest.mark.parametrize("grad_scope", ["cache", "state"])
+@pytest.mark.parametrize("splits", [(1,), (7,), (1, 12, 4, 9), (8, 8, 8)])
+def test_block_without_gradients_equals_parallel(splits, grad_scope):
+    """Without gradients the block form writes into one output buffer and normalises its
+    softmax in place; in one call and in pieces that carry the state it equals the reference."""
+    H, L, Dk = 4, 4, 4
+    T = sum(splits)
+    q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=31 + T)
+    kw = dict(block_size=L, bias=make_bias(H, L), position_keys=make_position_keys(H, L, Dk))
+    par, _ = linattn.vq_attention(q, k_hat, v, codes, codebook, mode="parallel", **kw)
+
+    def fn(qq, kk, vv, cc, state):
+        return linattn.vq_attention(qq, kk, vv, cc, codebook, initial_state=state, output_final_state=True,
+                                    grad_scope=grad_scope, **kw)
+
+    with torch.no_grad():
+        full, _ = fn(q, k_hat, v, codes, None)
+        pieces, _ = _run_pieces(fn, q, k_hat, v, codes, splits)
+    assert_close_rel(full, par, rtol=1e-10, name="one call without gradients")
+    assert_close_rel(pieces, par, rtol=1e-10, name="pieces without gradients")
+
+
+@pytest.mark.parametrize("schedule", ["loop", "batched"])
+def test_forward_without_gradients_does_not_depend_on_the_thread_count(schedule):
+    """Float32, shapes big enough for torch to split its kernels over threads: outputs and
+    the final state are the same bits at 1 and 2 threads."""
+    q, k_hat, v, codes, codebook = make_vq(B=1, H=2, Hkv=1, T=1500, Dk=32, Dv=96, S=64, unused=0, seed=41)
+    args = (q.float(), k_hat.float(), v.float(), codes, codebook.float())
+    results, threads = [], torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            with torch.no_grad():
+                results.append(linattn.vq_attention(*args, block_size=64, bias=make_bias(2, 64).float(),
+                                                    schedule=schedule, output_final_state=True))
+    finally:
+        torch.set_num_threads(threads)
+    (out1, state1), (out2, state2) = results
+    assert torch.equal(out1, out2)
+    assert torch.equal(state1.cache_means, state2.cache_means) and torch.equal(state1.cache_counts, state2.cache_counts)
+
+
 def test_token_by_token_decoding_equals_full_forward():
     H, L, Dk, T = 4, 4, 4, 23
     q, k_hat, v, codes, codebook = make_vq(T=T, Dk=Dk, seed=22)

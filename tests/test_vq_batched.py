@@ -14,6 +14,7 @@ from test_vq_attention import (  # noqa: F401  (collected again under each sched
     test_block_equals_parallel_bias_and_position_keys_together,
     test_block_gradients_equal_parallel_with_cache_grad,
     test_block_gradients_without_cache_grad,
+    test_block_without_gradients_equals_parallel,
     test_block_mode_is_causal,
     test_none_scope_is_the_exact_gradient_and_cache_grad_its_alias,
     test_shared_bias_and_position_keys_broadcast_over_heads,

@@ -3,8 +3,9 @@
 (``ops.vq._BATCHED_SCORES``).
 
 For each (rows = batch x heads, block length L, codebook size S) at T = 16384, Dk = Dv = 64,
-with a relative bias and position keys as the GAU layer passes them: the median of 3 calls
-of the loop and of the batched schedule (at each ``--budgets`` group budget), in the
+with a relative bias and position keys as the GAU layer passes them: the median over
+``--rounds`` turns of the loop and of the batched schedule (at each ``--budgets`` group
+budget; the schedules take turns, so a slow spell of the machine falls on each), in the
 ``--modes`` asked for: ``forward`` (under ``no_grad``: prefill, evaluation) and ``train``
 (forward + backward). Prints one line per shape with the times and loop/batched ratios,
 then (``--emit``) the winners as the Python literal ``_AUTO_SCHEDULE`` holds. Run on a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import time
 
 import torch
@@ -24,8 +26,8 @@ import torch
 import linattn.ops.vq as vq
 
 
-def seconds(rows: int, L: int, S: int, schedule: str, mode: str, T: int = 16384, D: int = 64) -> float:
-    """Median seconds of 3 calls (after one untimed call): forward under ``no_grad``
+def vq_call(rows: int, L: int, S: int, schedule: str, mode: str, T: int = 16384, D: int = 64):
+    """One call of ``vq_attention``'s block form on ``schedule``: forward under ``no_grad``
     (``mode="forward"``) or forward + backward (``"train"``)."""
     g = torch.Generator().manual_seed(0)
     train = mode == "train"
@@ -44,13 +46,21 @@ def seconds(rows: int, L: int, S: int, schedule: str, mode: str, T: int = 16384,
             if train:
                 out.sum().backward()
 
-    call()
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
+    return call
+
+
+def interleaved_medians(calls: dict, rounds: int) -> dict:
+    """Median seconds of each call over ``rounds`` turns, one call of each per turn (after one
+    untimed call each), so a slow spell of the machine falls on all of them alike."""
+    for call in calls.values():
         call()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[1]
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(each) for name, each in times.items()}
 
 
 def main() -> None:
@@ -62,21 +72,33 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--codes", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--rounds", type=int, default=5, help="timed turns per shape (default 5)")
     parser.add_argument("--emit", action="store_true", help="print the winners as _AUTO_SCHEDULE's literal")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device, default_budget = "cpu", vq._BATCHED_SCORES["cpu"]
     winners = {}
     for mode, rows, L, S in itertools.product(args.modes, args.rows, args.blocks, args.codes):
-        loop = seconds(rows, L, S, "loop", mode)
+        calls = {"loop": vq_call(rows, L, S, "loop", mode)}
+        for budget in args.budgets:
+            batched = vq_call(rows, L, S, "batched", mode)
+
+            def with_budget(call=batched, budget=budget) -> None:
+                vq._BATCHED_SCORES[device] = budget
+                try:
+                    call()
+                finally:
+                    vq._BATCHED_SCORES[device] = default_budget
+
+            calls[budget] = with_budget
+        medians = interleaved_medians(calls, args.rounds)
+        loop = medians["loop"]
         line = f"{mode:7s} rows={rows:2d} L={L:3d} S={S:3d} loop {loop * 1e3:6.0f} ms"
         for budget in args.budgets:
-            vq._BATCHED_SCORES[device] = budget
-            batched = seconds(rows, L, S, "batched", mode)
+            batched = medians[budget]
             line += f" | 2^{budget.bit_length() - 1}: {batched * 1e3:6.0f} ms ({loop / batched:.2f}x)"
             if budget == default_budget:
                 winners[(mode == "train", rows, L, S)] = "loop" if loop < batched else "batched"
-        vq._BATCHED_SCORES[device] = default_budget
         print(line, flush=True)
     if args.emit:
         print("{")

@@ -85,9 +85,10 @@ def can_decode_token(unit, x: torch.Tensor, state) -> bool:
     )
 
 
-def _inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension, keeping it."""
-    return (x * x).mean(-1, keepdim=True).add_(eps).rsqrt_()
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension, keeping it (one reduction, no
+    temporary of x's size)."""
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.Tensor, VQAttentionState, dict]:
@@ -100,11 +101,11 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
     B, d_k, d_v, L = x.shape[0], unit.d_k, unit.d_v, unit.block_size
     c = decode_constants(unit, x.dtype)
     rows_in = x.view(B, -1)
-    projected = torch.mm(rows_in, c.input_t).mul_(_inverse_rms(rows_in, c.eps))  # the input norm, after the matmul
+    projected = torch.mm(rows_in, c.input_t).mul_(inverse_rms(rows_in, c.eps))  # the input norm, after the matmul
     if c.input_shift is not None:
         projected.add_(c.input_shift)
     qk = projected[:, : 2 * d_k].view(B, 2, d_k)
-    qk = qk * _inverse_rms(qk, 1e-6).mul_(d_k ** -0.25)
+    qk = qk * inverse_rms(qk, 1e-6).mul_(d_k ** -0.25)
     q, k = qk[:, 0], qk[:, 1]
     vg = F.silu(projected[:, 2 * d_k :])
     v, gate = vg[:, :d_v], vg[:, d_v:]

@@ -14,7 +14,7 @@ from ..ops.soft_vq import soft_vq_attention
 from ..ops.softmax import entropy_scale
 from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
-from ._gau_decode import can_decode_token, decode_token
+from ._gau_decode import can_decode_token, decode_token, inverse_rms
 from .attention import ATTENTION_SCALES
 from .fsq import FSQuantizer
 from .quantizer import VectorQuantizer
@@ -219,7 +219,8 @@ class GAU(nn.Module):
         else:  # one matmul and one normalisation per pair: decoding pays per operation
             projected = F.linear(h, self._input_weight())
             qk, vg = projected.split([2 * self.d_k, 2 * self.d_v], dim=-1)
-            qk = _rms(qk.unflatten(-1, (2, self.d_k))) * scale
+            qk = qk.unflatten(-1, (2, self.d_k))
+            qk = qk.mul_(inverse_rms(qk, 1e-6).mul_(scale))  # _rms(qk) * scale, in place: qk is a fresh tensor's view
             q, k = qk.unbind(-2)
             v, gate = F.silu(vg, inplace=True).split(self.d_v, dim=-1)  # vg is a view of a fresh tensor
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [B, 1, T, .]

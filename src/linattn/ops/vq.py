@@ -201,12 +201,7 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
         first_prev = (
             k.new_zeros(B, Hkv, L, D), v.new_zeros(B, Hkv, L, E), codes.new_zeros(B, Hkv, L, *codes.shape[3:])
         )
-    # Block r's previous block: the state's for r = 0, else block r - 1. The keys and values
-    # after the state's previous block, so that block r's window (previous, own) is blocks
-    # r and r + 1 of one tensor.
-    k_ext = torch.cat([first_prev[0].unsqueeze(2), k_blocks], dim=2)  # [B, Hkv, R + 1, L, D]
-    v_ext = torch.cat([first_prev[1].unsqueeze(2), v_blocks], dim=2)
-    prev_k, k_blocks, prev_v, v_blocks = k_ext[:, :, :-1], k_ext[:, :, 1:], v_ext[:, :, :-1], v_ext[:, :, 1:]
+    # Block r's previous block: the state's (or zeros) for r = 0, else block r - 1.
     prev_codes = torch.cat([first_prev[2].unsqueeze(2), code_blocks[:, :, :-1]], dim=2)
 
     if state is not None:
@@ -226,12 +221,10 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
     band_keys = None if positions_k is None else _shared(window_position_keys(positions_k))  # [(Hkv|1, G|1,) 2L, D]
 
     full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
-    blocks = (q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes)
+    blocks = (q_blocks, k_blocks, v_blocks, first_prev[0], first_prev[1], prev_codes)
     run = (run_counts, run_sums)
     if schedule == "batched":
-        windows = (_windows(k_ext, cut), _windows(v_ext, cut))
-        outs, final_cache = _all_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks,
-                                        scope, S)
+        outs, final_cache = _all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S)
     else:
         outs, final_cache = _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S)
     out = outs.reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
@@ -252,13 +245,14 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
 def _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
     """The blocks one after another, the cache carried from each to the next.
     Returns (outputs ``[B, Hkv, G, R, L, E]``, (counts, sums) of the cache before block ``full_blocks``)."""
-    q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
+    q_blocks, k_blocks, v_blocks, first_prev_k, first_prev_v, prev_codes = blocks
     B, L, cut = k_blocks.shape[0], k_blocks.shape[3], scope == "state"
     run_counts, run_sums = run
     codebook_keys = codebook.unsqueeze(0).expand(B, -1, -1, -1)
     outs, final_cache = [], None
-    each = zip(q_blocks.unbind(3), k_blocks.unbind(2), v_blocks.unbind(2), prev_k.unbind(2), prev_v.unbind(2),
-               prev_codes.unbind(2))
+    k_each, v_each = k_blocks.unbind(2), v_blocks.unbind(2)
+    prev_k_each, prev_v_each = (first_prev_k, *k_each[:-1]), (first_prev_v, *v_each[:-1])
+    each = zip(q_blocks.unbind(3), k_each, v_each, prev_k_each, prev_v_each, prev_codes.unbind(2))
     for r, (q_r, k_r, v_r, prev_k_r, prev_v_r, prev_codes_r) in enumerate(each):
         if r == full_blocks:
             final_cache = (run_counts, run_sums)
@@ -307,25 +301,25 @@ _BATCHED_SCORES = {"cuda": 1 << 22, "cpu": 1 << 19}
 # coordinate) of a grid measured at T = 16384, Dk = Dv = 64 with bias and position keys,
 # keyed by (gradients on, rows = batch x heads, block length L, codebook size S); quiet
 # machine, 2 threads: `.venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit`
-# (its output: docs/benchmarks/vq-schedule-grid/grid-after-rewrite.txt; the times are in
+# (its output: docs/benchmarks/vq-schedule-grid/grid-after-running-cache.txt; the times are in
 # docs/results.md, "VQ block schedules").
 _AUTO_SCHEDULE = {
     (False, 1, 64, 128): "batched", (False, 1, 64, 512): "batched", (False, 1, 128, 128): "batched",
-    (False, 1, 128, 512): "batched", (False, 1, 256, 128): "batched", (False, 1, 256, 512): "loop",
+    (False, 1, 128, 512): "batched", (False, 1, 256, 128): "batched", (False, 1, 256, 512): "batched",
     (False, 4, 64, 128): "batched", (False, 4, 64, 512): "batched", (False, 4, 128, 128): "batched",
     (False, 4, 128, 512): "batched", (False, 4, 256, 128): "loop", (False, 4, 256, 512): "loop",
-    (False, 8, 64, 128): "loop", (False, 8, 64, 512): "loop", (False, 8, 128, 128): "loop",
-    (False, 8, 128, 512): "loop", (False, 8, 256, 128): "loop", (False, 8, 256, 512): "loop",
-    (False, 32, 64, 128): "loop", (False, 32, 64, 512): "loop", (False, 32, 128, 128): "loop",
+    (False, 8, 64, 128): "batched", (False, 8, 64, 512): "batched", (False, 8, 128, 128): "loop",
+    (False, 8, 128, 512): "loop", (False, 8, 256, 128): "batched", (False, 8, 256, 512): "loop",
+    (False, 32, 64, 128): "loop", (False, 32, 64, 512): "batched", (False, 32, 128, 128): "loop",
     (False, 32, 128, 512): "loop", (False, 32, 256, 128): "loop", (False, 32, 256, 512): "loop",
     (True, 1, 64, 128): "batched", (True, 1, 64, 512): "batched", (True, 1, 128, 128): "batched",
     (True, 1, 128, 512): "batched", (True, 1, 256, 128): "batched", (True, 1, 256, 512): "batched",
     (True, 4, 64, 128): "batched", (True, 4, 64, 512): "batched", (True, 4, 128, 128): "batched",
     (True, 4, 128, 512): "batched", (True, 4, 256, 128): "batched", (True, 4, 256, 512): "batched",
     (True, 8, 64, 128): "batched", (True, 8, 64, 512): "batched", (True, 8, 128, 128): "batched",
-    (True, 8, 128, 512): "batched", (True, 8, 256, 128): "batched", (True, 8, 256, 512): "batched",
+    (True, 8, 128, 512): "batched", (True, 8, 256, 128): "loop", (True, 8, 256, 512): "batched",
     (True, 32, 64, 128): "batched", (True, 32, 64, 512): "batched", (True, 32, 128, 128): "batched",
-    (True, 32, 128, 512): "batched", (True, 32, 256, 128): "batched", (True, 32, 256, 512): "batched",
+    (True, 32, 128, 512): "batched", (True, 32, 256, 128): "loop", (True, 32, 256, 512): "batched",
 }
 
 
@@ -385,14 +379,18 @@ def _block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S):
     return log_counts(run_counts), mean_values(run_sums, run_counts), final_cache
 
 
-def _windows(ext: torch.Tensor, cut: bool) -> torch.Tensor:
-    """Every block's window, its previous block then its own: ``ext [B, Hkv, R + 1, L, X]``
-    (the previous block of block 0, then the R blocks) -> ``[B, Hkv, R, 2L, X]``, a view of
-    overlapping windows; with ``cut``, a copy whose previous halves are detached."""
+def _windows(first: torch.Tensor, blocks: torch.Tensor, cut: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block's window, its previous block then its own, from ``blocks [B, Hkv, R, L, X]``
+    and ``first [B, Hkv, L, X]`` (block 0's previous block): block 0's ``[B, Hkv, 1, 2L, X]``
+    and those of blocks 1..R-1 ``[B, Hkv, R - 1, 2L, X]``, a view of overlapping windows of
+    ``blocks`` (no copy); with ``cut``, previous halves detached (a copy)."""
+    B, Hkv, R, L, X = blocks.shape
+    head = torch.cat([_cut(first, cut).unsqueeze(2), blocks[:, :, :1]], dim=-2)
     if cut:
-        return torch.cat([ext[:, :, :-1].detach(), ext[:, :, 1:]], dim=-2)
-    L = ext.shape[3]
-    return ext.flatten(2, 3).unfold(2, 2 * L, L).transpose(-1, -2)
+        return head, torch.cat([blocks[:, :, :-1].detach(), blocks[:, :, 1:]], dim=-2)
+    if R == 1:
+        return head, blocks.new_empty(B, Hkv, 0, 2 * L, X)
+    return head, blocks.flatten(2, 3).unfold(2, 2 * L, L).transpose(-1, -2)
 
 
 def _shared(t: torch.Tensor) -> torch.Tensor:
@@ -407,22 +405,27 @@ def _per_block(keys: torch.Tensor) -> torch.Tensor:
     return keys if keys.dim() == 2 else keys.unsqueeze(-3)
 
 
-def _all_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
-    """The blocks in groups (``_block_loop``'s arguments and results, and ``windows``: every
-    block's keys and values over its window, ``_windows``), one (batch, kv head) row at a time:
-    a row's blocks are one batch dimension of a single stride, so the batched matmuls read the
-    window views in place (over several rows they would copy them)."""
-    B, Hkv = blocks[0].shape[:2]
+def _all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
+    """The blocks in groups (``_block_loop``'s arguments and results), one (batch, kv head)
+    row at a time: a row's blocks are one batch dimension of a single stride, so the batched
+    matmuls read the window views (``_windows``) in place (over several rows they would copy
+    them). Without gradients every group writes its outputs into one buffer."""
+    q_blocks, k_blocks, v_blocks, first_prev_k, first_prev_v, prev_codes = blocks
+    B, Hkv, G, R, L, _ = q_blocks.shape
+    cut = scope == "state"
+    windows = (*_windows(first_prev_k, k_blocks, cut), *_windows(first_prev_v, v_blocks, cut))
+    out = None if torch.is_grad_enabled() else q_blocks.new_empty(B, Hkv, G, R, L, v_blocks.shape[-1])
     if B * Hkv == 1:
-        return _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S)
+        return _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out)
     rows = [_rows(t) for t in (*blocks, *windows, *run)]  # per tensor: its B * Hkv rows, views
+    out_rows = [None] * (B * Hkv) if out is None else _rows(out)
     outs, counts, sums = [], [], []
     for i, row in enumerate(zip(*rows)):
         h = i % Hkv
-        out, (c, s) = _row_blocks(row[:6], row[6:8], codebook[h : h + 1], _head(window, h), _head(band_keys, h),
-                                  row[8:], has_prev, full_blocks, scope, S)
-        outs.append(out), counts.append(c), sums.append(s)
-    return _unrows(outs, B, Hkv), (_unrows(counts, B, Hkv), _unrows(sums, B, Hkv))
+        o, (c, s) = _row_blocks(row[:6], row[6:10], codebook[h : h + 1], _head(window, h), _head(band_keys, h),
+                                row[10:], has_prev, full_blocks, scope, S, out_rows[i])
+        outs.append(o), counts.append(c), sums.append(s)
+    return (_unrows(outs, B, Hkv) if out is None else out), (_unrows(counts, B, Hkv), _unrows(sums, B, Hkv))
 
 
 def _rows(t: torch.Tensor) -> list[torch.Tensor]:
@@ -442,44 +445,116 @@ def _head(t: torch.Tensor | None, h: int) -> torch.Tensor | None:
     return t if t is None or t.dim() == 2 or t.shape[0] == 1 else t.narrow(0, h, 1)
 
 
-def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
-    """``_all_blocks`` for one row (``B = Hkv = 1``, codebook ``[1, S, D]``): within a group the cache each block reads
-    is the carried cache plus the statistics of the group's blocks that entered before it, a
-    prefix sum; scores and outputs are batched matmuls over the group's blocks. A group holds
-    at most ``_BATCHED_SCORES[device]`` score entries (``_blocks_per_group``)."""
-    q_blocks, k_blocks, v_blocks, prev_k, prev_v, prev_codes = blocks
+def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out=None):
+    """``_all_blocks`` for one row (``B = Hkv = 1``, codebook ``[1, S, D]``; ``windows``: block 0's
+    and the other blocks' window keys, then the same for values, ``_windows``): block 0 is a group
+    of its own (its window is the only copy), then groups of the other blocks. Within a group the
+    cache each block reads is the carried cache plus the statistics of the group's blocks that
+    entered before it, a prefix sum; scores and outputs are batched matmuls over the group's
+    blocks. A group holds at most ``_BATCHED_SCORES[device]`` score entries
+    (``_blocks_per_group``). ``out``: the row's output buffer ``[1, 1, G, R, L, E]`` (without
+    gradients), else the outputs are concatenated; with hard codes it is filled by
+    ``_row_blocks_running``."""
+    q_blocks, _, v_blocks, _, first_prev_v, prev_codes = blocks
     B, Hkv, G, R, L, D = q_blocks.shape
     window = window.unsqueeze(-3)  # [(h, g,) 1, L, 2L]: the same for every block
-    window_keys, window_values = windows  # [B, Hkv, R, 2L, D], [B, Hkv, R, 2L, E]
     codebook_t = codebook[0].transpose(-1, -2)  # [D, S]: one matrix, so the matmul folds the rows
     band_keys_t = None if band_keys is None else _per_block(band_keys).transpose(-1, -2)  # [(1, G|1, 1,) D, 2L]
     group = _blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
     # split, not sliced: the backward of a split is one concatenation, that of each slice a
     # zero-filled gradient of the whole tensor
-    pieces = zip(q_blocks.split(group, dim=3), window_keys.split(group, dim=2), window_values.split(group, dim=2),
-                 prev_codes.split(group, dim=2), prev_v.split(group, dim=2))
+    q_first, q_rest = q_blocks.split([1, R - 1], dim=3)
+    codes_first, codes_rest = prev_codes.split([1, R - 1], dim=2)
+    pieces = [(0, q_first, windows[0], windows[2], codes_first, first_prev_v.unsqueeze(2))]
+    pieces += zip(range(1, R, group), q_rest.split(group, dim=3), windows[1].split(group, dim=2),
+                  windows[3].split(group, dim=2), codes_rest.split(group, dim=2),
+                  v_blocks[:, :, : R - 1].split(group, dim=2))  # block r's previous block is block r - 1
+    scoring = (window, band_keys_t, codebook_t)
+    if out is not None and not prev_codes.is_floating_point():
+        return _row_blocks_running(pieces, scoring, run, has_prev, full_blocks, S, out)
     outs, final_cache = [], None
-    for start, (q_g, keys_g, values_g, prev_codes_g, prev_v_g) in zip(range(0, R, group), pieces):
+    for start, q_g, keys_g, values_g, prev_codes_g, prev_v_g in pieces:
+        g = q_g.shape[3]
         counts, sums = _group_caches(prev_codes_g, prev_v_g, run, start == 0 and not has_prev, scope, S)
-        if start <= full_blocks < start + group:
+        if start <= full_blocks < start + g:
             final_cache = _owned(counts[:, :, full_blocks - start], sums[:, :, full_blocks - start])
         run = (counts[:, :, -1], sums[:, :, -1])
         counts, sums = counts[:, :, :-1], sums[:, :, :-1]
-        scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, L, 2L]
-        scores_w += window
-        if start == 0 and not has_prev:  # the first block has no previous block
-            scores_w[:, :, :, 0, :, :L] = float("-inf")
-        if band_keys_t is not None:
-            add_window_band(scores_w, q_g @ band_keys_t)
-        scores_c = q_g @ codebook_t
-        scores_c += log_counts(counts)[:, :, None, :, None, :]
-        probs = torch.softmax(torch.cat([scores_w, scores_c], dim=-1), dim=-1)
-        # p_s m_s = (p_s / n_s) sums_s: the division on the [L, S] weights, not the [S, E] sums
-        per_position = probs[..., 2 * L :] / counts.clamp_min(torch.finfo(counts.dtype).tiny)[:, :, None, :, None, :]
-        out = probs[..., : 2 * L] @ values_g.unsqueeze(2)
-        out += per_position @ sums[:, :, None]
-        outs.append(out)
-    return torch.cat(outs, dim=3), (final_cache if final_cache is not None else _owned(*run))
+        scores_w, scores_c = _group_scores(q_g, keys_g, scoring, counts, start == 0 and not has_prev)
+        group_out = None if out is None else out[:, :, :, start : start + g]
+        outs.append(_attend_window_and_cache(scores_w, scores_c, values_g.unsqueeze(2), counts, sums, group_out))
+    return (torch.cat(outs, dim=3) if out is None else out), (final_cache if final_cache is not None else _owned(*run))
+
+
+def _row_blocks_running(pieces, scoring, run, has_prev, full_blocks, S, out):
+    """``_row_blocks`` without gradients for hard codes: the cache sums are one ``[S, E]``
+    matrix, updated in place block by block (a block's cache term is a matmul with it before
+    the block's previous block enters), never copied per block: the per-block copies of the
+    grouped form are memory traffic that bounds it. The counts (S per block) are still a
+    prefix sum per group, exact (whole numbers)."""
+    counts_now, sums_now = run[0][0, 0].clone(), run[1][0, 0].clone()  # [S], [S, E]
+    final_cache = None
+    for start, q_g, keys_g, values_g, prev_codes_g, prev_v_g in pieces:
+        G, g = q_g.shape[2:4]
+        skip_first = start == 0 and not has_prev  # block 0 without a previous block: nothing enters
+        codes, entering = prev_codes_g[0, 0], prev_v_g[0, 0]  # [g, L], [g, L, E]
+        added = counts_now.new_zeros(g, S).scatter_add_(1, codes, torch.ones_like(codes, dtype=counts_now.dtype))
+        if skip_first:
+            added[0] = 0.0
+        after = added.cumsum_(0).add_(counts_now)  # the counts after each block's previous block entered
+        counts = torch.cat([counts_now[None], after[:-1]])  # [g, S]: before each block
+        probs = _probabilities(*_group_scores(q_g, keys_g, scoring, counts[None, None], skip_first))
+        two_l = keys_g.shape[-2]
+        group_out = out[:, :, :, start : start + g]
+        torch.matmul(probs[..., :two_l], values_g.unsqueeze(2), out=group_out)
+        per_count = probs[..., two_l:].div_(counts.clamp_min(torch.finfo(counts.dtype).tiny)[:, None, :])  # p_s / n_s
+        for r in range(g):
+            if start + r == full_blocks:
+                final_cache = (counts[r].clone()[None, None], sums_now.clone()[None, None])
+            group_out[0, 0, :, r].baddbmm_(per_count[0, 0, :, r], sums_now.expand(G, -1, -1))
+            if not (r == 0 and skip_first):
+                sums_now.index_add_(0, codes[r], entering[r])
+        counts_now = after[-1]
+    return out, (final_cache if final_cache is not None else (counts_now[None, None], sums_now[None, None]))
+
+
+def _group_scores(q_g, keys_g, scoring, counts, first_without_prev: bool):
+    """A group's scores: queries ``[B, Hkv, G, g, L, D]`` over their windows ``[B, Hkv, g, 2L, D]``
+    with the window's bias and the position band (``scoring`` = window ``[.., 1, L, 2L]``,
+    position keys transposed or None, codebook ``[D, S]``), and over the codes with ``log n_s``
+    of the caches ``counts [B, Hkv, g, S]``. ``first_without_prev``: the group's first block
+    has no previous block (its first L columns get -inf)."""
+    window, band_keys_t, codebook_t = scoring
+    L = q_g.shape[-2]
+    scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, L, 2L]
+    scores_w += window
+    if first_without_prev:
+        scores_w[:, :, :, 0, :, :L] = float("-inf")
+    if band_keys_t is not None:
+        add_window_band(scores_w, q_g @ band_keys_t)
+    scores_c = q_g @ codebook_t
+    scores_c += log_counts(counts)[:, :, None, :, None, :]
+    return scores_w, scores_c
+
+
+def _probabilities(scores_w: torch.Tensor, scores_c: torch.Tensor) -> torch.Tensor:
+    """One softmax over a group's window scores ``[..., 2L]`` and cache scores ``[..., S]``:
+    ``[..., 2L + S]`` (the concatenation costs less than normalising the two parts in place:
+    ``exp`` of the masked ``-inf`` entries is slow outside the softmax kernel on a CPU)."""
+    return torch.softmax(torch.cat([scores_w, scores_c], dim=-1), dim=-1)
+
+
+def _attend_window_and_cache(scores_w, scores_c, values, counts, sums, out=None):
+    """``_probabilities`` applied to a group's window values ``[B, Hkv, 1, g, 2L, E]`` and cache
+    means: ``sum_s p_s m_s = sum_s (p_s / n_s) sums_s`` (the division on the ``[L, S]``
+    weights, not the ``[S, E]`` sums; counts ``[B, Hkv, g, S]``, sums ``[B, Hkv, g, S, E]``).
+    ``out``: where to write the result (without gradients), else a new tensor."""
+    two_l = scores_w.shape[-1]
+    probs = _probabilities(scores_w, scores_c)
+    result = torch.matmul(probs[..., :two_l], values, out=out)
+    per_count = counts.clamp_min(torch.finfo(counts.dtype).tiny)[:, :, None, :, None, :]
+    result += (probs[..., two_l:] / per_count) @ sums[:, :, None]
+    return result
 
 
 def _decode(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype):
@@ -747,12 +822,13 @@ def vq_attention(
             ``VectorQuantizer``, decodes a token in less time than the checks take.
         schedule: how the block form walks the blocks: ``"loop"`` (one block after another,
             the readable form) or ``"batched"`` (groups of blocks as batched matmuls, each
-            block's cache from a prefix sum over the group's blocks: fewer, larger kernels; the
-            faster on CPUs when batch x heads is small, by up to 3.5x with gradients).
+            block's cache from a prefix sum over the group's blocks, or without gradients one
+            running cache: fewer, larger kernels; the faster on CPUs when batch x heads is
+            small, by up to 3x).
             ``"auto"``: on a CPU the faster of the two at the nearest point of a measured grid
             of (gradients on or off, batch x heads, L, S) (``_AUTO_SCHEDULE``: batched with
-            gradients; without them the loop from 8 rows on, mostly batched below), batched
-            on other devices. Same results.
+            gradients but at two near-ties; without them batched up to 4 rows, mostly the
+            loop at 32), batched on other devices. Same results.
         impl: ``"torch"`` (the forms above), ``"triton"`` (the causal block form as fused
             Triton kernels, ``ops/_vq_triton.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
