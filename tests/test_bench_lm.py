@@ -79,6 +79,50 @@ def test_bench_lm_end_to_end(tmp_path, capsys):
     assert not (tmp_path / "profile.md").exists()
 
 
+def test_rounds_alternate_the_models_and_pool_their_calls(monkeypatch, tmp_path):
+    """``--rounds 3``: every model measured three times in a fresh process each, in the
+    order A B, B A, A B; a row pools the timed calls of its rounds and takes their median; a
+    context skipped in any round is skipped."""
+    order = []
+
+    def fake_measure(fn, spec, config, threads):
+        order.append(spec)
+        round_index = order.count(spec)
+        rows = []
+        for context in config.contexts:
+            row = lm._empty_row(spec, 100, context, config.batch(context))
+            base = 0.1 * round_index + (0.01 if spec == "softmax" else 0.02)
+            times = [base, base + 0.001]
+            row.update(train_times_s=times, train_s=statistics.median(times), train_peak_bytes=10 * round_index,
+                       prefill_times_s=times, prefill_s=statistics.median(times), prefill_peak_bytes=5,
+                       decode_times_s=[base], decode_ms_per_token=base * 1e3)
+            row["train_tokens_per_s"] = row["tokens_per_step"] / row["train_s"]
+            row["prefill_tokens_per_s"] = row["tokens_per_step"] / row["prefill_s"]
+            if spec == "vq" and context == 32 and round_index == 2:
+                row["skip_reason"] = "out of memory"
+            rows.append(row)
+        return rows
+
+    monkeypatch.setattr(lm, "in_fresh_process", fake_measure)
+    result = lm.run(_config(contexts=(16, 32), rounds=3), ["softmax", "vq"], out_dir=tmp_path, command="x")
+    assert order == ["softmax", "vq", "vq", "softmax", "softmax", "vq"]
+    rows = {(r["case"], r["context"]): r for r in result["rows"]}
+    assert len(rows) == len(result["rows"]) == 4
+    pooled = rows[("softmax", 16)]
+    expected = [0.11, 0.111, 0.21, 0.211, 0.31, 0.311]
+    assert pooled["train_times_s"] == pytest.approx(expected)
+    assert pooled["train_s"] == pytest.approx(statistics.median(expected))
+    assert pooled["train_tokens_per_s"] == pytest.approx(pooled["tokens_per_step"] / statistics.median(expected))
+    assert pooled["train_peak_bytes"] == 30
+    assert pooled["decode_ms_per_token"] == pytest.approx(1e3 * statistics.median([0.11, 0.21, 0.31]))
+    assert rows[("vq", 32)]["skip_reason"] == "out of memory"
+    assert rows[("vq", 16)]["skip_reason"] is None
+    page = (tmp_path / "results.md").read_text()
+    assert "3 rounds in alternating order, the timed calls pooled" in page
+    with pytest.raises(ValueError, match="rounds"):
+        _config(rounds=0)
+
+
 def test_memory_budget_and_out_of_memory_skip_contexts(monkeypatch):
     """Every timed call is replaced by one whose peak memory is 64,000 bytes (2,000 per token at
     C=16 with 32 tokens per step); the budget of 100,000 bytes fits 32 tokens, not 128."""
@@ -240,6 +284,7 @@ def test_context_table_pivots_models_against_contexts():
         (["--tokens-per-step", "0"], "--tokens-per-step"),
         (["--memory-gb", "-1"], "--memory-gb"),
         (["--repeats", "0"], "--repeats"),
+        (["--rounds", "0"], "--rounds"),
         (["--profile", "0"], "--profile"),
         (["--device", "gpu"], "--device"),
         (["--dtype", "float16"], "--dtype"),

@@ -26,6 +26,11 @@ whose CPU kernel keeps no T x T scores, so the memory of every model grows with 
 per step, not with C. ``--profile N`` adds the N operators with the most self time of a
 training step, a prefill and a decoding step of each model at its longest measured context.
 
+Rounds: ``--rounds N`` measures every model N times, each time in a fresh process, the
+models in alternating order (A B, B A, ...), and pools the timed calls of all rounds
+(``pool_rounds``): on a shared machine a slow spell of minutes then falls on every model,
+so the ratios between models hold where one round's do not.
+
 Device and precision: ``--device cuda`` (or ``cuda:N``) puts every model, its optimizer, the
 tokens and the decoding state on that GPU; each timed call is bracketed by a synchronization
 and the peak memory is the CUDA allocator's. ``--dtype bfloat16`` runs the forward passes
@@ -49,8 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import reporting
-from .._checks import (available_device_name, check_choice, check_cuda_available, check_device, non_negative_int,
-                       positive_float, positive_int)
+from .._checks import (available_device_name, check_choice, check_cuda_available, check_device, check_positive_int,
+                       non_negative_int, positive_float, positive_int)
 from ..models import LM, LMConfig, parse_layer_spec, sizes
 from ..models.config import matched_gau_value_width
 from ..train.optim import parameter_groups
@@ -82,6 +87,7 @@ class LMBenchConfig:
     block_size: int = 64
     window: int = 256
     repeats: int = 3
+    rounds: int = 1
     warmup: int = 1
     decode_tokens: int = 32
     memory_gb: float = 8.0
@@ -93,6 +99,7 @@ class LMBenchConfig:
     def __post_init__(self) -> None:
         check_device("device", self.device)
         check_choice("dtype", self.dtype, DTYPES)
+        check_positive_int("rounds", self.rounds)
 
     def autocast(self) -> torch.autocast:
         """The precision of the forward passes: bfloat16 autocast on ``device`` when ``dtype``
@@ -474,6 +481,10 @@ def _profile_markdown(rows: Sequence[dict], command: str) -> str:
     return "\n".join(sections)
 
 
+def _rounds_text(rounds: int) -> str:
+    return "" if rounds == 1 else f", {rounds} rounds in alternating order, the timed calls pooled"
+
+
 def page(results: dict) -> str:
     """``results.md`` of ``results.json``'s contents: the command, the settings its metadata
     records (``shapes``: the ``LMBenchConfig``), the table and the targets."""
@@ -482,7 +493,8 @@ def page(results: dict) -> str:
     return (f"# bench lm\n\n`{metadata['command']}`\n\nWhole models on {metadata['device']} "
             f"({metadata['device_name']}), {precision}, {shapes['tokens_per_step']:,} tokens per training step and "
             f"prefill (batch = tokens / C), decode at batch 1 (median of {shapes['decode_tokens']} greedy tokens); "
-            f"each model in a fresh process.\n\n{markdown_table(results['rows'])}\n```text\n"
+            f"each model in a fresh process{_rounds_text(shapes.get('rounds', 1))}.\n\n"
+            f"{markdown_table(results['rows'])}\n```text\n"
             f"{format_summary(results['summary'])}\n```\n")
 
 
@@ -515,21 +527,54 @@ def run(config: LMBenchConfig, models: Sequence[str], *, out_dir: Path, command:
             config.model_config(spec)
         except ValueError as error:
             raise ValueError(f"--models {spec!r}: {error}") from None
-    rows, result = [], None
-    for index, spec in enumerate(models):
-        started = time.perf_counter()
-        try:
-            rows += in_fresh_process(measure_model, spec, config, threads=threads)
-        except BrokenProcessPool as error:  # e.g. the kernel's out-of-memory killer
-            parameters = LM(config.model_config(spec)).num_parameters()
-            for context in sorted(config.contexts):
-                row = _empty_row(spec, parameters, context, config.batch(context))
-                row["skip_reason"] = f"the measuring process died ({error})"
-                rows.append(row)
-        print(f"bench lm: {spec} measured ({index + 1}/{len(models)}, {time.perf_counter() - started:.0f} s)",
-              flush=True)
-        result = write_results(rows, config, out_dir, command=command, models=models[:index + 1])
+    measured, result = [], None
+    for round_index in range(config.rounds):
+        order = models if round_index % 2 == 0 else models[::-1]
+        settings = config if round_index == 0 else dataclasses.replace(config, profile_top=0)
+        for index, spec in enumerate(order):
+            started = time.perf_counter()
+            try:
+                measured += in_fresh_process(measure_model, spec, settings, threads=threads)
+            except BrokenProcessPool as error:  # e.g. the kernel's out-of-memory killer
+                parameters = LM(config.model_config(spec)).num_parameters()
+                for context in sorted(config.contexts):
+                    row = _empty_row(spec, parameters, context, config.batch(context))
+                    row["skip_reason"] = f"the measuring process died ({error})"
+                    measured.append(row)
+            print(f"bench lm: {spec} measured ({index + 1}/{len(models)}, round {round_index + 1}/{config.rounds}, "
+                  f"{time.perf_counter() - started:.0f} s)", flush=True)
+            rows = pool_rounds(measured)
+            done = [spec for spec in models if any(row["case"] == spec for row in rows)]
+            result = write_results(rows, config, out_dir, command=command, models=done)
     return {**result, "rows": rows}
+
+
+def pool_rounds(rows: Sequence[dict]) -> list[dict]:
+    """One row per (model, context) from the rows of several rounds (``--rounds``): the timed
+    calls of every round pooled, the medians and tokens/s taken over them, the peak memory
+    the largest; a context skipped in any round is skipped, with that round's reason. One
+    round's rows come back as they are."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["case"], row["context"]), []).append(row)
+    pooled = []
+    for group in groups.values():
+        first = group[0]
+        skipped = next((row for row in group if row["skip_reason"] is not None), None)
+        if len(group) == 1 or skipped is not None:
+            pooled.append(skipped or first)
+            continue
+        row = dict(first)
+        for part in ("train", "prefill"):
+            times = [t for each in group for t in each[f"{part}_times_s"]]
+            row[f"{part}_times_s"], row[f"{part}_s"] = times, median(times)
+            row[f"{part}_tokens_per_s"] = row["tokens_per_step"] / row[f"{part}_s"]
+            peaks = [each[f"{part}_peak_bytes"] for each in group if each[f"{part}_peak_bytes"] is not None]
+            row[f"{part}_peak_bytes"] = max(peaks) if peaks else None
+        row["decode_times_s"] = [t for each in group for t in each["decode_times_s"]]
+        row["decode_ms_per_token"] = median(row["decode_times_s"]) * 1e3
+        pooled.append(row)
+    return pooled
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -572,6 +617,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         name = flag[2:].replace("-", "_")
         size.add_argument(flag, type=positive_int, help=f"{help_text} (default {getattr(defaults, name)})")
     parser.add_argument("--repeats", type=positive_int, help=f"timed calls, median kept (default {defaults.repeats})")
+    parser.add_argument("--rounds", type=positive_int,
+                        help=f"measure every model this many times, each in a fresh process, the models in "
+                             f"alternating order, and pool the timed calls (default {defaults.rounds}): a slow "
+                             f"spell of a shared machine then falls on every model")
     parser.add_argument("--warmup", type=non_negative_int, help=f"untimed calls first (default {defaults.warmup})")
     parser.add_argument("--decode-tokens", type=positive_int,
                         help=f"greedy tokens generated per context, median kept (default {defaults.decode_tokens})")
@@ -592,7 +641,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAGS = ("contexts", "tokens_per_step", "d_model", "n_layers", "n_heads", "gau_d_k", "codebook_size", "block_size",
-          "window", "repeats", "warmup", "decode_tokens", "memory_gb", "seed", "device", "dtype")
+          "window", "repeats", "rounds", "warmup", "decode_tokens", "memory_gb", "seed", "device", "dtype")
 
 
 def config_from_args(args: argparse.Namespace) -> LMBenchConfig:
