@@ -196,6 +196,20 @@ def test_values(tool, repo, spec, expected):
         assert tool.render(spec, repo) == expected
 
 
+def test_values_from_a_run_journal(tool, repo):
+    """A ``*.jsonl`` journal in place of a results directory: its rows are its recorded runs,
+    key and row; a torn last line (a crash mid-write) is not a run."""
+    journal = repo / "docs" / "results" / "probe.jsonl"
+    lines = [{"key": {"mechanism": "softmax", "config": {"lr": 0.003, "seed": s}},
+              "row": {"accuracy": {"16": 0.5 + s / 4}, "final_loss": 1.0 - s / 10}} for s in (0, 1)]
+    journal.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"key": {"mech')
+    assert tool.render("value docs/results/probe.jsonl row.accuracy.16 key.config.seed=1 format=.2f", repo) == "0.75"
+    assert tool.render("value docs/results/probe.jsonl row.final_loss stat=range format=.1f", repo) == "0.9–1.0"
+    assert tool.render("value docs/results/probe.jsonl key.config.lr stat=n", repo) == "2"
+    with pytest.raises(ValueError, match="no such run journal"):
+        tool.render("value docs/results/missing.jsonl row.final_loss", repo)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("value docs/results/runs bpb from=runs mechanism=vq format=.2f", "3 rows match"),
     ("value docs/results/runs bpb from=runs mechanism=vq", "3 rows match"),

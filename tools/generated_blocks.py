@@ -27,7 +27,10 @@ fenced code blocks and inline code spans are text, not markers. SOURCE is one of
   (compared as text); ``from=runs`` reads the list ``runs`` instead of ``rows``; without
   ``stat`` exactly one row must match, ``stat`` = ``min``, ``max``, ``mean``, ``n`` or
   ``range`` (``min–max``) over every match; ``format`` is a Python format spec (needed for a
-  float, e.g. ``.3f``); ``scale`` multiplies first (e.g. 1000: seconds to ms).
+  float, e.g. ``.3f``); ``scale`` multiplies first (e.g. 1000: seconds to ms). DIR may also be
+  a run journal ``*.jsonl`` (``linattn repro``'s ``runs.jsonl``): its rows are its recorded
+  runs, ``{"key": ..., "row": ...}``, so PATH reads e.g. ``row.final_loss`` or
+  ``key.config.lr``.
 
 ``python tools/generated_blocks.py [FILES...]`` rewrites every block of FILES (default:
 README.md and docs/**/*.md) from its source; ``--check`` rewrites nothing and exits 1
@@ -52,6 +55,7 @@ from pathlib import Path
 from linattn.bench import cli as bench_cli
 from linattn.reporting import markdown_table_lines, read_results, read_results_of
 from linattn.repro import cli as repro_cli
+from linattn.repro.framework import RunJournal
 
 ROOT = Path(__file__).resolve().parent.parent
 OPEN = re.compile(r"<!--\s*generated:(.*?)-->")
@@ -205,10 +209,19 @@ def _formatted(value: int | float, fmt: str | None, what: str) -> str:
         raise ValueError(f"format={fmt}: {error}") from None
 
 
+def _results_of(path: Path) -> dict:
+    """``path/results.json``, or a run journal ``*.jsonl`` as ``{"rows": [{"key", "row"}, ...]}``."""
+    if path.suffix != ".jsonl":
+        return read_results(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such run journal")
+    return {"rows": RunJournal(path, resume=True, read_only=True).entries()}
+
+
 def _value(root: Path, words: list[str]) -> str:
     if len(words) < 2:
         raise ValueError("expected `value DIR PATH [KEY=VALUE ...] [stat=] [format=] [scale=] [from=]`")
-    results, what = read_results(root / words[0]), words[1]
+    results, what = _results_of(root / words[0]), words[1]
     path, options = what.split("."), _options(words[2:], "options")
     stat, fmt, source = options.pop("stat", None), options.pop("format", None), options.pop("from", "rows")
     try:

@@ -250,6 +250,10 @@ class RunJournal:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def entries(self) -> list[dict]:
+        """Every recorded run as ``{"key": ..., "row": ...}``, in the order they were recorded."""
+        return [{"key": json.loads(key), "row": row} for key, row in self._rows.items()]
+
     def count(self, keys) -> int:
         """How many of ``keys`` have a recorded run."""
         return sum(self.get(key) is not None for key in keys)
