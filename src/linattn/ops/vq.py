@@ -189,7 +189,8 @@ def _block(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype,
         q, k, v = F.pad(q, (0, 0, 0, pad)), F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
         codes = F.pad(codes, (0, 0, 0, pad)) if codes.is_floating_point() else F.pad(codes, (0, pad))
     k_blocks = k.reshape(B, Hkv, R, L, D)
-    v_blocks = v.reshape(B, Hkv, R, L, E)
+    # one copy of a strided v (a GAU's view of its projection) costs less than reading it strided
+    v_blocks = v.contiguous().reshape(B, Hkv, R, L, E)
     code_blocks = codes.reshape(B, Hkv, R, L, *codes.shape[3:])
     q_blocks = q.reshape(B, Hkv, G, R, L, D)
 
