@@ -595,6 +595,19 @@ def test_soft_vq_state_carry_equals_one_call():
     assert_close_rel(state.cache_counts, full_state.cache_counts, rtol=1e-10, name="soft cache counts")
 
 
+def test_soft_vq_without_gradients_equals_the_form_with_them():
+    """Without gradients the block form writes soft codes' outputs into one buffer; the
+    result and the state equal those of the same call with gradients on."""
+    H, L, Dk = 4, 4, 4
+    q, k, v, codebook = make_soft(T=23, Dk=Dk, seed=45)
+    kw = dict(block_size=L, temperature=0.5, bias=make_bias(H, L), position_keys=make_position_keys(H, L, Dk))
+    with_grad, state = linattn.soft_vq_attention(q, k, v, codebook, output_final_state=True, **kw)
+    with torch.no_grad():
+        without, state_nograd = linattn.soft_vq_attention(q, k, v, codebook, output_final_state=True, **kw)
+    assert_close_rel(without, with_grad, rtol=1e-12, name="soft outputs without gradients")
+    assert_close_rel(state_nograd.cache_means, state.cache_means, rtol=1e-12, name="soft cache means")
+
+
 def test_soft_vq_gradcheck():
     L = 2
     q, k, v, codebook = make_soft(B=1, H=2, Hkv=1, T=9, Dk=2, Dv=2, S=3, seed=44, noise=0.5)

@@ -19,6 +19,7 @@ from test_vq_attention import (  # noqa: F401  (collected again under each sched
     test_none_scope_is_the_exact_gradient_and_cache_grad_its_alias,
     test_shared_bias_and_position_keys_broadcast_over_heads,
     test_soft_vq_state_carry_equals_one_call,
+    test_soft_vq_without_gradients_equals_the_form_with_them,
     test_state_counts_cache_correctly,
     test_state_pieces_equal_one_call,
     test_state_scope_equals_blockwise_calls_with_detached_states,
