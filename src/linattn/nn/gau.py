@@ -220,7 +220,7 @@ class GAU(nn.Module):
             projected = F.linear(h, self._input_weight())
             qk, vg = projected.split([2 * self.d_k, 2 * self.d_v], dim=-1)
             qk = qk.unflatten(-1, (2, self.d_k))
-            qk = qk.mul_(inverse_rms(qk, 1e-6).mul_(scale))  # _rms(qk) * scale, in place: qk is a fresh tensor's view
+            qk.mul_(inverse_rms(qk, 1e-6).mul_(scale))  # _rms(qk) * scale, in place: qk is a fresh tensor's view
             q, k = qk.unbind(-2)
             v, gate = F.silu(vg, inplace=True).split(self.d_v, dim=-1)  # vg is a view of a fresh tensor
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [B, 1, T, .]

@@ -35,14 +35,20 @@ def add_code_statistics(counts: torch.Tensor, sums: torch.Tensor, codes: torch.T
     sums.scatter_add_(-2, codes.unsqueeze(-1).expand(*codes.shape, values.shape[-1]), values)
 
 
+def nonzero_counts(counts: torch.Tensor) -> torch.Tensor:
+    """``counts`` with zeros raised to the smallest normal number: a divisor (an empty slot's
+    sums and weights are zero, so it contributes 0) and a logarithm's argument."""
+    return counts.clamp_min(torch.finfo(counts.dtype).tiny)
+
+
 def mean_values(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mean value per code, ``sums / counts`` (0 for unused codes; soft counts may be < 1)."""
-    return sums / counts.clamp_min(torch.finfo(counts.dtype).tiny).unsqueeze(-1)
+    return sums / nonzero_counts(counts).unsqueeze(-1)
 
 
 def log_counts(counts: torch.Tensor) -> torch.Tensor:
     """``log n_s``, ``-inf`` where ``n_s = 0`` (computed on clamped counts: log(0) is slow)."""
-    return counts.clamp_min(torch.finfo(counts.dtype).tiny).log().masked_fill(counts == 0, float("-inf"))
+    return nonzero_counts(counts).log().masked_fill(counts == 0, float("-inf"))
 
 
 def fold_block(counts: torch.Tensor, cache_means: torch.Tensor, codes: torch.Tensor, values: torch.Tensor,

@@ -43,7 +43,7 @@ from ._codebook import codebook_scores
 from . import _vq_resident as resident
 from . import _vq_selfcheck as selfcheck
 from . import _vq_triton as fused
-from ._vq_cache import add_code_statistics, code_statistics, fold_block, log_counts, mean_values
+from ._vq_cache import add_code_statistics, code_statistics, fold_block, log_counts, mean_values, nonzero_counts
 from .._checks import (
     check_bool,
     check_choice,
@@ -508,7 +508,7 @@ def _row_blocks_running(pieces, scoring, run, has_prev, full_blocks, S, out):
         two_l = keys_g.shape[-2]
         group_out = out[:, :, :, start : start + g]
         torch.matmul(probs[..., :two_l], values_g.unsqueeze(2), out=group_out)
-        per_count = probs[..., two_l:].div_(counts.clamp_min(torch.finfo(counts.dtype).tiny)[:, None, :])  # p_s / n_s
+        per_count = probs[..., two_l:].div_(nonzero_counts(counts)[:, None, :])  # p_s / n_s
         for r in range(g):
             if start + r == full_blocks:
                 final_cache = (counts[r].clone()[None, None], sums_now.clone()[None, None])
@@ -553,7 +553,7 @@ def _attend_window_and_cache(scores_w, scores_c, values, counts, sums, out=None)
     two_l = scores_w.shape[-1]
     probs = _probabilities(scores_w, scores_c)
     result = torch.matmul(probs[..., :two_l], values, out=out)
-    per_count = counts.clamp_min(torch.finfo(counts.dtype).tiny)[:, :, None, :, None, :]
+    per_count = nonzero_counts(counts)[:, :, None, :, None, :]
     result += (probs[..., two_l:] / per_count) @ sums[:, :, None]
     return result
 
