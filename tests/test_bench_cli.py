@@ -19,6 +19,7 @@ from linattn._checks import available_device_name
 from linattn.bench import attention
 from linattn.bench.attention import CASES, default_cases
 from linattn.bench.cli import report_page
+from linattn.bench import decode
 from linattn.bench.decode import DECODE_CASES, MODEL_SPECS
 from linattn.bench.lm import DEFAULT_MODELS as LM_DEFAULT_MODELS, QUICK as LM_QUICK, LMBenchConfig
 from linattn.models.sizes import count_parameters
@@ -255,6 +256,40 @@ def test_bench_decode_writes_rows_and_growth(tmp_path):
     text = (tmp_path / "results.md").read_text()
     assert "per-token time" in text and f"on cpu ({result['metadata']['device_name']})" in text
     assert report_page(tmp_path) == text  # the page again, from results.json alone
+
+
+def test_decode_cases_take_turns_and_keep_their_own_states():
+    """Several cases measured together: every (case, context) gets its timed steps, and each
+    case's chain of states is its own (the two VQ cases end in equal states: the same inputs,
+    quantized and attended with one call or with two)."""
+    rows = decode.measure(["vq-b128", "vq-b128-two-calls", "linear-elu"], [16, 40], heads=2, dim=8, tokens=5)
+    assert {(r["case"], r["context"]) for r in rows} == {
+        (c, n) for c in ("vq-b128", "vq-b128-two-calls", "linear-elu") for n in (16, 40)}
+    assert all(len(r["times_s"]) == 5 and r["per_token_s"] > 0 for r in rows)
+
+
+def test_decode_rounds_pool_the_generation_steps():
+    row = {"kind": "model", "case": "vq", "prompt": 9, "batch": 2, "parameters": 1, "new_tokens": 3}
+    first = dict(row, prefill_s=4.0, steps_s=[0.1, 0.1, 0.1])
+    second = dict(row, prefill_s=2.0, steps_s=[0.3, 0.3, 0.3, 0.3])
+    other = dict(row, case="softmax", prefill_s=1.0, steps_s=[0.2], tokens_per_s=10.0)
+    pooled = {r["case"]: r for r in decode.pool_rounds([first, other, second])}
+    assert pooled["softmax"] == other  # one round: as it was
+    vq = pooled["vq"]
+    assert vq["rounds"] == 2 and vq["steps_s"] == [0.1] * 3 + [0.3] * 4
+    assert vq["tokens_per_s"] == pytest.approx(2 / 0.3) and vq["ms_per_step"] == pytest.approx(300)
+    assert vq["prefill_s"] == pytest.approx(3.0) and vq["prefill_tokens_per_s"] == pytest.approx(2 * 8 / 3.0)
+    assert vq["mean_tokens_per_s"] == pytest.approx(2 * 7 / 1.5)
+
+
+def test_bench_decode_rounds_from_the_command_line(tmp_path):
+    assert main(["bench", "decode", "--cases", "--models", "vq", "softmax", "--prompts", "8", "--batches", "1",
+                 "--new-tokens", "2", "--rounds", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert [(r["case"], r["rounds"]) for r in result["rows"]] == [("vq", 2), ("softmax", 2)]
+    assert all(r["generate_s"] > 0 and r["mean_tokens_per_s"] == pytest.approx(4 / r["generate_s"])
+               for r in result["rows"])  # 2 rounds of 2 tokens, batch 1
+    assert "2 rounds in alternating order" in (tmp_path / "results.md").read_text()
 
 
 def test_bench_decode_models_at_equal_size(tmp_path):

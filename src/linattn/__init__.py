@@ -15,6 +15,7 @@ from .ops.strided import strided_attention
 from .ops.softmax import softmax_attention
 from .ops.soft_vq import soft_vq_attention
 from .ops.vq import vq_attention
+from .ops.vq_step import vq_decode_step
 from .nn import Codebook, FSQuantizer, VectorQuantizer
 from .state import (DeltaNetState, DeltaRuleState, GatedDeltaNetState, GatedLinearAttentionState, KVCacheState,
                     LinearAttentionState, LMState, RetentionState, VQAttentionState)
@@ -30,6 +31,7 @@ __all__ = [
     "strided_attention",
     "lsh_attention",
     "vq_attention",
+    "vq_decode_step",
     "soft_vq_attention",
     "VectorQuantizer",
     "FSQuantizer",

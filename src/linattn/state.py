@@ -231,6 +231,9 @@ class VQAttentionState(_State):
     # Decoding with gradients off keeps the fields as views of one buffer that later steps
     # fill in place (ops/_vq_resident.py); a state rebuilt from this one starts without it.
     _resident: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    # (codebook, its version) when the forms that made this state know every key in it to be a
+    # row of that codebook as it is now (hard codes); None when unknown, as after a rebuild.
+    _keys_from: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Ops: for each mechanism and context length C, the state after C random tokens is built in
 one call (not timed), then ``--tokens`` single-token steps are timed one by one, each
-feeding the state of the previous, the contexts in turns; the median step time is reported. Mechanisms with a
+feeding the state of the previous, every (mechanism, context) in turns with the others (a
+slow spell falls on all alike; a turn is 8 steps, of which the last 4 are timed, after the
+case is back to steady decoding); the median step time is reported. Mechanisms with a
 constant-size state (Transformer-VQ, kernel attention with or without decay, the delta rule
 and the gated delta rule) should be flat in C; exact attention with a KV cache
 (``sdpa-kvcache``: the preallocated cache of the softmax layers, one row written in place per
@@ -15,7 +17,8 @@ to the softmax model's count) of each mechanism read a
 random prompt of P tokens (prefill, timed) and then generate ``--new-tokens`` tokens with
 ``LM.generate`` (greedy, each step timed), each model in a freshly spawned process: prefill
 tokens/s and generation tokens/s from the median step time (robust to a busy machine's
-bursts; the mean is in the JSON) for every prompt length and batch size.
+bursts; the mean is in the JSON) for every prompt length and batch size. ``--rounds N``
+measures every model N times, the models in alternating order, and pools the steps.
 
 ``--device cuda`` (or ``cuda:N``) runs both tables on that GPU: inputs, states and models
 live there, and the clock is read only after the device has finished each timed step.
@@ -27,7 +30,7 @@ import argparse
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,6 +43,7 @@ from ..ops import _kv_cache as kv_cache
 from ..ops.delta import delta_rule
 from ..ops.linear import linear_attention
 from ..ops.vq import vq_attention
+from ..ops.vq_step import vq_decode_step
 from ..nn.quantizer import VectorQuantizer
 from .._checks import available_device_name, positive_int
 from .harness import in_fresh_process, median, synchronize
@@ -56,15 +60,21 @@ def _recurrent(run: Callable) -> DecodeCase:
     return (lambda q, k, v: run(q, k, v, None)), run
 
 
-def _vq(heads: int, dim: int, device: torch.device, block_size: int = 128) -> DecodeCase:
+def _vq(heads: int, dim: int, device: torch.device, block_size: int = 128, fused: bool = True) -> DecodeCase:
+    """Prefill: ``VectorQuantizer`` then ``vq_attention`` over the context (as the GAU layer
+    reads a prompt); a step: ``vq_decode_step`` (quantize the new key and attend in one), or
+    with ``fused=False`` the same two calls for the one new position."""
     quantizer = VectorQuantizer(heads, dim, 512).to(device).eval()
 
-    def run(q, k, v, state):  # as the GAU layer calls it: the quantizer's keys need no checks
+    def prefill(q, k, v, state=None):  # the quantizer's keys need no checks
         k_hat, codes, _ = quantizer(k)
-        return vq_attention(q, k_hat, v, codes, quantizer.codebook, block_size=block_size,
-                            initial_state=state, output_final_state=True, check_inputs=False)[1]
+        return vq_attention(q, k_hat, v, codes, quantizer.codebook, block_size=block_size, initial_state=state,
+                            output_final_state=True, check_inputs=False)[1]
 
-    return _recurrent(run)
+    def step(q, k, v, state):
+        return vq_decode_step(q, k, v, quantizer.codebook, state, block_size=block_size, check_inputs=False)[2]
+
+    return prefill, (step if fused else prefill)
 
 
 def _linear(heads: int, dim: int, device: torch.device) -> DecodeCase:
@@ -117,6 +127,7 @@ def _kv_cache(heads: int, dim: int, device: torch.device, room: int = 4096) -> D
 
 DECODE_CASES: dict[str, Callable[[int, int, torch.device], DecodeCase]] = {
     "vq-b128": _vq,
+    "vq-b128-two-calls": lambda heads, dim, device: _vq(heads, dim, device, fused=False),
     "linear-elu": _linear,
     "delta": _delta,
     "decay-scalar": _decayed,
@@ -126,33 +137,43 @@ DECODE_CASES: dict[str, Callable[[int, int, torch.device], DecodeCase]] = {
 }
 
 
-def measure(name: str, contexts, *, heads: int, dim: int, tokens: int, seed: int = 0,
+def measure(names: str | Sequence[str], contexts, *, heads: int, dim: int, tokens: int, seed: int = 0,
             device: torch.device | str = "cpu") -> list[dict]:
-    """Median seconds per decoded token of the case ``name`` at each context length, on
-    ``device``. The contexts take their steps in turns (one step of each, then the next), so
-    a slow spell of a shared machine falls on all of them alike and their ratio stays fair."""
+    """Median seconds per decoded token of the case ``names`` (one name, or several) at each
+    context length, on ``device``. Every (case, context) takes its steps in turns with all the
+    others, so a slow spell of a shared machine falls on all of them alike and their ratios
+    stay fair. A turn is ``2 * _TURN`` steps, of which the last ``_TURN`` are timed: the first
+    ones bring the case back to steady decoding after the others' turns (a step right after a
+    switch of case is up to 2x slower, and it takes about four to recover on a CPU)."""
     device = torch.device(device)
-    prefill, step = DECODE_CASES[name](heads, dim, device)
-    states, inputs = {}, {}
+    names = [names] if isinstance(names, str) else list(names)
+    runs, states, inputs = {}, {}, {}
     with torch.no_grad():
-        for context in contexts:  # drawn on the CPU: the same numbers on every device
-            generator = torch.Generator().manual_seed(seed + context)
-            states[context] = prefill(*(torch.randn(1, heads, context, dim, generator=generator).to(device)
-                                        for _ in range(3)))
-            # each step's inputs are their own small tensors, as in generation (a slice of one long
-            # tensor would put the heads' rows megabytes apart and slow every step as C grows)
-            inputs[context] = [[torch.randn(1, heads, 1, dim, generator=generator).to(device) for _ in range(3)]
-                               for _ in range(tokens)]
-        times = {context: [] for context in contexts}
-        for index in range(tokens):
-            for context in contexts:
-                synchronize(device)
-                start = time.perf_counter()
-                states[context] = step(*inputs[context][index], states[context])
-                synchronize(device)
-                times[context].append(time.perf_counter() - start)
-    return [{"kind": "op", "case": name, "context": context, "per_token_s": median(times[context]),
-             "times_s": times[context]} for context in contexts]
+        for name in names:
+            prefill, runs[name] = DECODE_CASES[name](heads, dim, device)
+            for context in contexts:  # drawn on the CPU: the same numbers on every device and case
+                generator = torch.Generator().manual_seed(seed + context)
+                states[name, context] = prefill(*(torch.randn(1, heads, context, dim, generator=generator).to(device)
+                                                  for _ in range(3)))
+                # each step's inputs are their own small tensors, as in generation (a slice of one long
+                # tensor would put the heads' rows megabytes apart and slow every step as C grows)
+                inputs[name, context] = [[torch.randn(1, heads, 1, dim, generator=generator).to(device)
+                                          for _ in range(3)] for _ in range(2 * _TURN)]
+        times = {key: [] for key in states}
+        while len(times[next(iter(times))]) < tokens:
+            for key in states:
+                for index in range(2 * _TURN):
+                    synchronize(device)
+                    start = time.perf_counter()
+                    states[key] = runs[key[0]](*inputs[key][index], states[key])
+                    synchronize(device)
+                    if index >= _TURN:
+                        times[key].append(time.perf_counter() - start)
+    return [{"kind": "op", "case": name, "context": context, "per_token_s": median(times[name, context][:tokens]),
+             "times_s": times[name, context][:tokens]} for name, context in times]
+
+
+_TURN = 4  # timed steps per turn of a (case, context), after as many untimed ones
 
 
 # Whole models: CLI name -> layer spec; demo-sized (configs/demo.toml), equal parameter counts.
@@ -207,8 +228,31 @@ def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: in
                          "parameters": model.num_parameters(), "prefill_s": prefill_s,
                          "prefill_tokens_per_s": batch * (prompt - 1) / prefill_s, "new_tokens": new_tokens,
                          "generate_s": generate_s, "mean_tokens_per_s": batch * new_tokens / generate_s,
-                         "tokens_per_s": batch / median_s, "ms_per_step": median_s * 1e3})
+                         "tokens_per_s": batch / median_s, "ms_per_step": median_s * 1e3, "steps_s": steps})
     return rows
+
+
+def pool_rounds(rows: Sequence[dict]) -> list[dict]:
+    """One model row per (model, prompt, batch) from the rows of several rounds (``--rounds``):
+    the generation steps of every round pooled and the median taken over them, the prefill
+    the median of the rounds' prefills. One round's rows come back as they are."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["case"], row["prompt"], row["batch"]), []).append(row)
+    pooled = []
+    for group in groups.values():
+        row = dict(group[0])
+        if len(group) > 1:
+            steps = [t for each in group for t in each["steps_s"]]
+            batch, prompt = row["batch"], row["prompt"]
+            row["prefill_s"] = median([each["prefill_s"] for each in group])
+            row["prefill_tokens_per_s"] = batch * (prompt - 1) / row["prefill_s"]
+            row["steps_s"], row["generate_s"] = steps, sum(steps)
+            row["mean_tokens_per_s"] = batch * len(steps) / sum(steps)
+            row["tokens_per_s"], row["ms_per_step"] = batch / median(steps), median(steps) * 1e3
+            row["rounds"] = len(group)
+        pooled.append(row)
+    return pooled
 
 
 HELP = "decoding: time per generated token vs context length (ops) and generation throughput (whole models)"
@@ -232,6 +276,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     models.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
     models.add_argument("--new-tokens", type=positive_int, default=128,
                         help="tokens generated after each prompt (enough to average out timer noise)")
+    models.add_argument("--rounds", type=positive_int, default=1,
+                        help="measure every model this many times, each in a fresh process, the models in "
+                             "alternating order, and pool the generation steps (a slow spell of minutes then falls "
+                             "on every model)")
     parser.add_argument("--device", type=available_device_name, default="cpu",
                         help="cpu, cuda or cuda:N: both tables run there (default %(default)s)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
@@ -296,8 +344,10 @@ def page(results: dict) -> str:
     if model_rows:
         models = list(dict.fromkeys(r["case"] for r in model_rows))
         table = _model_table(model_rows, models, shapes["prompts"], shapes["batches"])[0]
+        rounds = shapes.get("rounds", 1)
+        pooled = "" if rounds == 1 else f"; {rounds} rounds in alternating order, the steps pooled"
         text += (f"\nwhole models: generated tokens/s (greedy, {model_rows[0]['new_tokens']} tokens after the prompt, "
-                 f"from the median step time) and prefill tokens/s\n\n{table}\n")
+                 f"from the median step time{pooled}) and prefill tokens/s\n\n{table}\n")
     return text
 
 
@@ -308,15 +358,19 @@ def run_command(args: argparse.Namespace) -> int:
     contexts, prompts, batches = sorted(set(args.contexts)), sorted(set(args.prompts)), sorted(set(args.batches))
     if any(p < 2 for p in prompts):
         raise ValueError(f"--prompts must be at least 2 tokens (one is read with the state), got {prompts}")
-    op_rows, model_rows = [], []
-    for name in args.cases:
-        op_rows += measure(name, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens, device=args.device)
-    for name in args.models:
-        model_rows += in_fresh_process(measure_generation, name, prompts, batches, new_tokens=args.new_tokens,
-                                       device=args.device, threads=args.threads)
+    measured = []
+    op_rows = measure(args.cases, contexts, heads=args.heads, dim=args.dim, tokens=args.tokens,
+                      device=args.device) if args.cases else []
+    for round_index in range(args.rounds):
+        for name in (args.models if round_index % 2 == 0 else args.models[::-1]):
+            measured += in_fresh_process(measure_generation, name, prompts, batches, new_tokens=args.new_tokens,
+                                         device=args.device, threads=args.threads)
+    # the pooled step times are summarised in each row; the lists would make the JSON 8x longer
+    model_rows = [{k: v for k, v in row.items() if k != "steps_s"} for row in pool_rounds(measured)]
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = {"heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts, "prompts": prompts,
-              "batches": batches, "models": {name: model_config(name).to_dict() for name in args.models}}
+              "batches": batches, "rounds": args.rounds,
+              "models": {name: model_config(name).to_dict() for name in args.models}}
     metadata = reporting.collect_metadata(device=args.device, command=args.command_line, shapes=shapes)
     summary, files = {"ops": {}, "models": {}}, [args.out / "results.json", args.out / "results.md"]
     if op_rows:

@@ -9,7 +9,10 @@ output, and the new positions are written into their rows in place:
     values [B, Hkv, 2L + S, Dv]: previous block | current block | cache means m_s
     mask   [B, Hkv, 2L + S]:     0 on filled rows, -inf on empty ones | log n_s
 
-(``codes`` [B, Hkv, 2L, ...] keeps the codes of both blocks for the cache update.) The
+(``codes`` keeps the codes of both blocks for the cache update: soft weights
+``[B, Hkv, 2L, S]``, or hard codes ``[B, Hkv, 2L + S]`` followed by ``0 .. S - 1``, so that
+gathering a query's codebook scores at ``codes`` gives its scores on every column, as
+``quantize_and_decode`` does.) The
 state's public fields are views of these buffers (``partial_keys`` = rows L .. L + p,
 ``prev_keys`` = rows 0 .. L, ``cache_means`` = rows 2L ..). When a block completes, the
 previous block enters the cache and a new buffer starts with the completed block as its
@@ -24,6 +27,8 @@ the buffer first (beam search, retries). A state rebuilt by ``dataclasses.replac
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..state import VQAttentionState
@@ -36,10 +41,12 @@ class ResidentWindow:
     views a step reads made once: ``keys3 [B Hkv, 2L + S, Dk]`` (and its transpose ``keys_t``),
     ``values3 [B Hkv, 2L + S, Dv]``, ``mask3 [B Hkv, 1, 2L + S]``, ``codes3 [B Hkv, 2L(, S)]``."""
 
-    __slots__ = ("keys", "values", "codes", "mask", "counts", "block_size", "codebook", "written",
+    __slots__ = ("keys", "values", "codes", "mask", "counts", "block_size", "codebook", "written", "scoring",
+                 "step_views", "keys_are_codes",
                  "keys3", "keys_t", "values3", "mask3", "codes3", "prev", "cache_means")
 
-    def __init__(self, keys, values, codes, mask, counts, block_size, codebook=None, written=None):
+    def __init__(self, keys, values, codes, mask, counts, block_size, codebook=None, written=None, scoring=None,
+                 keys_are_codes=False):
         B, Hkv, columns, D = keys.shape
         L = block_size
         self.keys, self.values, self.codes, self.mask = keys, values, codes, mask
@@ -47,11 +54,15 @@ class ResidentWindow:
         self.block_size = L
         self.codebook = codebook  # (tensor, version) that rows 2L.. were copied from
         self.written = written  # current-block rows claimed by a state of this buffer; None: copy first
+        self.scoring = scoring  # the codebook as a quantizing step reads it (_scoring); None until one needs it
+        self.step_views = None  # _StepViews of these buffers
+        # every filled key row is the row of ``codebook`` (as recorded) that its code names
+        self.keys_are_codes = keys_are_codes
         self.keys3 = keys.view(B * Hkv, columns, D)
         self.keys_t = self.keys3.transpose(1, 2)
         self.values3 = values.view(B * Hkv, columns, values.shape[-1])
         self.mask3 = mask.view(B * Hkv, 1, columns)
-        self.codes3 = codes.view(B * Hkv, 2 * L, *codes.shape[3:])
+        self.codes3 = codes.view(B * Hkv, *codes.shape[2:])
         self.prev = (keys.narrow(2, 0, L), values.narrow(2, 0, L), codes.narrow(2, 0, L))
         self.cache_means = values.narrow(2, 2 * L, columns - 2 * L)
 
@@ -75,9 +86,15 @@ class ResidentWindow:
         self.written = p + 1
 
 
+def keys_are_rows_of(record, codebook: torch.Tensor) -> bool:
+    """Whether ``record`` (``(codebook, version)`` or None) names ``codebook`` as it is now
+    (the same tensor, not written since)."""
+    return record is not None and record[0] is codebook and record[1] == codebook._version
+
+
 def _holds(window: ResidentWindow, codebook: torch.Tensor) -> bool:
-    """Whether rows 2L.. hold ``codebook`` as it is now (the same tensor, not written since)."""
-    return window.codebook is not None and window.codebook[0] is codebook and window.codebook[1] == codebook._version
+    """Whether rows 2L.. hold ``codebook`` as it is now."""
+    return keys_are_rows_of(window.codebook, codebook)
 
 
 def _views_of(window: ResidentWindow | None, state: VQAttentionState, columns: int, dtype) -> bool:
@@ -106,12 +123,15 @@ def window_for(state: VQAttentionState | None, L: int, codebook: torch.Tensor, s
         if window.written == p and _holds(window, codebook):
             return window
         window = ResidentWindow(window.keys.clone(), window.values.clone(), window.codes.clone(),
-                                window.mask.clone(), window.counts, L)
+                                window.mask.clone(), window.counts, L,
+                                keys_are_codes=window.keys_are_codes and _holds(window, codebook))
     else:
         window = _filled(state, L, S, shape, code_like, dtype, codebook.device)
+        window.keys_are_codes = not code_like.is_floating_point() and (
+            state is None or keys_are_rows_of(state._keys_from, codebook))
     window.mask[:, :, L + p : 2 * L] = float("-inf")
     window.keys[:, :, 2 * L :] = codebook.to(dtype)
-    window.codebook, window.written = (codebook, codebook._version), p
+    window.codebook, window.written, window.scoring = (codebook, codebook._version), p, None
     return window
 
 
@@ -121,7 +141,7 @@ def _filled(state, L, S, shape, code_like, dtype, device) -> ResidentWindow:
     window = ResidentWindow(
         torch.zeros(B, Hkv, 2 * L + S, D, dtype=dtype, device=device),
         torch.zeros(B, Hkv, 2 * L + S, E, dtype=dtype, device=device),
-        code_like.new_zeros(B, Hkv, 2 * L, *code_like.shape[3:]),
+        _code_buffer(code_like, B, Hkv, L, S, device),
         torch.zeros(B, Hkv, 2 * L + S, dtype=dtype, device=device),
         torch.zeros(B, Hkv, S, dtype=dtype, device=device) if state is None else state.cache_counts.to(dtype),
         L,
@@ -139,6 +159,16 @@ def _filled(state, L, S, shape, code_like, dtype, device) -> ResidentWindow:
         window.mask[:, :, :L] = float("-inf")
     window.mask[:, :, 2 * L :] = log_counts(window.counts)
     return window
+
+
+def _code_buffer(code_like: torch.Tensor, B: int, Hkv: int, L: int, S: int, device) -> torch.Tensor:
+    """Zero codes for both blocks: soft ``[B, Hkv, 2L, S]``, or hard ``[B, Hkv, 2L + S]``
+    ending in ``0 .. S - 1`` (the codebook rows' own codes)."""
+    if code_like.is_floating_point():
+        return torch.zeros(B, Hkv, 2 * L, S, dtype=code_like.dtype, device=device)
+    codes = torch.zeros(B, Hkv, 2 * L + S, dtype=torch.int64, device=device)
+    codes[:, :, 2 * L :] = torch.arange(S, device=device)
+    return codes
 
 
 def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttentionState | None, dtype: torch.dtype):
@@ -170,6 +200,97 @@ def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttenti
     return out, state_after(window, p + T, has_prev, (0 if state is None else state.steps) + T)
 
 
+_HARD_CODES = torch.zeros((), dtype=torch.int64)  # stands for hard codes where a buffer is made
+
+
+def _scoring(codebook: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codebook_t [Hkv, Dk, S] in dtype, search_t: the same in float32 (the same tensor
+    for float32), norms [Hkv, 1, S] = |c_s|^2 in float32)``."""
+    search = codebook.detach().float()
+    codebook_t = codebook.detach().to(dtype).transpose(1, 2).contiguous()
+    search_t = codebook_t if dtype == torch.float32 else search.transpose(1, 2).contiguous()
+    return codebook_t, search_t, search.pow(2).sum(-1).unsqueeze(1)
+
+
+class _StepViews(NamedTuple):
+    """Views of a buffer that a step of ``quantize_and_decode`` reads, made once per buffer
+    and group size G: ``code_rows [B, Hkv, S, Dk]`` (rows 2L..), ``index [B, Hkv, G, 2L + S]``
+    (the codes, expanded over G) and ``mask4 [B, Hkv, 1, 2L + S]``."""
+
+    group: int
+    code_rows: torch.Tensor
+    index: torch.Tensor
+    mask4: torch.Tensor
+
+
+def _step_views(window: ResidentWindow, G: int) -> _StepViews:
+    views = window.step_views
+    if views is None or views.group != G:
+        B, Hkv, columns, _ = window.keys.shape
+        L = window.block_size
+        views = window.step_views = _StepViews(
+            G, window.keys.narrow(2, 2 * L, columns - 2 * L),
+            window.codes.view(B, Hkv, 1, columns).expand(B, Hkv, G, columns), window.mask.view(B, Hkv, 1, columns))
+    return views
+
+
+def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: int,
+                        state: VQAttentionState | None, dtype: torch.dtype):
+    """One new position, quantized and attended to in one pass: ``VectorQuantizer`` then
+    ``decode`` with its codes, in fewer operations and one read of the codebook.
+
+    q ``[B, Hkv, G, Dk]`` (not yet scaled by ``scale``) at position ``p`` of the current
+    block, k ``[B, Hkv, Dk]`` (the key before quantization), v ``[B, Hkv, Dv]``, all in
+    ``dtype``; codebook ``[Hkv, S, Dk]``; relative_reversed as in ``decode`` (T = 1). The code
+    is ``z = argmin_s |c_s|^2 - 2 k.c_s`` in float32 (``VectorQuantizer.nearest_codes``).
+    Every key in the window is a code, so a query's scores on all columns are its codebook
+    scores ``q.c_s`` gathered at the columns' codes (the buffer's hard codes, then
+    ``0 .. S - 1``), times ``scale`` (unless the buffer's keys may not be its codes: a state
+    from another codebook or rebuilt by hand, whose stored keys are then read); in float32 the
+    query rows and the key row are scored against the codebook in one matmul.
+    Returns ``(out [B, Hkv, G, 1, Dv], codes [B, Hkv], new state)``.
+    """
+    B, Hkv, G, D = q.shape
+    p = 0 if state is None else state.partial_keys.shape[2]
+    if state is not None and state.partial_codes.dim() == 4:
+        raise ValueError("the state holds soft code assignments (soft_vq_attention); a quantizing step continues "
+                         "hard codes only")
+    window = window_for(state, L, codebook, (B, Hkv, D, v.shape[-1]), _HARD_CODES, dtype)
+    if window.scoring is None:
+        window.scoring = _scoring(codebook, dtype)
+    codebook_t, search_t, norms = window.scoring
+    views = _step_views(window, G)
+    if search_t is codebook_t:  # float32: queries and key in one matmul
+        if B == 1:  # [Hkv, G + 1, Dk] without regrouping
+            rows = torch.cat([q.view(Hkv, G, D), k.view(Hkv, 1, D)], dim=1)
+        else:
+            rows = torch.cat([q.transpose(0, 1), k.transpose(0, 1).unsqueeze(2)], dim=2).view(Hkv, B * (G + 1), D)
+        scores = torch.bmm(rows, codebook_t).view(Hkv, B, G + 1, -1)
+        query_scores, key_scores = scores.narrow(2, 0, G), scores.select(2, G)
+    else:
+        query_scores = torch.bmm(q.transpose(0, 1).reshape(Hkv, B * G, D), codebook_t).view(Hkv, B, G, -1)
+        key_scores = torch.bmm(k.float().transpose(0, 1), search_t)  # [Hkv, B, S]
+    codes = torch.add(norms, key_scores, alpha=-2.0).argmin(-1).t()  # [B, Hkv]
+    row = L + p
+    window.codes.select(2, row).copy_(codes)
+    window.mask.select(2, row).fill_(0.0)
+    torch.gather(views.code_rows, 2, codes.view(B, Hkv, 1, 1).expand(B, Hkv, 1, D),
+                 out=window.keys.narrow(2, row, 1))  # k_hat = codebook[codes], into the buffer
+    window.values.select(2, row).copy_(v)
+    window.written = p + 1
+    if window.keys_are_codes:
+        scores = torch.gather(query_scores.transpose(0, 1), 3, views.index)
+    else:  # the window's own keys (rows 2L.. hold the codebook)
+        scores = q @ window.keys.transpose(2, 3)
+    grid = torch.add(views.mask4, scores, alpha=scale)
+    if relative_reversed is not None:
+        grid.unsqueeze(3).narrow(-1, p, L + 1).add_(relative_reversed)
+    out = torch.bmm(torch.softmax(grid, dim=-1).view(B * Hkv, G, -1), window.values3)
+    has_prev = state is not None and state.prev_keys is not None
+    return out.view(B, Hkv, G, 1, -1), codes, state_after(window, p + 1, has_prev,
+                                                          (0 if state is None else state.steps) + 1)
+
+
 def state_after(window: ResidentWindow, p: int, has_prev: bool, steps: int) -> VQAttentionState:
     """The state whose current block is the first ``p`` rows of ``window``'s (a completed
     block moves on to a new buffer)."""
@@ -184,6 +305,7 @@ def state_after(window: ResidentWindow, p: int, has_prev: bool, steps: int) -> V
         block_size=L, codebook_size=window.counts.shape[-1],
     )
     state._resident = window
+    state._keys_from = window.codebook if window.keys_are_codes else None
     return state
 
 
@@ -198,6 +320,7 @@ def _next_block(window: ResidentWindow, has_prev: bool) -> ResidentWindow:
     codes, mask = torch.zeros_like(window.codes), torch.empty_like(window.mask)
     keys[:, :, :L], keys[:, :, 2 * L :] = window.keys[:, :, L : 2 * L], window.keys[:, :, 2 * L :]
     values[:, :, :L], values[:, :, 2 * L :] = window.values[:, :, L : 2 * L], means
-    codes[:, :, :L] = window.codes[:, :, L:]
+    codes[:, :, :L], codes[:, :, 2 * L :] = window.codes[:, :, L : 2 * L], window.codes[:, :, 2 * L :]
     mask[:, :, :L], mask[:, :, L : 2 * L], mask[:, :, 2 * L :] = 0.0, float("-inf"), log_counts(counts)
-    return ResidentWindow(keys, values, codes, mask, counts, L, window.codebook, 0)
+    return ResidentWindow(keys, values, codes, mask, counts, L, window.codebook, 0, window.scoring,
+                          window.keys_are_codes)

@@ -869,7 +869,8 @@ def vq_attention(
         if torch.is_grad_enabled():
             resident.release(initial_state)
         out, pieces = fused.block(q, k_hat, v, codes, codebook, table, positions_k, L, scope, initial_state, scale)
-        return _result(out, pieces, q.dtype, initial_state, output_final_state, L)
+        return _result(out, pieces, q.dtype, initial_state, output_final_state, L, _keys_record(codes, codebook,
+                                                                                                initial_state))
     qf = _as(q, dtype).reshape(B, Hkv, G, T, Dk)
     qf = qf * scale if scale != 1.0 else qf
     kf, vf, cb = _as(k_hat, dtype), _as(v, dtype), _as(codebook, dtype)
@@ -895,10 +896,22 @@ def vq_attention(
         if schedule == "auto":
             schedule = _auto_schedule(torch.is_grad_enabled(), B * H, L, cb.shape[1], q.device)
         out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
-    return _result(out, pieces, q.dtype, initial_state, output_final_state, L)
+    return _result(out, pieces, q.dtype, initial_state, output_final_state, L,
+                   _keys_record(codes, codebook, initial_state))
 
 
-def _result(out, pieces, out_dtype, initial_state, output_final_state, block_size: int):
+def _keys_record(codes, codebook, initial_state):
+    """``(codebook, version)`` for the state a call returns when its keys are rows of the
+    codebook as it is now: hard codes (``k_hat = codebook[codes]``, checked or promised) and
+    a continued state recorded so too; None otherwise (``VQAttentionState._keys_from``)."""
+    if codes.is_floating_point() or torch.compiler.is_compiling():  # a tensor's version is not traceable
+        return None
+    if initial_state is not None and not resident.keys_are_rows_of(initial_state._keys_from, codebook):
+        return None
+    return codebook, codebook._version
+
+
+def _result(out, pieces, out_dtype, initial_state, output_final_state, block_size: int, keys_from=None):
     """``vq_attention``'s return value from a causal form's output ``[B, Hkv, G, T, Dv]`` and
     the pieces of its final state (made with ``block_size``)."""
     B, Hkv, G, T, Dv = out.shape
@@ -921,4 +934,5 @@ def _result(out, pieces, out_dtype, initial_state, output_final_state, block_siz
         block_size=block_size,
         codebook_size=counts.shape[-1],
     )
+    state._keys_from = keys_from
     return out, state
