@@ -494,9 +494,10 @@ def _row_blocks_running(pieces, scoring, run, has_prev, full_blocks, S, out):
     grouped form are memory traffic that bounds it. The counts (S per block) are still a
     prefix sum per group, exact (whole numbers)."""
     counts_now, sums_now = run[0][0, 0].clone(), run[1][0, 0].clone()  # [S], [S, E]
+    sums_per_query = sums_now.expand(pieces[0][1].shape[2], -1, -1)  # [G, S, E], a view: follows the updates
     final_cache = None
     for start, q_g, keys_g, values_g, prev_codes_g, prev_v_g in pieces:
-        G, g = q_g.shape[2:4]
+        g = q_g.shape[3]
         skip_first = start == 0 and not has_prev  # block 0 without a previous block: nothing enters
         codes, entering = prev_codes_g[0, 0], prev_v_g[0, 0]  # [g, L], [g, L, E]
         added = counts_now.new_zeros(g, S).scatter_add_(1, codes, torch.ones_like(codes, dtype=counts_now.dtype))
@@ -509,12 +510,15 @@ def _row_blocks_running(pieces, scoring, run, has_prev, full_blocks, S, out):
         group_out = out[:, :, :, start : start + g]
         torch.matmul(probs[..., :two_l], values_g.unsqueeze(2), out=group_out)
         per_count = probs[..., two_l:].div_(nonzero_counts(counts)[:, None, :])  # p_s / n_s
-        for r in range(g):
+        # the blocks' views made in one call each (a select per block costs as much as its add)
+        block_outs, block_weights = group_out[0, 0].unbind(1), per_count[0, 0].unbind(1)
+        for r, (block_out, weights, block_codes, block_values) in enumerate(
+                zip(block_outs, block_weights, codes.unbind(0), entering.unbind(0))):
             if start + r == full_blocks:
                 final_cache = (counts[r].clone()[None, None], sums_now.clone()[None, None])
-            group_out[0, 0, :, r].baddbmm_(per_count[0, 0, :, r], sums_now.expand(G, -1, -1))
+            block_out.baddbmm_(weights, sums_per_query)
             if not (r == 0 and skip_first):
-                sums_now.index_add_(0, codes[r], entering[r])
+                sums_now.index_add_(0, block_codes, block_values)
         counts_now = after[-1]
     return out, (final_cache if final_cache is not None else (counts_now[None, None], sums_now[None, None]))
 
