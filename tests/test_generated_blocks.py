@@ -210,6 +210,22 @@ def test_values_from_a_run_journal(tool, repo):
         tool.render("value docs/results/missing.jsonl row.final_loss", repo)
 
 
+def test_values_from_a_named_results_file_and_list_positions(tool, repo):
+    """``DIR`` may name a results file of another name (``linattn inspect``'s ``inspect.json``),
+    and a number in ``PATH`` picks a list element."""
+    folder = repo / "docs" / "results" / "inspect-probe"
+    folder.mkdir(parents=True)
+    rows = [{"module": f"layers.{i}", "heads": [{"entropy": 1.5 - i, "mass": [0.25, 0.75]}]} for i in (0, 1)]
+    (folder / "inspect.json").write_text(json.dumps({"metadata": {"command": "linattn inspect"}, "rows": rows}))
+    file = "docs/results/inspect-probe/inspect.json"
+    assert tool.render(f"value {file} heads.0.entropy module=layers.1 format=.2f", repo) == "0.50"
+    assert tool.render(f"value {file} heads.0.mass.1 stat=range format=.2f", repo) == "0.75–0.75"
+    with pytest.raises(ValueError, match="no field 'heads.1.entropy'"):
+        tool.render(f"value {file} heads.1.entropy module=layers.0 format=.2f", repo)
+    with pytest.raises(ValueError, match="no such file"):
+        tool.render("value docs/results/inspect-probe/missing.json heads.0.entropy", repo)
+
+
 @pytest.mark.parametrize("spec, message", [
     ("value docs/results/runs bpb from=runs mechanism=vq format=.2f", "3 rows match"),
     ("value docs/results/runs bpb from=runs mechanism=vq", "3 rows match"),

@@ -22,7 +22,9 @@ fenced code blocks and inline code spans are text, not markers. SOURCE is one of
   benchmark module (its ``VIEWS``), e.g. ``bench docs/benchmarks/bench-lm view=contexts
   columns=train@512,train@16384 speedup=vq/softmax``.
 - ``value DIR PATH [KEY=VALUE ...] [stat=S] [format=F] [scale=X] [from=LIST]``: one number of
-  ``DIR/results.json``: ``PATH`` is a field of the rows (dotted into nested objects), or
+  ``DIR/results.json`` (or of ``DIR`` itself when it names a ``*.json`` results file, such as
+  ``linattn inspect``'s ``inspect.json``): ``PATH`` is a field of the rows (dotted into nested
+  objects, a number indexing a list: ``heads.0.entropy``), or
   ``summary.a.b`` / ``metadata.a.b``; ``KEY=VALUE`` keep the rows whose field KEY equals VALUE
   (compared as text); ``from=runs`` reads the list ``runs`` instead of ``rows``; without
   ``stat`` exactly one row must match, ``stat`` = ``min``, ``max``, ``mean``, ``n`` or
@@ -188,9 +190,12 @@ def _bench_views(out_dir: Path) -> dict:
 
 def _field(item, path: list[str], where: str):
     for key in path:
-        if not isinstance(item, dict) or key not in item:
+        if isinstance(item, list) and key.isdigit() and int(key) < len(item):
+            item = item[int(key)]  # a list element by its position
+        elif isinstance(item, dict) and key in item:
+            item = item[key]
+        else:
             raise ValueError(f"{where}: no field {'.'.join(path)!r}")
-        item = item[key]
     return item
 
 
@@ -210,7 +215,12 @@ def _formatted(value: int | float, fmt: str | None, what: str) -> str:
 
 
 def _results_of(path: Path) -> dict:
-    """``path/results.json``, or a run journal ``*.jsonl`` as ``{"rows": [{"key", "row"}, ...]}``."""
+    """``path/results.json``; a results file of another name (``*.json``, e.g. ``linattn
+    inspect``'s ``inspect.json``); or a run journal ``*.jsonl`` as ``{"rows": [{"key", "row"}, ...]}``."""
+    if path.suffix == ".json":
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file")
+        return read_results(path.parent, name=path.name)
     if path.suffix != ".jsonl":
         return read_results(path)
     if not path.is_file():

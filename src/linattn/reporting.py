@@ -93,11 +93,11 @@ def markdown_table_lines(header: Sequence[str], rows: Sequence[Sequence[str]]) -
 RESULTS_NAME = "results.json"
 
 
-def read_results(out_dir: str | Path) -> dict:
-    """The contents of ``out_dir/results.json``: ``{"metadata", "rows", "summary"}`` (and
-    whatever else the writer added). A ValueError naming the file when it is missing, is not
-    JSON, or lacks ``metadata`` (with its ``command``) or ``rows``."""
-    path = Path(out_dir) / RESULTS_NAME
+def read_results(out_dir: str | Path, name: str = RESULTS_NAME) -> dict:
+    """The contents of ``out_dir/results.json`` (or ``out_dir/name``): ``{"metadata", "rows",
+    "summary"}`` (and whatever else the writer added). A ValueError naming the file when it is
+    missing, is not JSON, or lacks ``metadata`` (with its ``command``) or ``rows``."""
+    path = Path(out_dir) / name
     if not path.is_file():
         raise ValueError(f"{path}: no such file (expected the {RESULTS_NAME} a `linattn bench` or "
                          "`linattn repro` command wrote into its --out directory)")
