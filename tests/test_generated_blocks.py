@@ -220,6 +220,12 @@ def test_values_from_a_named_results_file_and_list_positions(tool, repo):
     file = "docs/results/inspect-probe/inspect.json"
     assert tool.render(f"value {file} heads.0.entropy module=layers.1 format=.2f", repo) == "0.50"
     assert tool.render(f"value {file} heads.0.mass.1 stat=range format=.2f", repo) == "0.75–0.75"
+    (folder / "results.json").write_text(json.dumps({"metadata": {"command": "linattn inspect"}, "rows": [],
+                                                     "summary": {"at_least": {"0.9": 60, "0": 1}}}))
+    assert tool.render("value docs/results/inspect-probe summary.at_least.0.9", repo) == "60"  # a key with a dot
+    assert tool.render("value docs/results/inspect-probe summary.at_least.0", repo) == "1"
+    with pytest.raises(ValueError, match="no field 'summary.at_least.0.5'"):
+        tool.render("value docs/results/inspect-probe summary.at_least.0.5", repo)
     with pytest.raises(ValueError, match="no field 'heads.1.entropy'"):
         tool.render(f"value {file} heads.1.entropy module=layers.0 format=.2f", repo)
     with pytest.raises(ValueError, match="no such file"):

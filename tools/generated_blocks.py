@@ -24,7 +24,8 @@ fenced code blocks and inline code spans are text, not markers. SOURCE is one of
 - ``value DIR PATH [KEY=VALUE ...] [stat=S] [format=F] [scale=X] [from=LIST]``: one number of
   ``DIR/results.json`` (or of ``DIR`` itself when it names a ``*.json`` results file, such as
   ``linattn inspect``'s ``inspect.json``): ``PATH`` is a field of the rows (dotted into nested
-  objects, a number indexing a list: ``heads.0.entropy``), or
+  objects, a number indexing a list: ``heads.0.entropy``; a key that holds dots is matched
+  whole: ``summary.largest.0.9``), or
   ``summary.a.b`` / ``metadata.a.b``; ``KEY=VALUE`` keep the rows whose field KEY equals VALUE
   (compared as text); ``from=runs`` reads the list ``runs`` instead of ``rows``; without
   ``stat`` exactly one row must match, ``stat`` = ``min``, ``max``, ``mean``, ``n`` or
@@ -189,13 +190,18 @@ def _bench_views(out_dir: Path) -> dict:
 
 
 def _field(item, path: list[str], where: str):
-    for key in path:
+    index = 0
+    while index < len(path):
+        key = path[index]
         if isinstance(item, list) and key.isdigit() and int(key) < len(item):
-            item = item[int(key)]  # a list element by its position
-        elif isinstance(item, dict) and key in item:
-            item = item[key]
-        else:
+            item, index = item[int(key)], index + 1  # a list element by its position
+            continue
+        # a key may itself hold dots ("0.5"): the longest run of the path's parts that is one
+        joined = next((n for n in range(len(path), index, -1)
+                       if isinstance(item, dict) and ".".join(path[index:n]) in item), None)
+        if joined is None:
             raise ValueError(f"{where}: no field {'.'.join(path)!r}")
+        item, index = item[".".join(path[index:joined])], joined
     return item
 
 
