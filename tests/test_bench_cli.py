@@ -259,9 +259,7 @@ def test_bench_decode_writes_rows_and_growth(tmp_path):
 
 
 def test_decode_cases_take_turns_and_keep_their_own_states():
-    """Several cases measured together: every (case, context) gets its timed steps, and each
-    case's chain of states is its own (the two VQ cases end in equal states: the same inputs,
-    quantized and attended with one call or with two)."""
+    """Several cases measured together: every (case, context) gets its timed steps."""
     rows = decode.measure(["vq-b128", "vq-b128-two-calls", "linear-elu"], [16, 40], heads=2, dim=8, tokens=5)
     assert {(r["case"], r["context"]) for r in rows} == {
         (c, n) for c in ("vq-b128", "vq-b128-two-calls", "linear-elu") for n in (16, 40)}

@@ -39,7 +39,8 @@ from ._vq_cache import fold_block, log_counts
 class ResidentWindow:
     """The buffers of one chain of decoding states (see the module docstring), with the
     views a step reads made once: ``keys3 [B Hkv, 2L + S, Dk]`` (and its transpose ``keys_t``),
-    ``values3 [B Hkv, 2L + S, Dv]``, ``mask3 [B Hkv, 1, 2L + S]``, ``codes3 [B Hkv, 2L(, S)]``."""
+    ``values3 [B Hkv, 2L + S, Dv]``, ``mask3 [B Hkv, 1, 2L + S]``, ``codes3 [B Hkv, 2L + S]`` (hard
+    codes) or ``[B Hkv, 2L, S]`` (soft)."""
 
     __slots__ = ("keys", "values", "codes", "mask", "counts", "block_size", "codebook", "written", "scoring",
                  "step_views", "keys_are_codes",
@@ -261,11 +262,8 @@ def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: i
     codebook_t, search_t, norms = window.scoring
     views = _step_views(window, G)
     if search_t is codebook_t:  # float32: queries and key in one matmul
-        if B == 1:  # [Hkv, G + 1, Dk] without regrouping
-            rows = torch.cat([q.view(Hkv, G, D), k.view(Hkv, 1, D)], dim=1)
-        else:
-            rows = torch.cat([q.transpose(0, 1), k.transpose(0, 1).unsqueeze(2)], dim=2).view(Hkv, B * (G + 1), D)
-        scores = torch.bmm(rows, codebook_t).view(Hkv, B, G + 1, -1)
+        rows = torch.cat([q.transpose(0, 1), k.transpose(0, 1).unsqueeze(2)], dim=2)  # [Hkv, B, G + 1, Dk]
+        scores = torch.bmm(rows.view(Hkv, B * (G + 1), D), codebook_t).view(Hkv, B, G + 1, -1)
         query_scores, key_scores = scores.narrow(2, 0, G), scores.select(2, G)
     else:
         query_scores = torch.bmm(q.transpose(0, 1).reshape(Hkv, B * G, D), codebook_t).view(Hkv, B, G, -1)

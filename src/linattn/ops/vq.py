@@ -112,6 +112,14 @@ def _position_keys(position_keys, heads: int, kv_heads: int, block_size: int, ke
     return P.reshape(1, 1, n, key_dim)
 
 
+def _relative_inputs(bias, position_keys, heads: int, kv_heads: int, L: int, key_dim: int, q: torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(_window_bias, _position_keys)`` of a call, both in ``dtype`` (None where not given)."""
+    table = _window_bias(bias, heads, kv_heads, L, q.device, dtype)
+    positions_k = _position_keys(position_keys, heads, kv_heads, L, key_dim, q)
+    return table, (_as(positions_k, dtype) if positions_k is not None else None)
+
+
 def _position_scores(q, position_keys, first_offset: int, columns: int, L: int):
     """``q_i . P_{i-j}`` for ``0 <= i - j <= L``, else 0, with ``i - j = first_offset + a - c``:
     q ``[..., r, D]`` -> ``[..., r, columns]``."""
@@ -153,9 +161,7 @@ def vq_attention_weights(q: torch.Tensor, k_hat: torch.Tensor, *, scale: float |
     dtype = compute_dtype(q.dtype)
     L = check_positive_int("block_size", block_size)
     qf = _as(q, dtype).reshape(B, Hkv, H // Hkv, T, Dk) * resolve_scale(scale, Dk)
-    table = _window_bias(bias, H, Hkv, L, q.device, dtype)
-    positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
-    positions_k = _as(positions_k, dtype) if positions_k is not None else None
+    table, positions_k = _relative_inputs(bias, position_keys, H, Hkv, L, Dk, q, dtype)
     return windowed_weights(qf, _as(k_hat, dtype), table, positions_k, L, True).reshape(B, H, T, T)
 
 
@@ -662,10 +668,17 @@ def _grad_scope(grad_scope, cache_grad) -> str:
     return implied
 
 
-def _check_codes(codes, codebook, B, Hkv, T, like):
-    """Hard codes ``[B, Hkv, T]`` (int64) or soft assignment weights ``[B, Hkv, T, S]``."""
+def _check_codebook(codebook, Hkv: int, Dk: int, like: torch.Tensor) -> torch.Tensor:
+    """A codebook ``[Hkv, S, Dk]`` in the dtype and on the device of ``like`` (q)."""
     codebook = check_tensor("codebook", codebook, ndim=3, layout="[kv_heads, codebook_size, key_dim]")
     check_same_dtype_device(q=like, codebook=codebook)
+    if codebook.shape[0] != Hkv or codebook.shape[2] != Dk:
+        raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}]")
+    return codebook
+
+
+def _check_codes(codes, codebook, B, Hkv, T, like):
+    """Hard codes ``[B, Hkv, T]`` (int64) or soft assignment weights ``[B, Hkv, T, S]``."""
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"codes must be an int64 tensor [B, Hkv, T], got {type(codes).__name__}")
     if codes.device != like.device:
@@ -707,9 +720,7 @@ def _check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bia
     check_positive_int("block_size", block_size)
     B, Hkv, T = shapes.batch, shapes.kv_heads, shapes.length
     Dk, Dv, L = shapes.key_dim, shapes.value_dim, block_size
-    codes, codebook = _check_codes(codes, codebook, B, Hkv, T, q)
-    if codebook.shape[0] != Hkv or codebook.shape[2] != Dk:
-        raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}]")
+    codes, codebook = _check_codes(codes, _check_codebook(codebook, Hkv, Dk, q), B, Hkv, T, q)
     S = codebook.shape[1]
     if not codes.is_floating_point():
         _check_codes_match_keys(codes, codebook, k_hat)
@@ -863,9 +874,7 @@ def vq_attention(
     scale = resolve_scale(scale, Dk)
     dtype = compute_dtype(q.dtype)
     L = block_size
-    table = _window_bias(bias, H, Hkv, L, q.device, dtype)
-    positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
-    positions_k = _as(positions_k, dtype) if positions_k is not None else None
+    table, positions_k = _relative_inputs(bias, position_keys, H, Hkv, L, Dk, q, dtype)
     filled = initial_state.partial_keys.shape[2] if initial_state is not None else 0
     if impl == "triton" and filled + T > L and selfcheck.trusted(
             q.device, q.dtype, strict=requested == "triton" or selfcheck.forced_impl() == "triton"):

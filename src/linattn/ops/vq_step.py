@@ -17,9 +17,8 @@ import torch
 
 from ..state import VQAttentionState
 from . import _vq_resident as resident
-from .vq import _as, _check_state, _position_keys, _relative_terms, _reversed, _window_bias
-from .._checks import check_bool, check_positive_int, check_qkv, check_same_dtype_device, check_tensor, compute_dtype
-from .._checks import resolve_scale
+from .vq import _as, _check_codebook, _check_state, _relative_inputs, _relative_terms, _reversed
+from .._checks import check_bool, check_positive_int, check_qkv, compute_dtype, resolve_scale
 
 
 def vq_decode_step(
@@ -70,14 +69,13 @@ def vq_decode_step(
     queries = _as(q, dtype).reshape(B, Hkv, G, Dk)
     relative = None
     if bias is not None or position_keys is not None:
-        positions_k = _position_keys(position_keys, H, Hkv, L, Dk, q)
-        positions_k = _as(positions_k, dtype) if positions_k is not None else None
-        scaled = queries.unsqueeze(3) * scale
-        relative = _reversed(_relative_terms(scaled, _window_bias(bias, H, Hkv, L, q.device, dtype), positions_k))
+        table, positions_k = _relative_inputs(bias, position_keys, H, Hkv, L, Dk, q, dtype)
+        relative = _reversed(_relative_terms(queries.unsqueeze(3) * scale, table, positions_k))
     out, codes, new_state = resident.quantize_and_decode(
         queries, _as(k, dtype).reshape(B, Hkv, Dk), _as(v, dtype).reshape(B, Hkv, Dv), codebook, scale, relative, L,
         state, dtype)
     return _as(out.view(B, H, 1, Dv), q.dtype), codes.view(B, Hkv, 1), new_state
+
 
 def _check_step(q, k, v, codebook, state, block_size) -> None:
     shapes = check_qkv(q, k, v)
@@ -85,10 +83,9 @@ def _check_step(q, k, v, codebook, state, block_size) -> None:
         raise ValueError(f"q has {shapes.length} positions (shape {list(q.shape)}); vq_decode_step takes one, "
                          "[B, H, 1, Dk] (vq_attention reads longer inputs)")
     check_positive_int("block_size", block_size)
-    codebook = check_tensor("codebook", codebook, ndim=3, layout="[kv_heads, codebook_size, key_dim]")
-    check_same_dtype_device(q=q, codebook=codebook)
     B, Hkv, Dk, Dv = shapes.batch, shapes.kv_heads, shapes.key_dim, shapes.value_dim
-    if codebook.shape[0] != Hkv or codebook.shape[2] != Dk or codebook.shape[1] == 0:
+    codebook = _check_codebook(codebook, Hkv, Dk, q)
+    if codebook.shape[1] == 0:
         raise ValueError(f"codebook has shape {list(codebook.shape)}, expected [{Hkv}, S, {Dk}] with S >= 1")
     if state is not None:
         _check_state(state, B, Hkv, Dk, Dv, block_size, codebook.shape[1], q, soft=False)
