@@ -84,6 +84,37 @@ def test_codes_are_nearest_when_searched_in_pieces(monkeypatch, entries):
     assert torch.equal(vq.nearest_codes(k), distances64(k, vq.codebook).argmin(-1))
 
 
+@pytest.mark.parametrize("entries", [1, 32 * 7])  # one row at a time; pieces of 7 rows across the batch boundary
+def test_one_head_searches_its_keys_as_rows(monkeypatch, entries):
+    """One head: the keys are searched as rows of ``[B T, Dk]`` (here a strided slice of a
+    wider projection, as a layer hands them over), pieces crossing from one sequence to the
+    next; every position gets its nearest code, in order."""
+    import linattn.nn.quantizer as quantizer
+
+    monkeypatch.setattr(quantizer, "_DISTANCE_ENTRIES", entries)
+    vq = linattn.VectorQuantizer(1, 5, 32)
+    wide = keys(B=2, H=1, T=20, D=12, seed=3)
+    k = wide[..., 2:7]
+    assert not k.is_contiguous()
+    assert torch.equal(vq.nearest_codes(k), distances64(k, vq.codebook).argmin(-1))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "paper"])
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-6), (F64, 1e-14)])
+@pytest.mark.parametrize("H", [1, 2])
+def test_commitment_loss_without_gradients(H, dtype, rel, reduction):
+    """Without gradients (and without a mask) the loss is one reduction over every entry: it
+    equals the formula, for both reductions, in the keys' dtype."""
+    vq = linattn.VectorQuantizer(H, 4, 8, commitment_weight=0.25, commitment_reduction=reduction)
+    k = keys(B=3, H=H, T=7, seed=6, dtype=dtype)
+    with torch.no_grad():
+        _, codes, loss = vq(k)
+    squared = ((k.to(F64) - lookup(vq.codebook, codes).to(F64)) ** 2).sum(-1)  # [B, H, T]
+    expected = 0.25 * (squared.sum() / (3 * 7) if reduction == "paper" else squared.mean())
+    assert loss.dtype == dtype
+    assert loss.item() == pytest.approx(expected.item(), rel=rel)
+
+
 def test_straight_through_gradient():
     vq = linattn.VectorQuantizer(2, 4, 16)
     k = keys(seed=2).requires_grad_(True)

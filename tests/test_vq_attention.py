@@ -457,18 +457,19 @@ def test_block_without_gradients_equals_parallel(splits, grad_scope):
     assert_close_rel(pieces, par, rtol=1e-10, name="pieces without gradients")
 
 
+@pytest.mark.parametrize("B, H, Hkv", [(1, 2, 1), (3, 4, 2)])  # one row; six rows (one running cache for all)
 @pytest.mark.parametrize("schedule", ["loop", "batched"])
-def test_forward_without_gradients_does_not_depend_on_the_thread_count(schedule):
+def test_forward_without_gradients_does_not_depend_on_the_thread_count(schedule, B, H, Hkv):
     """Float32, shapes big enough for torch to split its kernels over threads: outputs and
     the final state are the same bits at 1 and 2 threads."""
-    q, k_hat, v, codes, codebook = make_vq(B=1, H=2, Hkv=1, T=1500, Dk=32, Dv=96, S=64, unused=0, seed=41)
+    q, k_hat, v, codes, codebook = make_vq(B=B, H=H, Hkv=Hkv, T=1500, Dk=32, Dv=96, S=64, unused=0, seed=41)
     args = (q.float(), k_hat.float(), v.float(), codes, codebook.float())
     results, threads = [], torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             with torch.no_grad():
-                results.append(linattn.vq_attention(*args, block_size=64, bias=make_bias(2, 64).float(),
+                results.append(linattn.vq_attention(*args, block_size=64, bias=make_bias(H, 64).float(),
                                                     schedule=schedule, output_final_state=True))
     finally:
         torch.set_num_threads(threads)
@@ -1056,3 +1057,29 @@ def test_auto_schedule_takes_the_nearest_grid_point_in_log_scale(monkeypatch):
     assert vq._auto_schedule(False, 1, 120, 512, cpu) == "loop"  # 2.91 vs 2.09: S decides (L alone: batched)
     assert vq._auto_schedule(True, 1000, 8, 8, cpu) == "batched"  # the only point with gradients
     assert vq._auto_schedule(False, 32, 64, 128, torch.device("meta")) == "batched"
+
+
+@pytest.mark.parametrize("rows_at_once", [1, 3, 100])
+@pytest.mark.parametrize("group", [1, 3, 100])
+@pytest.mark.parametrize("state_first", [False, True])
+def test_running_form_agrees_with_the_loop_over_row_sets(state_first, group, rows_at_once, monkeypatch):
+    """Without gradients the batched schedule runs the running cache for sets of rows at a
+    time (batch 2 x 2 kv heads = 4 rows; GQA, bias and position keys, a carried state, a
+    length that is not a multiple of the block): one row at a time, sets of 3 (the last set
+    short) and all rows give the loop's outputs and final state."""
+    monkeypatch.setattr(vq, "_blocks_per_group", lambda device, scores_per_block: group)
+    monkeypatch.setattr(vq, "_rows_at_once", lambda device, weights_per_row: rows_at_once)
+    q, k_hat, v, codes, codebook = make_vq(B=2, H=4, Hkv=2, T=23, Dk=4, Dv=3, S=8, seed=6)
+    kw = dict(block_size=4, bias=make_bias(4, 4), position_keys=make_position_keys(4, 4, 4))
+    start = 6 if state_first else 0
+    with torch.no_grad():
+        _, state = linattn.vq_attention(q[:, :, :6], k_hat[:, :, :6], v[:, :, :6], codes[:, :, :6], codebook,
+                                        output_final_state=True, **kw)
+        results = [linattn.vq_attention(q[:, :, start:], k_hat[:, :, start:], v[:, :, start:], codes[:, :, start:],
+                                         codebook, initial_state=state if state_first else None,
+                                         output_final_state=True, schedule=schedule, **kw)
+                   for schedule in ("loop", "batched")]
+    (out_a, state_a), (out_b, state_b) = results
+    torch.testing.assert_close(out_b, out_a, rtol=1e-10, atol=1e-12)
+    for name in ("partial_keys", "partial_values", "cache_counts", "cache_means", "prev_keys", "prev_values"):
+        torch.testing.assert_close(getattr(state_b, name), getattr(state_a, name), rtol=1e-10, atol=1e-12)

@@ -216,13 +216,16 @@ class GAU(nn.Module):
         if torch.is_grad_enabled() or not self._reads_plainly(_INPUT_MAPS):  # (an adapter is called)
             q, k, v, gate = self.w_q(h), self.w_k(h), self.w_v(h), self.w_g(h)
             q, k, v, gate = _rms(q) * scale, _rms(k) * scale, F.silu(v), F.silu(gate)
-        else:  # one matmul and one normalisation per pair: decoding pays per operation
-            projected = F.linear(h, self._input_weight())
-            qk, vg = projected.split([2 * self.d_k, 2 * self.d_v], dim=-1)
+        else:  # one matmul for q, k and the gate, one normalisation for q and k: calls cost
+            # v by a matmul of its own, contiguous: the attention reads it in blocks (a column
+            # slice of the fused product would be copied there)
+            projected = F.linear(h, self._input_weight_without_values())
+            v = F.silu(F.linear(h, self.w_v.weight), inplace=True)
+            qk, gate = projected.split([2 * self.d_k, self.d_v], dim=-1)
             qk = qk.unflatten(-1, (2, self.d_k))
             qk.mul_(inverse_rms(qk, 1e-6).mul_(scale))  # _rms(qk) * scale, in place: qk is a fresh tensor's view
             q, k = qk.unbind(-2)
-            v, gate = F.silu(vg, inplace=True).split(self.d_v, dim=-1)  # vg is a view of a fresh tensor
+            gate = F.silu(gate, inplace=True)  # a view of a fresh tensor
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [B, 1, T, .]
         position_keys, bias = self._relative_terms(x.dtype)
         # The attention ops keep their own precision (float32 sums and softmax); under
@@ -255,6 +258,11 @@ class GAU(nn.Module):
         off (for plain projections: ``_reads_plainly``)."""
         maps = (self.w_q, self.w_k, self.w_v, self.w_g)
         return self._cached("input", lambda: _fused_input_weight(*maps), tuple(m.weight for m in maps))
+
+    def _input_weight_without_values(self) -> torch.Tensor:
+        """``[W_q; W_k; W_g]`` ``[2 d_k + d_v, d_model]``, as ``_input_weight``."""
+        maps = (self.w_q, self.w_k, self.w_g)
+        return self._cached("input_qkg", lambda: _fused_input_weight(*maps), tuple(m.weight for m in maps))
 
     def _bias_scale(self) -> float:
         """The factor of u and w in the scores: ``d_k^-1/4`` in the paper variant, else 1."""

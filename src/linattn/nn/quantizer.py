@@ -122,7 +122,12 @@ class VectorQuantizer(Codebook):
         """
         keys = k.detach().float()
         codebook, code_norms = self.codebook.float(), self._code_norms()
-        B, H, T = keys.shape[:3]
+        B, H, T, D = keys.shape
+        if H == 1:  # the keys as rows [B T, Dk] (a view of a projection's slice), chunked as rows
+            rows = keys.reshape(B * T, D)
+            chunk = max(1, _DISTANCE_ENTRIES // self.codebook_size)
+            codes = [_nearest_rows(piece, codebook[0], code_norms[0]) for piece in rows.split(chunk)]
+            return (codes[0] if len(codes) == 1 else torch.cat(codes)).view(B, 1, T)
         chunk = max(1, _DISTANCE_ENTRIES // (B * H * self.codebook_size))
         if T <= chunk:
             return _nearest(keys, codebook, code_norms)
@@ -145,10 +150,13 @@ class VectorQuantizer(Codebook):
         return super().train(mode)
 
     def lookup(self, codes: torch.Tensor) -> torch.Tensor:
-        """``codebook[h, codes[b, h, t]]`` -> ``[B, H, T, Dk]``."""
+        """``codebook[h, codes[b, h, t]]`` -> ``[B, H, T, Dk]``: rows of the codebook as one
+        ``[H S, Dk]`` matrix, selected (a gather along Dk would read one entry at a time)."""
         B, H, T = codes.shape
-        index = codes.unsqueeze(-1).expand(B, H, T, self.head_dim)
-        return torch.gather(self.codebook.unsqueeze(0).expand(B, -1, -1, -1), 2, index)
+        if H > 1:
+            codes = codes + torch.arange(0, H * self.codebook_size, self.codebook_size, device=codes.device)[:, None]
+        rows = self.codebook.reshape(H * self.codebook_size, self.head_dim)
+        return rows.index_select(0, codes.reshape(-1)).view(B, H, T, self.head_dim)
 
     def forward(
         self, k: torch.Tensor, mask: torch.Tensor | None = None
@@ -171,15 +179,19 @@ class VectorQuantizer(Codebook):
         chosen = self.lookup(codes).to(k.dtype)
         k_hat = chosen + (k - k.detach()) if k.requires_grad else chosen
         wide = compute_dtype(k.dtype)  # float32, float64 for float64 keys
-        squared = (k.to(wide) - chosen.to(wide)).pow(2).sum(-1)  # [B, H, T]
-        if mask is not None:
-            squared = squared * mask.unsqueeze(1).to(wide)  # [B, 1, T] weights
-        if self.commitment_reduction == "paper":  # summed over heads, over all B T positions
-            commit = squared.sum() / (k.shape[0] * k.shape[2])
-        elif mask is None:
-            commit = squared.mean()
+        if mask is None and not torch.is_grad_enabled():  # a sum over every entry, in one reduction
+            total = torch.linalg.vector_norm(k.to(wide) - chosen.to(wide)).square()
+            commit = total / (k.shape[0] * k.shape[2] * (1 if self.commitment_reduction == "paper" else self.n_heads))
         else:
-            commit = squared.sum() / (mask.sum() * self.n_heads).clamp_min(1.0)
+            squared = (k.to(wide) - chosen.to(wide)).pow(2).sum(-1)  # [B, H, T]
+            if mask is not None:
+                squared = squared * mask.unsqueeze(1).to(wide)  # [B, 1, T] weights
+            if self.commitment_reduction == "paper":  # summed over heads, over all B T positions
+                commit = squared.sum() / (k.shape[0] * k.shape[2])
+            elif mask is None:
+                commit = squared.mean()
+            else:
+                commit = squared.sum() / (mask.sum() * self.n_heads).clamp_min(1.0)
         if counted:
             self.accumulate(k, codes, mask)
         return k_hat, codes, self.commitment_weight * commit
@@ -210,3 +222,9 @@ def _nearest(keys: torch.Tensor, codebook: torch.Tensor, code_norms: torch.Tenso
     code_norms ``[H, S]`` -> ``[B, H, t]`` (the codebook is read in place, never copied per batch)."""
     scores = codebook_scores(keys, codebook)
     return scores.mul_(-2.0).add_(code_norms[None, :, None, :]).argmin(-1)
+
+
+def _nearest_rows(rows: torch.Tensor, codebook: torch.Tensor, code_norms: torch.Tensor) -> torch.Tensor:
+    """``_nearest`` for one head: rows ``[n, Dk]``, codebook ``[S, Dk]``, code_norms ``[S]`` -> ``[n]``,
+    the distances in one product (``|c|^2 - 2 k.c`` as the decode step computes them)."""
+    return torch.addmm(code_norms, rows, codebook.t(), alpha=-2.0).argmin(-1)

@@ -307,18 +307,19 @@ _BATCHED_SCORES = {"cuda": 1 << 22, "cpu": 1 << 19}
 # schedule="auto" on a CPU: the faster schedule at the nearest point (in log2 of each
 # coordinate) of a grid measured at T = 16384, Dk = Dv = 64 with bias and position keys,
 # keyed by (gradients on, rows = batch x heads, block length L, codebook size S); quiet
-# machine, 2 threads: `.venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit`
-# (its output: docs/benchmarks/vq-schedule-grid/grid-after-running-cache.txt; the times are in
-# docs/results.md, "VQ block schedules").
+# machine, 2 threads: `.venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit` (with
+# gradients: docs/benchmarks/vq-schedule-grid/grid-after-running-cache.txt), without them the
+# same with `--modes forward` (grid-running-rows.txt); the times are in docs/results.md, "VQ
+# block schedules".
 _AUTO_SCHEDULE = {
     (False, 1, 64, 128): "batched", (False, 1, 64, 512): "batched", (False, 1, 128, 128): "batched",
     (False, 1, 128, 512): "batched", (False, 1, 256, 128): "batched", (False, 1, 256, 512): "batched",
     (False, 4, 64, 128): "batched", (False, 4, 64, 512): "batched", (False, 4, 128, 128): "batched",
-    (False, 4, 128, 512): "batched", (False, 4, 256, 128): "loop", (False, 4, 256, 512): "loop",
-    (False, 8, 64, 128): "batched", (False, 8, 64, 512): "batched", (False, 8, 128, 128): "loop",
-    (False, 8, 128, 512): "loop", (False, 8, 256, 128): "batched", (False, 8, 256, 512): "loop",
-    (False, 32, 64, 128): "loop", (False, 32, 64, 512): "batched", (False, 32, 128, 128): "loop",
-    (False, 32, 128, 512): "loop", (False, 32, 256, 128): "loop", (False, 32, 256, 512): "loop",
+    (False, 4, 128, 512): "batched", (False, 4, 256, 128): "batched", (False, 4, 256, 512): "loop",
+    (False, 8, 64, 128): "batched", (False, 8, 64, 512): "batched", (False, 8, 128, 128): "batched",
+    (False, 8, 128, 512): "batched", (False, 8, 256, 128): "loop", (False, 8, 256, 512): "loop",
+    (False, 32, 64, 128): "batched", (False, 32, 64, 512): "batched", (False, 32, 128, 128): "loop",
+    (False, 32, 128, 512): "loop", (False, 32, 256, 128): "loop", (False, 32, 256, 512): "batched",
     (True, 1, 64, 128): "batched", (True, 1, 64, 512): "batched", (True, 1, 128, 128): "batched",
     (True, 1, 128, 512): "batched", (True, 1, 256, 128): "batched", (True, 1, 256, 512): "batched",
     (True, 4, 64, 128): "batched", (True, 4, 64, 512): "batched", (True, 4, 128, 128): "batched",
@@ -416,12 +417,16 @@ def _all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks,
     """The blocks in groups (``_block_loop``'s arguments and results), one (batch, kv head)
     row at a time: a row's blocks are one batch dimension of a single stride, so the batched
     matmuls read the window views (``_windows``) in place (over several rows they would copy
-    them). Without gradients every group writes its outputs into one buffer."""
+    them). Without gradients every group writes its outputs into one buffer, and with hard
+    codes the cache terms of all rows are one running product per block
+    (``_running_blocks``)."""
     q_blocks, k_blocks, v_blocks, first_prev_k, first_prev_v, prev_codes = blocks
     B, Hkv, G, R, L, _ = q_blocks.shape
     cut = scope == "state"
     windows = (*_windows(first_prev_k, k_blocks, cut), *_windows(first_prev_v, v_blocks, cut))
     out = None if torch.is_grad_enabled() else q_blocks.new_empty(B, Hkv, G, R, L, v_blocks.shape[-1])
+    if out is not None and not prev_codes.is_floating_point():
+        return _running_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, S, out)
     if B * Hkv == 1:
         return _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out)
     rows = [_rows(t) for t in (*blocks, *windows, *run)]  # per tensor: its B * Hkv rows, views
@@ -452,22 +457,22 @@ def _head(t: torch.Tensor | None, h: int) -> torch.Tensor | None:
     return t if t is None or t.dim() == 2 or t.shape[0] == 1 else t.narrow(0, h, 1)
 
 
-def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out=None):
-    """``_all_blocks`` for one row (``B = Hkv = 1``, codebook ``[1, S, D]``; ``windows``: block 0's
-    and the other blocks' window keys, then the same for values, ``_windows``): block 0 is a group
-    of its own (its window is the only copy), then groups of the other blocks. Within a group the
-    cache each block reads is the carried cache plus the statistics of the group's blocks that
-    entered before it, a prefix sum; scores and outputs are batched matmuls over the group's
-    blocks. A group holds at most ``_BATCHED_SCORES[device]`` score entries
-    (``_blocks_per_group``). ``out``: the row's output buffer ``[1, 1, G, R, L, E]`` (without
-    gradients), else the outputs are concatenated; with hard codes it is filled by
-    ``_row_blocks_running``."""
-    q_blocks, _, v_blocks, _, first_prev_v, prev_codes = blocks
-    B, Hkv, G, R, L, D = q_blocks.shape
-    window = window.unsqueeze(-3)  # [(h, g,) 1, L, 2L]: the same for every block
-    codebook_t = codebook[0].transpose(-1, -2)  # [D, S]: one matrix, so the matmul folds the rows
+def _row_scoring(codebook, window, band_keys):
+    """What scores a row's blocks (``_group_scores``' ``scoring``) from its kv head's codebook
+    ``[1, S, D]``, window ``[(1, G|1,) L, 2L]`` and position keys: the window with a dimension
+    for the blocks, the codebook as one matrix ``[D, S]`` (the matmul folds the rows) and the
+    position keys transposed."""
     band_keys_t = None if band_keys is None else _per_block(band_keys).transpose(-1, -2)  # [(1, G|1, 1,) D, 2L]
-    group = _blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
+    return window.unsqueeze(-3), band_keys_t, codebook[0].transpose(-1, -2)
+
+
+def _row_groups(blocks, windows, group):
+    """A row's blocks (``B = Hkv = 1``) in groups, each ``(first block, queries [1, 1, G, g, L, D],
+    window keys [1, 1, g, 2L, D], window values [1, 1, g, 2L, E], previous blocks' codes
+    [1, 1, g, L(, S)], previous blocks' values [1, 1, g, L, E])``: block 0 alone (its window
+    is the only copy), then ``group`` blocks at a time."""
+    q_blocks, _, v_blocks, _, first_prev_v, prev_codes = blocks
+    R = q_blocks.shape[3]
     # split, not sliced: the backward of a split is one concatenation, that of each slice a
     # zero-filled gradient of the whole tensor
     q_first, q_rest = q_blocks.split([1, R - 1], dim=3)
@@ -476,11 +481,23 @@ def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, ful
     pieces += zip(range(1, R, group), q_rest.split(group, dim=3), windows[1].split(group, dim=2),
                   windows[3].split(group, dim=2), codes_rest.split(group, dim=2),
                   v_blocks[:, :, : R - 1].split(group, dim=2))  # block r's previous block is block r - 1
-    scoring = (window, band_keys_t, codebook_t)
-    if out is not None and not prev_codes.is_floating_point():
-        return _row_blocks_running(pieces, scoring, run, has_prev, full_blocks, S, out)
+    return pieces
+
+
+def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out=None):
+    """``_all_blocks`` for one row (``B = Hkv = 1``, codebook ``[1, S, D]``; ``windows``: block 0's
+    and the other blocks' window keys, then the same for values, ``_windows``) in groups
+    (``_row_groups``). Within a group the cache each block reads is the carried cache plus the
+    statistics of the group's blocks that entered before it, a prefix sum; scores and outputs
+    are batched matmuls over the group's blocks. A group holds at most ``_BATCHED_SCORES[device]``
+    score entries (``_blocks_per_group``). ``out``: the row's output buffer ``[1, 1, G, R, L, E]``
+    (without gradients), else the outputs are concatenated."""
+    q_blocks = blocks[0]
+    B, Hkv, G, R, L, D = q_blocks.shape
+    scoring = _row_scoring(codebook, window, band_keys)
+    group = _blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
     outs, final_cache = [], None
-    for start, q_g, keys_g, values_g, prev_codes_g, prev_v_g in pieces:
+    for start, q_g, keys_g, values_g, prev_codes_g, prev_v_g in _row_groups(blocks, windows, group):
         g = q_g.shape[3]
         counts, sums = _group_caches(prev_codes_g, prev_v_g, run, start == 0 and not has_prev, scope, S)
         if start <= full_blocks < start + g:
@@ -493,40 +510,96 @@ def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, ful
     return (torch.cat(outs, dim=3) if out is None else out), (final_cache if final_cache is not None else _owned(*run))
 
 
-def _row_blocks_running(pieces, scoring, run, has_prev, full_blocks, S, out):
-    """``_row_blocks`` without gradients for hard codes: the cache sums are one ``[S, E]``
-    matrix, updated in place block by block (a block's cache term is a matmul with it before
-    the block's previous block enters), never copied per block: the per-block copies of the
-    grouped form are memory traffic that bounds it. The counts (S per block) are still a
-    prefix sum per group, exact (whole numbers)."""
-    counts_now, sums_now = run[0][0, 0].clone(), run[1][0, 0].clone()  # [S], [S, E]
-    sums_per_query = sums_now.expand(pieces[0][1].shape[2], -1, -1)  # [G, S, E], a view: follows the updates
-    final_cache = None
-    for start, q_g, keys_g, values_g, prev_codes_g, prev_v_g in pieces:
-        g = q_g.shape[3]
-        skip_first = start == 0 and not has_prev  # block 0 without a previous block: nothing enters
-        codes, entering = prev_codes_g[0, 0], prev_v_g[0, 0]  # [g, L], [g, L, E]
-        added = counts_now.new_zeros(g, S).scatter_add_(1, codes, torch.ones_like(codes, dtype=counts_now.dtype))
-        if skip_first:
-            added[0] = 0.0
-        after = added.cumsum_(0).add_(counts_now)  # the counts after each block's previous block entered
-        counts = torch.cat([counts_now[None], after[:-1]])  # [g, S]: before each block
-        probs = _probabilities(*_group_scores(q_g, keys_g, scoring, counts[None, None], skip_first))
+# Cache weights ``p_s / n_s`` the running form holds at once (rows x blocks of a group x
+# queries x codes), by device type: it takes as many rows at a time as they allow.
+_RUNNING_WEIGHTS = {"cuda": 1 << 24, "cpu": 1 << 21}
+
+
+def _running_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, S, out):
+    """``_all_blocks`` without gradients for hard codes. Scores and window outputs are
+    computed per row in groups (``_row_groups``, as ``_row_blocks``); the cache term is not:
+    the cache sums of a set of rows are one ``[n, S, E]`` tensor, updated in place block by
+    block (block r's cache term is a batched matmul with it, for all n rows, before block r's
+    previous block enters by one ``index_add_`` into its ``[n S, E]`` view), never copied per
+    block (the per-block copies of the grouped form are memory traffic that bounds it, and
+    per-row products are per-call costs). Rows are taken ``_rows_at_once`` at a time. The
+    counts are a prefix sum per group, exact (whole numbers). Returns
+    ``(out, final cache (counts [B, Hkv, S], sums [B, Hkv, S, E]))``."""
+    q_blocks, _, v_blocks, _, first_prev_v, prev_codes = blocks
+    B, Hkv, G, R, L, _ = q_blocks.shape
+    N, E = B * Hkv, v_blocks.shape[-1]
+    group = _blocks_per_group(q_blocks.device, G * L * (2 * L + S))
+    at_once = _rows_at_once(q_blocks.device, min(group, R) * G * L * S)
+    # all rows' tensors with one row dimension (views: these are fresh contiguous tensors)
+    out_all, codes_all = out.view(N, G, R, L, E), prev_codes.reshape(N, R, L)
+    values_all, first_values = v_blocks.reshape(N, R, L, E), first_prev_v.reshape(N, 1, L, E)
+    row_views = [_rows(t) for t in (*blocks, *windows)]
+    final_counts, final_sums = run[0].reshape(N, S).clone(), run[1].reshape(N, S, E).clone()
+    for a in range(0, N, at_once):
+        b = min(N, a + at_once)
+        n = b - a
+        groups = [_row_groups(row[:6], row[6:], group) for row in zip(*(views[a:b] for views in row_views))]
+        scorings = [_row_scoring(codebook[i % Hkv : i % Hkv + 1], _head(window, i % Hkv), _head(band_keys, i % Hkv))
+                    for i in range(a, b)]
+        counts_now, sums_now = final_counts[a:b].clone(), final_sums[a:b].clone()  # [n, S], [n, S, E]
+        sums_flat, offsets = sums_now.view(-1, E), torch.arange(0, n * S, S, device=out.device)[:, None, None]
+        product = sums_now.new_empty(n, G * L, E)
+        for pieces in zip(*groups):  # one group of blocks, in every row
+            start, g = pieces[0][0], pieces[0][1].shape[3]
+            entering = (first_values if start == 0 else values_all[:, start - 1 :])[a:b, :g]  # [n, g, L, E]
+            counts, after, weights = _running_group(pieces, scorings, codes_all[a:b, start : start + g],
+                                                    counts_now, start == 0 and not has_prev, out_all[a:b], S)
+            # slots of the n rows' sums as one [n S, E] matrix: each block's entries in one index_add_
+            slots = (codes_all[a:b, start : start + g] + offsets).transpose(0, 1).reshape(g, -1)  # [g, n L]
+            group_out = out_all[a:b, :, start : start + g]
+            if G == 1:  # 3-D views: the products go straight into the output
+                group_out, weights = group_out.squeeze(1), weights.squeeze(2)  # [n, g, L, E], [n, g, L, S]
+            for r, (block_out, block_weights, block_slots, block_values) in enumerate(
+                    zip(group_out.unbind(1 + (G > 1)), weights.unbind(1), slots.unbind(0), entering.unbind(1))):
+                if start + r == full_blocks:
+                    final_counts[a:b], final_sums[a:b] = counts[:, r], sums_now
+                if n == 1 and G == 1:
+                    block_out.baddbmm_(block_weights, sums_now)
+                else:  # over several rows the outputs are strided (in place, a product per row): one product first
+                    block_out += torch.bmm(block_weights.reshape(n, -1, S), sums_now, out=product).view_as(block_out)
+                if not (r == 0 and start == 0 and not has_prev):
+                    sums_flat.index_add_(0, block_slots, block_values.reshape(-1, E))
+            counts_now = after
+        if full_blocks >= R:
+            final_counts[a:b], final_sums[a:b] = counts_now, sums_now
+    return out, (final_counts.view(B, Hkv, S), final_sums.view(B, Hkv, S, E))
+
+
+def _rows_at_once(device: torch.device, weights_per_row: int) -> int:
+    """Rows ``_running_blocks`` takes at once: as many as ``_RUNNING_WEIGHTS`` allows."""
+    return max(1, _RUNNING_WEIGHTS.get(device.type, _RUNNING_WEIGHTS["cuda"]) // weights_per_row)
+
+
+def _running_group(pieces, scorings, codes, counts_now, skip_first, out, S):
+    """One group of g blocks in n rows for ``_running_blocks``: the counts before each block
+    ``[n, g, S]`` (the carried counts ``counts_now [n, S]`` plus a prefix sum of the previous
+    blocks' ``codes [n, g, L]``; ``skip_first``: block 0 has no previous block), the counts after
+    the group ``[n, S]``, and the cache weights ``p_s / n_s`` ``[n, g, G, L, S]`` of one softmax
+    per row over window and cache scores; the window outputs go to ``out [n, G, R, L, E]``."""
+    n, g, _ = codes.shape
+    added = counts_now.new_zeros(n, g, S).scatter_add_(2, codes, torch.ones_like(codes, dtype=counts_now.dtype))
+    if skip_first:
+        added[:, 0] = 0.0
+    after = added.cumsum_(1).add_(counts_now.unsqueeze(1))  # the counts after each block's previous block entered
+    counts = torch.cat([counts_now.unsqueeze(1), after[:, :-1]], dim=1)  # [n, g, S]: before each block
+    per_count = nonzero_counts(counts).unsqueeze(2)  # [n, g, 1, S]
+    G, L = pieces[0][1].shape[2], pieces[0][1].shape[-2]
+    weights = None if n == 1 else counts.new_empty(n, g, G, L, S)  # one row: its probabilities, in place
+    start = pieces[0][0]
+    for i, ((_, q_g, keys_g, values_g, _, _), scoring) in enumerate(zip(pieces, scorings)):
+        probs = _probabilities(*_group_scores(q_g, keys_g, scoring, counts[i][None, None], skip_first))
         two_l = keys_g.shape[-2]
-        group_out = out[:, :, :, start : start + g]
-        torch.matmul(probs[..., :two_l], values_g.unsqueeze(2), out=group_out)
-        per_count = probs[..., two_l:].div_(nonzero_counts(counts)[:, None, :])  # p_s / n_s
-        # the blocks' views made in one call each (a select per block costs as much as its add)
-        block_outs, block_weights = group_out[0, 0].unbind(1), per_count[0, 0].unbind(1)
-        for r, (block_out, weights, block_codes, block_values) in enumerate(
-                zip(block_outs, block_weights, codes.unbind(0), entering.unbind(0))):
-            if start + r == full_blocks:
-                final_cache = (counts[r].clone()[None, None], sums_now.clone()[None, None])
-            block_out.baddbmm_(weights, sums_per_query)
-            if not (r == 0 and skip_first):
-                sums_now.index_add_(0, block_codes, block_values)
-        counts_now = after[-1]
-    return out, (final_cache if final_cache is not None else (counts_now[None, None], sums_now[None, None]))
+        torch.matmul(probs[..., :two_l], values_g.unsqueeze(2), out=out[i : i + 1, :, start : start + g].unsqueeze(0))
+        if weights is None:
+            weights = probs[0, :, ..., two_l:].div_(per_count[i]).transpose(1, 2)  # p_s / n_s, [1, g, G, L, S]
+        else:
+            torch.div(probs[0, 0, ..., two_l:], per_count[i], out=weights[i].transpose(0, 1))
+    return counts, after[:, -1], weights
 
 
 def _group_scores(q_g, keys_g, scoring, counts, first_without_prev: bool):
