@@ -1043,6 +1043,30 @@ def test_auto_schedule_runs_the_grid_winner(monkeypatch, grad, winner):
                    f"_{'block_loop' if other == 'loop' else 'all_blocks'}"]
 
 
+def test_the_auto_schedule_grid_is_the_committed_measurement():
+    """``_AUTO_SCHEDULE`` names, for every shape, the faster schedule of the grid files its
+    comment cites (``tools/vq_schedule_grid.py``'s output: the no-grad half from
+    grid-running-rows.txt, the fwd+bwd half from grid-after-running-cache.txt; a pair equal in
+    the printed whole milliseconds may go either way): the code cannot drift from its evidence."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("_vq_schedule_grid", root / "tools" / "vq_schedule_grid.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    folder, budget = root / "docs" / "benchmarks" / "vq-schedule-grid", vq._BATCHED_SCORES["cpu"]
+    measured = {}
+    for name, mode in (("grid-running-rows.txt", "forward"), ("grid-after-running-cache.txt", "train")):
+        grid = tool.read_grid((folder / name).read_text())
+        measured.update({(mode == "train", *key[1:]): times for key, times in grid.items() if key[0] == mode})
+    assert measured.keys() == vq._AUTO_SCHEDULE.keys()
+    for key, times in measured.items():
+        loop, batched = times["loop"], times[budget]
+        if loop != batched:
+            assert vq._AUTO_SCHEDULE[key] == ("loop" if loop < batched else "batched"), key
+
+
 def test_auto_schedule_takes_the_nearest_grid_point_in_log_scale(monkeypatch):
     """Off the grid, the nearest point in log2 of rows, L and S decides; only points of the
     call's gradient mode count; devices other than the CPU get the batched schedule."""

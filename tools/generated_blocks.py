@@ -35,6 +35,11 @@ fenced code blocks and inline code spans are text, not markers. SOURCE is one of
   runs, ``{"key": ..., "row": ...}``, so PATH reads e.g. ``row.final_loss`` or
   ``key.config.lr``.
 
+- ``schedule-grid NO_GRAD.txt WITH_GRAD.txt``: the loop/batched table of
+  ``tools/vq_schedule_grid.py``'s printed grids (the ``forward`` lines of the first file, the
+  ``train`` lines of the second; the batched column at the CPU's default group budget), the
+  faster of each pair in bold: the grid ``schedule="auto"`` reads.
+
 ``python tools/generated_blocks.py [FILES...]`` rewrites every block of FILES (default:
 README.md and docs/**/*.md) from its source; ``--check`` rewrites nothing and exits 1
 listing ``file:line`` and a short diff of each block that differs (the test
@@ -47,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import re
 import shlex
 import statistics
@@ -274,10 +280,50 @@ def _value(root: Path, words: list[str]) -> str:
     raise ValueError(f"stat={stat}: expected one of min, max, mean, n, range")
 
 
+def _grid_tool():
+    """``tools/vq_schedule_grid.py`` as a module (a script beside this one, not a package)."""
+    spec = importlib.util.spec_from_file_location("_vq_schedule_grid", Path(__file__).with_name("vq_schedule_grid.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _schedule_grid(root: Path, words: list[str]) -> str:
+    if len(words) != 2:
+        raise ValueError("expected `schedule-grid NO_GRAD.txt WITH_GRAD.txt` (outputs of tools/vq_schedule_grid.py)")
+    tool, budget = _grid_tool(), _grid_budget()
+    grids = []
+    for name, mode in zip(words, ("forward", "train")):
+        if not (root / name).is_file():
+            raise ValueError(f"{name}: no such file")
+        grids.append({key[1:]: times for key, times in tool.read_grid((root / name).read_text()).items()
+                      if key[0] == mode})
+        if not grids[-1] or any(budget not in times for times in grids[-1].values()):
+            raise ValueError(f"{name}: no {mode} lines with the default budget 2^{budget.bit_length() - 1}")
+    if grids[0].keys() != grids[1].keys():
+        raise ValueError(f"{words[0]} and {words[1]} measured different shapes")
+
+    def pair(times: dict) -> list[str]:
+        loop, batched = times["loop"], times[budget]
+        return [f"**{loop}**" if loop < batched else str(loop), f"**{batched}**" if batched < loop else str(batched)]
+
+    rows = [[str(rows), str(L), str(S), *pair(grids[0][rows, L, S]), *pair(grids[1][rows, L, S])]
+            for rows, L, S in sorted(grids[0])]
+    return "\n".join(markdown_table_lines(["rows", "L", "S", "no grad: loop", "batched", "fwd+bwd: loop", "batched"],
+                                           rows))
+
+
+def _grid_budget() -> int:
+    from linattn.ops import vq
+
+    return vq._BATCHED_SCORES["cpu"]
+
+
 SOURCES: dict[str, Callable[[Path, list[str]], str]] = {
     "repro": _page_source(repro_cli.report_page, lambda out_dir: {}),
     "bench": _page_source(bench_cli.report_page, _bench_views),
     "value": _value,
+    "schedule-grid": _schedule_grid,
 }
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import re
 import statistics
 import time
 
@@ -47,6 +48,26 @@ def vq_call(rows: int, L: int, S: int, schedule: str, mode: str, T: int = 16384,
                 out.sum().backward()
 
     return call
+
+
+# One printed line: "forward rows= 4 L= 64 S=128 loop    302 ms | 2^19:    178 ms (1.69x)", with
+# one "| 2^B: ..." column per budget tried.
+_LINE = re.compile(r"^(forward|train)\s+rows=\s*(\d+) L=\s*(\d+) S=\s*(\d+) loop\s+(\d+) ms"
+                   r"((?: \| 2\^\d+:\s+\d+ ms \([\d.]+x\))+)$")
+_COLUMN = re.compile(r"2\^(\d+):\s+(\d+) ms")
+
+
+def read_grid(text: str) -> dict[tuple[str, int, int, int], dict]:
+    """The shapes of a grid this tool printed: ``(mode, rows, L, S) -> {"loop": ms, budget: ms, ...}``
+    (whole milliseconds, as printed; other lines, such as the ``--emit`` literal, are skipped)."""
+    grid = {}
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if match:
+            mode, rows, L, S, loop, columns = match.groups()
+            times = {"loop": int(loop), **{1 << int(bits): int(ms) for bits, ms in _COLUMN.findall(columns)}}
+            grid[(mode, int(rows), int(L), int(S))] = times
+    return grid
 
 
 def interleaved_medians(calls: dict, rounds: int) -> dict:
