@@ -182,6 +182,9 @@ def test_a_bad_marker_is_an_error_naming_file_and_line(tool, repo, capsys, marke
     ("value docs/results/runs bpb from=runs mechanism=vq stat=n", "3"),
     ("value docs/results/runs bpb from=runs seed=0 mechanism=softmax format=.1f", "3.0"),
     ("value docs/results/runs bpb from=runs mechanism=vq stat=max format=.2f", "2.81"),
+    ("value docs/results/runs bpb from=runs mechanism=vq seed>=1 stat=range format=.2f", "2.78–2.81"),  # bounds
+    ("value docs/results/runs bpb from=runs seed<=0 bpb>=2.9 format=.1f", "3.0"),
+    ("value docs/results/runs bpb from=runs mechanism=vq seed>=1 seed<=1 format=.2f", "2.81"),  # both bounds
     ("value docs/results/runs metrics.bpb.mean mechanism=vq format=.2f", "2.78"),
     ("value docs/results/runs metrics.bpb.n mechanism=vq", "3"),
     ("value docs/benchmarks/demo forward_s case=sdpa T=16 scale=1000 format=.0f", None),  # T is no row field
@@ -242,6 +245,8 @@ def test_values_from_a_named_results_file_and_list_positions(tool, repo):
     ("value docs/results/runs bpb from=runs stat=median format=.2f", "stat=median: expected one of"),
     ("value docs/benchmarks/demo summary.speedup.32 stat=mean", "takes no row filters"),
     ("value docs/benchmarks/demo", "expected `value DIR PATH"),
+    ("value docs/results/runs bpb from=runs seed>=one stat=n", "seed>=one: the bound must be a number"),
+    ("value docs/results/runs bpb from=runs mechanism>=1 stat=n", "mechanism is 'vq', not a number"),
 ])
 def test_bad_values_are_refused(tool, repo, spec, message):
     with pytest.raises(ValueError, match=message):

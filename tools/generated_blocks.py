@@ -27,7 +27,8 @@ fenced code blocks and inline code spans are text, not markers. SOURCE is one of
   objects, a number indexing a list: ``heads.0.entropy``; a key that holds dots is matched
   whole: ``summary.largest.0.9``), or
   ``summary.a.b`` / ``metadata.a.b``; ``KEY=VALUE`` keep the rows whose field KEY equals VALUE
-  (compared as text); ``from=runs`` reads the list ``runs`` instead of ``rows``; without
+  (compared as text), ``KEY>=N`` and ``KEY<=N`` those whose numeric field is within the bound;
+  ``from=runs`` reads the list ``runs`` instead of ``rows``; without
   ``stat`` exactly one row must match, ``stat`` = ``min``, ``max``, ``mean``, ``n`` or
   ``range`` (``min–max``) over every match; ``format`` is a Python format spec (needed for a
   float, e.g. ``.3f``); ``scale`` multiplies first (e.g. 1000: seconds to ms). DIR may also be
@@ -258,8 +259,7 @@ def _value(root: Path, words: list[str]) -> str:
         if not isinstance(results.get(source), list):
             raise ValueError(f"from={source}: {words[0]}/results.json has no list {source!r}")
         matches = [row for row in results[source]
-                   if all(str(_field(row, key.split("."), f"{words[0]} {source}")) == value
-                          for key, value in options.items())]
+                   if all(_keeps(row, key, value, f"{words[0]} {source}") for key, value in options.items())]
         if not matches:
             raise ValueError(f"no row of {words[0]} {source} has {options}")
         values = [_field(row, path, f"{words[0]} {source}") for row in matches]
@@ -317,6 +317,19 @@ def _grid_budget() -> int:
     from linattn.ops import vq
 
     return vq._BATCHED_SCORES["cpu"]
+
+
+def _keeps(row: dict, key: str, value: str, where: str) -> bool:
+    """Whether ``row`` passes the filter ``KEY=VALUE`` (the field as text equals VALUE), or
+    ``KEY>=N`` / ``KEY<=N`` (split at ``=`` as ``KEY>``/``KEY<`` and N: the number is within the bound)."""
+    if key[-1] in "<>":
+        try:
+            bound = float(value)
+        except ValueError:
+            raise ValueError(f"{key}={value}: the bound must be a number") from None
+        number = _checked_number(_field(row, key[:-1].split("."), where), key[:-1])
+        return number >= bound if key[-1] == ">" else number <= bound
+    return str(_field(row, key.split("."), where)) == value
 
 
 SOURCES: dict[str, Callable[[Path, list[str]], str]] = {
