@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import functools
 import importlib.util
 import re
 import shlex
@@ -280,6 +281,7 @@ def _value(root: Path, words: list[str]) -> str:
     raise ValueError(f"stat={stat}: expected one of min, max, mean, n, range")
 
 
+@functools.cache
 def _grid_tool():
     """``tools/vq_schedule_grid.py`` as a module (a script beside this one, not a package)."""
     spec = importlib.util.spec_from_file_location("_vq_schedule_grid", Path(__file__).with_name("vq_schedule_grid.py"))
@@ -291,7 +293,8 @@ def _grid_tool():
 def _schedule_grid(root: Path, words: list[str]) -> str:
     if len(words) != 2:
         raise ValueError("expected `schedule-grid NO_GRAD.txt WITH_GRAD.txt` (outputs of tools/vq_schedule_grid.py)")
-    tool, budget = _grid_tool(), _grid_budget()
+    tool = _grid_tool()
+    budget = tool.vq._BATCHED_SCORES["cpu"]
     grids = []
     for name, mode in zip(words, ("forward", "train")):
         if not (root / name).is_file():
@@ -304,19 +307,14 @@ def _schedule_grid(root: Path, words: list[str]) -> str:
         raise ValueError(f"{words[0]} and {words[1]} measured different shapes")
 
     def pair(times: dict) -> list[str]:
-        loop, batched = times["loop"], times[budget]
-        return [f"**{loop}**" if loop < batched else str(loop), f"**{batched}**" if batched < loop else str(batched)]
+        winner = tool.faster(times["loop"], times[budget])
+        return [f"**{times[key]}**" if winner == name else str(times[key]) for name, key in (("loop", "loop"),
+                                                                                             ("batched", budget))]
 
     rows = [[str(rows), str(L), str(S), *pair(grids[0][rows, L, S]), *pair(grids[1][rows, L, S])]
             for rows, L, S in sorted(grids[0])]
     return "\n".join(markdown_table_lines(["rows", "L", "S", "no grad: loop", "batched", "fwd+bwd: loop", "batched"],
                                            rows))
-
-
-def _grid_budget() -> int:
-    from linattn.ops import vq
-
-    return vq._BATCHED_SCORES["cpu"]
 
 
 def _keeps(row: dict, key: str, value: str, where: str) -> bool:

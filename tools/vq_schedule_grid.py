@@ -70,6 +70,12 @@ def read_grid(text: str) -> dict[tuple[str, int, int, int], dict]:
     return grid
 
 
+def faster(loop: float, batched: float) -> str | None:
+    """The faster schedule of a measured pair, None when the times are equal (as printed,
+    whole milliseconds can tie)."""
+    return None if loop == batched else "loop" if loop < batched else "batched"
+
+
 def interleaved_medians(calls: dict, rounds: int) -> dict:
     """Median seconds of each call over ``rounds`` turns, one call of each per turn (after one
     untimed call each), so a slow spell of the machine falls on all of them alike."""
@@ -119,7 +125,7 @@ def main() -> None:
             batched = medians[budget]
             line += f" | 2^{budget.bit_length() - 1}: {batched * 1e3:6.0f} ms ({loop / batched:.2f}x)"
             if budget == default_budget:
-                winners[(mode == "train", rows, L, S)] = "loop" if loop < batched else "batched"
+                winners[(mode == "train", rows, L, S)] = faster(loop, batched) or "batched"
         print(line, flush=True)
     if args.emit:
         print("{")
