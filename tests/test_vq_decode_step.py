@@ -3,7 +3,9 @@
 outputs and the block form's final state in float64, across block boundaries, with
 relative bias and position keys, GQA, batch > 1, in float32 (queries and key in one matmul)
 and float64; after the codebook changed under a state; for branched states; with clear
-errors for what does not fit."""
+errors for what does not fit. Every test runs both forms of the step: the torch form and
+the native C++ one (``LINATTN_VQ_STEP_IMPL``; ``tests/test_vq_native.py`` for its build,
+self-check and fallback)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,12 @@ from _helpers import F64, assert_close_rel
 from test_vq_attention import make_bias, make_position_keys
 
 L = 4
+
+
+@pytest.fixture(autouse=True, params=["torch", "native"])
+def step_impl(request, monkeypatch):
+    monkeypatch.setenv("LINATTN_VQ_STEP_IMPL", request.param)
+    return request.param
 
 
 def _problem(B, H, Hkv, T, dtype=F64, D=5, E=3, S=7, seed=0):

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, _selftest
 from ._checks import available_device_name
+from .ops import _vq_native as vq_native
 from .ops import _vq_triton as vq_fused
 from .ops import vq as vq_ops
 from .reporting import device_name
@@ -118,6 +119,9 @@ def implementations(device: torch.device) -> list[tuple[str, str]]:
     for dtype in dtypes:
         impl, why = vq_fused.choice(device, dtype)
         rows.append((f"vq_attention ({str(dtype).replace('torch.', '')})", f"impl='auto': {impl} ({why})"))
+    for dtype in dtypes:
+        impl, why = vq_native.choice(device, dtype)
+        rows.append((f"vq_decode_step ({str(dtype).replace('torch.', '')})", f"impl='auto': {impl} ({why})"))
     rows.append(("vq_attention schedule", f"schedule='auto': {_schedule_choice(device)}; "
                                           "decoding steps inside a block: the decode form"))
     rows.append(("KV cache (softmax layers)", "preallocated without gradients: rows written in place, doubling "

@@ -60,10 +60,12 @@ def _recurrent(run: Callable) -> DecodeCase:
     return (lambda q, k, v: run(q, k, v, None)), run
 
 
-def _vq(heads: int, dim: int, device: torch.device, block_size: int = 128, fused: bool = True) -> DecodeCase:
+def _vq(heads: int, dim: int, device: torch.device, block_size: int = 128, fused: bool = True,
+        impl: str = "auto") -> DecodeCase:
     """Prefill: ``VectorQuantizer`` then ``vq_attention`` over the context (as the GAU layer
-    reads a prompt); a step: ``vq_decode_step`` (quantize the new key and attend in one), or
-    with ``fused=False`` the same two calls for the one new position."""
+    reads a prompt); a step: ``vq_decode_step`` (quantize the new key and attend in one; ``impl``
+    as its argument: on a CPU ``auto`` is the native step), or with ``fused=False`` the same two
+    calls for the one new position."""
     quantizer = VectorQuantizer(heads, dim, 512).to(device).eval()
 
     def prefill(q, k, v, state=None):  # the quantizer's keys need no checks
@@ -72,7 +74,8 @@ def _vq(heads: int, dim: int, device: torch.device, block_size: int = 128, fused
                             output_final_state=True, check_inputs=False)[1]
 
     def step(q, k, v, state):
-        return vq_decode_step(q, k, v, quantizer.codebook, state, block_size=block_size, check_inputs=False)[2]
+        return vq_decode_step(q, k, v, quantizer.codebook, state, block_size=block_size, check_inputs=False,
+                              impl=impl)[2]
 
     return prefill, (step if fused else prefill)
 
@@ -127,6 +130,7 @@ def _kv_cache(heads: int, dim: int, device: torch.device, room: int = 4096) -> D
 
 DECODE_CASES: dict[str, Callable[[int, int, torch.device], DecodeCase]] = {
     "vq-b128": _vq,
+    "vq-b128-torch": lambda heads, dim, device: _vq(heads, dim, device, impl="torch"),
     "vq-b128-two-calls": lambda heads, dim, device: _vq(heads, dim, device, fused=False),
     "linear-elu": _linear,
     "delta": _delta,

@@ -236,7 +236,7 @@ def _step_views(window: ResidentWindow, G: int) -> _StepViews:
 
 
 def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: int,
-                        state: VQAttentionState | None, dtype: torch.dtype):
+                        state: VQAttentionState | None, dtype: torch.dtype, native: bool = False):
     """One new position, quantized and attended to in one pass: ``VectorQuantizer`` then
     ``decode`` with its codes, in fewer operations and one read of the codebook.
 
@@ -249,6 +249,7 @@ def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: i
     ``0 .. S - 1``), times ``scale`` (unless the buffer's keys may not be its codes: a state
     from another codebook or rebuilt by hand, whose stored keys are then read); in float32 the
     query rows and the key row are scored against the codebook in one matmul.
+    ``native``: the same step as one C++ call (``_vq_native.py``; CPU, float32/float64).
     Returns ``(out [B, Hkv, G, 1, Dv], codes [B, Hkv], new state)``.
     """
     B, Hkv, G, D = q.shape
@@ -260,6 +261,8 @@ def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: i
     if window.scoring is None:
         window.scoring = _scoring(codebook, dtype)
     codebook_t, search_t, norms = window.scoring
+    if native:
+        return _native_step(window, q, k, v, scale, relative_reversed, p, state)
     views = _step_views(window, G)
     if search_t is codebook_t:  # float32: queries and key in one matmul
         rows = torch.cat([q.transpose(0, 1), k.transpose(0, 1).unsqueeze(2)], dim=2)  # [Hkv, B, G + 1, Dk]
@@ -284,6 +287,27 @@ def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: i
     if relative_reversed is not None:
         grid.unsqueeze(3).narrow(-1, p, L + 1).add_(relative_reversed)
     out = torch.bmm(torch.softmax(grid, dim=-1).view(B * Hkv, G, -1), window.values3)
+    has_prev = state is not None and state.prev_keys is not None
+    return out.view(B, Hkv, G, 1, -1), codes, state_after(window, p + 1, has_prev,
+                                                          (0 if state is None else state.steps) + 1)
+
+
+def _native_step(window: ResidentWindow, q, k, v, scale: float, relative_reversed, p: int, state):
+    """``quantize_and_decode``'s step by the native extension, into ``window``."""
+    from ._vq_native import extension
+
+    B, Hkv, G, _ = q.shape
+    L = window.block_size
+    codebook_t, search_t, norms = window.scoring
+    out = q.new_empty(B, Hkv, G, v.shape[-1])
+    codes = torch.empty(B, Hkv, dtype=torch.int64, device=q.device)
+    relative = None
+    if relative_reversed is not None:  # [..., G|1, 1, L + 1] -> [B, Hkv, G, L + 1] (a broadcast view)
+        relative = torch.broadcast_to(relative_reversed, (B, Hkv, G, 1, L + 1)).squeeze(3)
+    extension().vq_decode_step(q.contiguous(), k.contiguous(), v.contiguous(), search_t, norms.view(Hkv, -1),
+                               codebook_t, window.keys, window.values, window.codes, window.mask, L, p, scale,
+                               relative, window.keys_are_codes, out, codes)
+    window.written = p + 1
     has_prev = state is not None and state.prev_keys is not None
     return out.view(B, Hkv, G, 1, -1), codes, state_after(window, p + 1, has_prev,
                                                           (0 if state is None else state.steps) + 1)

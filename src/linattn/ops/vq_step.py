@@ -17,6 +17,7 @@ import torch
 
 from ..state import VQAttentionState
 from . import _vq_resident as resident
+from ._vq_native import use_native
 from .vq import _as, _check_codebook, _check_state, _relative_inputs, _relative_terms, _reversed
 from .._checks import check_bool, check_positive_int, check_qkv, compute_dtype, resolve_scale
 
@@ -33,6 +34,7 @@ def vq_decode_step(
     bias: torch.Tensor | None = None,
     position_keys: torch.Tensor | None = None,
     check_inputs: bool = True,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, VQAttentionState]:
     """Quantize one new key and attend to it and the past (Transformer-VQ decoding).
 
@@ -46,6 +48,11 @@ def vq_decode_step(
         position_keys: relative position keys, as in ``vq_attention``.
         check_inputs: check shapes, dtypes, devices and the state (``False`` skips it, for
             callers whose inputs are valid by construction).
+        impl: ``"auto"`` (default): the native C++ step on CPU tensors computed in float32 or
+            float64 once it has built and passed its self-check (``ops/_vq_native.py``; the
+            first build takes about a minute), the torch form otherwise (a failed build or
+            check warns once); ``"torch"``; ``"native"`` (an error where it cannot run).
+            ``LINATTN_VQ_STEP_IMPL=torch|native`` replaces the automatic choice.
 
     Returns:
         ``(out [B, H, 1, Dv] in q's dtype, codes [B, Hkv, 1] int64, new state)``, equal to
@@ -65,6 +72,7 @@ def vq_decode_step(
     Hkv, Dv = k.shape[1], v.shape[-1]
     G, L = H // Hkv, block_size
     dtype = compute_dtype(q.dtype)
+    native = use_native(impl, q.device, dtype)
     scale = resolve_scale(scale, Dk)
     queries = _as(q, dtype).reshape(B, Hkv, G, Dk)
     relative = None
@@ -73,7 +81,7 @@ def vq_decode_step(
         relative = _reversed(_relative_terms(queries.unsqueeze(3) * scale, table, positions_k))
     out, codes, new_state = resident.quantize_and_decode(
         queries, _as(k, dtype).reshape(B, Hkv, Dk), _as(v, dtype).reshape(B, Hkv, Dv), codebook, scale, relative, L,
-        state, dtype)
+        state, dtype, native)
     return _as(out.view(B, H, 1, Dv), q.dtype), codes.view(B, Hkv, 1), new_state
 
 

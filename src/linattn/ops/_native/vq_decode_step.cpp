@@ -1,0 +1,184 @@
+// One Transformer-VQ decoding step over the resident buffer (ops/_vq_resident.py), fused.
+//
+// The same computation as _vq_resident.quantize_and_decode, for CPU tensors in float32 or
+// float64, one (batch, kv head) row per task of at::parallel_for (a row is computed by one
+// thread from start to end, so results do not depend on the thread count). Per row:
+//
+//   z          = argmin_s |c_s|^2 - 2 k.c_s            (float32, the first minimum; a NaN wins)
+//   buffer     : codes[L + p] = z, mask[L + p] = 0, keys[L + p] = c_z, values[L + p] = v
+//   score_j    = mask_j + scale * q.key_j (+ r_{j - p} for columns p .. p + L)
+//   out        = sum_j softmax(score)_j values_j
+//
+// where q.key_j = (q.c_s at s = codes_j) when every key of the buffer is a code (the query
+// is scored against the codebook once), else read from the buffer's keys. Columns whose
+// weight is exactly 0 (empty rows, mask -inf) are skipped in the output sum.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, "vq_decode_step (native): ", name, " has shape ", t.sizes(), ", expected ", shape);
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "vq_decode_step (native): ", name,
+              " must be a contiguous CPU tensor of ", dtype, ", got ", t.scalar_type(), " on ", t.device(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+template <typename T>
+void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
+                 const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor& keys, at::Tensor& values,
+                 at::Tensor& codes, at::Tensor& mask, int64_t L, int64_t p, double scale,
+                 const c10::optional<at::Tensor>& relative, bool keys_are_codes, at::Tensor& out,
+                 at::Tensor& new_codes) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(q.dim() == 4 && v.dim() == 3 && search_t.dim() == 3 && keys.dim() == 4,
+              "vq_decode_step (native): q [B, Hkv, G, Dk], v [B, Hkv, Dv], search_t [Hkv, Dk, S], keys [B, Hkv, C, Dk]");
+  const int64_t B = q.size(0), Hkv = q.size(1), G = q.size(2), Dk = q.size(3);
+  const int64_t Dv = v.size(2), S = search_t.size(2), C = keys.size(2);
+  TORCH_CHECK(C == 2 * L + S && p >= 0 && p < L, "vq_decode_step (native): a buffer of ", C,
+              " columns does not fit L = ", L, ", S = ", S, ", p = ", p);
+  check_buffer(q, "q", dtype, {B, Hkv, G, Dk});
+  check_buffer(k, "k", dtype, {B, Hkv, Dk});
+  check_buffer(v, "v", dtype, {B, Hkv, Dv});
+  check_buffer(search_t, "search_t", at::kFloat, {Hkv, Dk, S});
+  check_buffer(norms, "norms", at::kFloat, {Hkv, S});
+  check_buffer(codebook_t, "codebook_t", dtype, {Hkv, Dk, S});
+  check_buffer(keys, "keys", dtype, {B, Hkv, C, Dk});
+  check_buffer(values, "values", dtype, {B, Hkv, C, Dv});
+  check_buffer(codes, "codes", at::kLong, {B, Hkv, C});
+  check_buffer(mask, "mask", dtype, {B, Hkv, C});
+  check_buffer(out, "out", dtype, {B, Hkv, G, Dv});
+  check_buffer(new_codes, "new_codes", at::kLong, {B, Hkv});
+  const int64_t row = L + p;
+  const T* q_data = q.data_ptr<T>();
+  const T* k_data = k.data_ptr<T>();
+  const T* v_data = v.data_ptr<T>();
+  const float* search_data = search_t.data_ptr<float>();
+  const float* norm_data = norms.data_ptr<float>();
+  const T* book_data = codebook_t.data_ptr<T>();
+  T* key_data = keys.data_ptr<T>();
+  T* value_data = values.data_ptr<T>();
+  int64_t* code_data = codes.data_ptr<int64_t>();
+  T* mask_data = mask.data_ptr<T>();
+  T* out_data = out.data_ptr<T>();
+  int64_t* new_code_data = new_codes.data_ptr<int64_t>();
+  const T* relative_data = nullptr;
+  int64_t rb = 0, rh = 0, rg = 0, rj = 0;  // strides of relative [B, Hkv, G, L + 1] (0: broadcast)
+  if (relative.has_value()) {
+    const at::Tensor& r = *relative;
+    TORCH_CHECK(r.scalar_type() == dtype && r.dim() == 4 && r.size(0) == B && r.size(1) == Hkv && r.size(2) == G &&
+                    r.size(3) == L + 1,
+                "vq_decode_step (native): relative must be [B, Hkv, G, L + 1] in the inputs' dtype");
+    relative_data = r.data_ptr<T>();
+    rb = r.stride(0), rh = r.stride(1), rg = r.stride(2), rj = r.stride(3);
+  }
+  const T scale_t = static_cast<T>(scale);
+  const T minus_inf = -std::numeric_limits<T>::infinity();
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> key_scores(S);
+    std::vector<T> code_scores(keys_are_codes ? G * S : 0), scores(C);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / Hkv, h = bh % Hkv, base = bh * C;
+      // the nearest code, one codebook column (one key channel) at a time
+      const float* book32 = search_data + h * Dk * S;
+      float* ks = key_scores.data();
+      for (int64_t s = 0; s < S; ++s) ks[s] = 0.0f;
+      for (int64_t d = 0; d < Dk; ++d) {
+        const float x = static_cast<float>(k_data[bh * Dk + d]);
+        const float* column = book32 + d * S;
+        for (int64_t s = 0; s < S; ++s) ks[s] += x * column[s];
+      }
+      const float* norm = norm_data + h * S;
+      int64_t z = 0;
+      float best = std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < S; ++s) {
+        const float distance = norm[s] + -2.0f * ks[s];
+        if (std::isnan(distance)) {
+          z = s;
+          break;
+        }
+        if (distance < best) best = distance, z = s;
+      }
+      new_code_data[bh] = z;
+      // the new position enters the buffer
+      const T* book = book_data + h * Dk * S;
+      code_data[base + row] = z;
+      mask_data[base + row] = 0;
+      for (int64_t d = 0; d < Dk; ++d) key_data[(base + row) * Dk + d] = book[d * S + z];
+      for (int64_t d = 0; d < Dv; ++d) value_data[(base + row) * Dv + d] = v_data[bh * Dv + d];
+      if (keys_are_codes) {  // every query of the group against the codebook
+        T* qs = code_scores.data();
+        for (int64_t i = 0; i < G * S; ++i) qs[i] = 0;
+        for (int64_t d = 0; d < Dk; ++d) {
+          const T* column = book + d * S;
+          for (int64_t g = 0; g < G; ++g) {
+            const T x = q_data[(bh * G + g) * Dk + d];
+            T* qs_g = qs + g * S;
+            for (int64_t s = 0; s < S; ++s) qs_g[s] += x * column[s];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        T* sc = scores.data();
+        const T* m = mask_data + base;
+        if (keys_are_codes) {
+          const T* qs_g = code_scores.data() + g * S;
+          const int64_t* column_codes = code_data + base;
+          for (int64_t j = 0; j < C; ++j) sc[j] = m[j] + scale_t * qs_g[column_codes[j]];
+        } else {
+          const T* query = q_data + (bh * G + g) * Dk;
+          for (int64_t j = 0; j < C; ++j) {
+            const T* key = key_data + (base + j) * Dk;
+            T dot = 0;
+            for (int64_t d = 0; d < Dk; ++d) dot += query[d] * key[d];
+            sc[j] = m[j] + scale_t * dot;
+          }
+        }
+        if (relative_data != nullptr) {
+          const T* r = relative_data + b * rb + h * rh + g * rg;
+          for (int64_t j = 0; j <= L; ++j) sc[p + j] += r[j * rj];
+        }
+        T top = minus_inf;
+        for (int64_t j = 0; j < C; ++j) top = sc[j] > top ? sc[j] : top;
+#pragma omp simd
+        for (int64_t j = 0; j < C; ++j) sc[j] = std::exp(sc[j] - top);
+        T* o = out_data + (bh * G + g) * Dv;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = 0;
+        T total = 0;
+        for (int64_t j = 0; j < C; ++j) {
+          const T w = sc[j];
+          if (w == 0) continue;
+          total += w;
+          const T* value = value_data + (base + j) * Dv;
+          for (int64_t d = 0; d < Dv; ++d) o[d] += w * value[d];
+        }
+        const T inverse = T(1) / total;
+        for (int64_t d = 0; d < Dv; ++d) o[d] *= inverse;
+      }
+    }
+  });
+}
+
+void vq_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
+                    const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
+                    at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, double scale,
+                    const c10::optional<at::Tensor>& relative, bool keys_are_codes, at::Tensor out,
+                    at::Tensor new_codes) {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "vq_decode_step", [&] {
+    decode_rows<scalar_t>(q, k, v, search_t, norms, codebook_t, keys, values, codes, mask, L, p, scale, relative,
+                          keys_are_codes, out, new_codes);
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("vq_decode_step", &vq_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "One Transformer-VQ decoding step over the resident buffer (see the source's header).");
+}

@@ -1,0 +1,152 @@
+"""The native VQ decoding step (``ops/_vq_native.py``): chosen by ``impl="auto"`` on CPUs once
+it builds and agrees with the torch form; a build that fails, or a step that differs, warns
+once and hands the work to the torch form (``impl="native"`` raises instead); the variable
+``LINATTN_VQ_STEP_IMPL`` and the kernel's own argument checks fail loudly. Its results
+against the references: ``tests/test_vq_decode_step.py`` (every test there runs both forms)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import linattn
+from linattn.ops import _vq_native as native
+
+CPU = torch.device("cpu")
+L = 4
+
+
+@pytest.fixture
+def fresh_verdicts(monkeypatch):
+    """Forget the process's verdicts for the test, and restore them after it."""
+    monkeypatch.delenv(native.ENV, raising=False)
+    monkeypatch.setattr(native, "_verdicts", {})
+    monkeypatch.setattr(native, "_warned", set())
+
+
+def _decode(impl, dtype=torch.float64, steps=6):
+    g = torch.Generator().manual_seed(3)
+    codebook = torch.randn(2, 7, 5, generator=g, dtype=dtype)
+    state, outs = None, []
+    with torch.no_grad():
+        for _ in range(steps):
+            q, k = torch.randn(1, 4, 1, 5, generator=g, dtype=dtype), torch.randn(1, 2, 1, 5, generator=g, dtype=dtype)
+            v = torch.randn(1, 2, 1, 3, generator=g, dtype=dtype)
+            out, _, state = linattn.vq_decode_step(q, k, v, codebook, state, block_size=L, impl=impl)
+            outs.append(out)
+    return torch.cat(outs, 2)
+
+
+def test_auto_takes_the_native_step_on_cpu(fresh_verdicts):
+    """Where a compiler is at hand (every machine this suite runs on), the automatic choice is
+    the native step in float32 and float64, with no warning (half-precision inputs are
+    computed in float32, so they take it too)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.use_native("auto", CPU, torch.float64)
+        assert native.use_native("auto", CPU, torch.float32)
+    assert native.choice(CPU, torch.float64)[0] == "native"
+
+
+def test_a_failed_build_warns_once_and_runs_the_torch_form(fresh_verdicts, monkeypatch):
+    def no_compiler():
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(native, "extension", no_compiler)
+    expected = _decode("torch")
+    with pytest.warns(RuntimeWarning, match="native VQ decoding step failed in torch.float64: no compiler here"):
+        out = _decode("auto")
+    assert torch.equal(out, expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per dtype
+        _decode("auto")
+    with pytest.raises(RuntimeError, match="no compiler here"):
+        _decode("native")
+    assert native.choice(CPU, torch.float64) == ("torch", "the native step failed: no compiler here")
+
+
+class _Off:
+    """The compiled module with its output nudged: a kernel that is wrong on this machine."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def vq_decode_step(self, *args):
+        self.module.vq_decode_step(*args)
+        args[-2].add_(1e-6)  # out
+
+
+def test_a_step_that_differs_is_caught_by_the_self_check(fresh_verdicts, monkeypatch):
+    monkeypatch.setattr(native, "extension", lambda module=native.extension(): _Off(module))
+    expected = _decode("torch")
+    with pytest.warns(RuntimeWarning, match=r"the output differs by .* \(tolerance 1e-12\)"):
+        out = _decode("auto")
+    assert torch.equal(out, expected)
+    with pytest.raises(RuntimeError, match="the output differs"):
+        _decode("native")
+
+
+def test_the_variable_and_impl_are_checked(monkeypatch):
+    monkeypatch.setenv(native.ENV, "fast")
+    with pytest.raises(ValueError, match="LINATTN_VQ_STEP_IMPL must be 'torch' or 'native'"):
+        _decode("auto")
+    assert native.choice(CPU, torch.float64)[0] == "error"
+    cuda = torch.device("cuda")  # only named: the choice is made from the device and the dtype
+    monkeypatch.setenv(native.ENV, "native")
+    with pytest.raises(ValueError, match=r"LINATTN_VQ_STEP_IMPL=native: .* runs on CPU tensors, got cuda"):
+        native.use_native("auto", cuda, torch.float32)
+    assert native.choice(cuda, torch.float32)[0] == "error"
+    monkeypatch.delenv(native.ENV)
+    assert not native.use_native("auto", cuda, torch.float32)
+    with pytest.raises(ValueError, match=r"impl='native': .* runs on CPU tensors, got cuda"):
+        native.use_native("native", cuda, torch.float32)
+    with pytest.raises(ValueError, match="impl must be one of 'auto', 'torch', 'native', got 'triton'"):
+        _decode("triton")
+
+
+def test_the_variable_forces_the_torch_form(monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "extension", lambda: calls.append(1))
+    monkeypatch.setenv(native.ENV, "torch")
+    _decode("auto")
+    assert calls == []
+    assert native.choice(CPU, torch.float64) == ("torch", "LINATTN_VQ_STEP_IMPL=torch")
+
+
+def test_the_kernel_refuses_buffers_that_do_not_fit():
+    """The C++ function checks what it writes through: a wrong shape, dtype or layout is an
+    error naming the tensor, never a write out of bounds."""
+    module = native.extension()
+    B, Hkv, G, D, E, S = 1, 2, 1, 4, 3, 5
+    C = 2 * L + S
+
+    def arguments(**change):
+        def f64(*shape):
+            return torch.zeros(*shape, dtype=torch.float64)
+
+        args = dict(q=f64(B, Hkv, G, D), k=f64(B, Hkv, D), v=f64(B, Hkv, E), search_t=torch.zeros(Hkv, D, S),
+                    norms=torch.zeros(Hkv, S), codebook_t=f64(Hkv, D, S), keys=f64(B, Hkv, C, D),
+                    values=f64(B, Hkv, C, E), codes=torch.zeros(B, Hkv, C, dtype=torch.int64), mask=f64(B, Hkv, C),
+                    L=L, p=0, scale=1.0, relative=None, keys_are_codes=True, out=f64(B, Hkv, G, E),
+                    new_codes=torch.zeros(B, Hkv, dtype=torch.int64))
+        args.update(change)
+        return list(args.values())
+
+    module.vq_decode_step(*arguments())
+    with pytest.raises(RuntimeError, match=r"values has shape \[1, 2, 12, 3\], expected \[1, 2, 13, 3\]"):
+        module.vq_decode_step(*arguments(values=torch.zeros(B, Hkv, C - 1, E, dtype=torch.float64)))
+    with pytest.raises(RuntimeError, match="norms must be a contiguous CPU tensor of Float"):
+        module.vq_decode_step(*arguments(norms=torch.zeros(S, Hkv).t()))
+    with pytest.raises(RuntimeError, match="codes must be a contiguous CPU tensor of Long, got Int"):
+        module.vq_decode_step(*arguments(codes=torch.zeros(B, Hkv, C, dtype=torch.int32)))
+    with pytest.raises(RuntimeError, match="does not fit L = 4, S = 5, p = 4"):
+        module.vq_decode_step(*arguments(p=L))
+
+
+def test_doctor_names_the_choice():
+    from linattn import doctor
+
+    rows = dict(doctor.implementations(CPU))
+    assert rows["vq_decode_step (float32)"].startswith("impl='auto': native (")
