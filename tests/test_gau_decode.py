@@ -1,7 +1,8 @@
 """The one-token decoding path of the VQ ``GAU`` (``nn/_gau_decode.py``) against the general
 layer: same outputs, states and losses in float64, across block boundaries, with batch > 1,
 for both GAU variants; taken only when it applies; its derived constants follow the
-parameters and the codebook."""
+parameters and the codebook. Every test runs with the attention of a token in torch
+operators and in the native VQ decoding step (``LINATTN_VQ_STEP_IMPL``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,12 @@ def _unit(variant: str = "linattn", seed: int = 0) -> GAU:
         for parameter in unit.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
     return unit.eval()
+
+
+@pytest.fixture(autouse=True, params=["torch", "native"])
+def step_impl(request, monkeypatch):
+    monkeypatch.setenv("LINATTN_VQ_STEP_IMPL", request.param)
+    return request.param
 
 
 @pytest.fixture

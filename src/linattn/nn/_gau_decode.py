@@ -6,7 +6,9 @@ pays more for reshapes, dtype checks and broadcast matmuls than for the maths. T
 the same computation written for ``[B, 1, d_model]`` on 2-D/3-D tensors: one input
 matmul, the nearest code, and one softmax over (previous block, current block, S cache
 slots) read from the state's resident buffer (``ops/_vq_resident.py``: the new key and
-value are written into it in place, the scores are one matmul). ``GAU.forward`` takes the
+value are written into it in place, the scores are one matmul). On a CPU the nearest code,
+the writes and the attention are one call of the native VQ decoding step
+(``ops/_vq_native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses it). ``GAU.forward`` takes the
 general path for gradients, training mode, half precision and submodules that are not
 plain (a PEFT LoRA layer, a subclass, a forward hook); results equal its.
 """
@@ -19,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import compute_dtype
-from ..ops._vq_resident import state_after, window_for
+from ..ops._vq_native import extension, use_native
+from ..ops._vq_resident import _HARD_CODES, state_after, window_for
 from ..state import VQAttentionState
 
 
@@ -32,6 +35,7 @@ class DecodeConstants(NamedTuple):
     codebook32_t: torch.Tensor  # [d_k, S] float32, for the nearest code
     code_norms32: torch.Tensor  # [S] float32
     codebook: torch.Tensor  # [S, d_k] in the model dtype
+    codebook_t: torch.Tensor  # [d_k, S] in the model dtype (codebook32_t itself in float32)
     content_bias: torch.Tensor  # u as it enters the scores
     position_keys_reversed_t: torch.Tensor  # P^T with offsets L .. 0, [d_k, L + 1]
     bias_reversed: torch.Tensor  # (w - u).P_delta for delta = L .. 0
@@ -56,13 +60,14 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
         weight = unit._input_weight().to(dtype)
         norm_bias = getattr(norm, "bias", None)  # the paper variant's input norm has one
         codebook32 = unit.quantizer.codebook[0].float()
+        codebook32_t = codebook32.t().contiguous()
         position_keys, bias = unit._relative_terms(dtype)
         return DecodeConstants(
             input_t=(weight * norm.weight.to(dtype)).t().contiguous(),
             input_shift=None if norm_bias is None else weight @ norm_bias.to(dtype),
             eps=norm.eps if norm.eps is not None else torch.finfo(dtype).eps,
-            codebook32_t=codebook32.t().contiguous(), code_norms32=codebook32.pow(2).sum(-1),
-            codebook=codebook32.to(dtype),
+            codebook32_t=codebook32_t, code_norms32=codebook32.pow(2).sum(-1),
+            codebook=codebook32.to(dtype), codebook_t=codebook32_t.to(dtype),
             content_bias=(unit._bias_scale() * unit.content_bias).to(dtype),
             position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
             output_t=unit.w_o.weight.to(dtype).t().contiguous(),
@@ -110,21 +115,42 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
     vg = F.silu(projected[:, 2 * d_k :])
     v, gate = vg[:, :d_v], vg[:, d_v:]
 
-    k32 = k if k.dtype == torch.float32 else k.float()
-    codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
-    k_hat = c.codebook.index_select(0, codes)
-    wide = compute_dtype(k.dtype)  # the quantizer's: float32, float64 for float64 keys
-    weight = unit._modules["quantizer"].commitment_weight
-    commit = F.mse_loss(k.to(wide), k_hat.to(wide), reduction="sum") * (weight / B)
     queries = q + c.content_bias
     relative = torch.addmm(c.bias_reversed, queries, c.position_keys_reversed_t)  # offsets L .. 0
     p = state.partial_keys.shape[2]
     codebook = unit._modules["quantizer"]._buffers["codebook"]  # [1, S, d_k]: the buffer's rows 2L.. copy it
-    window = window_for(state, L, codebook, (B, 1, d_k, d_v), codes, x.dtype)
-    window.append_one(p, k_hat, v, codes)
-    scores = torch.baddbmm(window.mask3, queries.view(B, 1, d_k), window.keys_t)  # [B, 1, 2L + S]
-    scores.narrow(2, p, L + 1).add_(relative.view(B, 1, L + 1))  # columns p .. L + p: offsets L .. 0
-    out = torch.bmm(torch.softmax(scores, dim=-1), window.values3)
+    if use_native("auto", x.device, x.dtype):
+        out, codes, k_hat, window = _native_attend(c, queries, k, v, relative, codebook, state, L, p)
+    else:
+        k32 = k if k.dtype == torch.float32 else k.float()
+        codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
+        k_hat = c.codebook.index_select(0, codes)
+        window = window_for(state, L, codebook, (B, 1, d_k, d_v), codes, x.dtype)
+        window.append_one(p, k_hat, v, codes)
+        scores = torch.baddbmm(window.mask3, queries.view(B, 1, d_k), window.keys_t)  # [B, 1, 2L + S]
+        scores.narrow(2, p, L + 1).add_(relative.view(B, 1, L + 1))  # columns p .. L + p: offsets L .. 0
+        out = torch.bmm(torch.softmax(scores, dim=-1), window.values3)
+    wide = compute_dtype(k.dtype)  # the quantizer's: float32, float64 for float64 keys
+    weight = unit._modules["quantizer"].commitment_weight
+    commit = F.mse_loss(k.to(wide), k_hat.to(wide), reduction="sum") * (weight / B)
     y = torch.mm(out.view(B, d_v) * gate, c.output_t).view(B, 1, -1)
     new_state = state_after(window, p + 1, state.prev_keys is not None, state.steps + 1)
     return y, new_state, {"commit_loss": commit, "codes": codes.view(B, 1, 1)}
+
+
+def _native_attend(c: DecodeConstants, queries, k, v, relative, codebook, state, L: int, p: int):
+    """The nearest code, the buffer writes and the attention of one token by the native
+    step (``ops/_vq_native.py``; one kv head, one query per head, unit scale): ``(out [B, d_v],
+    codes [B], k_hat [B, d_k] (a view of the buffer's new row), window)``."""
+    B, d_k = queries.shape
+    d_v = v.shape[-1]
+    window = window_for(state, L, codebook, (B, 1, d_k, d_v), _HARD_CODES, queries.dtype)
+    out = queries.new_empty(B, 1, 1, d_v)
+    codes = torch.empty(B, 1, dtype=torch.int64, device=queries.device)
+    extension().vq_decode_step(
+        queries.view(B, 1, 1, d_k), k.contiguous().view(B, 1, d_k), v.contiguous().view(B, 1, d_v),
+        c.codebook32_t.unsqueeze(0), c.code_norms32.unsqueeze(0), c.codebook_t.unsqueeze(0), window.keys,
+        window.values, window.codes, window.mask, L, p, 1.0, relative.view(B, 1, 1, L + 1), window.keys_are_codes,
+        out, codes)
+    window.written = p + 1
+    return out.view(B, d_v), codes.view(B), window.keys[:, 0, L + p], window
