@@ -272,25 +272,29 @@ def test_page_sections_and_tables(tool, repo, monkeypatch):
 
 def test_schedule_grid_tables(tool, repo):
     """``schedule-grid``: the grid tool's printed lines (no-grad lines of the first file,
-    fwd+bwd lines of the second) as one table, the faster schedule of each pair in bold, the
-    batched column at the default budget; a later line of another budget is ignored, a file
+    fwd+bwd lines of the second) as one table, T from a line's ``T=`` (16384 in files printed
+    before it was a choice), the faster schedule of each pair in bold, the batched column at
+    the default budget; a later line of another budget is ignored, a file
     without the default budget or with other shapes is refused."""
     folder = repo / "docs" / "benchmarks" / "grid-probe"
     folder.mkdir(parents=True)
     (folder / "a.txt").write_text(
         "forward rows= 1 L= 64 S=128 loop    140 ms | 2^19:     52 ms (2.71x) | 2^22:    500 ms (0.28x)\n"
         "forward rows= 4 L=256 S=512 loop    389 ms | 2^19:    438 ms (0.89x)\n"
-        "{\n    (False, 1, 64, 128): 'batched',\n}\n")
+        "forward rows=64 L= 32 S= 64 T=  128 loop      4 ms | 2^19:     19 ms (0.21x)\n"
+        "{\n    (False, 1, 64, 128, 256): 'batched',\n}\n")
     (folder / "b.txt").write_text(
         "forward rows= 1 L= 64 S=128 loop      1 ms | 2^19:      2 ms (0.50x)\n"
         "train   rows= 4 L=256 S=512 loop   1068 ms | 2^19:    926 ms (1.15x)\n"
+        "train   rows=64 L= 32 S= 64 T=  128 loop     12 ms | 2^19:     40 ms (0.30x)\n"
         "train   rows= 1 L= 64 S=128 loop    290 ms | 2^19:     96 ms (3.02x)\n")
     table = tool.render("schedule-grid docs/benchmarks/grid-probe/a.txt docs/benchmarks/grid-probe/b.txt", repo)
     assert table.splitlines() == [
-        "| rows | L | S | no grad: loop | batched | fwd+bwd: loop | batched |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        "| 1 | 64 | 128 | 140 | **52** | 290 | **96** |",
-        "| 4 | 256 | 512 | **389** | 438 | 1068 | **926** |",
+        "| rows | L | S | T | no grad: loop | batched | fwd+bwd: loop | batched |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| 1 | 64 | 128 | 16384 | 140 | **52** | 290 | **96** |",
+        "| 4 | 256 | 512 | 16384 | **389** | 438 | 1068 | **926** |",
+        "| 64 | 32 | 64 | 128 | **4** | 19 | **12** | 40 |",
     ]
     (folder / "c.txt").write_text("train   rows= 1 L= 64 S=128 loop    290 ms | 2^22:     96 ms (3.02x)\n")
     with pytest.raises(ValueError, match="no train lines with the default budget 2\\^19"):

@@ -1029,11 +1029,11 @@ def test_schedule_runs_the_walk_it_names(monkeypatch, schedule, expected):
 @pytest.mark.parametrize("winner", ["loop", "batched"])
 def test_auto_schedule_runs_the_grid_winner(monkeypatch, grad, winner):
     """``schedule="auto"`` on a CPU walks the blocks the way ``_AUTO_SCHEDULE`` names for the
-    call's gradient mode and its (batch x heads, L, S), and the same call with gradients
-    switched the other way reads the other half of the grid."""
+    call's gradient mode and its (batch x heads, L, S, blocks), and the same call with
+    gradients switched the other way reads the other half of the grid."""
     q, k_hat, v, codes, codebook = make_vq(B=2, H=2, T=9, S=5)
     other = "batched" if winner == "loop" else "loop"
-    monkeypatch.setattr(vq, "_AUTO_SCHEDULE", {(grad, 4, 4, 5): winner, (not grad, 4, 4, 5): other})
+    monkeypatch.setattr(vq, "_AUTO_SCHEDULE", {(grad, 4, 4, 5, 3): winner, (not grad, 4, 4, 5, 3): other})
     ran = _record_walks(monkeypatch)
     with torch.set_grad_enabled(grad):
         linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto")
@@ -1045,9 +1045,10 @@ def test_auto_schedule_runs_the_grid_winner(monkeypatch, grad, winner):
 
 def test_the_auto_schedule_grid_is_the_committed_measurement():
     """``_AUTO_SCHEDULE`` names, for every shape, the faster schedule of the grid files its
-    comment cites (``tools/vq_schedule_grid.py``'s output: the no-grad half from
-    grid-running-rows.txt, the fwd+bwd half from grid-after-running-cache.txt; a pair equal in
-    the printed whole milliseconds may go either way): the code cannot drift from its evidence."""
+    comment cites (``tools/vq_schedule_grid.py``'s output: for long sequences the no-grad half
+    from grid-running-rows.txt, the fwd+bwd half from grid-after-running-cache.txt; for a few
+    blocks per row both halves from grid-short.txt; a pair equal in the printed whole
+    milliseconds may go either way): the code cannot drift from its evidence."""
     import importlib.util
     from pathlib import Path
 
@@ -1057,7 +1058,8 @@ def test_the_auto_schedule_grid_is_the_committed_measurement():
     spec.loader.exec_module(tool)
     folder, budget = root / "docs" / "benchmarks" / "vq-schedule-grid", vq._BATCHED_SCORES["cpu"]
     measured = {}
-    for name, mode in (("grid-running-rows.txt", "forward"), ("grid-after-running-cache.txt", "train")):
+    for name, mode in (("grid-running-rows.txt", "forward"), ("grid-after-running-cache.txt", "train"),
+                       ("grid-short.txt", "forward"), ("grid-short.txt", "train")):
         grid = tool.read_grid((folder / name).read_text())
         measured.update({(mode == "train", *key[1:]): times for key, times in grid.items() if key[0] == mode})
     assert measured.keys() == vq._AUTO_SCHEDULE.keys()
@@ -1067,19 +1069,22 @@ def test_the_auto_schedule_grid_is_the_committed_measurement():
 
 
 def test_auto_schedule_takes_the_nearest_grid_point_in_log_scale(monkeypatch):
-    """Off the grid, the nearest point in log2 of rows, L and S decides; only points of the
-    call's gradient mode count; devices other than the CPU get the batched schedule."""
-    grid = {(False, 1, 64, 128): "batched", (False, 16, 64, 128): "loop", (False, 1, 256, 512): "loop",
-            (True, 6, 64, 128): "batched"}
+    """Off the grid, the nearest point in log2 of rows, L, S and blocks per row decides; only
+    points of the call's gradient mode count; devices other than the CPU get the batched
+    schedule."""
+    grid = {(False, 1, 64, 128, 256): "batched", (False, 16, 64, 128, 256): "loop",
+            (False, 1, 256, 512, 256): "loop", (False, 1, 64, 128, 4): "loop", (True, 6, 64, 128, 256): "batched"}
     monkeypatch.setattr(vq, "_AUTO_SCHEDULE", grid)
     cpu = torch.device("cpu")
-    assert vq._auto_schedule(False, 3, 64, 128, cpu) == "batched"  # log2 distance 1.58 vs 2.42
-    assert vq._auto_schedule(False, 5, 64, 128, cpu) == "loop"  # 2.32 vs 1.68
-    assert vq._auto_schedule(False, 1, 200, 400, cpu) == "loop"  # L and S count as rows do
-    assert vq._auto_schedule(False, 1, 256, 181, cpu) == "loop"  # 2.5 vs 1.5: L decides (S alone: batched)
-    assert vq._auto_schedule(False, 1, 120, 512, cpu) == "loop"  # 2.91 vs 2.09: S decides (L alone: batched)
-    assert vq._auto_schedule(True, 1000, 8, 8, cpu) == "batched"  # the only point with gradients
-    assert vq._auto_schedule(False, 32, 64, 128, torch.device("meta")) == "batched"
+    assert vq._auto_schedule(False, 3, 64, 128, 256, cpu) == "batched"  # log2 distance 1.58 vs 2.42
+    assert vq._auto_schedule(False, 5, 64, 128, 256, cpu) == "loop"  # 2.32 vs 1.68
+    assert vq._auto_schedule(False, 1, 200, 400, 256, cpu) == "loop"  # L and S count as rows do
+    assert vq._auto_schedule(False, 1, 256, 181, 256, cpu) == "loop"  # 2.5 vs 1.5: L decides (S alone: batched)
+    assert vq._auto_schedule(False, 1, 120, 512, 256, cpu) == "loop"  # 2.91 vs 2.09: S decides
+    assert vq._auto_schedule(False, 1, 64, 128, 16, cpu) == "loop"  # blocks: 2 from 4, 4 from 256
+    assert vq._auto_schedule(False, 1, 64, 128, 64, cpu) == "batched"  # 4 from 4, 2 from 256
+    assert vq._auto_schedule(True, 1000, 8, 8, 2, cpu) == "batched"  # the only point with gradients
+    assert vq._auto_schedule(False, 32, 64, 128, 4, torch.device("meta")) == "batched"
 
 
 @pytest.mark.parametrize("rows_at_once", [1, 3, 100])

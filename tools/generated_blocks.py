@@ -311,10 +311,10 @@ def _schedule_grid(root: Path, words: list[str]) -> str:
         return [f"**{times[key]}**" if winner == name else str(times[key]) for name, key in (("loop", "loop"),
                                                                                              ("batched", budget))]
 
-    rows = [[str(rows), str(L), str(S), *pair(grids[0][rows, L, S]), *pair(grids[1][rows, L, S])]
-            for rows, L, S in sorted(grids[0])]
-    return "\n".join(markdown_table_lines(["rows", "L", "S", "no grad: loop", "batched", "fwd+bwd: loop", "batched"],
-                                           rows))
+    rows = [[str(rows), str(L), str(S), str(R * L), *pair(grids[0][rows, L, S, R]), *pair(grids[1][rows, L, S, R])]
+            for rows, L, S, R in sorted(grids[0])]
+    return "\n".join(markdown_table_lines(["rows", "L", "S", "T", "no grad: loop", "batched", "fwd+bwd: loop",
+                                            "batched"], rows))
 
 
 def _keeps(row: dict, key: str, value: str, where: str) -> bool:

@@ -2,8 +2,9 @@
 ``schedule="auto"`` (``ops.vq._AUTO_SCHEDULE``) and the batched schedule's group budget
 (``ops.vq._BATCHED_SCORES``).
 
-For each (rows = batch x heads, block length L, codebook size S) at T = 16384, Dk = Dv = 64,
-with a relative bias and position keys as the GAU layer passes them: the median over
+For each (rows = batch x heads, block length L, codebook size S, blocks per row R) at
+T = R L (``--block-counts``; by default T = 16384, the long sequences of a prefill), Dk = Dv
+= 64, with a relative bias and position keys as the GAU layer passes them: the median over
 ``--rounds`` turns of the loop and of the batched schedule (at each ``--budgets`` group
 budget; the schedules take turns, so a slow spell of the machine falls on each), in the
 ``--modes`` asked for: ``forward`` (under ``no_grad``: prefill, evaluation) and ``train``
@@ -12,6 +13,9 @@ then (``--emit``) the winners as the Python literal ``_AUTO_SCHEDULE`` holds. Ru
 quiet machine, from the repository root:
 
     .venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit
+
+Short sequences in large batches (training at a small context: few blocks, many rows) are
+their own grid, e.g. ``--block-counts 4 --rows 8 64 256 --blocks 32 64 128 --codes 64 512``.
 """
 
 from __future__ import annotations
@@ -50,23 +54,26 @@ def vq_call(rows: int, L: int, S: int, schedule: str, mode: str, T: int = 16384,
     return call
 
 
-# One printed line: "forward rows= 4 L= 64 S=128 loop    302 ms | 2^19:    178 ms (1.69x)", with
-# one "| 2^B: ..." column per budget tried.
-_LINE = re.compile(r"^(forward|train)\s+rows=\s*(\d+) L=\s*(\d+) S=\s*(\d+) loop\s+(\d+) ms"
+# One printed line: "forward rows= 4 L= 64 S=128 T=16384 loop    302 ms | 2^19:    178 ms (1.69x)",
+# with one "| 2^B: ..." column per budget tried (files printed before T was a choice have no
+# "T=" and were measured at T = 16384).
+LONG = 16384
+_LINE = re.compile(r"^(forward|train)\s+rows=\s*(\d+) L=\s*(\d+) S=\s*(\d+)(?: T=\s*(\d+))? loop\s+(\d+) ms"
                    r"((?: \| 2\^\d+:\s+\d+ ms \([\d.]+x\))+)$")
 _COLUMN = re.compile(r"2\^(\d+):\s+(\d+) ms")
 
 
-def read_grid(text: str) -> dict[tuple[str, int, int, int], dict]:
-    """The shapes of a grid this tool printed: ``(mode, rows, L, S) -> {"loop": ms, budget: ms, ...}``
-    (whole milliseconds, as printed; other lines, such as the ``--emit`` literal, are skipped)."""
+def read_grid(text: str) -> dict[tuple[str, int, int, int, int], dict]:
+    """The shapes of a grid this tool printed: ``(mode, rows, L, S, blocks per row R) ->
+    {"loop": ms, budget: ms, ...}`` (whole milliseconds, as printed; other lines, such as the
+    ``--emit`` literal, are skipped)."""
     grid = {}
     for line in text.splitlines():
         match = _LINE.match(line)
         if match:
-            mode, rows, L, S, loop, columns = match.groups()
+            mode, rows, L, S, T, loop, columns = match.groups()
             times = {"loop": int(loop), **{1 << int(bits): int(ms) for bits, ms in _COLUMN.findall(columns)}}
-            grid[(mode, int(rows), int(L), int(S))] = times
+            grid[(mode, int(rows), int(L), int(S), int(T or LONG) // int(L))] = times
     return grid
 
 
@@ -99,16 +106,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--codes", type=int, nargs="+", default=[128, 512])
+    parser.add_argument("--block-counts", type=int, nargs="+", default=None, metavar="R",
+                        help=f"blocks per row (T = R L); default: T = {LONG}")
     parser.add_argument("--rounds", type=int, default=5, help="timed turns per shape (default 5)")
     parser.add_argument("--emit", action="store_true", help="print the winners as _AUTO_SCHEDULE's literal")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device, default_budget = "cpu", vq._BATCHED_SCORES["cpu"]
     winners = {}
-    for mode, rows, L, S in itertools.product(args.modes, args.rows, args.blocks, args.codes):
-        calls = {"loop": vq_call(rows, L, S, "loop", mode)}
+    for mode, rows, L, S, R in itertools.product(args.modes, args.rows, args.blocks, args.codes,
+                                                 args.block_counts or [None]):
+        T = LONG if R is None else R * L
+        calls = {"loop": vq_call(rows, L, S, "loop", mode, T)}
         for budget in args.budgets:
-            batched = vq_call(rows, L, S, "batched", mode)
+            batched = vq_call(rows, L, S, "batched", mode, T)
 
             def with_budget(call=batched, budget=budget) -> None:
                 vq._BATCHED_SCORES[device] = budget
@@ -120,12 +131,12 @@ def main() -> None:
             calls[budget] = with_budget
         medians = interleaved_medians(calls, args.rounds)
         loop = medians["loop"]
-        line = f"{mode:7s} rows={rows:2d} L={L:3d} S={S:3d} loop {loop * 1e3:6.0f} ms"
+        line = f"{mode:7s} rows={rows:2d} L={L:3d} S={S:3d} T={T:5d} loop {loop * 1e3:6.0f} ms"
         for budget in args.budgets:
             batched = medians[budget]
             line += f" | 2^{budget.bit_length() - 1}: {batched * 1e3:6.0f} ms ({loop / batched:.2f}x)"
             if budget == default_budget:
-                winners[(mode == "train", rows, L, S)] = faster(loop, batched) or "batched"
+                winners[(mode == "train", rows, L, S, T // L)] = faster(loop, batched) or "batched"
         print(line, flush=True)
     if args.emit:
         print("{")

@@ -138,7 +138,7 @@ def _schedule_choice(device: torch.device) -> str:
         winners = [winner for key, winner in vq_ops._AUTO_SCHEDULE.items() if key[0] == grad]
         parts.append(f"{mode} loop at {winners.count('loop')} and batched at {winners.count('batched')} "
                      f"of {len(winners)} measured shapes")
-    return ("the faster of loop and batched at the nearest measured (batch x heads, L, S): "
+    return ("the faster of loop and batched at the nearest measured (batch x heads, L, S, blocks per row): "
             + "; ".join(parts))
 
 

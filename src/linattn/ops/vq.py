@@ -305,43 +305,71 @@ _BATCHED_SCORES = {"cuda": 1 << 22, "cpu": 1 << 19}
 
 
 # schedule="auto" on a CPU: the faster schedule at the nearest point (in log2 of each
-# coordinate) of a grid measured at T = 16384, Dk = Dv = 64 with bias and position keys,
-# keyed by (gradients on, rows = batch x heads, block length L, codebook size S); quiet
-# machine, 2 threads: `.venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit` (with
-# gradients: docs/benchmarks/vq-schedule-grid/grid-after-running-cache.txt), without them the
-# same with `--modes forward` (grid-running-rows.txt); the times are in docs/results.md, "VQ
-# block schedules".
+# coordinate) of grids measured with Dk = Dv = 64, bias and position keys, keyed by (gradients
+# on, rows = batch x heads, block length L, codebook size S, blocks per row R); quiet machine,
+# 2 threads. Long sequences (T = 16384, R = 16384 / L): `.venv/bin/python
+# tools/vq_schedule_grid.py --threads 2 --emit` (with gradients:
+# docs/benchmarks/vq-schedule-grid/grid-after-running-cache.txt), without them the same with
+# `--modes forward` (grid-running-rows.txt). Few blocks in many rows (R = 2, 8):
+# `.venv/bin/python tools/vq_schedule_grid.py --threads 2 --block-counts 2 8 --rows 8 64 256
+# --blocks 32 64 128 --codes 64 512 --emit` (grid-short.txt). The times are in
+# docs/results.md, "VQ block schedules".
 _AUTO_SCHEDULE = {
-    (False, 1, 64, 128): "batched", (False, 1, 64, 512): "batched", (False, 1, 128, 128): "batched",
-    (False, 1, 128, 512): "batched", (False, 1, 256, 128): "batched", (False, 1, 256, 512): "batched",
-    (False, 4, 64, 128): "batched", (False, 4, 64, 512): "batched", (False, 4, 128, 128): "batched",
-    (False, 4, 128, 512): "batched", (False, 4, 256, 128): "batched", (False, 4, 256, 512): "loop",
-    (False, 8, 64, 128): "batched", (False, 8, 64, 512): "batched", (False, 8, 128, 128): "batched",
-    (False, 8, 128, 512): "batched", (False, 8, 256, 128): "loop", (False, 8, 256, 512): "loop",
-    (False, 32, 64, 128): "batched", (False, 32, 64, 512): "batched", (False, 32, 128, 128): "loop",
-    (False, 32, 128, 512): "loop", (False, 32, 256, 128): "loop", (False, 32, 256, 512): "batched",
-    (True, 1, 64, 128): "batched", (True, 1, 64, 512): "batched", (True, 1, 128, 128): "batched",
-    (True, 1, 128, 512): "batched", (True, 1, 256, 128): "batched", (True, 1, 256, 512): "batched",
-    (True, 4, 64, 128): "batched", (True, 4, 64, 512): "batched", (True, 4, 128, 128): "batched",
-    (True, 4, 128, 512): "batched", (True, 4, 256, 128): "batched", (True, 4, 256, 512): "batched",
-    (True, 8, 64, 128): "batched", (True, 8, 64, 512): "batched", (True, 8, 128, 128): "batched",
-    (True, 8, 128, 512): "batched", (True, 8, 256, 128): "loop", (True, 8, 256, 512): "batched",
-    (True, 32, 64, 128): "batched", (True, 32, 64, 512): "batched", (True, 32, 128, 128): "batched",
-    (True, 32, 128, 512): "batched", (True, 32, 256, 128): "loop", (True, 32, 256, 512): "batched",
+    (False, 1, 64, 128, 256): "batched", (False, 1, 64, 512, 256): "batched", (False, 1, 128, 128, 128): "batched",
+    (False, 1, 128, 512, 128): "batched", (False, 1, 256, 128, 64): "batched", (False, 1, 256, 512, 64): "batched",
+    (False, 4, 64, 128, 256): "batched", (False, 4, 64, 512, 256): "batched", (False, 4, 128, 128, 128): "batched",
+    (False, 4, 128, 512, 128): "batched", (False, 4, 256, 128, 64): "batched", (False, 4, 256, 512, 64): "loop",
+    (False, 8, 64, 128, 256): "batched", (False, 8, 64, 512, 256): "batched", (False, 8, 128, 128, 128): "batched",
+    (False, 8, 128, 512, 128): "batched", (False, 8, 256, 128, 64): "loop", (False, 8, 256, 512, 64): "loop",
+    (False, 32, 64, 128, 256): "batched", (False, 32, 64, 512, 256): "batched", (False, 32, 128, 128, 128): "loop",
+    (False, 32, 128, 512, 128): "loop", (False, 32, 256, 128, 64): "loop", (False, 32, 256, 512, 64): "batched",
+    (False, 8, 32, 64, 2): "loop", (False, 8, 32, 64, 8): "loop", (False, 8, 32, 512, 2): "loop",
+    (False, 8, 32, 512, 8): "batched", (False, 8, 64, 64, 2): "loop", (False, 8, 64, 64, 8): "loop",
+    (False, 8, 64, 512, 2): "loop", (False, 8, 64, 512, 8): "loop", (False, 8, 128, 64, 2): "loop",
+    (False, 8, 128, 64, 8): "loop", (False, 8, 128, 512, 2): "loop", (False, 8, 128, 512, 8): "loop",
+    (False, 64, 32, 64, 2): "loop", (False, 64, 32, 64, 8): "loop", (False, 64, 32, 512, 2): "loop",
+    (False, 64, 32, 512, 8): "batched", (False, 64, 64, 64, 2): "loop", (False, 64, 64, 64, 8): "loop",
+    (False, 64, 64, 512, 2): "loop", (False, 64, 64, 512, 8): "batched", (False, 64, 128, 64, 2): "loop",
+    (False, 64, 128, 64, 8): "loop", (False, 64, 128, 512, 2): "loop", (False, 64, 128, 512, 8): "batched",
+    (False, 256, 32, 64, 2): "loop", (False, 256, 32, 64, 8): "loop", (False, 256, 32, 512, 2): "loop",
+    (False, 256, 32, 512, 8): "batched", (False, 256, 64, 64, 2): "loop", (False, 256, 64, 64, 8): "loop",
+    (False, 256, 64, 512, 2): "batched", (False, 256, 64, 512, 8): "batched", (False, 256, 128, 64, 2): "loop",
+    (False, 256, 128, 64, 8): "batched", (False, 256, 128, 512, 2): "batched", (False, 256, 128, 512, 8): "batched",
+    (True, 1, 64, 128, 256): "batched", (True, 1, 64, 512, 256): "batched", (True, 1, 128, 128, 128): "batched",
+    (True, 1, 128, 512, 128): "batched", (True, 1, 256, 128, 64): "batched", (True, 1, 256, 512, 64): "batched",
+    (True, 4, 64, 128, 256): "batched", (True, 4, 64, 512, 256): "batched", (True, 4, 128, 128, 128): "batched",
+    (True, 4, 128, 512, 128): "batched", (True, 4, 256, 128, 64): "batched", (True, 4, 256, 512, 64): "batched",
+    (True, 8, 64, 128, 256): "batched", (True, 8, 64, 512, 256): "batched", (True, 8, 128, 128, 128): "batched",
+    (True, 8, 128, 512, 128): "batched", (True, 8, 256, 128, 64): "loop", (True, 8, 256, 512, 64): "batched",
+    (True, 32, 64, 128, 256): "batched", (True, 32, 64, 512, 256): "batched", (True, 32, 128, 128, 128): "batched",
+    (True, 32, 128, 512, 128): "batched", (True, 32, 256, 128, 64): "loop", (True, 32, 256, 512, 64): "batched",
+    (True, 8, 32, 64, 2): "loop", (True, 8, 32, 64, 8): "loop", (True, 8, 32, 512, 2): "loop",
+    (True, 8, 32, 512, 8): "loop", (True, 8, 64, 64, 2): "loop", (True, 8, 64, 64, 8): "loop",
+    (True, 8, 64, 512, 2): "loop", (True, 8, 64, 512, 8): "loop", (True, 8, 128, 64, 2): "loop",
+    (True, 8, 128, 64, 8): "loop", (True, 8, 128, 512, 2): "loop", (True, 8, 128, 512, 8): "loop",
+    (True, 64, 32, 64, 2): "loop", (True, 64, 32, 64, 8): "loop", (True, 64, 32, 512, 2): "loop",
+    (True, 64, 32, 512, 8): "loop", (True, 64, 64, 64, 2): "loop", (True, 64, 64, 64, 8): "loop",
+    (True, 64, 64, 512, 2): "loop", (True, 64, 64, 512, 8): "loop", (True, 64, 128, 64, 2): "loop",
+    (True, 64, 128, 64, 8): "loop", (True, 64, 128, 512, 2): "loop", (True, 64, 128, 512, 8): "batched",
+    (True, 256, 32, 64, 2): "loop", (True, 256, 32, 64, 8): "loop", (True, 256, 32, 512, 2): "loop",
+    (True, 256, 32, 512, 8): "batched", (True, 256, 64, 64, 2): "loop", (True, 256, 64, 64, 8): "loop",
+    (True, 256, 64, 512, 2): "loop", (True, 256, 64, 512, 8): "batched", (True, 256, 128, 64, 2): "loop",
+    (True, 256, 128, 64, 8): "batched", (True, 256, 128, 512, 2): "batched", (True, 256, 128, 512, 8): "batched",
 }
 
 
-def _auto_schedule(grad: bool, rows: int, L: int, S: int, device: torch.device) -> str:
+def _auto_schedule(grad: bool, rows: int, L: int, S: int, blocks: int, device: torch.device) -> str:
     """``schedule="auto"``'s choice for a call with gradients on or off over ``rows`` =
-    batch x heads rows, block length ``L`` and ``S`` codes: on a CPU the winner of the nearest
-    ``_AUTO_SCHEDULE`` point; elsewhere ``"batched"`` (fewer, larger kernels; not measured)."""
+    batch x heads rows, block length ``L``, ``S`` codes and ``blocks`` blocks per row: on a CPU
+    the winner of the nearest ``_AUTO_SCHEDULE`` point; elsewhere ``"batched"`` (fewer, larger
+    kernels; not measured)."""
     if device.type != "cpu":
         return "batched"
     best, best_distance = "batched", math.inf
-    for (key_grad, key_rows, key_L, key_S), winner in _AUTO_SCHEDULE.items():  # a plain loop: torch.compile traces it
+    for (key_grad, key_rows, key_L, key_S, key_blocks), winner in _AUTO_SCHEDULE.items():  # a plain loop: compiles
         if key_grad == grad:
             distance = (abs(math.log2(key_rows) - math.log2(rows)) + abs(math.log2(key_L) - math.log2(L))
-                        + abs(math.log2(key_S) - math.log2(S)))
+                        + abs(math.log2(key_S) - math.log2(S)) + abs(math.log2(key_blocks) - math.log2(blocks)))
             if distance < best_distance:
                 best, best_distance = winner, distance
     return best
@@ -915,9 +943,11 @@ def vq_attention(
             running cache: fewer, larger kernels; the faster on CPUs when batch x heads is
             small, by up to 3x).
             ``"auto"``: on a CPU the faster of the two at the nearest point of a measured grid
-            of (gradients on or off, batch x heads, L, S) (``_AUTO_SCHEDULE``: batched with
-            gradients but at two near-ties; without them batched up to 4 rows, mostly the
-            loop at 32), batched on other devices. Same results.
+            of (gradients on or off, batch x heads, L, S, blocks per row) (``_AUTO_SCHEDULE``:
+            for long sequences batched with gradients but at two near-ties, without them
+            batched up to 4 rows, mostly the loop at 32; for a few blocks per row, as in
+            training at a small context, mostly the loop), batched on other devices. Same
+            results.
         impl: ``"torch"`` (the forms above), ``"triton"`` (the causal block form as fused
             Triton kernels, ``ops/_vq_triton.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
@@ -980,7 +1010,8 @@ def vq_attention(
         out, pieces = _decode(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
     else:
         if schedule == "auto":
-            schedule = _auto_schedule(torch.is_grad_enabled(), B * H, L, cb.shape[1], q.device)
+            blocks = -(-(filled + T) // L)
+            schedule = _auto_schedule(torch.is_grad_enabled(), B * H, L, cb.shape[1], blocks, q.device)
         out, pieces = _block(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
     return _result(out, pieces, q.dtype, initial_state, output_final_state, L,
                    _keys_record(codes, codebook, initial_state))
