@@ -248,6 +248,32 @@ def test_an_error_is_printed_by_rank_0_alone_and_every_rank_exits_with_its_code(
     assert (rank1.stdout, rank1.stderr) == ("", "")
 
 
+def test_a_rank_of_a_multi_process_run_leaves_without_the_interpreter_s_shutdown(monkeypatch, capsys):
+    """``linattn.cli.entry`` in a process of a multi-process run flushes its output and ends by
+    ``os._exit`` with the command's code (the shutdown's garbage collection could deadlock
+    destroying a gloo group, cli.py); a single process exits as usual, by ``SystemExit``."""
+    from linattn import cli
+
+    left = []
+
+    def record_exit(code):
+        left.append((code, capsys.readouterr().err))
+        raise SystemExit(f"os._exit({code})")
+
+    monkeypatch.setattr(cli.os, "_exit", record_exit)
+    monkeypatch.setattr(cli.sys, "argv", ["linattn", "train", "--data", "missing.txt", "--steps", "0"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(cli, "main", lambda: (print("linattn: error: missing.txt", file=sys.stderr), 2)[1])
+    with pytest.raises(SystemExit, match=r"os\._exit\(2\)"):
+        cli.entry()
+    assert left == [(2, "linattn: error: missing.txt\n")]
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(SystemExit) as ended:
+        cli.entry()
+    assert ended.value.code == 2 and len(left) == 1
+
+
 # ----------------------------------------------------------------------------- train.compile in 2 processes
 
 

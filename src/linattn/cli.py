@@ -17,6 +17,14 @@ warning or ``linattn: error`` line) and return the same exit code, since every e
 can meet on one process is shared with the others before anything trains
 (``train/distributed.py``). An unexpected exception still prints its traceback on every
 rank: it leaves the silenced block before Python reports it.
+
+A process of a multi-process run (``WORLD_SIZE`` > 1) that started as the program
+(``entry``: the ``linattn`` script, ``python -m linattn.cli``) leaves by ``os._exit`` once its
+output is flushed, skipping the interpreter's shutdown: there the garbage collector could
+destroy a gloo process group (still held by a DDP model in an error's traceback) while the
+group's worker thread waited for the GIL to release a finished collective, and the process
+never exited (2 runs of 15 of the missing-data error under ``torchrun``, on a loaded
+machine). Files, checkpoints and the run folder's lock are closed before that point.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from .data import cli as data_cli
 from . import convert, doctor, hf_cli, inspector
 from .repro import cli as repro_cli
 from .train import cli as train_cli
-from .train.distributed import env_rank
+from .train.distributed import env_rank, env_world_size
 from .train.divergence import TrainingDiverged
 
 _COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, doctor, repro_cli)
@@ -88,5 +96,24 @@ def _run(argv: list[str]) -> int:
         return 130
 
 
+def entry() -> None:
+    """The program: ``main()``, then exit with its code (in a multi-process run by
+    ``os._exit`` after flushing the output; see the module docstring)."""
+    code = main()
+    if env_world_size() > 1:
+        _leave(code)
+    sys.exit(code)
+
+
+def _leave(code: int) -> None:
+    """Flush stdout and stderr, then end the process with ``code`` at once."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing left to keep
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
