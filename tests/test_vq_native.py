@@ -150,3 +150,20 @@ def test_doctor_names_the_choice():
 
     rows = dict(doctor.implementations(CPU))
     assert rows["vq_decode_step (float32)"].startswith("impl='auto': native (")
+
+
+def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert native.build_directory() == tmp_path / "linattn" / native.extension_name()
+    assert native.extension_name().startswith("linattn_vq_step_")
+
+
+def test_the_pinned_ninja_is_found_without_one_on_path(monkeypatch):
+    """torch's builder runs ``ninja`` from PATH; an environment that is not activated has the
+    pinned one only beside its interpreter, which the build then puts first on PATH."""
+    import ninja
+
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nowhere")
+    native._ninja_on_path()
+    assert native.os.environ["PATH"].split(native.os.pathsep) == [ninja.BIN_DIR, "/nowhere"]

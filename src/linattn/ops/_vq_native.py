@@ -9,7 +9,8 @@ threads (a row is one thread's, so results do not depend on the thread count).
 
 **Build.** ``torch.utils.cpp_extension.load`` with ``-O3 -march=native -fopenmp`` (the
 vector width of the machine; OpenMP is torch's own runtime, so ``torch.set_num_threads``
-governs it), into ``<torch extensions root>/linattn/<name>`` (``TORCH_EXTENSIONS_DIR``,
+governs it; ``ninja``, pinned in requirements.lock, drives the compiler), into
+``<torch extensions root>/linattn/<name>`` (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``), where the name hashes the source, the torch version
 and the CPU, so a change of any of them builds anew. The first build takes about a minute
 and says so on stderr; later processes load the cached library.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import sys
 import time
 import warnings
@@ -90,15 +92,29 @@ def extension_name() -> str:
 
 
 def build_directory() -> Path:
+    """``<TORCH_EXTENSIONS_DIR, else torch's default root>/linattn/<extension_name()>``."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    return Path(get_default_build_root()) / "linattn" / extension_name()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    return Path(root) / "linattn" / extension_name()
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs ``ninja`` from ``PATH``; without one there, the pinned ``ninja``
+    package's (beside the interpreter of a virtual environment that is not activated)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:  # the build then fails, naming ninja, and that is the verdict
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _build():
     """Compile (or load the cached build of) the extension module."""
     from torch.utils.cpp_extension import load
 
+    _ninja_on_path()
     name, directory = extension_name(), build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     fresh = not (directory / f"{name}.so").exists()
