@@ -171,16 +171,15 @@ def use_native(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
     computed in ``dtype`` (see the module docstring)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
-    forced_by_env = impl == "auto" and forced_impl() is not None
-    if forced_by_env:
-        impl = forced_impl()
+    forced = forced_impl() if impl == "auto" else None
+    impl = forced or impl
     if impl == "torch":
         return False
     strict = impl == "native"
     reason = unsupported(device, dtype)
     if reason is not None:
         if strict:
-            source = f"{ENV}=native" if forced_by_env else "impl='native'"
+            source = f"{ENV}=native" if forced else "impl='native'"
             raise ValueError(f"{source}: the native VQ decoding step {reason}; use impl='torch' or 'auto'")
         return False
     failure = verdict(dtype)
