@@ -97,17 +97,19 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, command: str,
 
 def write_plot(rows: Sequence[dict], path: Path) -> Path:
     """Accuracy against sequence length, one line per mechanism (the mean over the seeds,
-    min–max error bars), one panel per d_model."""
+    min–max error bars, each mechanism shifted a little along T), one panel per d_model."""
     d_models = sorted({r["d_model"] for r in rows})
     names = list(dict.fromkeys(r["mechanism"] for r in rows))
-    figure, axes = pyplot().subplots(1, len(d_models), figsize=(5.5 * len(d_models), 4.5), squeeze=False, sharey=True)
+    figure, axes = pyplot().subplots(1, len(d_models), figsize=(5.5 * len(d_models) + 1.8, 4.5), squeeze=False,
+                                     sharey=True)
     for axis, d in zip(axes[0], d_models):
         lengths = sorted({r["seq_len"] for r in rows if r["d_model"] == d})
         for index, name in enumerate(names):
             mine = sorted((r for r in rows if r["mechanism"] == name and r["d_model"] == d),
                           key=lambda r: (r["seq_len"], r["num_pairs"]))
             if mine:
-                framework.plot_spread(axis, [r["seq_len"] for r in mine],
+                dodge = 2.0 ** (0.02 * (index - (len(names) - 1) / 2))  # keeps overlapping bars apart
+                framework.plot_spread(axis, [r["seq_len"] * dodge for r in mine],
                                       [framework.stats_of(r, "accuracy") for r in mine], marker="o",
                                       color=f"C{index % 10}", label=name)
         if len(lengths) > 1:
@@ -119,8 +121,8 @@ def write_plot(rows: Sequence[dict], path: Path) -> Path:
         axis.set_xlabel("sequence length T")
         axis.set_title(f"d_model = {d}")
         axis.grid(True, alpha=0.3)
-        axis.legend(fontsize="small")
+    axes[0][-1].legend(fontsize="small", loc="center left", bbox_to_anchor=(1.02, 0.5))
     axes[0][0].set_ylabel("query accuracy")
     several = max(r["n"] for r in rows) > 1
-    figure.suptitle("MQAR: accuracy vs sequence length" + (" (mean over the seeds, bars: min–max)" if several else ""))
+    figure.suptitle("MQAR: accuracy vs sequence length" + ("\n(mean over the seeds, bars: min–max)" if several else ""))
     return save_figure(figure, path)
