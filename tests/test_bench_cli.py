@@ -21,7 +21,7 @@ from linattn.bench.attention import CASES, default_cases
 from linattn.bench.cli import report_page
 from linattn.bench import decode
 from linattn.bench.decode import DECODE_CASES, MODEL_SPECS
-from linattn.bench.lm import DEFAULT_MODELS as LM_DEFAULT_MODELS, QUICK as LM_QUICK, LMBenchConfig
+from linattn.bench.lm_config import DEFAULT_MODELS as LM_DEFAULT_MODELS, QUICK as LM_QUICK, LMBenchConfig
 from linattn.models.sizes import count_parameters
 from linattn.bench.harness import Case, profile_call, run_cases, time_call
 from linattn.reporting import peak_memory

@@ -8,7 +8,8 @@ import statistics
 import pytest
 import torch
 
-from linattn.bench import lm
+from linattn.bench import lm, lm_measure, lm_report
+from linattn.bench.lm_config import LMBenchConfig
 from linattn.bench.cli import report_page
 from linattn.bench.harness import Measurement
 from linattn.cli import main
@@ -24,10 +25,10 @@ TINY = ["--contexts", "16", "32", "--tokens-per-step", "64", "--repeats", "2", "
         "--threads", "1"]
 
 
-def _config(**changes) -> lm.LMBenchConfig:
+def _config(**changes) -> LMBenchConfig:
     base = dict(contexts=(16, 32, 64), tokens_per_step=64, d_model=16, n_heads=2, gau_d_k=8, codebook_size=8,
                 block_size=8, window=8, repeats=1, warmup=0, decode_tokens=2)
-    return lm.LMBenchConfig(**{**base, **changes})
+    return LMBenchConfig(**{**base, **changes})
 
 
 def test_bench_lm_end_to_end(tmp_path, capsys):
@@ -90,7 +91,7 @@ def test_rounds_alternate_the_models_and_pool_their_calls(monkeypatch, tmp_path)
         round_index = order.count(spec)
         rows = []
         for context in config.contexts:
-            row = lm._empty_row(spec, 100, context, config.batch(context))
+            row = lm_measure.empty_row(spec, 100, context, config.batch(context))
             base = 0.1 * round_index + (0.01 if spec == "softmax" else 0.02)
             times = [base, base + 0.001]
             row.update(train_times_s=times, train_s=statistics.median(times), train_peak_bytes=10 * round_index,
@@ -133,8 +134,8 @@ def test_memory_budget_and_out_of_memory_skip_contexts(monkeypatch):
         peaks.append(64_000)
         return Measurement(0.5, (0.5,), 64_000)
 
-    monkeypatch.setattr(lm, "measure", fixed_peak)
-    rows = lm.measure_model("linear:elu", _config(memory_gb=1e-4, contexts=(16, 32, 128), tokens_per_step=32))
+    monkeypatch.setattr(lm_measure, "measure", fixed_peak)
+    rows = lm_measure.measure_model("linear:elu", _config(memory_gb=1e-4, contexts=(16, 32, 128), tokens_per_step=32))
     first, second, third = rows
     assert [row["skip_reason"] for row in (first, second)] == [None, None]
     assert second["batch"] == 1 and second["train_tokens_per_s"] == 32 / 0.5 and second["decode_ms_per_token"] > 0
@@ -150,8 +151,8 @@ def test_memory_budget_and_out_of_memory_skip_contexts(monkeypatch):
         peaks.append(0)
         return Measurement(0.5, (0.5,), 0)
 
-    monkeypatch.setattr(lm, "measure", out_of_memory_at_32)
-    rows = lm.measure_model("linear:elu", _config(contexts=(16, 32, 128), tokens_per_step=32))
+    monkeypatch.setattr(lm_measure, "measure", out_of_memory_at_32)
+    rows = lm_measure.measure_model("linear:elu", _config(contexts=(16, 32, 128), tokens_per_step=32))
     assert [row["skip_reason"] for row in rows] == [
         None, "out of memory: no more", "skipped after out of memory: no more at C=32"]
 
@@ -167,10 +168,10 @@ def test_bfloat16_runs_every_forward_under_autocast(monkeypatch):
                                   and torch.get_autocast_dtype("cpu") == torch.bfloat16)
             return super()._run(*args, **kwargs)
 
-    monkeypatch.setattr(lm, "LM", Recording)
+    monkeypatch.setattr(lm_measure, "LM", Recording)
     for dtype, expected in (("bfloat16", True), ("float32", False)):
         under_autocast.clear()
-        (row,) = lm.measure_model("vq", _config(contexts=(16,), dtype=dtype))
+        (row,) = lm_measure.measure_model("vq", _config(contexts=(16,), dtype=dtype))
         assert row["train_s"] > 0 and row["prefill_s"] > 0 and len(row["decode_times_s"]) == 2
         # the training step and the prefill (one timed call, one for the peak memory each), the
         # prefilled state, and the two decoding steps
@@ -191,13 +192,13 @@ def test_config_refuses_a_bad_device_or_dtype(monkeypatch, tmp_path):
 
 def test_profile_at_the_longest_context(tmp_path):
     config = _config(contexts=(16, 32), profile_top=3)
-    rows = lm.measure_model("vq", config)
+    rows = lm_measure.measure_model("vq", config)
     assert rows[0]["profile"] is None
     profile = rows[1]["profile"]
     assert set(profile) == {"train", "prefill", "decode"}
     for part in profile.values():
         assert 1 <= len(part["ops"]) <= 3 and part["total_ms"] >= sum(op["self_ms"] for op in part["ops"])
-    result = lm.write_results(rows, config, tmp_path, command="linattn bench lm (test)", models=["vq"])
+    result = lm_report.write_results(rows, config, tmp_path, command="linattn bench lm (test)", models=["vq"])
     text = (tmp_path / "profile.md").read_text()
     assert "linattn bench lm (test)" in text and "| operator | self ms | share | calls |" in text
     for part in ("train", "prefill", "decode"):
@@ -211,7 +212,7 @@ def _row(case: str, context: int, train: float | None, decode: float | None = No
 
 
 def _verdicts(rows) -> list[str]:
-    return [target["verdict"] for target in lm.summarize(rows)["targets"]]
+    return [target["verdict"] for target in lm_report.summarize(rows)["targets"]]
 
 
 def test_summary_targets_from_the_rows():
@@ -219,7 +220,7 @@ def test_summary_targets_from_the_rows():
     softmax = [100, 80, 60, 40, 20, 10]
     passing = ([_row("softmax", c, s, 1.0 * c / 512) for c, s in zip(contexts, softmax)]
                + [_row("vq", c, v, 2.0 + 0.1 * (c == 16384)) for c, v in zip(contexts, [50, 60, 70, 70, 70, 35])])
-    summary = lm.summarize(passing)
+    summary = lm_report.summarize(passing)
     assert summary["vq_over_softmax_train"] == {"512": 0.5, "1024": 0.75, "2048": 70 / 60, "4096": 1.75,
                                                 "8192": 3.5, "16384": 3.5}
     overtake, speedup, decode = summary["targets"]
@@ -227,18 +228,18 @@ def test_summary_targets_from_the_rows():
     assert speedup["value"] == 3.5 and speedup["verdict"] == "pass"
     assert decode["value"] == pytest.approx(2.1 / 2.0) and decode["verdict"] == "pass"
     assert decode["softmax"] == 32
-    assert "from C=2048 on" in lm.format_summary(summary)
+    assert "from C=2048 on" in lm_report.format_summary(summary)
 
     # VQ ahead at 2048 but behind again at 8192: it overtakes only at 16384; 2.9x; decode grows 1.5x
     failing = ([_row("softmax", c, s, 1.0) for c, s in zip(contexts, softmax)]
                + [_row("vq", c, v, 1.5 if c == 16384 else 1.0) for c, v in zip(contexts, [50, 60, 70, 30, 19, 29])])
     assert _verdicts(failing) == ["fail", "fail", "fail"]
-    assert lm.summarize(failing)["targets"][0]["value"] == 16384
+    assert lm_report.summarize(failing)["targets"][0]["value"] == 16384
 
     # only short contexts, VQ behind: nothing can be decided yet
     short = [_row("softmax", 512, 100, 1.0), _row("vq", 512, 50, 1.0), _row("softmax", 1024, 90), _row("vq", 1024, 50)]
     assert _verdicts(short) == ["not measured"] * 3
-    assert "targets" not in lm.summarize([_row("vq", 512, 50, 1.0)])
+    assert "targets" not in lm_report.summarize([_row("vq", 512, 50, 1.0)])
 
     # only long contexts (a 32k/64k run), VQ ahead from the first: where it overtook is unknown
     long = [_row("softmax", 32768, 10), _row("vq", 32768, 60), _row("softmax", 65536, 5), _row("vq", 65536, 40)]

@@ -20,7 +20,7 @@ import torch._dynamo
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import linattn.ops.linear as linear_module
+import linattn.ops.kernel.attention as linear_module
 from _helpers import make_qkv, wide_shift_inputs
 from linattn import VectorQuantizer, delta_rule, linear_attention, vq_attention
 from linattn.feature_maps import FAVOR

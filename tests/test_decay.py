@@ -223,10 +223,10 @@ def test_gradients_equal_the_recurrence(setting, per_channel):
 
 @pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "channel"])
 def test_decayed_scan_equals_the_chunk_loop(per_channel):
-    """``_decay.decayed_scan`` (a hand-written backward) gives the states of
+    """``common/decay.py``'s ``decayed_scan`` (a hand-written backward) gives the states of
     ``S_{c+1} = carry_c S_c + W_c`` written as a loop, their gradients with a reset (carry 0)
     among the chunks, and (gradgradcheck) second derivatives."""
-    from linattn.ops._decay import decayed_scan
+    from linattn.ops.common.decay import decayed_scan
 
     gen = torch.Generator().manual_seed(11)
     N, n, F, W = 2, 5, 3, 2
@@ -254,10 +254,10 @@ def test_decayed_scan_equals_the_chunk_loop(per_channel):
 
 @pytest.mark.parametrize("forward_budget, backward_budget", [(1, 1), (140, 980)], ids=["one-chunk", "five-chunks"])
 def test_per_channel_chunks_in_slices_equal_the_recurrence(monkeypatch, forward_budget, backward_budget):
-    """The per-channel pairwise scores walk the chunks in slices (``_decay._FORWARD_BUDGET``,
+    """The per-channel pairwise scores walk the chunks in slices (``common/decay.py``'s ``_FORWARD_BUDGET``,
     ``_BACKWARD_BUDGET``): one chunk per slice, and 5 (24 chunks of 7 with F = 4: the last
     slice shorter), give the loop's outputs and gradients."""
-    import linattn.ops._decay as decay
+    import linattn.ops.common.decay as decay
 
     monkeypatch.setattr(decay, "_FORWARD_BUDGET", forward_budget)
     monkeypatch.setattr(decay, "_BACKWARD_BUDGET", backward_budget)

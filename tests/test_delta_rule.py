@@ -1,4 +1,4 @@
-"""Tests of the delta rule op (``linattn.ops.delta.delta_rule``).
+"""Tests of the delta rule op (``linattn.ops.delta.rule.delta_rule``).
 
 Recurrence per key/value head (docs/design.md section 4, Schlag et al. 2021, seed 001):
 ``v_old = S^T k_t``; ``S <- S + k_t (beta_t (v_t - v_old))^T``; ``out_t = scale S^T q_t``

@@ -11,7 +11,7 @@ real synchronisation, torch's own included.
 
 One round trip is known and allowed: FAVOR+ (and every feature map whose shift is tracked)
 in float32 reads the largest shift once per call to decide whether the call must be redone
-in float64 to stay finite (``ops/linear.py``; under ``torch.compile`` the choice stays in
+in float64 to stay finite (``ops/kernel/attention.py``; under ``torch.compile`` the choice stays in
 the graph and nothing is read).
 """
 
@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from linattn import LM, LMConfig
-from linattn.bench import lm as bench_lm
+from linattn.bench.lm_config import LMBenchConfig
+from linattn.bench.lm_measure import training_step
 from linattn.train import TrainConfig, evaluate_bpb, train
 from linattn.train.optim import parameter_groups
 from _helpers import F64, HostRoundTrips, english_like
@@ -37,7 +38,7 @@ SPECS = ["vq", "vq-fsq", "soft-vq", "gau-softmax", "softmax", "softmax:nope:entr
          "retnet", "gla", "gated-delta",
          "local:8:entropy", "local:8,vq"]
 # the float32 overflow guard of feature maps with a tracked shift (module docstring)
-ALLOWED = {"favor": ("ops/linear.py",)}
+ALLOWED = {"favor": ("ops/kernel/attention.py",)}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -85,7 +86,7 @@ def test_training_step_makes_no_round_trip(spec):
     optimizer = torch.optim.AdamW(parameter_groups(model, 0.1), lr=1e-3)
     ids = token_ids(2, 21)
 
-    step = bench_lm._training_step(model, optimizer, ids, bench_lm.LMBenchConfig(device=str(DEVICE)))
+    step = training_step(model, optimizer, ids, LMBenchConfig(device=str(DEVICE)))
 
     first = step()
     with no_round_trips(ALLOWED.get(spec, ())):

@@ -5,7 +5,7 @@ block fails its page, a skipped block is checked but not run, bad directives are
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
 import sys
 import textwrap
@@ -16,25 +16,30 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("doc_snippets", ROOT / "tools" / "doc_snippets.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+def _load(name):
+    """``tools/<name>.py``. tools/ is no package: the runner's modules import each other by name,
+    as under ``python tools/doc_snippets.py``, so tools/ goes on ``sys.path``."""
+    tools = str(ROOT / "tools")
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    return importlib.import_module(name)
 
 
-snippets = _load()
-SnippetError = snippets.SnippetError
+snippets = _load("doc_snippets")
+snippet_pages = _load("doc_snippets_pages")
+snippet_checks = _load("doc_snippets_checks")
+snippet_zygote = _load("doc_snippets_zygote")
+SnippetRunner = _load("doc_snippets_runner").SnippetRunner
+SnippetError = snippet_pages.SnippetError
 
 
 def _checked_blocks():
     params = []
     for page in snippets.default_pages():
         try:
-            blocks = snippets.parse_page(page)
+            blocks = snippet_pages.parse_page(page)
         except SnippetError as error:
-            params.append(pytest.param(None, str(error), id=snippets.display(page)))
+            params.append(pytest.param(None, str(error), id=snippet_pages.display(page)))
             continue
         params += [pytest.param(b, None, id=b.where) for b in blocks
                    if b.kind != "data" or b.language in ("toml", "json")]
@@ -45,11 +50,11 @@ def _pages_with_code():
     pages = []
     for page in snippets.default_pages():
         try:
-            blocks = snippets.parse_page(page)
+            blocks = snippet_pages.parse_page(page)
         except SnippetError:
             blocks = [None]  # test_page_runs reports the error
         if any(b is None or (b.kind != "data" and b.skip is None) for b in blocks):
-            pages.append(pytest.param(page, id=snippets.display(page)))
+            pages.append(pytest.param(page, id=snippet_pages.display(page)))
     return pages
 
 
@@ -62,7 +67,7 @@ def linattn_parser():
 
 @pytest.fixture(scope="module")
 def runner():
-    with snippets.SnippetRunner() as r:
+    with SnippetRunner() as r:
         yield r
 
 
@@ -74,7 +79,7 @@ def test_documented_block_is_valid(block, error, linattn_parser):
     if error:
         pytest.fail(error, pytrace=False)
     try:
-        snippets.check_block(block, linattn_parser)
+        snippet_checks.check_block(block, linattn_parser)
     except SnippetError as failure:
         pytest.fail(str(failure), pytrace=False)
 
@@ -133,7 +138,7 @@ def test_parse_reads_languages_directives_and_nested_fences(tmp_path):
         a = 1
         ```
         ''')
-    blocks = snippets.parse_page(page)
+    blocks = snippet_pages.parse_page(page)
     assert [(b.line, b.language, b.kind) for b in blocks] == [
         (2, "python", "python"), (9, "bash", "shell"), (13, "sh", "shell"), (16, "markdown", "data"),
         (25, "py", "python"), (28, "console", "shell"), (33, "toml", "data")]
@@ -169,14 +174,14 @@ def test_parse_reads_languages_directives_and_nested_fences(tmp_path):
 def test_page_errors_name_file_and_line(tmp_path, text, line, message):
     page = _page(tmp_path, text)
     with pytest.raises(SnippetError, match=re.escape(f"{page}:{line}: ") + ".*" + re.escape(message)):
-        snippets.parse_page(page)
+        snippet_pages.parse_page(page)
 
 
 def test_the_contrasting_pages_parse(tmp_path):
     """The error cases above, corrected: they parse."""
     page = _page(tmp_path, '<!-- snippet: skip: a reason -->\n<!-- snippet: replace "a" "b" -->\n```python\na\n```\n'
                            "\n```text\nls\n```\n")
-    blocks = snippets.parse_page(page)
+    blocks = snippet_pages.parse_page(page)
     assert [(b.skip, b.code) for b in blocks] == [("a reason", "b\n"), (None, "ls\n")]
 
 
@@ -185,7 +190,7 @@ def test_the_contrasting_pages_parse(tmp_path):
 
 def _block(tmp_path, language, code, skip=True):
     directive = "<!-- snippet: skip: checked only -->\n" if skip else ""
-    [block] = snippets.parse_page(_page(tmp_path, f"text\n{directive}```{language}\n{code}```\n"))
+    [block] = snippet_pages.parse_page(_page(tmp_path, f"text\n{directive}```{language}\n{code}```\n"))
     return block
 
 
@@ -210,10 +215,10 @@ def _block(tmp_path, language, code, skip=True):
 ]])
 def test_checks_catch_what_would_break(tmp_path, linattn_parser, language, good, bad, message):
     skip = language not in ("toml", "json")
-    snippets.check_block(_block(tmp_path, language, good, skip), linattn_parser)
+    snippet_checks.check_block(_block(tmp_path, language, good, skip), linattn_parser)
     bad_block = _block(tmp_path, language, bad, skip)
     with pytest.raises(SnippetError, match=re.escape(message)) as failure:
-        snippets.check_block(bad_block, linattn_parser)
+        snippet_checks.check_block(bad_block, linattn_parser)
     assert str(failure.value).startswith(f"{tmp_path / 'page.md'}:")
 
 
@@ -227,12 +232,12 @@ def test_shell_commands_are_read_as_the_shell_would(tmp_path):
         HF_DATASETS_OFFLINE=1 linattn lm-eval run 2>&1 | tee log.txt; echo "$HOME/x" 'q r' s\\ t
         ( cd somewhere && torchrun --nproc_per_node 2 `which linattn` train >out.log ) || exit 1
         ''')
-    assert snippets.shell_commands(script) == [
+    assert snippet_checks.shell_commands(script) == [
         ["linattn", "repro", "fwp-capacity", "--sizes", "260", "280", "300", "--out", "runs/a b"],
         ["cat"],
         ["HF_DATASETS_OFFLINE=1", "linattn", "lm-eval", "run"], ["tee", "log.txt"], ["echo", "1/x", "q r", "s t"],
         ["cd", "somewhere"], ["torchrun", "--nproc_per_node", "2", "linattn", "train"], ["exit", "1"]]
-    assert snippets.linattn_commands(script) == [
+    assert snippet_checks.linattn_commands(script) == [
         ["repro", "fwp-capacity", "--sizes", "260", "280", "300", "--out", "runs/a b"], ["lm-eval", "run"],
         ["train"]]
 
@@ -243,16 +248,16 @@ def test_messages_sent_back_to_back_arrive_one_by_one_with_their_descriptors(tmp
 
     left, right = socket.socketpair()
     with left, right, open(tmp_path / "f", "w") as f:
-        snippets._send(left, {"results": ["x" * 20_000]}, fds=(f.fileno(),))
-        snippets._send(left, {"exit": 3})
-        first, fds = snippets._receive(right)
-        second, none = snippets._receive(right)
+        snippet_zygote.send(left, {"results": ["x" * 20_000]}, fds=(f.fileno(),))
+        snippet_zygote.send(left, {"exit": 3})
+        first, fds = snippet_zygote.receive(right)
+        second, none = snippet_zygote.receive(right)
         assert first == {"results": ["x" * 20_000]} and second == {"exit": 3} and none == []
         assert len(fds) == 1 and os.path.samestat(os.fstat(fds[0]), os.fstat(f.fileno()))
         os.close(fds[0])
         left.close()
         with pytest.raises(EOFError):
-            snippets._receive(right)
+            snippet_zygote.receive(right)
 
 
 # ------------------------------------------------------------------------------ running pages

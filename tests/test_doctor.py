@@ -8,8 +8,8 @@ import json
 
 import torch
 
-import linattn.ops.delta as delta
-import linattn.ops.strided as strided
+import linattn.ops.delta.chunk as delta_chunk
+import linattn.ops.sparse.strided as strided
 from linattn import _selftest, doctor
 from linattn.cli import main
 
@@ -35,8 +35,9 @@ def test_doctor_reports_every_section_and_exits_0_when_all_agree(capsys):
 def test_a_wrong_fast_form_fails_the_doctor_by_name(capsys, monkeypatch):
     """The delta rule's chunk form off by 1e-6 of its output: exit 1, a FAIL line and the last
     line name it; the other checks still pass."""
-    chunk = delta._chunk
-    monkeypatch.setattr(delta, "_chunk", lambda *args: (lambda out, memory: (out * (1 + 1e-6), memory))(*chunk(*args)))
+    chunk = delta_chunk.chunk
+    monkeypatch.setattr(delta_chunk, "chunk",
+                        lambda *args: (lambda out, memory: (out * (1 + 1e-6), memory))(*chunk(*args)))
     assert main(["doctor", "--device", "cpu"]) == 1
     lines = capsys.readouterr().out.rstrip().splitlines()
     failed = [line for line in lines if line.startswith("  FAIL")]

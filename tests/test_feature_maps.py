@@ -13,7 +13,7 @@ import torch
 
 from _helpers import F64, independent_features
 from linattn import feature_maps as fm
-from linattn.ops.feature_maps import normalized_features
+from linattn.ops.kernel import normalized_features
 
 D = 16
 SEEDS = range(400)

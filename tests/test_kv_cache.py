@@ -1,4 +1,4 @@
-"""Exact attention's preallocated KV cache (ops/_kv_cache.py): decoding token by token with
+"""Exact attention's preallocated KV cache (ops/softmax/kv_cache.py): decoding token by token with
 gradients off writes into buffers in place, growing them by doubling (or by what
 ``LM.generate`` reserves), and equals attention over every key written out here in float64:
 across capacity growth, batch > 1, grouped key/value heads, branches of one state, the
@@ -14,7 +14,7 @@ import torch
 from linattn import LM, KVCacheState, LMConfig
 from linattn.nn import GAU
 from linattn.nn.attention import Attention
-from linattn.ops import _kv_cache as kv_cache
+from linattn.ops.softmax import kv_cache
 from _helpers import F64, OpRecorder
 from test_paper_variant import _paper_gau_reference
 

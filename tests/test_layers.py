@@ -223,7 +223,7 @@ def test_favor_layers_draw_their_features_from_the_seed_plus_their_index():
     head_dim = TINY["d_model"] // TINY["n_heads"]
     drawn = [layer.mixer.feature_map.projection(head_dim) for layer in model.layers]
     for i, projection in enumerate(drawn):
-        assert torch.equal(projection, linattn.ops.feature_maps.FAVOR(8, seed=5 + i).projection(head_dim)), i
+        assert torch.equal(projection, linattn.ops.kernel.FAVOR(8, seed=5 + i).projection(head_dim)), i
     assert not torch.equal(drawn[0], drawn[1]) and not torch.equal(drawn[1], drawn[2])
 
 

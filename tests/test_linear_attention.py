@@ -449,7 +449,7 @@ def test_float32_wide_shifts_state_carry():
 @pytest.mark.parametrize("map_name", ["exp", "favor"])
 def test_float32_ordinary_shifts_stay_in_float32(map_name, monkeypatch):
     """Inputs of ordinary scale never take the float64 recomputation."""
-    import linattn.ops.linear as linear_module
+    import linattn.ops.kernel.attention as linear_module
 
     def fail(*args, **kwargs):
         raise AssertionError("ordinary float32 inputs were recomputed in float64")
@@ -479,7 +479,7 @@ def test_largest_shift_is_the_largest_query_plus_key_shift_of_a_row(map_name):
     before either computation) == max over rows of (the row's largest query log-feature +
     its key/value head's key shift); the key shift is merged with a carried state's (0 for
     a state without one). GQA (H=4 over Hkv=2); keys below 0 so that the merge matters."""
-    from linattn.ops.linear import _largest_shift
+    from linattn.ops.kernel.attention import _largest_shift
 
     fmap = Exp() if map_name == "exp" else AsymmetricExp()
     q, k, _ = make_qkv(B=2, H=4, Hkv=2, T=5, Dk=3, Dv=2, dtype=torch.float32, seed=13)
@@ -547,17 +547,17 @@ def test_half_precision_long_sequence(map_name, dtype):
 
 
 @pytest.mark.parametrize("causal, T, mode, expected", [
-    (True, 5, "parallel", "_parallel"), (True, 5, "chunk", "_chunk"), (True, 5, "recurrent", "_recurrent"),
-    (False, 5, "parallel", "_parallel"), (False, 1, "recurrent", "_recurrent"),
-    (True, 5, None, "_chunk"), (True, 1, None, "_recurrent"), (False, 1, None, "_chunk"), (False, 5, None, "_chunk"),
+    (True, 5, "parallel", "parallel"), (True, 5, "chunk", "chunk"), (True, 5, "recurrent", "recurrent"),
+    (False, 5, "parallel", "parallel"), (False, 1, "recurrent", "recurrent"),
+    (True, 5, None, "chunk"), (True, 1, None, "recurrent"), (False, 1, None, "chunk"), (False, 5, None, "chunk"),
 ])
 def test_mode_runs_the_form_it_names(monkeypatch, causal, T, mode, expected):
     """An explicit ``mode`` runs that form (their memory differs: the parallel form is
     quadratic); ``None`` runs the recurrent form for a causal T == 1 call, else the chunk form."""
-    import linattn.ops.linear as module
+    import linattn.ops.kernel.forms as module
 
     ran = []
-    for name in ("_parallel", "_chunk", "_recurrent"):
+    for name in ("parallel", "chunk", "recurrent"):
         form = getattr(module, name)
         monkeypatch.setattr(module, name, functools.partial(lambda form, name, *a: ran.append(name) or form(*a),
                                                             form, name))

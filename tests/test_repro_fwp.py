@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 import linattn.repro.cli
 from linattn.feature_maps import get_feature_map
-from linattn.repro import framework
-from linattn.repro import fwp_retrieval as fwp, mqar
+from linattn.repro import fwp_retrieval as fwp, mqar, spread
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -335,7 +334,7 @@ def _run(mechanism, d_dot, size, loss, accuracy=1.0, seed=0):
 
 
 def _aggregate(runs):
-    return framework.aggregate(runs, identity=fwp.ROW_IDENTITY, constants=fwp.ROW_CONSTANTS)
+    return spread.aggregate(runs, identity=fwp.ROW_IDENTITY, constants=fwp.ROW_CONSTANTS)
 
 
 def test_summary_names_the_capacity_and_a_mechanism_that_never_solves():

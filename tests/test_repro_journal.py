@@ -12,7 +12,8 @@ import pytest
 import linattn.repro.cli
 from linattn.cli import main
 from linattn.repro import fwp_retrieval as fwp, mqar
-from linattn.repro.framework import JOURNAL_NAME, RunJournal, map_runs
+from linattn.repro.grids import map_runs
+from linattn.repro.journal import JOURNAL_NAME, RunJournal
 
 
 class _Bar:

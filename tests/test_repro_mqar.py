@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from linattn.models import LM
-from linattn.repro import framework, mqar
+from linattn.repro import mqar, spread
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -258,7 +258,7 @@ def test_a_diverged_run_is_reported_not_raised(tmp_path):
     row = mqar.train_run("softmax", 16, 32, 2, config)
     assert row["status"] == "non_finite" and row["accuracy"] == 0.0 and row["eval_loss"] is None
     runs = [{**row, "seed": 0}]
-    rows = framework.aggregate(runs, identity=mqar.ROW_IDENTITY)
+    rows = spread.aggregate(runs, identity=mqar.ROW_IDENTITY)
     text = mqar.markdown_report(rows, runs, command="x", config=config, metadata={"device_name": "cpu", "threads": 1})
     assert "| softmax | 0.000 ± — (diverged) |" in text
     json.dumps(row, allow_nan=False)

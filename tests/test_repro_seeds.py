@@ -10,10 +10,12 @@ import math
 import pytest
 
 from linattn.cli import main
-from linattn.repro import framework
+from linattn.repro import framework, spread
 from linattn.repro.cli import report_page
-from linattn.repro.framework import (JOURNAL_NAME, ExperimentSpec, Grid, aggregate, difference_matrix, format_stats,
-                                     metric_stats, resolved, run_journaled, seed_list)
+from linattn.repro.framework import ExperimentSpec, seed_list
+from linattn.repro.grids import Grid, run_journaled
+from linattn.repro.journal import JOURNAL_NAME
+from linattn.repro.spread import aggregate, difference_matrix, format_stats, metric_stats, resolved
 
 from test_train_cli import corpus  # noqa: F401  (the tiny corpus fixture)
 
@@ -107,12 +109,12 @@ def test_difference_matrix_marks_the_resolved_pairs():
     assert lines[2] == "| a |  | -0.50 ✓ | -0.25 |"
     assert lines[3] == "| b | +0.50 ✓ |  | +0.25 |"
     assert lines[4] == "| c | +0.25 | -0.25 |  |"
-    section = framework.differences_lines([("caption", lines)])
-    assert section[0] == "## Differences" and framework.RESOLVED_RULE in section[2] and "caption" in section
+    section = spread.differences_lines([("caption", lines)])
+    assert section[0] == "## Differences" and spread.RESOLVED_RULE in section[2] and "caption" in section
 
 
 def test_curve_band_over_the_common_steps():
-    xs, mean, low, high = framework.curve_band([[(0, 1.0), (10, 3.0), (20, 5.0)], [(0, 3.0), (10, 1.0)]])
+    xs, mean, low, high = spread.curve_band([[(0, 1.0), (10, 3.0), (20, 5.0)], [(0, 3.0), (10, 1.0)]])
     assert (xs, mean, low, high) == ([0, 10], [2.0, 2.0], [1.0, 1.0], [3.0, 3.0])
 
 

@@ -471,7 +471,7 @@ def test_offset_rows_equals_its_loop(lead, per_row):
     ``M[..., a, c] = table[..., a or 0, o - low]`` with ``o = first_offset + a - c`` when
     ``low <= o <= high``, else 0, for tables of any rank, including blocks that read no
     offset of the table at all (all zeros, still ``[..., rows, columns]``)."""
-    from linattn.ops._bias import offset_rows
+    from linattn.ops.common.bias import offset_rows
 
     rows, columns, low, high = 3, 4, -1, 2
     table = torch.randn(*lead, rows if per_row else 1, high - low + 1, generator=torch.Generator().manual_seed(9),

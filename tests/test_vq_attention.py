@@ -11,7 +11,9 @@ import torch
 
 import linattn
 import linattn.ops.vq as vq
-from linattn.ops.soft_vq import soft_assignments
+from linattn.ops.vq import batched, block, fused, selfcheck, triton_choice
+from linattn.ops.vq import schedule as vq_schedule
+from linattn.ops.vq.soft import soft_assignments
 
 from _helpers import assert_causal_jacobian, assert_close_rel
 
@@ -804,7 +806,7 @@ def test_schedules_agree_with_everything_on(state_first, group, monkeypatch):
     state, a length that is not a multiple of the block) with groups of 1, 2, 3 and all blocks
     (the last group partial, the final cache inside a group or after the last): outputs,
     states and gradients."""
-    monkeypatch.setattr(vq, "_blocks_per_group", lambda device, scores_per_block: group)
+    monkeypatch.setattr(vq_schedule, "blocks_per_group", lambda device, scores_per_block: group)
     q, k_hat, v, codes, codebook = make_vq(B=2, H=4, Hkv=2, T=23, Dk=4, Dv=3, S=8, seed=5)
     kw = dict(block_size=4, bias=make_bias(4, 4), position_keys=make_position_keys(4, 4, 4), grad_scope="none")
     _, state = linattn.vq_attention(q[:, :, :6], k_hat[:, :, :6], v[:, :, :6], codes[:, :, :6], codebook,
@@ -831,7 +833,7 @@ def test_schedules_agree_on_soft_code_gradients(scope, monkeypatch):
     """Soft codes (assignment weights) with gradients: the batched schedule (groups of two
     blocks) gives the loop's gradients w.r.t. the weights, including those that reach them
     through the cache sums when the scope detaches only the counts and values."""
-    monkeypatch.setattr(vq, "_blocks_per_group", lambda device, scores_per_block: 2)
+    monkeypatch.setattr(vq_schedule, "blocks_per_group", lambda device, scores_per_block: 2)
     q, k_hat, v, codes, codebook = make_vq(B=2, H=4, Hkv=2, T=23, Dk=4, Dv=3, S=8, seed=5)
     logits = torch.randn(2, 2, 23, 8, generator=torch.Generator().manual_seed(9), dtype=F64)
     grads = []
@@ -859,9 +861,9 @@ def test_impl_triton_runs_the_kernels_only_for_calls_that_leave_the_current_bloc
         calls.append(len(args))
         raise KernelsCalled
 
-    monkeypatch.setattr(vq.fused, "resolve_impl", lambda impl, *args: "triton" if impl == "triton" else "torch")
-    monkeypatch.setattr(vq.selfcheck, "trusted", lambda *args, **kwargs: True)  # (tests/test_vq_selfcheck.py)
-    monkeypatch.setattr(vq.fused, "block", kernels)
+    monkeypatch.setattr(triton_choice, "resolve_impl", lambda impl, *args: "triton" if impl == "triton" else "torch")
+    monkeypatch.setattr(selfcheck, "trusted", lambda *args, **kwargs: True)  # (tests/test_vq_selfcheck.py)
+    monkeypatch.setattr(fused, "block_form", kernels)
     L = 4
     q, k_hat, v, codes, codebook = make_vq(T=6)
     _, state = linattn.vq_attention(q[:, :, :3], k_hat[:, :, :3], v[:, :, :3], codes[:, :, :3], codebook,
@@ -914,7 +916,7 @@ def test_fold_block_passes_soft_count_gradients_unless_detached():
     """``fold_block`` with soft codes a ``[B, Hkv, L, S]``: ``n' = n + sum_j a_j``,
     ``m' = (n m + a^T v) / n'``; by default the gradient reaches a through both the counts and
     the sums, with ``detach_counts=True`` only through the sums."""
-    from linattn.ops._vq_cache import fold_block
+    from linattn.ops.vq.cache import fold_block
 
     g = torch.Generator().manual_seed(9)
     counts = 1.0 + torch.rand(1, 2, 3, generator=g, dtype=F64)
@@ -987,7 +989,7 @@ def test_block_caches_are_the_counts_and_means_of_the_blocks_two_behind(has_prev
     prev_codes = torch.randint(0, S, (B, Hkv, R, L), generator=g)
     prev_v = torch.randn(B, Hkv, R, L, E, generator=g, dtype=F64)
     run = (1.0 + torch.rand(B, Hkv, S, generator=g, dtype=F64), torch.randn(B, Hkv, S, E, generator=g, dtype=F64))
-    logn, means, final = vq._block_caches(prev_codes, prev_v, run, has_prev, full_blocks, "cache", S)
+    logn, means, final = batched.block_caches(prev_codes, prev_v, run, has_prev, full_blocks, "cache", S)
     for r in range(R + 1):
         counts, sums = run[0].clone(), run[1].clone()
         for entered in range(r):
@@ -1008,15 +1010,16 @@ def test_block_caches_are_the_counts_and_means_of_the_blocks_two_behind(has_prev
 
 
 def _record_walks(monkeypatch) -> list:
-    """Wrap ``_block_loop`` and ``_all_blocks`` to append their names to the returned list when they run."""
+    """Wrap ``_block_loop`` and ``all_blocks`` (as ``block.py`` calls them) to append their names to
+    the returned list when they run."""
     ran = []
-    for name in ("_block_loop", "_all_blocks"):
-        walk = getattr(vq, name)
-        monkeypatch.setattr(vq, name, lambda *a, walk=walk, name=name: ran.append(name) or walk(*a))
+    for name in ("_block_loop", "all_blocks"):
+        walk = getattr(block, name)
+        monkeypatch.setattr(block, name, lambda *a, walk=walk, name=name: ran.append(name) or walk(*a))
     return ran
 
 
-@pytest.mark.parametrize("schedule, expected", [("loop", "_block_loop"), ("batched", "_all_blocks")])
+@pytest.mark.parametrize("schedule, expected", [("loop", "_block_loop"), ("batched", "all_blocks")])
 def test_schedule_runs_the_walk_it_names(monkeypatch, schedule, expected):
     """An explicit ``schedule`` walks the blocks that way (they hold different memory)."""
     ran = _record_walks(monkeypatch)
@@ -1028,23 +1031,23 @@ def test_schedule_runs_the_walk_it_names(monkeypatch, schedule, expected):
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("winner", ["loop", "batched"])
 def test_auto_schedule_runs_the_grid_winner(monkeypatch, grad, winner):
-    """``schedule="auto"`` on a CPU walks the blocks the way ``_AUTO_SCHEDULE`` names for the
+    """``schedule="auto"`` on a CPU walks the blocks the way ``AUTO_SCHEDULE`` names for the
     call's gradient mode and its (batch x heads, L, S, blocks), and the same call with
     gradients switched the other way reads the other half of the grid."""
     q, k_hat, v, codes, codebook = make_vq(B=2, H=2, T=9, S=5)
     other = "batched" if winner == "loop" else "loop"
-    monkeypatch.setattr(vq, "_AUTO_SCHEDULE", {(grad, 4, 4, 5, 3): winner, (not grad, 4, 4, 5, 3): other})
+    monkeypatch.setattr(vq_schedule, "AUTO_SCHEDULE", {(grad, 4, 4, 5, 3): winner, (not grad, 4, 4, 5, 3): other})
     ran = _record_walks(monkeypatch)
     with torch.set_grad_enabled(grad):
         linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto")
     with torch.set_grad_enabled(not grad):
         linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto")
-    assert ran == [f"_{'block_loop' if winner == 'loop' else 'all_blocks'}",
-                   f"_{'block_loop' if other == 'loop' else 'all_blocks'}"]
+    walks = {"loop": "_block_loop", "batched": "all_blocks"}
+    assert ran == [walks[winner], walks[other]]
 
 
 def test_the_auto_schedule_grid_is_the_committed_measurement():
-    """``_AUTO_SCHEDULE`` names, for every shape, the faster schedule of the grid files its
+    """``AUTO_SCHEDULE`` names, for every shape, the faster schedule of the grid files its
     comment cites (``tools/vq_schedule_grid.py``'s output: for long sequences the no-grad half
     from grid-running-rows.txt, the fwd+bwd half from grid-after-running-cache.txt; for a few
     blocks per row both halves from grid-short.txt; a pair equal in the printed whole
@@ -1056,16 +1059,16 @@ def test_the_auto_schedule_grid_is_the_committed_measurement():
     spec = importlib.util.spec_from_file_location("_vq_schedule_grid", root / "tools" / "vq_schedule_grid.py")
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    folder, budget = root / "docs" / "benchmarks" / "vq-schedule-grid", vq._BATCHED_SCORES["cpu"]
+    folder, budget = root / "docs" / "benchmarks" / "vq-schedule-grid", vq_schedule.BATCHED_SCORES["cpu"]
     measured = {}
     for name, mode in (("grid-running-rows.txt", "forward"), ("grid-after-running-cache.txt", "train"),
                        ("grid-short.txt", "forward"), ("grid-short.txt", "train")):
         grid = tool.read_grid((folder / name).read_text())
         measured.update({(mode == "train", *key[1:]): times for key, times in grid.items() if key[0] == mode})
-    assert measured.keys() == vq._AUTO_SCHEDULE.keys()
+    assert measured.keys() == vq_schedule.AUTO_SCHEDULE.keys()
     for key, times in measured.items():
         winner = tool.faster(times["loop"], times[budget])
-        assert winner is None or vq._AUTO_SCHEDULE[key] == winner, key
+        assert winner is None or vq_schedule.AUTO_SCHEDULE[key] == winner, key
 
 
 def test_auto_schedule_takes_the_nearest_grid_point_in_log_scale(monkeypatch):
@@ -1074,17 +1077,17 @@ def test_auto_schedule_takes_the_nearest_grid_point_in_log_scale(monkeypatch):
     schedule."""
     grid = {(False, 1, 64, 128, 256): "batched", (False, 16, 64, 128, 256): "loop",
             (False, 1, 256, 512, 256): "loop", (False, 1, 64, 128, 4): "loop", (True, 6, 64, 128, 256): "batched"}
-    monkeypatch.setattr(vq, "_AUTO_SCHEDULE", grid)
+    monkeypatch.setattr(vq_schedule, "AUTO_SCHEDULE", grid)
     cpu = torch.device("cpu")
-    assert vq._auto_schedule(False, 3, 64, 128, 256, cpu) == "batched"  # log2 distance 1.58 vs 2.42
-    assert vq._auto_schedule(False, 5, 64, 128, 256, cpu) == "loop"  # 2.32 vs 1.68
-    assert vq._auto_schedule(False, 1, 200, 400, 256, cpu) == "loop"  # L and S count as rows do
-    assert vq._auto_schedule(False, 1, 256, 181, 256, cpu) == "loop"  # 2.5 vs 1.5: L decides (S alone: batched)
-    assert vq._auto_schedule(False, 1, 120, 512, 256, cpu) == "loop"  # 2.91 vs 2.09: S decides
-    assert vq._auto_schedule(False, 1, 64, 128, 16, cpu) == "loop"  # blocks: 2 from 4, 4 from 256
-    assert vq._auto_schedule(False, 1, 64, 128, 64, cpu) == "batched"  # 4 from 4, 2 from 256
-    assert vq._auto_schedule(True, 1000, 8, 8, 2, cpu) == "batched"  # the only point with gradients
-    assert vq._auto_schedule(False, 32, 64, 128, 4, torch.device("meta")) == "batched"
+    assert vq_schedule.auto_schedule(False, 3, 64, 128, 256, cpu) == "batched"  # log2 distance 1.58 vs 2.42
+    assert vq_schedule.auto_schedule(False, 5, 64, 128, 256, cpu) == "loop"  # 2.32 vs 1.68
+    assert vq_schedule.auto_schedule(False, 1, 200, 400, 256, cpu) == "loop"  # L and S count as rows do
+    assert vq_schedule.auto_schedule(False, 1, 256, 181, 256, cpu) == "loop"  # 2.5 vs 1.5: L decides (S alone: batched)
+    assert vq_schedule.auto_schedule(False, 1, 120, 512, 256, cpu) == "loop"  # 2.91 vs 2.09: S decides
+    assert vq_schedule.auto_schedule(False, 1, 64, 128, 16, cpu) == "loop"  # blocks: 2 from 4, 4 from 256
+    assert vq_schedule.auto_schedule(False, 1, 64, 128, 64, cpu) == "batched"  # 4 from 4, 2 from 256
+    assert vq_schedule.auto_schedule(True, 1000, 8, 8, 2, cpu) == "batched"  # the only point with gradients
+    assert vq_schedule.auto_schedule(False, 32, 64, 128, 4, torch.device("meta")) == "batched"
 
 
 @pytest.mark.parametrize("rows_at_once", [1, 3, 100])
@@ -1095,8 +1098,8 @@ def test_running_form_agrees_with_the_loop_over_row_sets(state_first, group, row
     time (batch 2 x 2 kv heads = 4 rows; GQA, bias and position keys, a carried state, a
     length that is not a multiple of the block): one row at a time, sets of 3 (the last set
     short) and all rows give the loop's outputs and final state."""
-    monkeypatch.setattr(vq, "_blocks_per_group", lambda device, scores_per_block: group)
-    monkeypatch.setattr(vq, "_rows_at_once", lambda device, weights_per_row: rows_at_once)
+    monkeypatch.setattr(vq_schedule, "blocks_per_group", lambda device, scores_per_block: group)
+    monkeypatch.setattr(vq_schedule, "rows_at_once", lambda device, weights_per_row: rows_at_once)
     q, k_hat, v, codes, codebook = make_vq(B=2, H=4, Hkv=2, T=23, Dk=4, Dv=3, S=8, seed=6)
     kw = dict(block_size=4, bias=make_bias(4, 4), position_keys=make_position_keys(4, 4, 4))
     start = 6 if state_first else 0

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-import linattn.ops.vq as vq
+from linattn.ops.vq import attention
+from linattn.ops.vq import schedule as vq_schedule
 from test_vq_attention import (  # noqa: F401  (collected again under each schedule)
     test_block_equals_parallel,
     test_block_equals_parallel_bias_and_position_keys_together,
@@ -36,12 +37,12 @@ from test_vq_decode import (  # noqa: F401
 def schedule(request, monkeypatch):
     """Every block form in this module runs on the loop, or batched in groups of two blocks
     (so the carry from group to group is exercised)."""
-    block = vq._block
+    block = attention.block_form
     name = request.param.split("-")[0]
 
     def forced(*args):
         return block(*args[:11], name)
 
-    monkeypatch.setattr(vq, "_block", forced)
-    monkeypatch.setattr(vq, "_blocks_per_group", lambda device, scores_per_block: 2)
+    monkeypatch.setattr(attention, "block_form", forced)
+    monkeypatch.setattr(vq_schedule, "blocks_per_group", lambda device, scores_per_block: 2)
     return name

@@ -1,6 +1,7 @@
-"""The native VQ decoding step (``ops/_vq_native.py``): chosen by ``impl="auto"`` on CPUs once
-it builds and agrees with the torch form; a build that fails, or a step that differs, warns
-once and hands the work to the torch form (``impl="native"`` raises instead); the variable
+"""The native VQ decoding step (``ops/vq/native.py``, chosen by ``ops/vq/native_choice.py``):
+taken by ``impl="auto"`` on CPUs once it builds and agrees with the torch form; a build that
+fails, or a step that differs, warns once and hands the work to the torch form
+(``impl="native"`` raises instead); the variable
 ``LINATTN_VQ_STEP_IMPL`` and the kernel's own argument checks fail loudly. Its results
 against the references: ``tests/test_vq_decode_step.py`` (every test there runs both forms)."""
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import linattn
-from linattn.ops import _vq_native as native
+from linattn.ops.vq import native, native_choice
 
 CPU = torch.device("cpu")
 L = 4
@@ -21,9 +22,9 @@ L = 4
 @pytest.fixture
 def fresh_verdicts(monkeypatch):
     """Forget the process's verdicts for the test, and restore them after it."""
-    monkeypatch.delenv(native.ENV, raising=False)
-    monkeypatch.setattr(native, "_verdicts", {})
-    monkeypatch.setattr(native, "_warned", set())
+    monkeypatch.delenv(native_choice.ENV, raising=False)
+    monkeypatch.setattr(native_choice, "_verdicts", {})
+    monkeypatch.setattr(native_choice, "_warned", set())
 
 
 def _decode(impl, dtype=torch.float64, steps=6):
@@ -45,9 +46,9 @@ def test_auto_takes_the_native_step_on_cpu(fresh_verdicts):
     computed in float32, so they take it too)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert native.use_native("auto", CPU, torch.float64)
-        assert native.use_native("auto", CPU, torch.float32)
-    assert native.choice(CPU, torch.float64)[0] == "native"
+        assert native_choice.use_native("auto", CPU, torch.float64)
+        assert native_choice.use_native("auto", CPU, torch.float32)
+    assert native_choice.choice(CPU, torch.float64)[0] == "native"
 
 
 def test_a_failed_build_warns_once_and_runs_the_torch_form(fresh_verdicts, monkeypatch):
@@ -64,7 +65,7 @@ def test_a_failed_build_warns_once_and_runs_the_torch_form(fresh_verdicts, monke
         _decode("auto")
     with pytest.raises(RuntimeError, match="no compiler here"):
         _decode("native")
-    assert native.choice(CPU, torch.float64) == ("torch", "the native step failed: no compiler here")
+    assert native_choice.choice(CPU, torch.float64) == ("torch", "the native step failed: no compiler here")
 
 
 class _Off:
@@ -89,19 +90,19 @@ def test_a_step_that_differs_is_caught_by_the_self_check(fresh_verdicts, monkeyp
 
 
 def test_the_variable_and_impl_are_checked(monkeypatch):
-    monkeypatch.setenv(native.ENV, "fast")
+    monkeypatch.setenv(native_choice.ENV, "fast")
     with pytest.raises(ValueError, match="LINATTN_VQ_STEP_IMPL must be 'torch' or 'native'"):
         _decode("auto")
-    assert native.choice(CPU, torch.float64)[0] == "error"
+    assert native_choice.choice(CPU, torch.float64)[0] == "error"
     cuda = torch.device("cuda")  # only named: the choice is made from the device and the dtype
-    monkeypatch.setenv(native.ENV, "native")
+    monkeypatch.setenv(native_choice.ENV, "native")
     with pytest.raises(ValueError, match=r"LINATTN_VQ_STEP_IMPL=native: .* runs on CPU tensors, got cuda"):
-        native.use_native("auto", cuda, torch.float32)
-    assert native.choice(cuda, torch.float32)[0] == "error"
-    monkeypatch.delenv(native.ENV)
-    assert not native.use_native("auto", cuda, torch.float32)
+        native_choice.use_native("auto", cuda, torch.float32)
+    assert native_choice.choice(cuda, torch.float32)[0] == "error"
+    monkeypatch.delenv(native_choice.ENV)
+    assert not native_choice.use_native("auto", cuda, torch.float32)
     with pytest.raises(ValueError, match=r"impl='native': .* runs on CPU tensors, got cuda"):
-        native.use_native("native", cuda, torch.float32)
+        native_choice.use_native("native", cuda, torch.float32)
     with pytest.raises(ValueError, match="impl must be one of 'auto', 'torch', 'native', got 'triton'"):
         _decode("triton")
 
@@ -109,10 +110,10 @@ def test_the_variable_and_impl_are_checked(monkeypatch):
 def test_the_variable_forces_the_torch_form(monkeypatch):
     calls = []
     monkeypatch.setattr(native, "extension", lambda: calls.append(1))
-    monkeypatch.setenv(native.ENV, "torch")
+    monkeypatch.setenv(native_choice.ENV, "torch")
     _decode("auto")
     assert calls == []
-    assert native.choice(CPU, torch.float64) == ("torch", "LINATTN_VQ_STEP_IMPL=torch")
+    assert native_choice.choice(CPU, torch.float64) == ("torch", "LINATTN_VQ_STEP_IMPL=torch")
 
 
 def test_the_kernel_refuses_buffers_that_do_not_fit():

@@ -1,4 +1,4 @@
-"""The Triton VQ kernels check themselves before they are trusted (ops/_vq_selfcheck.py), and
+"""The Triton VQ kernels check themselves before they are trusted (ops/vq/selfcheck.py), and
 ``LINATTN_VQ_IMPL`` forces the choice.
 
 On a machine without CUDA the kernels run in Triton's interpreter (tests/conftest.py sets
@@ -16,8 +16,7 @@ import pytest
 import torch
 
 import linattn
-import linattn.ops._vq_triton as fused
-from linattn.ops import _vq_selfcheck as selfcheck
+from linattn.ops.vq import fused, selfcheck, triton_choice
 from _helpers import assert_close_rel
 from test_vq_attention import make_vq
 
@@ -31,7 +30,7 @@ def fresh_verdicts(monkeypatch):
     on this device; and a count of the self-checks run."""
     selfcheck.reset()
     monkeypatch.delenv(selfcheck.ENV, raising=False)
-    monkeypatch.setattr(fused, "AUTO_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(triton_choice, "AUTO_DEVICE_TYPES", ("cuda", "cpu"))
     runs = []
     check = selfcheck._run_check
     monkeypatch.setattr(selfcheck, "_run_check", lambda *args: runs.append(args) or check(*args))
@@ -46,15 +45,15 @@ def inputs(T: int = 20, dtype=torch.float32):
 
 
 def count_kernel_calls(monkeypatch, replacement=None) -> list:
-    """Record every call of the kernel path (``_vq_triton.block``), run through ``replacement``
+    """Record every call of the kernel path (``fused.block_form``), run through ``replacement``
     (a function of the real ``block`` and its arguments) when given."""
-    calls, block = [], fused.block
+    calls, block = [], fused.block_form
 
     def recorded(*args):
         calls.append(1)
         return replacement(block, *args) if replacement else block(*args)
 
-    monkeypatch.setattr(fused, "block", recorded)
+    monkeypatch.setattr(fused, "block_form", recorded)
     return calls
 
 
@@ -156,7 +155,7 @@ def test_the_environment_variable_forces_the_choice(monkeypatch, fresh_verdicts)
     assert len(calls) == 2  # the check's call and this one
 
     selfcheck.reset()
-    monkeypatch.setattr(fused, "AUTO_DEVICE_TYPES", ())  # auto alone would take torch everywhere
+    monkeypatch.setattr(triton_choice, "AUTO_DEVICE_TYPES", ())  # auto alone would take torch everywhere
     monkeypatch.setenv("LINATTN_VQ_IMPL", "triton")
     linattn.vq_attention(*args, block_size=L)
     assert len(calls) == 4
@@ -195,22 +194,23 @@ def test_the_real_kernels_pass_their_check_within_its_tolerances():
 
 
 def test_choice_says_what_auto_takes_and_why(monkeypatch, fresh_verdicts):
-    """``_vq_triton.choice`` (what ``linattn doctor`` prints) follows the same rules, running the
+    """``triton_choice.choice`` (what ``linattn doctor`` prints) follows the same rules, running the
     self-check where it would take the kernels."""
     device = torch.device(DEVICE)
-    assert fused.choice(device, torch.float32) == ("triton", "CUDA, triton imports, the self-check passed")
-    assert fused.choice(device, torch.float64)[0] == "torch"
-    monkeypatch.setattr(fused, "AUTO_DEVICE_TYPES", ())
-    assert fused.choice(device, torch.float32) == (
+    assert triton_choice.choice(device, torch.float32) == ("triton", "CUDA, triton imports, the self-check passed")
+    assert triton_choice.choice(device, torch.float64)[0] == "torch"
+    monkeypatch.setattr(triton_choice, "AUTO_DEVICE_TYPES", ())
+    assert triton_choice.choice(device, torch.float32) == (
         "torch", f"the kernels are taken automatically on CUDA only, this is {device.type}")
     monkeypatch.setenv("LINATTN_VQ_IMPL", "torch")
-    assert fused.choice(device, torch.float32) == ("torch", "LINATTN_VQ_IMPL=torch")
+    assert triton_choice.choice(device, torch.float32) == ("torch", "LINATTN_VQ_IMPL=torch")
     monkeypatch.setenv("LINATTN_VQ_IMPL", "triton")
-    assert fused.choice(device, torch.float64)[0] == "error"
+    assert triton_choice.choice(device, torch.float64)[0] == "error"
     monkeypatch.setenv("LINATTN_VQ_IMPL", "gpu")
-    assert fused.choice(device, torch.float32)[0] == "error"
+    assert triton_choice.choice(device, torch.float32)[0] == "error"
     monkeypatch.delenv("LINATTN_VQ_IMPL")
-    monkeypatch.setattr(fused, "AUTO_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(triton_choice, "AUTO_DEVICE_TYPES", ("cuda", "cpu"))
     selfcheck._verdicts[(str(device), torch.float32)] = "RuntimeError: boom"
-    assert fused.choice(device, torch.float32) == ("torch", "the kernels failed their self-check: RuntimeError: boom")
+    assert triton_choice.choice(device, torch.float32) == (
+        "torch", "the kernels failed their self-check: RuntimeError: boom")
     assert len(fresh_verdicts) == 1

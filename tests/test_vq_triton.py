@@ -1,5 +1,5 @@
 """``vq_attention(impl="triton")``: the causal block form on the fused Triton kernels
-(ops/_vq_kernels.py) against the float64 parallel reference and the float64 torch block form.
+(ops/vq/triton_kernels.py) against the float64 parallel reference and the float64 torch block form.
 
 Without a GPU the kernels run on CPU tensors in the Triton interpreter: Triton chooses
 at import, so tests/conftest.py sets ``TRITON_INTERPRET=1`` before any test module is
@@ -28,7 +28,7 @@ import torch
 import pytest
 
 import linattn
-import linattn.ops._vq_triton as fused
+from linattn.ops.vq import fused
 from _helpers import assert_close_rel
 from test_vq_attention import gather_codes, make_bias, make_position_keys, make_vq
 
@@ -222,7 +222,7 @@ def test_impl_is_checked_and_triton_refuses_what_it_cannot_run(monkeypatch):
     def no_triton():
         raise ImportError("No module named 'triton'")
 
-    monkeypatch.setattr(fused, "_kernels", no_triton)
+    monkeypatch.setattr(fused, "kernels", no_triton)
     with pytest.raises(ValueError, match="impl='triton' needs the triton package"):
         linattn.vq_attention(*[a.to(DEVICE) for a in args], block_size=16, impl="triton")
 
@@ -231,8 +231,8 @@ def test_auto_runs_triton_only_on_cuda(monkeypatch):
     """``impl="auto"`` on CPU tensors is the torch form even under the interpreter."""
     q, k_hat, v, codes, codebook = make_vq(B=1, H=2, Hkv=1, T=20, Dk=16, Dv=16, S=8)
     calls = []
-    block = fused.block
-    monkeypatch.setattr(fused, "block", lambda *a: calls.append(1) or block(*a))
+    block = fused.block_form
+    monkeypatch.setattr(fused, "block_form", lambda *a: calls.append(1) or block(*a))
     args = (q.float(), k_hat.float(), v.float(), codes, codebook.float())
     linattn.vq_attention(*args, block_size=16)
     assert calls == []
@@ -246,7 +246,7 @@ def test_auto_runs_triton_only_on_cuda(monkeypatch):
 def test_several_tiles_per_block_and_ragged_sizes(monkeypatch):
     """Tiles of 16 on L = 24, S = 40, Dk = 20, Dv = 12 (none a multiple of the tile: the
     causal and ragged edges of every kernel loop), with a carried state, against the reference."""
-    import linattn.ops._vq_kernels as kernels
+    from linattn.ops.vq import triton_kernels as kernels
 
     monkeypatch.setattr(kernels, "_MOST_ROWS", 16)
     H, L, D = 2, 24, 20

@@ -1,4 +1,4 @@
-"""``ops._bias.add_window_band``: the position term of a block's window through one strided
+"""``ops/common/bias.py``'s ``add_window_band``: the position term of a block's window through one strided
 view, against the padded gather of ``offset_rows`` (the form the softmax reference uses), in
 float64: values, the columns after the window left alone, and gradients."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from linattn.ops._bias import add_window_band, offset_rows, window_position_keys
+from linattn.ops.common.bias import add_window_band, offset_rows, window_position_keys
 
 F64 = torch.float64
 

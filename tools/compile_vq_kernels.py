@@ -6,7 +6,7 @@ block than the target has:
     python tools/compile_vq_kernels.py [--targets 80 86 90] [--dtypes float32 bfloat16 float16]
                                        [--dims 64 128] [--block-size 128] [--codebook-size 512]
 
-The tiles are those the launchers choose for these sizes (``_vq_kernels.compile_options``),
+The tiles are those the launchers choose for these sizes (``triton_kernels.compile_options``),
 with every switch on. ``--front-end`` instead stops after the first stage (Triton IR) and
 covers every combination of the switches, in seconds: tests/test_vq_triton.py runs it.
 """
@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler.compiler import make_backend  # noqa: E402
 
-from linattn.ops import _vq_kernels as kernels  # noqa: E402
+from linattn.ops.vq import triton_kernels as kernels  # noqa: E402
 
 KERNELS = (kernels.forward_kernel, kernels.query_grads_kernel, kernels.window_key_grads_kernel,
            kernels.cache_grads_kernel)

@@ -1,6 +1,6 @@
-"""Chunk length of the decay chunk forms: the times behind ``ops._decay.CHANNEL_CHUNK`` (the
-most positions in a chunk of kernel attention with a per-channel decay) and
-``ops._gated_delta.GATED_CHUNK`` (the same for the gated delta rule).
+"""Chunk length of the decay chunk forms: the times behind ``ops/common/decay.py``'s
+``CHANNEL_CHUNK`` (the most positions in a chunk of kernel attention with a per-channel decay) and
+``ops/delta/gated.py``'s ``GATED_CHUNK`` (the same for the gated delta rule).
 
 For each op, length T and chunk length C: the median of ``--repeats`` calls (after one
 untimed call) of the op as ``linattn bench attention`` times it (cases ``decay-channel`` and
@@ -17,8 +17,8 @@ import argparse
 
 import torch
 
-import linattn.ops._decay as decay
-import linattn.ops._gated_delta as gated
+import linattn.ops.common.decay as decay
+import linattn.ops.delta.gated as gated
 from linattn.bench.attention import CASES, AttentionBenchConfig
 from linattn.bench.harness import median, time_call
 

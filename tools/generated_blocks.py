@@ -66,7 +66,7 @@ from pathlib import Path
 from linattn.bench import cli as bench_cli
 from linattn.reporting import markdown_table_lines, read_results, read_results_of
 from linattn.repro import cli as repro_cli
-from linattn.repro.framework import RunJournal
+from linattn.repro.journal import RunJournal
 
 ROOT = Path(__file__).resolve().parent.parent
 OPEN = re.compile(r"<!--\s*generated:(.*?)-->")
@@ -294,7 +294,7 @@ def _schedule_grid(root: Path, words: list[str]) -> str:
     if len(words) != 2:
         raise ValueError("expected `schedule-grid NO_GRAD.txt WITH_GRAD.txt` (outputs of tools/vq_schedule_grid.py)")
     tool = _grid_tool()
-    budget = tool.vq._BATCHED_SCORES["cpu"]
+    budget = tool.schedule.BATCHED_SCORES["cpu"]
     grids = []
     for name, mode in zip(words, ("forward", "train")):
         if not (root / name).is_file():

@@ -52,21 +52,23 @@ def _targets(modules: list[str], tests: list[str], select: str | None = None) ->
     return [Target(module, tuple(tests), select) for module in modules]
 
 
+_VQ_TESTS = ["tests/test_vq_attention.py", "tests/test_vq_decode.py"]
 OPS = [
-    Target("src/linattn/ops/vq.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
-    Target("src/linattn/ops/local.py", ("tests/test_local_attention.py",)),
-    Target("src/linattn/ops/linear.py", ("tests/test_linear_attention.py", "tests/test_state.py")),
-    Target("src/linattn/ops/softmax.py", ("tests/test_softmax.py",)),
-    Target("src/linattn/ops/delta.py", ("tests/test_delta_rule.py",)),
-    Target("src/linattn/ops/lsh.py", ("tests/test_lsh_attention.py",)),
-    Target("src/linattn/ops/strided.py", ("tests/test_strided_attention.py",)),
-    Target("src/linattn/ops/linformer.py", ("tests/test_linformer.py",)),
-    Target("src/linattn/ops/feature_maps.py", ("tests/test_feature_maps.py",)),
-    Target("src/linattn/ops/_bias.py", ("tests/test_softmax.py", "tests/test_vq_attention.py")),
-    Target("src/linattn/ops/soft_vq.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
-    Target("src/linattn/ops/_codebook.py", ("tests/test_quantizer.py", "tests/test_vq_decode.py")),
-    Target("src/linattn/ops/_vq_resident.py", ("tests/test_vq_decode.py", "tests/test_gau_decode.py")),
-    Target("src/linattn/ops/_vq_cache.py", ("tests/test_vq_attention.py", "tests/test_vq_decode.py")),
+    *_targets([f"src/linattn/ops/vq/{name}.py" for name in
+               ("attention", "reference", "relative", "block", "batched", "groups", "running", "schedule", "decode",
+                "checks", "tensors", "cache", "soft")], _VQ_TESTS),
+    Target("src/linattn/ops/sparse/local.py", ("tests/test_local_attention.py",)),
+    *_targets(["src/linattn/ops/kernel/attention.py", "src/linattn/ops/kernel/forms.py"],
+              ["tests/test_linear_attention.py", "tests/test_state.py"]),
+    *_targets(["src/linattn/ops/softmax/attention.py", "src/linattn/ops/softmax/tiled.py"], ["tests/test_softmax.py"]),
+    *_targets(["src/linattn/ops/delta/rule.py", "src/linattn/ops/delta/chunk.py"], ["tests/test_delta_rule.py"]),
+    Target("src/linattn/ops/sparse/lsh.py", ("tests/test_lsh_attention.py",)),
+    Target("src/linattn/ops/sparse/strided.py", ("tests/test_strided_attention.py",)),
+    Target("src/linattn/ops/sparse/linformer.py", ("tests/test_linformer.py",)),
+    Target("src/linattn/ops/kernel/feature_maps.py", ("tests/test_feature_maps.py",)),
+    Target("src/linattn/ops/common/bias.py", ("tests/test_softmax.py", "tests/test_vq_attention.py")),
+    Target("src/linattn/ops/vq/codebook.py", ("tests/test_quantizer.py", "tests/test_vq_decode.py")),
+    Target("src/linattn/ops/vq/resident.py", ("tests/test_vq_decode.py", "tests/test_gau_decode.py")),
 ]
 QUANTIZER = [
     Target("src/linattn/nn/codebook.py", ("tests/test_quantizer.py",)),

@@ -1,6 +1,6 @@
 """Loop vs batched schedule of ``vq_attention``'s block form on a grid of shapes, for
-``schedule="auto"`` (``ops.vq._AUTO_SCHEDULE``) and the batched schedule's group budget
-(``ops.vq._BATCHED_SCORES``).
+``schedule="auto"`` (``ops/vq/schedule.py``'s ``AUTO_SCHEDULE``) and the batched schedule's group
+budget (``BATCHED_SCORES``).
 
 For each (rows = batch x heads, block length L, codebook size S, blocks per row R) at
 T = R L (``--block-counts``; by default T = 16384, the long sequences of a prefill), Dk = Dv
@@ -9,7 +9,7 @@ T = R L (``--block-counts``; by default T = 16384, the long sequences of a prefi
 budget; the schedules take turns, so a slow spell of the machine falls on each), in the
 ``--modes`` asked for: ``forward`` (under ``no_grad``: prefill, evaluation) and ``train``
 (forward + backward). Prints one line per shape with the times and loop/batched ratios,
-then (``--emit``) the winners as the Python literal ``_AUTO_SCHEDULE`` holds. Run on a
+then (``--emit``) the winners as the Python literal ``AUTO_SCHEDULE`` holds. Run on a
 quiet machine, from the repository root:
 
     .venv/bin/python tools/vq_schedule_grid.py --threads 2 --emit
@@ -29,6 +29,7 @@ import time
 import torch
 
 import linattn.ops.vq as vq
+from linattn.ops.vq import schedule
 
 
 def vq_call(rows: int, L: int, S: int, schedule: str, mode: str, T: int = 16384, D: int = 64):
@@ -101,7 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--modes", nargs="+", choices=["forward", "train"], default=["forward", "train"])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[vq._BATCHED_SCORES["cpu"]],
+    parser.add_argument("--budgets", type=int, nargs="+", default=[schedule.BATCHED_SCORES["cpu"]],
                         help="batched schedule group budgets (score entries) to try")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--blocks", type=int, nargs="+", default=[64, 128, 256])
@@ -109,10 +110,10 @@ def main() -> None:
     parser.add_argument("--block-counts", type=int, nargs="+", default=None, metavar="R",
                         help=f"blocks per row (T = R L); default: T = {LONG}")
     parser.add_argument("--rounds", type=int, default=5, help="timed turns per shape (default 5)")
-    parser.add_argument("--emit", action="store_true", help="print the winners as _AUTO_SCHEDULE's literal")
+    parser.add_argument("--emit", action="store_true", help="print the winners as AUTO_SCHEDULE's literal")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    device, default_budget = "cpu", vq._BATCHED_SCORES["cpu"]
+    device, default_budget = "cpu", schedule.BATCHED_SCORES["cpu"]
     winners = {}
     for mode, rows, L, S, R in itertools.product(args.modes, args.rows, args.blocks, args.codes,
                                                  args.block_counts or [None]):
@@ -122,11 +123,11 @@ def main() -> None:
             batched = vq_call(rows, L, S, "batched", mode, T)
 
             def with_budget(call=batched, budget=budget) -> None:
-                vq._BATCHED_SCORES[device] = budget
+                schedule.BATCHED_SCORES[device] = budget
                 try:
                     call()
                 finally:
-                    vq._BATCHED_SCORES[device] = default_budget
+                    schedule.BATCHED_SCORES[device] = default_budget
 
             calls[budget] = with_budget
         medians = interleaved_medians(calls, args.rounds)

@@ -7,15 +7,10 @@ Functional ops follow the layout of ``torch.nn.functional.scaled_dot_product_att
 from . import feature_maps, models, nn
 from .models import LM, LayerKind, LMConfig, register_layer_kind
 from .ops.delta import delta_rule
-from .ops.linear import linear_attention
-from .ops.linformer import linformer_attention
-from .ops.local import local_attention
-from .ops.lsh import lsh_attention
-from .ops.strided import strided_attention
+from .ops.kernel import linear_attention
 from .ops.softmax import softmax_attention
-from .ops.soft_vq import soft_vq_attention
-from .ops.vq import vq_attention
-from .ops.vq_step import vq_decode_step
+from .ops.sparse import linformer_attention, local_attention, lsh_attention, strided_attention
+from .ops.vq import soft_vq_attention, vq_attention, vq_decode_step
 from .nn import Codebook, FSQuantizer, VectorQuantizer
 from .state import (DeltaNetState, DeltaRuleState, GatedDeltaNetState, GatedLinearAttentionState, KVCacheState,
                     LinearAttentionState, LMState, RetentionState, VQAttentionState)

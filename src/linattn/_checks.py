@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -292,6 +293,19 @@ def check_choice(name: str, value: object, choices: Iterable[object]) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}; got {value!r}")
+
+
+def env_choice(variable: str, values: tuple[str, ...]) -> str | None:
+    """The environment variable ``variable`` that replaces an ``impl="auto"`` choice: one of
+    ``values``, or None when unset or empty; another value is a ValueError naming the variable
+    and the values it takes."""
+    value = os.environ.get(variable, "")
+    if value == "":
+        return None
+    if value not in values:
+        raise ValueError(f"{variable} must be {' or '.join(map(repr, values))} (or unset: impl='auto' chooses), "
+                         f"got {value!r}")
+    return value
 
 
 def check_bool(name: str, value: object) -> bool:

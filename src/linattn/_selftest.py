@@ -12,7 +12,7 @@ floating-point input by its largest error relative to its largest value:
 1e-3 and 1e-2, bfloat16 5e-2 and 1e-1 (a loose bound on rounding: a wrong form is off by
 O(1)). The references are the ops' readable forms (``mode="parallel"``, the recurrence,
 ``impl="reference"``), or, for ops with one form only, the equation with a dense mask
-written out here. On CUDA the VQ kernels' own self-check (``ops/_vq_selfcheck.py``) runs too.
+written out here. On CUDA the VQ kernels' own self-check (``ops/vq/selfcheck.py``) runs too.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .ops import _vq_selfcheck as vq_selfcheck
 from .ops.delta import delta_rule
-from .ops.linear import linear_attention
-from .ops.linformer import linformer_attention
-from .ops.local import local_attention
-from .ops.lsh import SELF_SCORE, lsh_attention
-from .ops.soft_vq import soft_vq_attention
+from .ops.kernel import linear_attention
 from .ops.softmax import softmax_attention
-from .ops.strided import strided_attention
-from .ops.vq import vq_attention
+from .ops.sparse import linformer_attention, local_attention, lsh_attention, strided_attention
+from .ops.sparse.lsh import SELF_SCORE
+from .ops.vq import selfcheck as vq_selfcheck
+from .ops.vq import soft_vq_attention, vq_attention
 
 F64 = torch.float64
 TOLERANCES = {torch.float64: (1e-9, 1e-9), torch.float32: (1e-3, 1e-2), torch.bfloat16: (5e-2, 1e-1)}

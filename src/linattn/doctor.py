@@ -27,9 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, _selftest
 from ._checks import available_device_name
-from .ops import _vq_native as vq_native
-from .ops import _vq_triton as vq_fused
-from .ops import vq as vq_ops
+from .ops.vq import native_choice, schedule, triton_choice
 from .reporting import device_name
 
 _PACKAGES = ("triton", "transformers", "peft", "numpy")
@@ -117,10 +115,10 @@ def implementations(device: torch.device) -> list[tuple[str, str]]:
     rows.append(("linear_attention", "mode=None: chunk form (chunk_size 64), recurrent for one causal token"))
     rows.append(("delta_rule", "mode=None: chunk form (WY/UT), recurrent for one token"))
     for dtype in dtypes:
-        impl, why = vq_fused.choice(device, dtype)
+        impl, why = triton_choice.choice(device, dtype)
         rows.append((f"vq_attention ({str(dtype).replace('torch.', '')})", f"impl='auto': {impl} ({why})"))
     for dtype in dtypes:
-        impl, why = vq_native.choice(device, dtype)
+        impl, why = native_choice.choice(device, dtype)
         rows.append((f"vq_decode_step ({str(dtype).replace('torch.', '')})", f"impl='auto': {impl} ({why})"))
     rows.append(("vq_attention schedule", f"schedule='auto': {_schedule_choice(device)}; "
                                           "decoding steps inside a block: the decode form"))
@@ -130,12 +128,13 @@ def implementations(device: torch.device) -> list[tuple[str, str]]:
 
 
 def _schedule_choice(device: torch.device) -> str:
-    """What ``vq_attention``'s ``schedule="auto"`` picks on ``device``, from ``ops.vq._AUTO_SCHEDULE``."""
+    """What ``vq_attention``'s ``schedule="auto"`` picks on ``device``, from ``AUTO_SCHEDULE``
+    (``ops/vq/schedule.py``)."""
     if device.type != "cpu":
         return "batched (groups of blocks as batched matmuls; the grid is measured on CPUs only)"
     parts = []
     for grad, mode in ((False, "without gradients"), (True, "with gradients")):
-        winners = [winner for key, winner in vq_ops._AUTO_SCHEDULE.items() if key[0] == grad]
+        winners = [winner for key, winner in schedule.AUTO_SCHEDULE.items() if key[0] == grad]
         parts.append(f"{mode} loop at {winners.count('loop')} and batched at {winners.count('batched')} "
                      f"of {len(winners)} measured shapes")
     return ("the faster of loop and batched at the nearest measured (batch x heads, L, S, blocks per row): "

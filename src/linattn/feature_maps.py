@@ -1,6 +1,6 @@
 """Public home of the kernel-attention feature maps (``linattn.feature_maps.FAVOR`` ...)."""
 
-from .ops.feature_maps import (
+from .ops.kernel.feature_maps import (
     DPFP,
     FAVOR,
     EluPlusOne,

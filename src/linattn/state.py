@@ -229,7 +229,7 @@ class VQAttentionState(_State):
     block_size: int | None = None
     codebook_size: int | None = None
     # Decoding with gradients off keeps the fields as views of one buffer that later steps
-    # fill in place (ops/_vq_resident.py); a state rebuilt from this one starts without it.
+    # fill in place (ops/vq/resident.py); a state rebuilt from this one starts without it.
     _resident: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
     # (codebook, its version) when the forms that made this state know every key in it to be a
     # row of that codebook as it is now (hard codes); None when unknown, as after a rebuild.
@@ -243,7 +243,7 @@ class KVCacheState(_State):
     ``keys [B, Hkv, t, Dk]``, ``values [B, Hkv, t, Dv]``; grows with the sequence (the point
     of comparison for the constant-size states above). Without gradients an unbounded
     cache's tensors are views of buffers with room for later positions, which the next steps
-    fill in place (``ops/_kv_cache.py``).
+    fill in place (``ops/softmax/kv_cache.py``).
 
     ``window``: the keys a query sees in sliding-window attention (``local_attention``'s
     ``window * look_backward``), whose cache keeps the last ``window - 1`` of them; None
@@ -256,7 +256,7 @@ class KVCacheState(_State):
     steps: int = 0
     window: int | None = None
     # Decoding with gradients off keeps keys and values as views of preallocated buffers that
-    # later steps fill in place (ops/_kv_cache.py); a state rebuilt from this one starts without.
+    # later steps fill in place (ops/softmax/kv_cache.py); a state rebuilt from this one starts without.
     _buffer: object = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
 

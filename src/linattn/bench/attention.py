@@ -26,11 +26,9 @@ from .._checks import non_negative_int as _non_negative_int
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..feature_maps import DPFP, FAVOR, EluPlusOne, FeatureMap
 from ..ops.delta import delta_rule
-from ..ops.linear import linear_attention
-from ..ops.local import local_attention
-from ..ops.lsh import lsh_attention
+from ..ops.kernel import linear_attention
 from ..ops.softmax import softmax_attention
-from ..ops.strided import strided_attention
+from ..ops.sparse import local_attention, lsh_attention, strided_attention
 from ..ops.vq import vq_attention
 from ..nn.quantizer import VectorQuantizer
 from . import report

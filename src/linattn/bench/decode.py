@@ -39,11 +39,10 @@ import torch.nn.functional as F
 from .. import reporting
 from ..models import LM, LMConfig, sizes
 from ..models.config import matched_gau_value_width
-from ..ops import _kv_cache as kv_cache
 from ..ops.delta import delta_rule
-from ..ops.linear import linear_attention
-from ..ops.vq import vq_attention
-from ..ops.vq_step import vq_decode_step
+from ..ops.kernel import linear_attention
+from ..ops.softmax import kv_cache
+from ..ops.vq import vq_attention, vq_decode_step
 from ..nn.quantizer import VectorQuantizer
 from .._checks import available_device_name, positive_int
 from .harness import in_fresh_process, median, synchronize
@@ -113,7 +112,7 @@ def _decayed(heads: int, dim: int, device: torch.device, per_channel: bool = Fal
 
 
 def _kv_cache(heads: int, dim: int, device: torch.device, room: int = 4096) -> DecodeCase:
-    """Exact attention over a preallocated KV cache (``ops/_kv_cache.py``): the state is every
+    """Exact attention over a preallocated KV cache (``ops/softmax/kv_cache.py``): the state is every
     key and value so far, in buffers with ``room`` free rows after the prefill, so a step
     writes its row in place and attends with SDPA's fused kernel (as a static cache does)."""
 

@@ -32,7 +32,7 @@ from ..nn.gated_delta_net import GatedDeltaNet
 from ..nn.gau import GAU
 from ..nn.gla import GatedLinearAttention
 from ..nn.retention import MultiScaleRetention
-from ..ops.feature_maps import FAVOR
+from ..ops.kernel import FAVOR
 
 if TYPE_CHECKING:
     from .config import LMConfig

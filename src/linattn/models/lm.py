@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from .._checks import (check_batch, check_int, check_sampling, check_state_batch, check_token_ids, compute_dtype,
                        token_id_tensor)
 from ..nn.quantizer import VectorQuantizer
-from ..ops import _kv_cache as kv_cache
+from ..ops.softmax import kv_cache
 from ..state import LMState
 from .config import LMConfig
 from .layers import layer_kind
@@ -243,7 +243,7 @@ class LM(nn.Module):
         an id). The prompt is read in one pass, then one token per step with the carried
         state, so the memory per step is constant for every recurrent mechanism (VQ, linear,
         FAVOR, delta, local) and grows only for exact softmax's KV cache, which is allocated
-        once after the prompt for all the tokens to come (``ops/_kv_cache.py``). ``temperature=0`` is
+        once after the prompt for all the tokens to come (``ops/softmax/kv_cache.py``). ``temperature=0`` is
         greedy; ``top_k``/``top_p`` filter before sampling; ``seed`` makes it reproducible.
         The model is in eval mode while generating (no codebook statistics).
 

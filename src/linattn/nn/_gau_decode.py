@@ -5,10 +5,10 @@ through the general layer (``GAU.forward`` -> ``VectorQuantizer`` -> ``vq_attent
 pays more for reshapes, dtype checks and broadcast matmuls than for the maths. This is
 the same computation written for ``[B, 1, d_model]`` on 2-D/3-D tensors: one input
 matmul, the nearest code, and one softmax over (previous block, current block, S cache
-slots) read from the state's resident buffer (``ops/_vq_resident.py``: the new key and
+slots) read from the state's resident buffer (``ops/vq/resident.py``: the new key and
 value are written into it in place, the scores are one matmul). On a CPU the nearest code,
 the writes and the attention are one call of the native VQ decoding step
-(``ops/_vq_native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses it). ``GAU.forward`` takes the
+(``ops/vq/native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses it). ``GAU.forward`` takes the
 general path for gradients, training mode, half precision and submodules that are not
 plain (a PEFT LoRA layer, a subclass, a forward hook); results equal its.
 """
@@ -21,8 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import compute_dtype
-from ..ops._vq_native import extension, use_native
-from ..ops._vq_resident import _HARD_CODES, state_after, window_for
+from ..ops.vq.native import extension
+from ..ops.vq.native_choice import use_native
+from ..ops.vq.resident import HARD_CODES, state_after, window_for
 from ..state import VQAttentionState
 
 
@@ -140,11 +141,11 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
 
 def _native_attend(c: DecodeConstants, queries, k, v, relative, codebook, state, L: int, p: int):
     """The nearest code, the buffer writes and the attention of one token by the native
-    step (``ops/_vq_native.py``; one kv head, one query per head, unit scale): ``(out [B, d_v],
+    step (``ops/vq/native.py``; one kv head, one query per head, unit scale): ``(out [B, d_v],
     codes [B], k_hat [B, d_k] (a view of the buffer's new row), window)``."""
     B, d_k = queries.shape
     d_v = v.shape[-1]
-    window = window_for(state, L, codebook, (B, 1, d_k, d_v), _HARD_CODES, queries.dtype)
+    window = window_for(state, L, codebook, (B, 1, d_k, d_v), HARD_CODES, queries.dtype)
     out = queries.new_empty(B, 1, 1, d_v)
     codes = torch.empty(B, 1, dtype=torch.int64, device=queries.device)
     extension().vq_decode_step(

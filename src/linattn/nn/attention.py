@@ -8,11 +8,9 @@ import torch
 from torch import nn
 
 from .._checks import check_choice, check_head_layout, check_layer_input, check_state_batch, check_state_tensor
-from ..ops import _kv_cache as kv_cache
-from ..ops.feature_maps import FeatureMap, get_feature_map
-from ..ops.linear import linear_attention
-from ..ops.local import local_attention
-from ..ops.softmax import entropy_scale, softmax_attention
+from ..ops.kernel import FeatureMap, get_feature_map, linear_attention
+from ..ops.softmax import entropy_scale, kv_cache, softmax_attention
+from ..ops.sparse import local_attention
 from ..state import KVCacheState, LinearAttentionState
 from .rotary import apply_rotary
 
@@ -25,7 +23,7 @@ class Attention(nn.Module):
 
     ``mechanism``:
       - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``
-        (preallocated without gradients, ``ops/_kv_cache.py``).
+        (preallocated without gradients, ``ops/softmax/kv_cache.py``).
       - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
         ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
       - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``

@@ -7,7 +7,7 @@ from torch import nn
 
 from .._checks import check_layer_input, check_state_batch, check_state_setting
 from ..ops.delta import delta_rule
-from ..ops.feature_maps import FeatureMap, get_feature_map
+from ..ops.kernel import FeatureMap, get_feature_map
 from ..state import DeltaNetState
 from ._heads import _HeadsMixer
 

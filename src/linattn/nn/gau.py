@@ -9,10 +9,8 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 
 from .._checks import (check_choice, check_layer_input, check_positive_number, check_state_batch, check_state_tensor,
                        is_number)
-from ..ops import _kv_cache as kv_cache
-from ..ops.soft_vq import soft_vq_attention
-from ..ops.softmax import entropy_scale
-from ..ops.vq import GRAD_SCOPES, vq_attention, windowed_softmax
+from ..ops.softmax import entropy_scale, kv_cache
+from ..ops.vq import GRAD_SCOPES, soft_vq_attention, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
 from ._gau_decode import can_decode_token, decode_token, inverse_rms
 from .attention import ATTENTION_SCALES

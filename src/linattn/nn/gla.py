@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import check_layer_input, check_positive_int, check_positive_number, check_state_batch, compute_dtype
-from ..ops.linear import linear_attention
+from ..ops.kernel import linear_attention
 from ..state import GatedLinearAttentionState, LinearAttentionState
 from ._heads import _NORM_EPS, _HeadsMixer
 

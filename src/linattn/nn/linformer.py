@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .._checks import check_layer_input
-from ..ops.linformer import linformer_attention
+from ..ops.sparse import linformer_attention
 
 
 class LinformerAttention(nn.Module):

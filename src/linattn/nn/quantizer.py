@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_batch, check_choice, check_non_negative_number, compute_dtype
-from ..ops._codebook import codebook_scores
+from ..ops.vq import codebook_scores
 from .codebook import Codebook, SyncHook
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from .._checks import check_layer_input, check_state_batch, check_state_setting, compute_dtype
-from ..ops.linear import linear_attention
+from ..ops.kernel import linear_attention
 from ..state import LinearAttentionState, RetentionState
 from ._heads import _HeadsMixer
 from .rotary import apply_rotary

@@ -1,7 +1,9 @@
 """Reproductions of the seed papers' experiments at CPU scale (``linattn repro ...``).
 
 ``framework``: the experiment protocol every reproduction follows (spec, shared flags,
-seeds, run journal and worker pool, the spread over seeds, result files); ``query_task``:
+seeds, result files), with ``grids`` (the runs of an invocation and the worker pool),
+``journal`` (the run journal ``runs.jsonl``) and ``spread`` (the spread over seeds, the
+resolved rule, the Differences matrix); ``query_task``:
 training and scoring a model on a synthetic task scored at query positions only (``mqar``,
 ``long_range``). The experiments:
 ``fwp_retrieval`` (+ ``fwp_model``, ``fwp_report``): the synthetic associative-retrieval

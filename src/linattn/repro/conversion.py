@@ -26,8 +26,10 @@ from ..models import LMConfig
 from ..models.config import matched_gau_value_width
 from ..reporting import markdown_table_lines, pyplot, save_figure
 from ..train import TrainConfig, evaluate_bpb, load_model, train
-from . import framework
-from .framework import Experiment, ExperimentSpec, Grid
+from . import framework, grids, spread
+from .framework import Experiment, ExperimentSpec
+from .grids import Grid
+from .journal import metadata_interim_note, reuse_note
 
 
 def _config(attention: str, args: argparse.Namespace) -> LMConfig:
@@ -116,43 +118,43 @@ def _right_after_conversion(row: dict) -> dict | None:
     """Test bpb before any fine-tuning: the source's own, a conversion's right after it."""
     if row["case"] == "scratch":
         return None
-    return framework.stats_of(row, "test_bpb" if row["case"] == "softmax" else "test_bpb_converted")
+    return spread.stats_of(row, "test_bpb" if row["case"] == "softmax" else "test_bpb_converted")
 
 
 def markdown(rows: list[dict], metadata: dict, *, runs: int, note: str = "") -> str:
     """The table over the seeds and the differences of test bpb (after fine-tuning, and right
     after conversion against the source); ``runs``: the number of per-seed runs."""
-    stats = framework.format_stats
+    stats = spread.format_stats
     cells = [[_model_name(r), f"{r['parameters']:,}", str(r["step"]), str(r["n"]),
-              stats(framework.stats_of(r, "test_bpb_converted")), stats(framework.stats_of(r, "test_bpb")),
-              stats(framework.stats_of(r, "validation_bpb"))] for r in rows]
+              stats(spread.stats_of(r, "test_bpb_converted")), stats(spread.stats_of(r, "test_bpb")),
+              stats(spread.stats_of(r, "validation_bpb"))] for r in rows]
     lines = ["# Softmax to Transformer-VQ: conversion against training from scratch", "",
              f"Command: `{metadata['command']}`  ",
              f"Date: {metadata['date']}; device: {metadata['device_name']}, {metadata['threads']} threads; "
              f"torch {metadata['torch_version']}.", "",
-             framework.seeds_text(rows), "",
+             spread.seeds_text(rows), "",
              *markdown_table_lines(["model", "parameters", "steps", "n", "test bpb right after conversion",
                                     "test bpb (after fine-tuning)", "validation bpb"], cells), "",
              "Test bpb: the first test bytes as one stream, the state carried as in training (reset every 8 "
              "windows). The converted models fine-tune from the source's last step with a fresh optimizer; the "
              "from-scratch VQ model trains for the same total steps. Each seed has its own source.", "",
-             *framework.differences_lines([
+             *spread.differences_lines([
                  ("Test bpb after fine-tuning (the source: as trained; lower is better):",
-                  framework.difference_matrix(rows, lambda r: framework.stats_of(r, "test_bpb"), _short_name)),
+                  spread.difference_matrix(rows, lambda r: spread.stats_of(r, "test_bpb"), _short_name)),
                  ("Test bpb right after conversion, before fine-tuning, against the source (lower is better):",
-                  framework.difference_matrix(rows, _right_after_conversion, _short_name)),
+                  spread.difference_matrix(rows, _right_after_conversion, _short_name)),
              ])]
     if note:
         lines += ["", note]
     elif metadata.get("reused_runs"):
-        lines += ["", framework.reuse_note(metadata["reused_runs"], runs) + "."]
+        lines += ["", reuse_note(metadata["reused_runs"], runs) + "."]
     return "\n".join(lines) + "\n"
 
 
 def page(results: dict) -> str:
     """The page of ``results.json``'s contents: :func:`markdown` of its rows and metadata."""
     metadata, runs = results["metadata"], len(results["runs"])
-    return markdown(results["rows"], metadata, runs=runs, note=framework.metadata_interim_note(metadata, runs))
+    return markdown(results["rows"], metadata, runs=runs, note=metadata_interim_note(metadata, runs))
 
 
 def write_plot(rows: list[dict], path: Path) -> Path:
@@ -162,12 +164,12 @@ def write_plot(rows: list[dict], path: Path) -> Path:
     converted = sorted((r for r in rows if r["case"] == "converted"), key=lambda r: r["codebook_size"])
     if converted:
         sizes = [r["codebook_size"] for r in converted]
-        framework.plot_spread(axis, sizes, [framework.stats_of(r, "test_bpb_converted") for r in converted],
-                              marker="o", label="converted")
-        framework.plot_spread(axis, sizes, [framework.stats_of(r, "test_bpb") for r in converted], marker="o",
-                              label="converted + fine-tuned")
+        spread.plot_spread(axis, sizes, [spread.stats_of(r, "test_bpb_converted") for r in converted],
+                           marker="o", label="converted")
+        spread.plot_spread(axis, sizes, [spread.stats_of(r, "test_bpb") for r in converted], marker="o",
+                           label="converted + fine-tuned")
     for r in rows:
-        bpb = framework.stats_of(r, "test_bpb")
+        bpb = spread.stats_of(r, "test_bpb")
         if r["case"] != "converted" and bpb is not None:
             color = "gray" if r["case"] == "softmax" else "black"
             axis.axhline(bpb["mean"], linestyle="--", color=color, label=_model_name(r))
@@ -237,10 +239,10 @@ def _run(args: argparse.Namespace) -> int:
                                      "settings": {key: getattr(run[2], key) for key in _SETTINGS}},
                 seed_of=lambda run: run[2].seed,
                 describe=lambda row: f"{row['case']} {row['test_bpb']:.3f} bpb", label="repro convert", unit="case")
-    outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
+    outcome = grids.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
                     report_only=args.report_only)
-    rows = framework.aggregate(outcome.rows, identity=ROW_IDENTITY, constants=ROW_CONSTANTS)
+    rows = spread.aggregate(outcome.rows, identity=ROW_IDENTITY, constants=ROW_CONSTANTS)
     text = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     plot=partial(write_plot, rows), plot_name="conversion.png")

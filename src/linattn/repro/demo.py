@@ -19,8 +19,10 @@ from ..reporting import markdown_table_lines, pyplot, save_figure
 from ..train import TrainConfig, train
 from ..train.cli import _vocab_from_data
 from ..train.config import build_configs, load_run_file
-from . import framework
-from .framework import Experiment, ExperimentSpec, Grid
+from . import framework, grids, spread
+from .framework import Experiment, ExperimentSpec
+from .grids import Grid
+from .journal import metadata_interim_note, reuse_note
 from .lm_quality import run_curves
 
 DEFAULT_CONFIG = Path("configs/demo.toml")
@@ -63,7 +65,7 @@ def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "")
         f"{metadata['threads']} threads; torch {metadata['torch_version']}.", "",
         f"Run file `{metadata['config']}`" + (" (what `make demo` trains)" if Path(metadata["config"]) == DEFAULT_CONFIG
                                              else "") + f" with `train.seed` set per seed; "
-        f"{framework.seeds_text(rows, cells=False)}", "",
+        f"{spread.seeds_text(rows, cells=False)}", "",
         *markdown_table_lines(
             ["seed", "final validation bpb", "at step", "bpb before training", "train seconds"],
             [[str(r["seed"]), _number(r["validation_bpb"]), str(r["validation_bpb_step"]), _number(r["initial_bpb"]),
@@ -71,13 +73,13 @@ def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "")
         "Final validation bpb over the seeds:", "",
         *markdown_table_lines(["n", "mean", "std", "min–max"], [_spread(r) for r in rows]), "",
         "Validation bpb: the run file's `eval_tokens` validation bytes at its last evaluation (the step shown). "
-        f"{framework.RESOLVED_RULE} A difference between two demo configurations is real by that rule when their "
+        f"{spread.RESOLVED_RULE} A difference between two demo configurations is real by that rule when their "
         "ranges here do not overlap.",
     ]
     if note:
         lines += ["", note]
     elif metadata.get("reused_runs"):
-        lines += ["", framework.reuse_note(metadata["reused_runs"], len(runs)) + "."]
+        lines += ["", reuse_note(metadata["reused_runs"], len(runs)) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -85,7 +87,7 @@ def page(results: dict) -> str:
     """The page of ``results.json``'s contents: :func:`markdown` of its rows, runs and metadata."""
     metadata = results["metadata"]
     return markdown(results["rows"], results["runs"], metadata,
-                    note=framework.metadata_interim_note(metadata, len(results["runs"])))
+                    note=metadata_interim_note(metadata, len(results["runs"])))
 
 
 def _number(value: float | None) -> str:
@@ -93,7 +95,7 @@ def _number(value: float | None) -> str:
 
 
 def _spread(row: dict) -> list[str]:
-    stats = framework.stats_of(row, "validation_bpb")
+    stats = spread.stats_of(row, "validation_bpb")
     if stats is None:
         return [str(row["n"]), "—", "—", "—"]
     std = "—" if stats["std"] is None else f"{stats['std']:.3f}"
@@ -104,9 +106,9 @@ def write_plot(runs: list[dict], path: Path) -> Path:
     """Training loss (bits per byte) and validation bpb against the step: the mean over the
     seeds with its min–max band."""
     figure, (left, right) = pyplot().subplots(1, 2, figsize=(11, 4))
-    framework.plot_band(left, [run["loss_curve"] for run in runs], scale=1 / math.log(2), color="C0")
+    spread.plot_band(left, [run["loss_curve"] for run in runs], scale=1 / math.log(2), color="C0")
     if all(run["validation_curve"] for run in runs):
-        framework.plot_band(right, [run["validation_curve"] for run in runs], color="C0", marker="o")
+        spread.plot_band(right, [run["validation_curve"] for run in runs], color="C0", marker="o")
     left.set(xlabel="step", ylabel="training loss (bits per byte)", title="training loss")
     right.set(xlabel="step", ylabel="validation bpb", title="validation")
     for axis in (left, right):
@@ -155,10 +157,10 @@ def _run(args: argparse.Namespace) -> int:
                                              run_file={"model": runs[0][0], "train": runs[0][1]})
     grid = Grid(train=train_seed, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
                 label="repro demo", unit="run")
-    outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
+    outcome = grids.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
                     report_only=args.report_only)
-    rows = framework.aggregate(outcome.rows, identity=("run",), constants=("parameters",))
+    rows = spread.aggregate(outcome.rows, identity=("run",), constants=("parameters",))
     text = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     plot=partial(write_plot, outcome.rows), plot_name="validation_bpb.png")

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from ..feature_maps import FAVOR, FeatureMap, get_feature_map
 from ..ops.delta import delta_rule
-from ..ops.linear import linear_attention
+from ..ops.kernel import linear_attention
 from ..ops.softmax import softmax_attention
 
 

@@ -2,7 +2,7 @@
 
 ``runs`` are ``fwp_retrieval.train_run``'s rows, one per (mechanism, S, seed), with the final
 evaluation loss and accuracy, steps and stop reason; ``rows`` are those aggregated over the
-seeds (``framework.aggregate``). The verdicts are thresholds: a size meets a criterion when
+seeds (``spread.aggregate``). The verdicts are thresholds: a size meets a criterion when
 every seed of it does (with one seed, when that run does).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..reporting import markdown_table_lines, pyplot, save_figure
-from . import framework
+from . import spread
 
 if TYPE_CHECKING:
     from .fwp_retrieval import RetrievalTrainConfig, Setting
@@ -24,7 +24,7 @@ ACCURACY_LEVELS = (0.99, 0.9, 0.5)
 
 def _every_seed(row: dict, metric: str, holds: Callable[[dict], bool]) -> bool:
     """``holds(stats)`` for the metric's stats over the seeds, every seed with a finite value."""
-    stats = framework.stats_of(row, metric)
+    stats = spread.stats_of(row, metric)
     return stats is not None and stats["n"] == row["n"] and holds(stats)
 
 
@@ -63,21 +63,21 @@ def summarize(rows: Sequence[dict], *, target_loss: float) -> dict:
             "largest_size_accuracy_at_least": {
                 f"{level:g}": _largest_prefix_size(mine, lambda r, level=level: _accurate(r, level))
                 for level in ACCURACY_LEVELS},
-            "final_eval_loss_by_size": {str(r["size"]): framework.mean_of(r, "final_eval_loss") for r in mine},
+            "final_eval_loss_by_size": {str(r["size"]): spread.mean_of(r, "final_eval_loss") for r in mine},
         }
     return summary
 
 
 def _loss(row: dict) -> str:
-    return framework.format_stats(framework.stats_of(row, "final_eval_loss"), ".1e", bare_single=True)
+    return spread.format_stats(spread.stats_of(row, "final_eval_loss"), ".1e", bare_single=True)
 
 
 def _percent(row: dict) -> str:
-    stats = framework.stats_of(row, "final_eval_accuracy")
+    stats = spread.stats_of(row, "final_eval_accuracy")
     if stats is None:
         return "—"
     scaled = {key: value if key == "n" or value is None else 100 * value for key, value in stats.items()}
-    return framework.format_stats(scaled, ".1f", bare_single=True) + "%"
+    return spread.format_stats(scaled, ".1f", bare_single=True) + "%"
 
 
 def _steps(row: dict, runs: Sequence[dict]) -> str:
@@ -85,7 +85,7 @@ def _steps(row: dict, runs: Sequence[dict]) -> str:
     stops = "".join(_STOP[run["stop_reason"]] for run in mine)
     if len(mine) == 1:
         return f"{mine[0]['steps']}{stops}"
-    return f"{framework.mean_of(row, 'steps'):.0f} ({stops})"
+    return f"{spread.mean_of(row, 'steps'):.0f} ({stops})"
 
 
 def _size(value: int | None) -> str:
@@ -128,8 +128,8 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, title: str, c
         f"evaluations without improvement, or at {config.max_steps} steps; seed{'s' if len(seeds) > 1 else ''} "
         f"{', '.join(map(str, seeds))}.",
         "",
-        framework.seeds_text(rows, cells=several) + " The verdicts below are thresholds: a size meets a criterion "
-        "when every seed of it does. " + framework.RESOLVED_RULE,
+        spread.seeds_text(rows, cells=several) + " The verdicts below are thresholds: a size meets a criterion "
+        "when every seed of it does. " + spread.RESOLVED_RULE,
         "",
         "## Final evaluation loss (1/2 squared error per query)",
         "",
@@ -187,10 +187,10 @@ def write_plot(rows: Sequence[dict], path: Path, *, title: str, target_loss: flo
         color = f"C{index % 10}"
         xs = [r["size"] for r in mine]
         style = dict(marker="o", markersize=3, color=color, label=mine[0]["label"])
-        framework.plot_spread(loss_axis, xs, [_floored(framework.stats_of(r, "final_eval_loss"), 1e-8) for r in mine],
-                              **style)
-        framework.plot_spread(accuracy_axis, xs, [framework.stats_of(r, "final_eval_accuracy") for r in mine],
-                              scale=100, **style)
+        spread.plot_spread(loss_axis, xs, [_floored(spread.stats_of(r, "final_eval_loss"), 1e-8) for r in mine],
+                           **style)
+        spread.plot_spread(accuracy_axis, xs, [spread.stats_of(r, "final_eval_accuracy") for r in mine],
+                           scale=100, **style)
         d_dot = mine[0]["d_dot"]
         if mark_d_dot and d_dot is not None and min(xs) <= d_dot <= max(xs):
             for axis in (loss_axis, accuracy_axis):

@@ -41,10 +41,12 @@ import torch.nn.functional as F
 
 from .._checks import check_cuda_available, check_int, check_positive_number, int_at_least, is_int, positive_float
 from ..train.optim import parameter_groups
-from . import framework
-from .framework import Experiment, ExperimentSpec, Grid, RunJournal, seeded_generator
+from . import framework, grids, spread
+from .framework import Experiment, ExperimentSpec, seeded_generator
 from .fwp_model import RETRIEVAL_MECHANISMS, RetrievalMechanism, RetrievalModel
 from .fwp_report import markdown_report, summarize, write_plot
+from .grids import Grid
+from .journal import RunJournal, interim_note, reuse_note
 
 # --- task ---------------------------------------------------------------------------
 
@@ -355,8 +357,8 @@ def run_grid(setting: Setting, mechanisms: Sequence[str], sizes: Sequence[int], 
     ``threads`` torch threads each. With a ``journal``, runs recorded there are reused and new
     ones recorded; ``only_recorded=True`` returns just the recorded ones, training nothing."""
     check_grid(mechanisms, sizes, config)
-    return framework.run_grid(_grid(setting, mechanisms, sizes, config, _seeds(config, seeds)), jobs=jobs,
-                              threads=threads, progress=progress, journal=journal, only_recorded=only_recorded)
+    return grids.run_grid(_grid(setting, mechanisms, sizes, config, _seeds(config, seeds)), jobs=jobs,
+                          threads=threads, progress=progress, journal=journal, only_recorded=only_recorded)
 
 
 # --- experiments --------------------------------------------------------------------
@@ -448,11 +450,11 @@ def run_experiment(spec: RetrievalSpec, *, mechanisms: Sequence[str], sizes: Seq
     setting = SETTINGS[spec.setting]
     check_grid(mechanisms, sizes, config)
     seeds = _seeds(config, seeds)
-    outcome = framework.run_journaled(_grid(setting, mechanisms, sizes, config, seeds), out_dir,
-                                      spec=spec.experiment, jobs=jobs, threads=threads, progress=progress,
-                                      resume=resume, report_only=report_only)
+    outcome = grids.run_journaled(_grid(setting, mechanisms, sizes, config, seeds), out_dir,
+                                  spec=spec.experiment, jobs=jobs, threads=threads, progress=progress,
+                                  resume=resume, report_only=report_only)
     runs = outcome.rows
-    rows = framework.aggregate(runs, identity=ROW_IDENTITY, constants=ROW_CONSTANTS)
+    rows = spread.aggregate(runs, identity=ROW_IDENTITY, constants=ROW_CONSTANTS)
     cpu = sum(run["cpu_seconds"] for run in runs)  # each run's own process, workers included
     shapes = {"setting": spec.setting, "sizes": list(sizes), "seq_len": [setting.seq_len(s) for s in sizes],
               "key_dim": config.key_dim, "heads": 1}
@@ -486,8 +488,8 @@ def page(spec: RetrievalSpec, results: dict) -> str:
         (f"\nWall time {metadata['wall_seconds']:.0f} s ({metadata['jobs']} process(es) x {metadata['threads']} "
          "thread(s)), " if trained_here else "\n")
         + f"CPU time of the runs {metadata['cpu_seconds']:.0f} s, on {metadata['device_name']}."
-        + (f" {framework.reuse_note(reused, len(runs))}." if reused and not report_only else "")
-        + (f" {framework.interim_note(len(runs), metadata['grid_runs'])}" if report_only else "") + "\n")
+        + (f" {reuse_note(reused, len(runs))}." if reused and not report_only else "")
+        + (f" {interim_note(len(runs), metadata['grid_runs'])}" if report_only else "") + "\n")
 
 
 # --- command line -------------------------------------------------------------------

@@ -34,8 +34,10 @@ from .._checks import int_at_least, non_negative_int, positive_float
 from ..data import load_corpus
 from ..reporting import markdown_table_lines, pyplot, save_figure
 from ..train import evaluate_bpb
-from . import framework
-from .framework import Experiment, ExperimentSpec, Grid, reuse_note
+from . import framework, grids, spread
+from .framework import Experiment, ExperimentSpec
+from .grids import Grid
+from .journal import metadata_interim_note, reuse_note
 from .lm_quality import model_config, train_model
 
 # CLI name -> LMConfig attention spec; the hybrid's is built from --n-layers and --window.
@@ -114,13 +116,13 @@ def _rise(run: dict) -> float | None:
 
 def run_metrics(run: dict) -> dict[str, float | None]:
     """The metrics of a run besides its top-level numbers: ``bpb_at_C`` per evaluation context
-    and the ``rise`` (aggregated over the seeds by ``framework.aggregate``)."""
+    and the ``rise`` (aggregated over the seeds by ``spread.aggregate``)."""
     return {**{f"bpb_at_{context}": value for context, value in _bpb(run).items()}, "rise": _rise(run)}
 
 
 def aggregate(runs: list[dict]) -> list[dict]:
-    """One row per variant over its seeds (``framework.aggregate`` with :func:`run_metrics`)."""
-    return framework.aggregate(runs, identity=ROW_IDENTITY, metrics=run_metrics, constants=ROW_CONSTANTS)
+    """One row per variant over its seeds (``spread.aggregate`` with :func:`run_metrics`)."""
+    return spread.aggregate(runs, identity=ROW_IDENTITY, metrics=run_metrics, constants=ROW_CONSTANTS)
 
 
 def _contexts(rows: list[dict]) -> list[int]:
@@ -135,18 +137,18 @@ def summarize(rows: list[dict], runs: list[dict], tolerance: float) -> dict:
     ``extrapolates`` (at every seed; None without a longer context), the stats of bpb at the
     longest and at the training context; ``entropy_scale``: per context, the mean bpb of
     ``softmax`` minus that of ``softmax-entropy`` (> 0: the scale helps) and whether the
-    difference is resolved (``framework.resolved``), when both were run."""
+    difference is resolved (``spread.resolved``), when both were run."""
     variants = {}
     for row in rows:
         rises = [_rise(run) for run in runs if run["variant"] == row["variant"]]
         measured = [rise for rise in rises if rise is not None]
         longest = max(c for c in _contexts([row]))
         variants[row["variant"]] = {
-            "n": row["n"], "rise": framework.stats_of(row, "rise"),
+            "n": row["n"], "rise": spread.stats_of(row, "rise"),
             "extrapolating_seeds": sum(rise <= tolerance for rise in measured) if measured else None,
             "extrapolates": all(rise <= tolerance for rise in measured) if measured else None,
-            "longest_context": longest, "bpb_at_longest": framework.stats_of(row, f"bpb_at_{longest}"),
-            "bpb_at_train_context": framework.stats_of(row, f"bpb_at_{row['train_context']}")}
+            "longest_context": longest, "bpb_at_longest": spread.stats_of(row, f"bpb_at_{longest}"),
+            "bpb_at_train_context": spread.stats_of(row, f"bpb_at_{row['train_context']}")}
     summary = {"train_context": rows[0]["train_context"] if rows else None, "tolerance": tolerance,
                "variants": variants}
     by_name = {row["variant"]: row for row in rows}
@@ -154,10 +156,10 @@ def summarize(rows: list[dict], runs: list[dict], tolerance: float) -> dict:
         plain, scaled = by_name["softmax"], by_name["softmax-entropy"]
         summary["entropy_scale"] = {}
         for context in _contexts([plain]):
-            a, b = framework.stats_of(plain, f"bpb_at_{context}"), framework.stats_of(scaled, f"bpb_at_{context}")
+            a, b = spread.stats_of(plain, f"bpb_at_{context}"), spread.stats_of(scaled, f"bpb_at_{context}")
             if a is not None and b is not None:
                 summary["entropy_scale"][str(context)] = {"gain": a["mean"] - b["mean"],
-                                                          "resolved": framework.resolved(a, b)}
+                                                          "resolved": spread.resolved(a, b)}
     return summary
 
 
@@ -196,9 +198,9 @@ def conclusions(rows: list[dict], summary: dict) -> str:
         v = variants["softmax-nope-entropy"]
         text.append(f"Without positions (softmax:nope:entropy): {v['bpb_at_train_context']['mean']:.3f} at "
                     f"{train_context}, {v['bpb_at_longest']['mean']:.3f} at {v['longest_context']}.")
-    carried = [f"{r['variant']} {framework.mean_of(r, 'test_bpb_carried'):.3f} (reset every {train_context}: "
-               f"{framework.mean_of(r, f'bpb_at_{train_context}'):.3f})" for r in rows
-               if framework.stats_of(r, "test_bpb_carried") is not None]
+    carried = [f"{r['variant']} {spread.mean_of(r, 'test_bpb_carried'):.3f} (reset every {train_context}: "
+               f"{spread.mean_of(r, f'bpb_at_{train_context}'):.3f})" for r in rows
+               if spread.stats_of(r, "test_bpb_carried") is not None]
     if carried:
         text.append("State carried across the whole stream: " + ", ".join(carried) + ".")
     return " ".join(text)
@@ -220,7 +222,7 @@ def markdown(rows: list[dict], metadata: dict, summary: dict, *, runs: int, note
     longest and at the training context, and the conclusions; ``runs``: the per-seed runs."""
     contexts = _contexts(rows)
     train_context = summary["train_context"]
-    stats = framework.format_stats
+    stats = spread.format_stats
     header = ["variant", "spec", "parameters", "n", "validation bpb",
               *[f"C={c}" + (" (trained)" if c == train_context else "") for c in contexts],
               "state carried across the stream", "extrapolates"]
@@ -228,25 +230,25 @@ def markdown(rows: list[dict], metadata: dict, summary: dict, *, runs: int, note
     for row in rows:
         v = summary["variants"][row["variant"]]
         cells.append([row["variant"], f"`{row['spec']}`", f"{row['parameters']:,}", str(row["n"]),
-                      stats(framework.stats_of(row, "validation_bpb")),
-                      *[stats(framework.stats_of(row, f"bpb_at_{c}")) for c in contexts],
-                      stats(framework.stats_of(row, "test_bpb_carried")), _extrapolates_cell(v)])
+                      stats(spread.stats_of(row, "validation_bpb")),
+                      *[stats(spread.stats_of(row, f"bpb_at_{c}")) for c in contexts],
+                      stats(spread.stats_of(row, "test_bpb_carried")), _extrapolates_cell(v)])
     longest = contexts[-1]
     lines = [
         "# Length extrapolation: trained at one context, evaluated at longer ones", "",
         f"Command: `{metadata['command']}`  ", f"Date: {metadata['date']}; device: {metadata['device_name']}, "
         f"{metadata['threads']} threads; torch {metadata['torch_version']}.", "",
-        framework.seeds_text(rows), "",
+        spread.seeds_text(rows), "",
         *markdown_table_lines(header, cells), "",
         f"Test bpb on the first {rows[0]['test_tokens']:,} predicted bytes of the test split, read as one stream in "
         f"windows of C with the state reset at every window; every model was trained at C={train_context}. "
         "The recurrent variants are also read with the state carried across the whole stream.", "",
         conclusions(rows, summary), "",
-        *framework.differences_lines([
-            (f"Test bpb at C={longest}, the longest context (lower is better):", framework.difference_matrix(
-                rows, lambda r: framework.stats_of(r, f"bpb_at_{longest}"), _name)),
-            (f"Test bpb at C={train_context}, the training context (lower is better):", framework.difference_matrix(
-                rows, lambda r: framework.stats_of(r, f"bpb_at_{train_context}"), _name)),
+        *spread.differences_lines([
+            (f"Test bpb at C={longest}, the longest context (lower is better):", spread.difference_matrix(
+                rows, lambda r: spread.stats_of(r, f"bpb_at_{longest}"), _name)),
+            (f"Test bpb at C={train_context}, the training context (lower is better):", spread.difference_matrix(
+                rows, lambda r: spread.stats_of(r, f"bpb_at_{train_context}"), _name)),
         ][: 1 if longest == train_context else 2]),
     ]
     if note:
@@ -260,7 +262,7 @@ def page(results: dict) -> str:
     """The page of ``results.json``'s contents: :func:`markdown` of its rows, metadata and summary."""
     metadata, runs = results["metadata"], len(results["runs"])
     return markdown(results["rows"], metadata, results["summary"], runs=runs,
-                    note=framework.metadata_interim_note(metadata, runs))
+                    note=metadata_interim_note(metadata, runs))
 
 
 def _name(row: dict) -> str:
@@ -274,14 +276,14 @@ def write_plot(rows: list[dict], runs: list[dict], train_context: int, path: Pat
     contexts = _contexts(rows)
     for index, row in enumerate(rows):
         color = f"C{index % 10}"
-        mine = [c for c in contexts if framework.stats_of(row, f"bpb_at_{c}") is not None]
-        framework.plot_spread(left, mine, [framework.stats_of(row, f"bpb_at_{c}") for c in mine], marker="o",
-                              color=color, label=row["variant"])
-        carried = framework.mean_of(row, "test_bpb_carried")
+        mine = [c for c in contexts if spread.stats_of(row, f"bpb_at_{c}") is not None]
+        spread.plot_spread(left, mine, [spread.stats_of(row, f"bpb_at_{c}") for c in mine], marker="o",
+                           color=color, label=row["variant"])
+        carried = spread.mean_of(row, "test_bpb_carried")
         if carried is not None:
             left.axhline(carried, color=color, linestyle=":", linewidth=1)
-        framework.plot_band(right, [run["loss_curve"] for run in runs if run["variant"] == row["variant"]],
-                            scale=1 / math.log(2), color=color, label=row["variant"])
+        spread.plot_band(right, [run["loss_curve"] for run in runs if run["variant"] == row["variant"]],
+                         scale=1 / math.log(2), color=color, label=row["variant"])
     left.axvline(train_context, color="grey", linestyle="--", linewidth=1)
     left.set_xscale("log", base=2)
     left.set_xticks(contexts, [str(c) for c in contexts])
@@ -395,7 +397,7 @@ def _run(args: argparse.Namespace) -> int:
             for seed in seeds for name in args.variants]
     grid = Grid(train=run_variant, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
                 label="repro length-extrapolation", unit="run")
-    outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
+    outcome = grids.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
                     report_only=args.report_only)
     rows = aggregate(outcome.rows)

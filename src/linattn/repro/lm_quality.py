@@ -28,8 +28,10 @@ from ..models import LMConfig
 from ..models.config import matched_gau_value_width
 from ..reporting import markdown_table_lines, peak_memory, pyplot, save_figure
 from ..train import TrainConfig, evaluate_bpb, train
-from . import framework
-from .framework import Experiment, ExperimentSpec, Grid, reuse_note
+from . import framework, grids, spread
+from .framework import Experiment, ExperimentSpec
+from .grids import Grid
+from .journal import metadata_interim_note, reuse_note
 
 # CLI name -> LMConfig attention spec.
 LM_QUALITY_SPECS = {
@@ -157,21 +159,21 @@ def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "")
     differences of validation bpb; ``note`` (an interim report's sentence) replaces the clause
     on reused runs."""
     first = runs[0]
-    stats = framework.format_stats
+    stats = spread.format_stats
     lines = [
         "# Byte-level LM quality per mechanism (equal budget)", "",
         f"Command: `{metadata['command']}`  ", f"Date: {metadata['date']}; device: {metadata['device_name']}, "
         f"{metadata['threads']} threads; torch {metadata['torch_version']}.", "",
-        framework.seeds_text(rows), "",
+        spread.seeds_text(rows), "",
         *markdown_table_lines(
             ["mechanism", "spec", "parameters", "n", "validation bpb", "test bpb, state reset every window",
              f"test bpb, state carried {first['carry_windows']} windows (as trained)",
              "test bpb, state carried across the whole stream", "train tokens/s (mean)", "step peak memory (mean)"],
             [[r["mechanism"], f"`{r['spec']}`", f"{r['parameters']:,}", str(r["n"]),
-              *(stats(framework.stats_of(r, key)) for key in ("validation_bpb", "test_bpb_reset", "test_bpb_schedule",
-                                                               "test_bpb_carried")),
-              framework.format_mean(framework.stats_of(r, "train_tokens_per_second"), ",.0f"),
-              _mebibytes(framework.mean_of(r, "step_peak_bytes"))] for r in rows]),
+              *(stats(spread.stats_of(r, key)) for key in ("validation_bpb", "test_bpb_reset", "test_bpb_schedule",
+                                                           "test_bpb_carried")),
+              spread.format_mean(spread.stats_of(r, "train_tokens_per_second"), ",.0f"),
+              _mebibytes(spread.mean_of(r, "step_peak_bytes"))] for r in rows]),
     ]
     lines += ["", "Test bpb is measured on the first "
               f"{first['test_tokens']:,} bytes of the test split read as one stream in windows of the training "
@@ -180,8 +182,8 @@ def markdown(rows: list[dict], runs: list[dict], metadata: dict, note: str = "")
               "schedule, or never. Exact softmax keeps no memory across windows (`softmax_memory = 0`), so its "
               "columns agree. Validation bpb: the first `--eval-tokens` validation bytes, one stream, "
               "training schedule.", ""]
-    lines += framework.differences_lines([("Validation bpb (lower is better):", framework.difference_matrix(
-        rows, lambda r: framework.stats_of(r, "validation_bpb"), lambda r: r["mechanism"]))])
+    lines += spread.differences_lines([("Validation bpb (lower is better):", spread.difference_matrix(
+        rows, lambda r: spread.stats_of(r, "validation_bpb"), lambda r: r["mechanism"]))])
     if note:
         lines += ["", note]
     elif metadata.get("reused_runs"):
@@ -193,7 +195,7 @@ def page(results: dict) -> str:
     """The page of ``results.json``'s contents: :func:`markdown` of its rows, runs and metadata."""
     metadata = results["metadata"]
     return markdown(results["rows"], results["runs"], metadata,
-                    note=framework.metadata_interim_note(metadata, len(results["runs"])))
+                    note=metadata_interim_note(metadata, len(results["runs"])))
 
 
 def _mebibytes(value: float | None) -> str:
@@ -207,11 +209,11 @@ def write_plot(rows: list[dict], runs: list[dict], path: Path) -> Path:
     for index, r in enumerate(rows):
         mine = [run for run in runs if run["mechanism"] == r["mechanism"]]
         color = f"C{index % 10}"
-        framework.plot_band(left, [run["loss_curve"] for run in mine], scale=1 / math.log(2), color=color,
-                            label=r["mechanism"])
+        spread.plot_band(left, [run["loss_curve"] for run in mine], scale=1 / math.log(2), color=color,
+                         label=r["mechanism"])
         if all(run["validation_curve"] for run in mine):
-            framework.plot_band(right, [run["validation_curve"] for run in mine], color=color, marker="o",
-                                label=r["mechanism"])
+            spread.plot_band(right, [run["validation_curve"] for run in mine], color=color, marker="o",
+                             label=r["mechanism"])
     left.set(xlabel="step", ylabel="training loss (bits per byte)", title="training loss")
     right.set(xlabel="step", ylabel="validation bpb", title="validation")
     for axis in (left, right):
@@ -290,11 +292,11 @@ def _run(args: argparse.Namespace) -> int:
             for seed in seeds for name in args.mechanisms]
     grid = Grid(train=run_mechanism, runs=runs, run_key=_run_key, seed_of=_seed_of, describe=_describe,
                 label="repro lm", unit="run")
-    outcome = framework.run_journaled(grid, out_dir, spec=SPEC, **options)
+    outcome = grids.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
                     report_only=args.report_only)
-    rows = framework.aggregate(outcome.rows, identity=("mechanism",),
-                               constants=("parameters", "carry_windows", "test_tokens"))
+    rows = spread.aggregate(outcome.rows, identity=("mechanism",),
+                            constants=("parameters", "carry_windows", "test_tokens"))
     text = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=text,
                                     plot=partial(write_plot, rows, outcome.rows), plot_name="loss_curves.png")

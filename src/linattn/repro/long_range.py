@@ -78,8 +78,10 @@ import torch
 
 from .._checks import check_fraction, check_int, check_positive_number, int_at_least, positive_float
 from ..models import LM, LMConfig, sizes
-from . import framework
-from .framework import Experiment, ExperimentSpec, Grid, seeded_generator
+from . import framework, grids, spread
+from .framework import Experiment, ExperimentSpec, seeded_generator
+from .grids import Grid
+from .journal import metadata_interim_note
 from .long_range_report import markdown_report, write_plot
 from .query_task import IGNORE, evaluate_queries, fit_queries
 
@@ -384,8 +386,8 @@ def run_experiment(mechanisms: Sequence[str], distances: Sequence[int], config: 
     runs = [(name, tuple(distances), replace(config, seed=seed)) for seed in seeds for name in mechanisms]
     grid = Grid(train=train_run, runs=runs, run_key=_run_key, seed_of=lambda run: run[2].seed, describe=_describe,
                 label="repro long-range", progress_kwarg="on_step", step_text=_step_text)
-    outcome = framework.run_journaled(grid, out_dir, spec=SPEC, jobs=jobs, threads=threads, progress=progress,
-                                      resume=resume, report_only=report_only)
+    outcome = grids.run_journaled(grid, out_dir, spec=SPEC, jobs=jobs, threads=threads, progress=progress,
+                                  resume=resume, report_only=report_only)
     settings = {key: value for key, value in asdict(config).items() if key != "seed"}
     metadata = framework.experiment_metadata(
         device="cpu", command=command, seconds=outcome.seconds, seeds=seeds, config=settings,
@@ -393,7 +395,7 @@ def run_experiment(mechanisms: Sequence[str], distances: Sequence[int], config: 
         grid_runs=outcome.total, report_only=report_only, local_reach=local_reach(config.n_layers, config.window),
         shapes={"n_layers": config.n_layers, "d_model": config.d_model, "vocab_size": config.vocab_size,
                 "train_seq_len": config.seq_len, "eval_seq_lens": [eval_length(d, config) for d in distances]})
-    rows = framework.aggregate(outcome.rows, identity=ROW_IDENTITY, metrics=accuracy_metrics)
+    rows = spread.aggregate(outcome.rows, identity=ROW_IDENTITY, metrics=accuracy_metrics)
     markdown = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=markdown,
                                     plot=partial(write_plot, outcome.rows, distances=distances, config=config,
@@ -463,7 +465,7 @@ def page(results: dict) -> str:
     metadata, runs = results["metadata"], results["runs"]
     config = LongRangeConfig(**metadata["config"], seed=metadata["seeds"][0])
     return markdown_report(results["rows"], runs, distances=metadata["distances"], config=config, metadata=metadata,
-                           note=framework.metadata_interim_note(metadata, len(runs)))
+                           note=metadata_interim_note(metadata, len(runs)))
 
 
 def config_from_args(args: argparse.Namespace) -> LongRangeConfig:

@@ -1,6 +1,6 @@
 """The report of ``linattn repro long-range``: accuracy against the distance d, its plot, the runs.
 
-``rows`` are aggregated over the seeds (``framework.aggregate`` with the metrics
+``rows`` are aggregated over the seeds (``spread.aggregate`` with the metrics
 ``accuracy@d``), ``runs`` are ``long_range.train_run``'s rows, one per (mechanism, seed).
 """
 
@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..reporting import markdown_table_lines, pyplot, save_figure
-from . import framework
+from . import spread
+from .journal import closing_note
 
 if TYPE_CHECKING:
     from .long_range import LongRangeConfig
@@ -38,7 +39,7 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, distances: Se
     reach = metadata["local_reach"] if any(r["mechanism"] == "local" for r in rows) else None
     keys = config.vocab_size // 4
     longest = max(distances)
-    stats = framework.stats_of
+    stats = spread.stats_of
     lines = [
         "# repro long-range: recall of a fact d tokens before its question", "",
         f"Command: `{metadata['command']}`  ", f"Date: {metadata['date']}; device: {metadata['device_name']}, "
@@ -57,18 +58,18 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, distances: Se
         f"{config.codebook_size}, block {config.block_size}, d_k {config.gau_d_k}; local window {config.window}. "
         f"Parameter counts matched to the `softmax` model ({_target(runs)}) by the inner width (SwiGLU hidden width; "
         "GAU value width for `vq`).", "",
-        framework.seeds_text(rows), "",
+        spread.seeds_text(rows), "",
         "## Accuracy against d", "",
         *markdown_table_lines(
             ["mechanism", "spec", "width", "parameters", "n", *(_column(d, config, reach) for d in distances)],
-            [[r["mechanism"], f"`{r['spec']}`", framework.format_mean(stats(r, "width"), ".0f"),
-              framework.format_mean(stats(r, "parameters"), ",.0f"), str(r["n"]),
-              *(framework.format_stats(stats(r, f"accuracy@{d}")) for d in distances)] for r in rows]), "",
+            [[r["mechanism"], f"`{r['spec']}`", spread.format_mean(stats(r, "width"), ".0f"),
+              spread.format_mean(stats(r, "parameters"), ",.0f"), str(r["n"]),
+              *(spread.format_stats(stats(r, f"accuracy@{d}")) for d in distances)] for r in rows]), "",
         f"†: past the training distances (d > {config.max_distance})."
         + (f" ‡: past the reach of `local` ({config.n_layers} layers of window {config.window} see "
            f"{reach} tokens back; the value is d + 1 back), where it must be at chance." if reach is not None else ""),
         "",
-        *framework.differences_lines([(f"Accuracy at d = {longest} (higher is better):", framework.difference_matrix(
+        *spread.differences_lines([(f"Accuracy at d = {longest} (higher is better):", spread.difference_matrix(
             rows, lambda r: stats(r, f"accuracy@{longest}"), lambda r: r["mechanism"]))]),
         "", "## Runs", "",
         *markdown_table_lines(
@@ -76,7 +77,7 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, distances: Se
             [[r["mechanism"], str(r["seed"]), str(r["width"]), f"{r['parameters']:,}", _number(r["final_loss"]),
               str(r["steps"]), r["status"], f"{r['train_seconds']:.0f}"] for r in runs]),
     ]
-    return "\n".join([*lines, "", framework.closing_note(metadata, len(runs), note)]) + "\n"
+    return "\n".join([*lines, "", closing_note(metadata, len(runs), note)]) + "\n"
 
 
 def _target(runs: Sequence[dict]) -> str:
@@ -93,7 +94,7 @@ def write_plot(runs: Sequence[dict], path: Path, *, distances: Sequence[int], co
     names = list(dict.fromkeys(r["mechanism"] for r in runs))
     for index, name in enumerate(names):
         curves = [[(int(d), value) for d, value in run["accuracy"].items()] for run in runs if run["mechanism"] == name]
-        framework.plot_band(axis, curves, color=f"C{index % 10}", marker="o", label=name)
+        spread.plot_band(axis, curves, color=f"C{index % 10}", marker="o", label=name)
         if name == "local" and local_reach is not None:
             axis.axvline(local_reach, color=f"C{index % 10}", linestyle=":", linewidth=1,
                          label=f"reach of local ({local_reach})")

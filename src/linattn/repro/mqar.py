@@ -59,8 +59,10 @@ import torch
 from .._checks import check_fraction, check_int, check_positive_number, int_at_least, int_between, is_int
 from .._checks import positive_float
 from ..models import LM, LMConfig
-from . import framework
-from .framework import Experiment, ExperimentSpec, Grid, RunJournal, seeded_generator
+from . import framework, grids, spread
+from .framework import Experiment, ExperimentSpec, seeded_generator
+from .grids import Grid
+from .journal import RunJournal, metadata_interim_note
 from .mqar_report import markdown_report, write_plot
 from .query_task import IGNORE, evaluate_queries, fit_queries, query_logits, query_positions  # noqa: F401
 
@@ -330,8 +332,8 @@ def run_grid(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence
     ``jobs``. With a ``journal``, runs recorded there are reused and new ones recorded.
     """
     check_grid(mechanisms, d_models, tasks, config)
-    return framework.run_grid(_grid(mechanisms, d_models, tasks, config, _seeds(config, seeds)), jobs=jobs,
-                              threads=threads, progress=progress, journal=journal)
+    return grids.run_grid(_grid(mechanisms, d_models, tasks, config, _seeds(config, seeds)), jobs=jobs,
+                          threads=threads, progress=progress, journal=journal)
 
 
 def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Sequence[tuple[int, int]],
@@ -348,9 +350,9 @@ def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Se
     """
     check_grid(mechanisms, d_models, tasks, config)
     seeds = _seeds(config, seeds)
-    outcome = framework.run_journaled(_grid(mechanisms, d_models, tasks, config, seeds), out_dir, spec=SPEC,
-                                      jobs=jobs, threads=threads, progress=progress, resume=resume,
-                                      report_only=report_only)
+    outcome = grids.run_journaled(_grid(mechanisms, d_models, tasks, config, seeds), out_dir, spec=SPEC,
+                                  jobs=jobs, threads=threads, progress=progress, resume=resume,
+                                  report_only=report_only)
     shapes = {"n_layers": 2, "vocab_size": config.vocab_size, "d_models": list(d_models),
               "tasks": [{"seq_len": t, "num_pairs": n} for t, n in tasks]}
     metadata = framework.experiment_metadata(
@@ -358,7 +360,7 @@ def run_experiment(mechanisms: Sequence[str], d_models: Sequence[int], tasks: Se
         mechanisms=list(mechanisms), jobs=jobs, threads=threads, reused_runs=outcome.reused,
         grid_runs=outcome.total, report_only=report_only,
         paper="Arora et al. 2023, Zoology: Measuring and Improving Recall in Efficient Language Models")
-    rows = framework.aggregate(outcome.rows, identity=ROW_IDENTITY)
+    rows = spread.aggregate(outcome.rows, identity=ROW_IDENTITY)
     markdown = page({"metadata": metadata, "rows": rows, "runs": outcome.rows})
     files = framework.write_results(out_dir, rows=rows, runs=outcome.rows, metadata=metadata, markdown=markdown,
                                     plot=partial(write_plot, rows), plot_name="mqar_accuracy.png")
@@ -370,7 +372,7 @@ def page(results: dict) -> str:
     with the command and ``MQARConfig`` its metadata records."""
     metadata, runs = results["metadata"], results["runs"]
     return markdown_report(results["rows"], runs, command=metadata["command"], config=MQARConfig(**metadata["config"]),
-                           metadata=metadata, note=framework.metadata_interim_note(metadata, len(runs)))
+                           metadata=metadata, note=metadata_interim_note(metadata, len(runs)))
 
 
 # --- command line -------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The report of ``linattn repro mqar``: accuracy table over the seeds, the differences of
 accuracy per task, per-run table and plot.
 
-``rows`` are aggregated over the seeds (``framework.aggregate``: one per (mechanism,
+``rows`` are aggregated over the seeds (``spread.aggregate``: one per (mechanism,
 d_model, (T, N))); ``runs`` are ``mqar.train_run``'s rows, one per seed.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..reporting import markdown_table_lines, pyplot, save_figure
-from . import framework
-from .framework import closing_note
+from . import spread
+from .journal import closing_note
 
 if TYPE_CHECKING:
     from .mqar import MQARConfig
@@ -37,7 +37,7 @@ def _accuracy_cell(row: dict | None, runs: Sequence[dict]) -> str:
         return ""
     diverged = sum(run["status"] != "ok" for run in runs if _key(run) == _key(row))
     mark = "" if not diverged else " (diverged)" if row["n"] == 1 else f" ({diverged} diverged)"
-    return framework.format_stats(framework.stats_of(row, "accuracy")) + mark
+    return spread.format_stats(spread.stats_of(row, "accuracy")) + mark
 
 
 def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, command: str, config: MQARConfig, metadata: dict,
@@ -67,7 +67,7 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, command: str,
         f"{', '.join(map(str, seeds))}. Accuracy on the query positions of "
         f"{config.eval_batches} x {config.batch_size} held-out sequences (chance ~ {2 / config.vocab_size:.1e}).",
         "",
-        framework.seeds_text(rows),
+        spread.seeds_text(rows),
         "",
         "## Accuracy",
         "",
@@ -77,9 +77,9 @@ def markdown_report(rows: Sequence[dict], runs: Sequence[dict], *, command: str,
     tables = []
     for d, (t, n) in columns:
         mine = [find[(name, d, t, n)] for name in names if (name, d, t, n) in find]
-        tables.append((f"Accuracy, d={d}, {_task_label(t, n)} (higher is better):", framework.difference_matrix(
-            mine, lambda r: framework.stats_of(r, "accuracy"), lambda r: r["mechanism"])))
-    lines += framework.differences_lines(tables)
+        tables.append((f"Accuracy, d={d}, {_task_label(t, n)} (higher is better):", spread.difference_matrix(
+            mine, lambda r: spread.stats_of(r, "accuracy"), lambda r: r["mechanism"])))
+    lines += spread.differences_lines(tables)
     lines += [
         "",
         "## Runs",
@@ -109,9 +109,9 @@ def write_plot(rows: Sequence[dict], path: Path) -> Path:
                           key=lambda r: (r["seq_len"], r["num_pairs"]))
             if mine:
                 dodge = 2.0 ** (0.02 * (index - (len(names) - 1) / 2))  # keeps overlapping bars apart
-                framework.plot_spread(axis, [r["seq_len"] * dodge for r in mine],
-                                      [framework.stats_of(r, "accuracy") for r in mine], marker="o",
-                                      color=f"C{index % 10}", label=name)
+                spread.plot_spread(axis, [r["seq_len"] * dodge for r in mine],
+                                   [spread.stats_of(r, "accuracy") for r in mine], marker="o",
+                                   color=f"C{index % 10}", label=name)
         if len(lengths) > 1:
             axis.set_xscale("log", base=2)
         pairs = {t: sorted({r["num_pairs"] for r in rows if r["d_model"] == d and r["seq_len"] == t}) for t in lengths}
