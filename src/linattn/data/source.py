@@ -7,6 +7,7 @@ and a ``Corpus`` (``load_corpus``) for anything else. Both have the interface
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,6 +32,9 @@ class TokenData(Protocol):
 
     def byte_count(self, split: str) -> int:
         """The bytes of text of ``split``."""
+
+    def largest_token_id(self, split: str) -> int | None:
+        """The largest id of ``split``, None when it is empty."""
 
     @property
     def tokenizer(self) -> ByteTokenizer | HFTokenizer:
@@ -58,6 +62,32 @@ def data_vocab_size(spec: str | Path) -> int | None:
     bytes (whose tokens need no vocabulary beyond the model's)."""
     shards = open_shards(spec)
     return None if shards is None else shards.vocab_size
+
+
+def check_vocabulary(data: Corpus | Shards, splits: Iterable[str], vocab_size: int, *, spec: str | Path) -> None:
+    """Every id of the ``splits`` of ``data`` (opened from ``spec``) lies in the model's
+    vocabulary of ``vocab_size`` tokens; else a ValueError naming the file (for a byte corpus,
+    the split of ``spec``), its largest id and the vocabulary, before a model reads an id.
+
+    Nothing is read when the ids' dtype cannot exceed the vocabulary (bytes and 256 tokens),
+    nor for shards whose file ``Shards.content_sha256`` checked (the id ``meta.json`` records);
+    else the split is read once, in pieces.
+    """
+    for split in splits:
+        tokens = data.tokens(split)
+        if torch.iinfo(tokens.dtype).max < vocab_size:
+            continue
+        largest = data.largest_token_id(split)
+        if largest is None or largest < vocab_size:
+            continue
+        if isinstance(data, Shards):
+            where = data.split_file(split)
+            fix = (f"its folder's tokenizer has {data.vocab_size} tokens and did not write it: prepare the folder again"
+                   if largest >= data.vocab_size else f"use the folder's vocabulary of {data.vocab_size} tokens")
+        else:
+            where, fix = f"the {split} split of {spec}", "byte data needs vocab_size 256"
+        raise ValueError(f"data: {where} holds token id {largest}, but the model's vocabulary has {vocab_size} "
+                         f"tokens (ids 0 to {vocab_size - 1}); {fix}")
 
 
 def bits_per_byte(result: dict[str, float], n_bytes: int) -> float:

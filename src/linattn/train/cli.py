@@ -25,7 +25,8 @@ from .._checks import non_negative_int as _non_negative_int
 from .._checks import device_name
 from .._checks import non_negative_float as _non_negative_float, positive_fraction as _positive_fraction
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
-from ..data import bits_per_byte, data_fingerprint, data_vocab_size, evaluated_bytes, fingerprint_changes, open_data
+from ..data import (bits_per_byte, check_vocabulary, data_fingerprint, data_vocab_size, evaluated_bytes,
+                    fingerprint_changes, open_data)
 from ..models.layers import layer_spec_help
 from .checkpoint import Checkpoint, load_model
 from .config import TrainConfig, build_configs, load_run_file, parse_override
@@ -267,6 +268,7 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         data = open_data(args.data, cache_dir=cache_dir)
     check_same_tokenizer(checkpoint.meta.get("tokenizer"), data, what="--data")
+    check_vocabulary(data, (args.split,), model.config.vocab_size, spec=args.data or train_config["data"])
     tokens = data.tokens(args.split)
     context = args.context or train_config["context"]
     check_evaluation_fits(tokens.numel(), args.max_tokens, batch_size=args.batch_size, world_size=1, context=context,

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .. import __version__
-from .._checks import check_token_ids, is_int
-from ..data import (TokenStreams, bits_per_byte, data_fingerprint, evaluated_bytes, fingerprint_changes, load_corpus,
-                    open_shards)
+from .._checks import is_int
+from ..data import (TokenStreams, bits_per_byte, check_vocabulary, data_fingerprint, evaluated_bytes,
+                    fingerprint_changes, load_corpus, open_shards)
 from ..models import LM, LMConfig
 from . import distributed, parallel, resharding
 from .checkpoint import Checkpoint, find_resume_checkpoint, nonfinite_tensors, save_checkpoint
@@ -394,8 +394,8 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     data, data_spec, fingerprint = _load_data(cfg, context, checkpoint, accept_new_data=accept_new_data, echo=echo)
     tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
     byte_tokens = tokenizer.get("sha256") is None  # else bits per token are converted to bits per byte
-    if data.vocab_size > model_config.vocab_size:  # else every id of the data is one of the model's
-        check_token_ids(f"the tokens of {cfg.data}'s training split", data.tokens("train"), model_config.vocab_size)
+    check_vocabulary(data, ("train", "validation") if cfg.eval_every else ("train",), model_config.vocab_size,
+                     spec=cfg.data)
     streams = TokenStreams(data.tokens("train"), batch_size=cfg.batch_size, context=cfg.context,
                            rank=context.rank, world_size=context.world_size)
     validation, validation_bytes = data.tokens("validation"), None
