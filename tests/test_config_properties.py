@@ -61,6 +61,13 @@ LM_FIELDS = {
     "head_dim": (optional(st.sampled_from([2, 4, 8])), bad(0, -2, 4.0, "4")),
     "ffn_hidden": (optional(st.integers(1, 64)), bad(0, -1, 3.5)),
     "rotary_base": (floats(1.01, 1e6), bad(1, 1.0, 0.5, 0, -10.0, NAN, INF, "10000", None)),
+    # the import's settings: valid values other than the defaults are refused by some kinds (GAU
+    # pairs have no projection biases), so only their defaults are drawn as valid
+    "rotary_scaling": (st.none(), bad({"type": "yarn", "factor": 2.0}, {"type": "linear", "factor": 0.0},
+                                      {"type": "linear"}, "linear", 2.0)),
+    "qkv_bias": (st.just(False), BAD_BOOLS),
+    "out_bias": (st.just(False), BAD_BOOLS),
+    "norm_eps": (st.none(), bad(0, 0.0, -1e-6, NAN, INF, "1e-6")),
     "local_window": (st.integers(1, 20), BAD_COUNTS),
     "chunk_size": (st.integers(1, 8), BAD_COUNTS),
     "favor_features": (st.integers(1, 16), BAD_COUNTS),

@@ -1,4 +1,6 @@
-"""``linattn convert``: a trained softmax GAU model becomes a Transformer-VQ model.
+"""``linattn convert``: a trained softmax GAU model becomes a Transformer-VQ model, and a
+Hugging Face Llama, Mistral or Qwen2 checkpoint becomes a linattn run (``--to softmax``, an
+exact import: ``pretrained_run.py``).
 
 A ``gau-softmax`` layer and a ``vq`` layer have the same parameters — the VQ unit only adds
 a codebook for its keys (seed 000: "VQ the keys and the complexity becomes linear"). So a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,11 +35,15 @@ from .models.layers import GAUPair
 from .nn.codebook import kmeans
 from .train.checkpoint import load_model, save_checkpoint
 from .train.optim import trainer_adamw
+from .pretrained_run import import_hf_run
 from .train.run_folder import RunLock, check_free_output
-from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE
+from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE, copy_tokenizer
 from ._checks import check_choice, check_int, positive_int
 
 TARGETS = ("vq", "soft-vq")
+IMPORT_TARGET = "softmax"
+_GAU_OPTIONS = ("codebook_size", "calibration_tokens", "kmeans_iters", "seed")
+_IMPORT_OPTIONS = ("data", "overrides")
 
 
 def converted_config(config: LMConfig, to: str, codebook_size: int | None = None) -> LMConfig:
@@ -132,8 +139,6 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
     tokens_per_step = int(train_config["batch_size"]) * context * int(checkpoint.meta.get("world_size", 1))
     model = convert_model(source, ids, to=to, codebook_size=codebook_size, kmeans_iters=kmeans_iters,
                           tokens_per_step=tokens_per_step, seed=seed)
-    optimizer = trainer_adamw(model, lr=float(train_config["lr"]), weight_decay=float(train_config["weight_decay"]),
-                              betas=(float(train_config["beta1"]), float(train_config["beta2"])))
     source_run = checkpoint.path.parent.parent
     meta = {key: value for key, value in checkpoint.meta.items()
             if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry")}
@@ -141,38 +146,88 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
                 converted_from={"checkpoint": str(checkpoint.path), "step": checkpoint.step, "to": to,
                                 "codebook_size": model.config.codebook_size, "calibration_tokens": ids.numel(),
                                 "kmeans_iters": kmeans_iters, "seed": seed})
-    world_size = int(checkpoint.meta.get("world_size", 1))
-    with RunLock.acquire(out, what="convert", command=command):  # created here, once the conversion has worked
-        check_free_output(out, what="convert", locked=True)
+
+    def copy_run_files(run: Path) -> None:
         for name in (TOKENIZER_FILE, DATA_META_FILE):
             if (source_run / name).is_file():
-                shutil.copyfile(source_run / name, out / name)
-        path = save_checkpoint(out / "checkpoints", step=checkpoint.step, model_tensors=model.state_dict(),
-                               optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
-                               carries=[None] * world_size, meta=meta,
-                               keep=int(train_config.get("keep_checkpoints", 2)))
+                shutil.copyfile(source_run / name, run / name)
+
+    path = write_run(out, model, meta, step=checkpoint.step, world_size=int(checkpoint.meta.get("world_size", 1)),
+                     command=command, add_files=copy_run_files)
     echo(f"converted {checkpoint.path} ({', '.join(str(s) for s in source.specs)}) to {to} "
          f"(codebook {model.config.codebook_size}, k-means on {ids.numel():,} tokens): {path}")
     return path
 
 
+def write_run(out: Path, model: LM, meta: dict, *, step: int, world_size: int, command: str,
+              add_files: Callable[[Path], None]) -> Path:
+    """Write the run folder ``out`` (new or empty): under its lock, the files ``add_files(out)``
+    puts there (the run's tokenizer), then one checkpoint at ``step`` holding ``model``, a
+    fresh optimizer state for ``meta["train_config"]``, no carried state for each of
+    ``world_size`` processes, and ``meta``. Returns the checkpoint folder."""
+    train_config = meta["train_config"]
+    optimizer = trainer_adamw(model, lr=float(train_config["lr"]), weight_decay=float(train_config["weight_decay"]),
+                              betas=(float(train_config["beta1"]), float(train_config["beta2"])))
+    with RunLock.acquire(out, what="convert", command=command):  # created here, once the conversion has worked
+        check_free_output(out, what="convert", locked=True)
+        add_files(out)
+        return save_checkpoint(out / "checkpoints", step=step, model_tensors=model.state_dict(),
+                               optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
+                               carries=[None] * world_size, meta=meta,
+                               keep=int(train_config.get("keep_checkpoints", 2)))
+
+
+def convert_hf(hf_dir: str | Path, out: str | Path, *, data: str | None, overrides: list[str] = (),
+               command: str = "", echo=print) -> Path:
+    """``linattn convert --ckpt HF_DIR --to softmax``: the run folder ``out`` importing the
+    Hugging Face checkpoint ``hf_dir`` (``pretrained_run.py``); returns its checkpoint."""
+    out = Path(out)
+    check_free_output(out, what="convert")
+    run = import_hf_run(hf_dir, out, data=data, overrides=overrides, command=command)
+    path = write_run(out, run.model, run.meta, step=0, world_size=1, command=command,
+                     add_files=lambda folder: copy_tokenizer(run.data, folder))
+    specs = ", ".join(sorted({str(spec) for spec in run.model.specs}))
+    echo(f"imported {hf_dir} ({run.meta['imported_from']['architecture']}, {run.model.config.n_layers} layers of "
+         f"{specs}, {run.model.num_parameters() / 1e6:.2f}M parameters, vocabulary {run.model.config.vocab_size}) "
+         f"with its tokenizer, training on {run.data.folder}: {path}")
+    return path
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``linattn convert``."""
-    parser = commands.add_parser("convert", help="turn a trained gau-softmax model into a Transformer-VQ model",
-                                 description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--ckpt", required=True, help="the source run folder or checkpoint")
-    parser.add_argument("--to", choices=TARGETS, default="vq")
+    parser = commands.add_parser(
+        "convert", help="turn a trained gau-softmax model into a Transformer-VQ model, or import a Hugging Face "
+                        "Llama/Mistral/Qwen2 checkpoint (--to softmax)",
+        description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--ckpt", required=True,
+                        help="the source run folder or checkpoint; with --to softmax a Hugging Face model folder")
+    parser.add_argument("--to", choices=(*TARGETS, IMPORT_TARGET), default="vq")
     parser.add_argument("--codebook-size", type=positive_int, help="S of the new codebooks (default: the run's)")
-    parser.add_argument("--calibration-tokens", type=positive_int, default=65536,
-                        help="training-split tokens whose keys fit the codebooks")
-    parser.add_argument("--kmeans-iters", type=int, default=20, help="Lloyd iterations after the k-means++ seeds")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calibration-tokens", type=positive_int,
+                        help="training-split tokens whose keys fit the codebooks (default 65536)")
+    parser.add_argument("--kmeans-iters", type=int, help="Lloyd iterations after the k-means++ seeds (default 20)")
+    parser.add_argument("--seed", type=int, help="k-means seed (default 0)")
+    parser.add_argument("--data", metavar="SHARDS",
+                        help="--to softmax: the run's data, a shard folder tokenized with the checkpoint's "
+                             "tokenizer.json (linattn data prepare --tokenizer HF_DIR/tokenizer.json)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="train.KEY=VALUE",
+                        help="--to softmax: a training setting of the run (repeatable), e.g. --set train.lr=3e-5")
     parser.add_argument("--out", required=True, type=Path, help="the new run folder")
     parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    convert_run(args.ckpt, args.out, to=args.to, codebook_size=args.codebook_size,
-                calibration_tokens=args.calibration_tokens, kmeans_iters=args.kmeans_iters, seed=args.seed,
-                command=args.command_line)
+    importing = args.to == IMPORT_TARGET
+    given = [name for name in (_GAU_OPTIONS if importing else _IMPORT_OPTIONS) if getattr(args, name)
+             not in (None, [])]
+    if given:
+        flags = ", ".join("--set" if name == "overrides" else f"--{name.replace('_', '-')}" for name in given)
+        raise ValueError(f"{flags}: not an option of --to {args.to} ("
+                         + ("an exact import has no codebooks" if importing else
+                            "--data and --set are for importing a Hugging Face checkpoint with --to softmax") + ")")
+    if importing:
+        convert_hf(args.ckpt, args.out, data=args.data, overrides=args.overrides, command=args.command_line)
+        return 0
+    options = {name: getattr(args, name) for name in _GAU_OPTIONS if getattr(args, name) is not None}
+    convert_run(args.ckpt, args.out, to=args.to, command=args.command_line, **options)
     return 0

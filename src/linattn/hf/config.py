@@ -46,6 +46,10 @@ class LinattnConfig(PretrainedConfig):
     head_dim: int | None = None
     ffn_hidden: int | None = None
     rotary_base: float = 10000.0
+    rotary_scaling: dict | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    norm_eps: float | None = None
     local_window: int = 256
     chunk_size: int = 64
     favor_features: int = 128

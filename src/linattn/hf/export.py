@@ -68,13 +68,14 @@ def save_pretrained_lm(lm: LM, out: str | Path, tokenizer: ByteTokenizer | HFTok
     ``tokenizer``: None or a ``ByteTokenizer`` writes the byte tokenizer (the model's
     vocabulary must be 256); an ``HFTokenizer`` (a run's ``tokenizer.json``) is written as a
     ``PreTrainedTokenizerFast`` that ``AutoTokenizer`` loads, left padding, and must have
-    the model's vocabulary size.
+    at most the model's vocabulary size (a model imported from a Hugging Face checkpoint may
+    have rows past its tokenizer's, as Qwen2's has).
     """
     if not isinstance(lm, LM):
         raise TypeError(f"lm must be a linattn LM, got {type(lm).__name__}")
     if isinstance(tokenizer, HFTokenizer):
-        if tokenizer.vocab_size != lm.config.vocab_size:
-            raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens, but the model has vocab_size="
+        if tokenizer.vocab_size > lm.config.vocab_size:
+            raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocab_size="
                              f"{lm.config.vocab_size}")
         hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.core, padding_side="left")
     elif tokenizer is None or isinstance(tokenizer, ByteTokenizer):

@@ -14,6 +14,7 @@ from ..nn.attention import ATTENTION_SCALES
 from ..nn.fsq import check_levels
 from ..nn.gau import GAU_VARIANTS
 from ..nn.quantizer import COMMITMENT_REDUCTIONS
+from ..nn.rotary import check_rotary_scaling
 from ..ops.vq import GRAD_SCOPES
 from .layers import LayerSpec, layer_kind, layer_spec_help, parse_layer_spec
 
@@ -59,6 +60,10 @@ class LMConfig:
     pattern shorter than ``n_layers`` repeats (``"local:128,vq"`` alternates). A ``"vq"``
     layer is a pair of gated attention units (Transformer-VQ), about as many parameters
     as one attention + SwiGLU block of the same width.
+
+    ``rotary_scaling``, ``qkv_bias``, ``out_bias`` and ``norm_eps`` describe models imported
+    from Hugging Face checkpoints (``LM.from_hf``); their defaults are what every model saved
+    before they existed was built with.
     """
 
     vocab_size: int = 256
@@ -71,6 +76,10 @@ class LMConfig:
     head_dim: int | None = None
     ffn_hidden: int | None = None  # SwiGLU width; None = 8/3 d_model rounded up to 32
     rotary_base: float = 10000.0
+    rotary_scaling: dict | None = None  # rotary frequencies as a checkpoint's rope type changes them (nn/rotary.py)
+    qkv_bias: bool = False  # attention layers: biases on the q, k and v projections (Qwen2)
+    out_bias: bool = False  # attention layers: a bias on the output projection (Llama's attention_bias)
+    norm_eps: float | None = None  # eps of the blocks' and the final RMSNorm; None: nn.RMSNorm's (the dtype's eps)
     local_window: int = 256
     chunk_size: int = 64
     favor_features: int = 128
@@ -119,7 +128,11 @@ class LMConfig:
         check_number_fields(self, "LMConfig", ("rotary_base",), low=1, low_inclusive=False,
                             wanted="a number > 1 (rotary frequencies are rotary_base^(-2i/head_dim): with a base "
                                    "<= 1 they do not fall with the dimension i, and a base of 0 gives inf and NaN)")
-        check_bool_fields(self, "LMConfig", ("kmeans_init", "tie_embeddings"))
+        check_bool_fields(self, "LMConfig", ("kmeans_init", "tie_embeddings", "qkv_bias", "out_bias"))
+        if self.norm_eps is not None:
+            check_number_fields(self, "LMConfig", ("norm_eps",), low=0, low_inclusive=False,
+                                wanted="a positive number or None (nn.RMSNorm's default)")
+        self.rotary_scaling = check_rotary_scaling("LMConfig.rotary_scaling", self.rotary_scaling)
         _check_extra(self.extra)
         _check_attention_kind(self.attention)
         if self.n_heads % (self.n_kv_heads or self.n_heads):

@@ -199,9 +199,9 @@ class PreNormBlock(nn.Module):
 
     def __init__(self, config: LMConfig, mixer: nn.Module):
         super().__init__()
-        self.mixer_norm = nn.RMSNorm(config.d_model)
+        self.mixer_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.mixer = mixer
-        self.ffn_norm = nn.RMSNorm(config.d_model)
+        self.ffn_norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.ffn = SwiGLU(config.d_model, config.ffn_width)
 
     def forward(self, x: torch.Tensor, state: Any = None) -> tuple[torch.Tensor, Any, list[dict]]:
@@ -243,8 +243,9 @@ def _heads(config: LMConfig) -> dict:
 
 
 def _attention_block(config: LMConfig, **options) -> PreNormBlock:
-    mixer = Attention(config.d_model, config.n_heads, chunk_size=config.chunk_size,
-                      rotary_base=config.rotary_base, **_heads(config), **options)
+    mixer = Attention(config.d_model, config.n_heads, chunk_size=config.chunk_size, rotary_base=config.rotary_base,
+                      rotary_scaling=config.rotary_scaling, qkv_bias=config.qkv_bias, out_bias=config.out_bias,
+                      **_heads(config), **options)
     return PreNormBlock(config, mixer)
 
 
@@ -318,6 +319,29 @@ def _check_position_head_dim(config: LMConfig, spec: LayerSpec) -> None:
         _check_rotary_head_dim(config, spec)
 
 
+def _unused_settings(*names: str, then: Callable[[LMConfig, LayerSpec], None] = lambda config, spec: None
+                     ) -> Callable[[LMConfig, LayerSpec], None]:
+    """A ``check_config`` that refuses each ``LMConfig`` field of ``names`` set away from its
+    default (the layer has no such bias, norm or rotary frequencies to honour it), then runs ``then``."""
+
+    def check(config: LMConfig, spec: LayerSpec) -> None:
+        defaults = type(config).__dataclass_fields__
+        for name in names:
+            if getattr(config, name) != defaults[name].default:
+                raise ValueError(f"LMConfig.{name}={getattr(config, name)!r}: layer {str(spec)!r} does not use it "
+                                 f"(it applies to {_USED_BY[name]}); leave it at {defaults[name].default!r}")
+        then(config, spec)
+
+    return check
+
+
+_USED_BY = {"qkv_bias": "the attention kinds softmax, local, linear and favor", "out_bias": "the attention kinds "
+            "softmax, local, linear and favor", "norm_eps": "the pre-norm blocks, every kind but the GAU pairs",
+            "rotary_scaling": "the rotary positions of softmax and local"}
+_PROJECTION_BIASES = ("qkv_bias", "out_bias")
+_GAU_UNUSED = _unused_settings(*_PROJECTION_BIASES, "norm_eps")
+
+
 def _truncated_cache(state: Any, config: LMConfig) -> Any:
     return truncate_cache(state, config.softmax_memory)
 
@@ -331,14 +355,15 @@ _PAIR_OUTPUTS = ("units.0.w_o", "units.1.w_o")
 
 for _kind in (
     LayerKind("vq", lambda config, spec, index: GAUPair(config, "vq"),
-              "'vq' (Transformer-VQ GAU pair)", output_projections=_PAIR_OUTPUTS),
+              "'vq' (Transformer-VQ GAU pair)", output_projections=_PAIR_OUTPUTS, check_config=_GAU_UNUSED),
     LayerKind("vq-fsq", lambda config, spec, index: GAUPair(config, "fsq"),
-              "'vq-fsq' (GAU pair, keys on the FSQ grid of fsq_levels)", output_projections=_PAIR_OUTPUTS),
+              "'vq-fsq' (GAU pair, keys on the FSQ grid of fsq_levels)", output_projections=_PAIR_OUTPUTS,
+              check_config=_GAU_UNUSED),
     LayerKind("soft-vq", lambda config, spec, index: GAUPair(config, "soft-vq"), "'soft-vq'",
-              output_projections=_PAIR_OUTPUTS),
+              output_projections=_PAIR_OUTPUTS, check_config=_GAU_UNUSED),
     LayerKind("gau-softmax", _gau_softmax_pair, "'gau-softmax' / 'gau-softmax:entropy' (the GAU's quadratic twin)",
               check_option=_gau_softmax_option, output_projections=_PAIR_OUTPUTS,
-              carry=_truncated_unit_caches, growing_cache=True),
+              carry=_truncated_unit_caches, growing_cache=True, check_config=_GAU_UNUSED),
     LayerKind("softmax", _softmax_block, "'softmax' (flags ':nope', ':entropy', e.g. 'softmax:nope:entropy')",
               check_option=_softmax_option, output_projections=_BLOCK_OUTPUTS, carry=_truncated_cache,
               growing_cache=True, check_config=_check_position_head_dim),
@@ -349,13 +374,17 @@ for _kind in (
     LayerKind("favor", _favor_block, "'favor' / 'favor:M'", check_option=_optional_count,
               output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
     LayerKind("delta", _delta_block, "'delta' / 'delta:dpfp' / 'delta:elu'", check_option=_delta_option,
-              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES,
+                                                                                then=_check_head_dim)),
     LayerKind("retnet", _retnet_block, "'retnet' (multi-scale retention: fixed decay per head, rotary positions)",
-              output_projections=_BLOCK_OUTPUTS, check_config=_check_rotary_head_dim),
+              output_projections=_BLOCK_OUTPUTS,
+              check_config=_unused_settings(*_PROJECTION_BIASES, "rotary_scaling", then=_check_rotary_head_dim)),
     LayerKind("gla", _gla_block, "'gla' (gated linear attention: data-dependent decay per key channel)",
-              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES,
+                                                                                then=_check_head_dim)),
     LayerKind("gated-delta", _gated_delta_block, "'gated-delta' (Gated DeltaNet: delta rule with a decay per head)",
-              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES,
+                                                                                then=_check_head_dim)),
     LayerKind("local", _local_block, "'local' / 'local:WINDOW' (flags ':nope', ':entropy', e.g. 'local:128:entropy')",
               check_option=_local_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_position_head_dim),
 ):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -16,6 +17,8 @@ from ..nn.quantizer import VectorQuantizer
 from ..ops.softmax import kv_cache
 from ..state import LMState
 from .config import LMConfig
+from .pretrained import hf_lm_config, read_config_file
+from .pretrained_weights import FLOAT_DTYPES, lm_state_dict, read_hf_tensors
 from .layers import layer_kind
 from .sampling import sample_next
 
@@ -45,11 +48,36 @@ class LM(nn.Module):
         self.specs = config.layer_specs()
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(layer_kind(spec).build(config, spec, i) for i, spec in enumerate(self.specs))
-        self.norm = nn.RMSNorm(config.d_model)
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.activation_checkpointing = False
         self.state_settings = _state_settings(config)
         self._init_weights()
+
+    @classmethod
+    def from_hf(cls, path: str | Path, *, dtype: torch.dtype | None = None) -> "LM":
+        """The model of a Hugging Face ``LlamaForCausalLM``, ``MistralForCausalLM`` or
+        ``Qwen2ForCausalLM`` folder (``config.json`` and ``model.safetensors`` or a sharded
+        ``model.safetensors.index.json``), computing what transformers computes from it, in
+        eval mode. Weights are read as ``dtype`` (default float32, whatever the checkpoint
+        stores). transformers is not needed. What is imported and what is refused (by name, as
+        a ValueError): ``models/pretrained.py``; the rotary layout: ``models/pretrained_weights.py``.
+        The folder's ``tokenizer.json`` is not read here (``linattn convert --to softmax``
+        keeps it with the model in a run folder)."""
+        folder = Path(path)
+        if not folder.is_dir():
+            raise ValueError(f"from_hf: {folder} is not a folder (expected a Hugging Face model folder)")
+        if dtype is None:
+            dtype = torch.float32
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"from_hf: dtype must be one of {[str(d) for d in FLOAT_DTYPES]} or None, got {dtype!r}")
+        config = hf_lm_config(read_config_file(folder), source=str(folder / "config.json"))
+        with torch.device("meta"):
+            model = cls(config)
+        expected = {name: tensor.shape for name, tensor in model.state_dict().items()}
+        state = lm_state_dict(read_hf_tensors(folder, dtype), config, expected)
+        model.load_state_dict(state, strict=True, assign=True)
+        return model.eval()
 
     def _init_weights(self) -> None:
         """Normal init of every linear and embedding weight with ``init_std``; the output
@@ -304,6 +332,7 @@ def _state_settings(config: LMConfig) -> tuple[tuple[str, object], ...]:
         ("favor_features", config.favor_features),
         ("feature_seed", config.feature_seed),
         ("rotary_base", config.rotary_base),
+        ("rotary_scaling", None if config.rotary_scaling is None else tuple(sorted(config.rotary_scaling.items()))),
         ("delta_short_conv", config.delta_short_conv),
         ("gau_d_k", config.gau_d_k),
         ("gau_d_v", config.gau_d_v or 2 * config.d_model),

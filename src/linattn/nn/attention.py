@@ -7,19 +7,21 @@ import dataclasses
 import torch
 from torch import nn
 
-from .._checks import check_choice, check_head_layout, check_layer_input, check_state_batch, check_state_tensor
+from .._checks import (check_bool, check_choice, check_head_layout, check_layer_input, check_state_batch,
+                       check_state_tensor)
 from ..ops.kernel import FeatureMap, get_feature_map, linear_attention
 from ..ops.softmax import entropy_scale, kv_cache, softmax_attention
 from ..ops.sparse import local_attention
 from ..state import KVCacheState, LinearAttentionState
-from .rotary import apply_rotary
+from .rotary import apply_rotary, check_rotary_scaling
 
 _MECHANISMS = ("softmax", "linear", "local")
 ATTENTION_SCALES = ("default", "entropy")
 
 
 class Attention(nn.Module):
-    """Causal multi-head attention ``y = W_o attention(W_q x, W_k x, W_v x)`` (no biases).
+    """Causal multi-head attention ``y = W_o attention(W_q x, W_k x, W_v x)`` (no biases unless
+    ``qkv_bias``: ``W_q x + b_q`` and likewise for k and v, as Qwen2 has; ``out_bias``: ``W_o o + b_o``).
 
     ``mechanism``:
       - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``
@@ -31,7 +33,8 @@ class Attention(nn.Module):
 
     Rotary position embeddings are applied to q and k for the softmax mechanisms
     (``rotary=None`` = on for softmax/local, off for linear: causal kernel attention has
-    no use for them; ``rotary=False`` on softmax is NoPE, no positional encoding at all).
+    no use for them; ``rotary=False`` on softmax is NoPE, no positional encoding at all);
+    ``rotary_scaling`` changes their frequencies (``nn/rotary.py``: linear, llama3).
     ``scale`` (softmax/local): ``"default"`` (``head_dim^-1/2``) or ``"entropy"``: the
     entropy-invariant ``log_512(n_i) / sqrt(head_dim)`` with n_i the number of keys query i
     sees (its position + 1, at most ``window`` for local; the keys in the cache + 1 when a
@@ -56,7 +59,10 @@ class Attention(nn.Module):
         chunk_size: int = 64,
         rotary: bool | None = None,
         rotary_base: float = 10000.0,
+        rotary_scaling: dict | None = None,
         scale: str = "default",
+        qkv_bias: bool = False,
+        out_bias: bool = False,
     ):
         super().__init__()
         check_choice("mechanism", mechanism, _MECHANISMS)
@@ -71,10 +77,16 @@ class Attention(nn.Module):
             self.feature_map.prepare(head_dim)  # random features are drawn here, not in a compiled forward
         self.rotary = (mechanism != "linear") if rotary is None else bool(rotary)
         self.rotary_base, self.scale = rotary_base, scale
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+        self.rotary_scaling = check_rotary_scaling("rotary_scaling", rotary_scaling)
+        check_bool("qkv_bias", qkv_bias)
+        check_bool("out_bias", out_bias)
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+        for projection in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            if projection.bias is not None:
+                nn.init.zeros_(projection.bias)
 
     def forward(
         self, x: torch.Tensor, state: KVCacheState | LinearAttentionState | None = None
@@ -88,7 +100,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         past = 0 if state is None else state.steps
         if self.rotary:
-            q, k = apply_rotary(q, past, self.rotary_base), apply_rotary(k, past, self.rotary_base)
+            q = apply_rotary(q, past, self.rotary_base, self.rotary_scaling)
+            k = apply_rotary(k, past, self.rotary_base, self.rotary_scaling)
         if self.scale == "entropy":
             q = q * self._entropy_scale(T, state, q)
         # The ops keep their own precision (float32 sums/softmax); under autocast they run

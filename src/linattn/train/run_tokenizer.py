@@ -42,10 +42,13 @@ def setup_run_tokenizer(data, vocab_size: int, checkpoint: Checkpoint | None, ru
     tokenized as the checkpoint recorded; copy the tokenizer into a fresh run when
     ``write``. Returns the record each checkpoint stores.
 
-    Shard data needs ``vocab_size`` equal to its tokenizer's (``linattn train`` sets it);
-    a byte corpus keeps accepting any model vocabulary, as before shards existed.
+    Shard data needs ``vocab_size`` equal to its tokenizer's (``linattn train`` sets it) in a
+    fresh run, and at least as large when resuming (a run imported from a Hugging Face
+    checkpoint keeps the checkpoint's vocabulary, which may have rows past its tokenizer's, as
+    Qwen2's has); a byte corpus keeps accepting any model vocabulary, as before shards existed.
     """
-    if isinstance(data, Shards) and vocab_size != data.vocab_size:
+    fits = vocab_size >= data.vocab_size if checkpoint is not None else vocab_size == data.vocab_size
+    if isinstance(data, Shards) and not fits:
         raise ValueError(f"model.vocab_size: the data {data.folder} has a tokenizer of {data.vocab_size} tokens but "
                          f"the model has vocab_size={vocab_size}; set vocab_size={data.vocab_size} or leave it out "
                          f"(linattn train then takes it from the data)")
