@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.common.rotary import rotate, rotation
+
 
 def apply_rotary(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> torch.Tensor:
     """Rotate ``x [B, H, T, D]`` (D even) at positions ``offset .. offset + T - 1``.
 
     Pairs ``(x_{2m}, x_{2m+1})`` at position p turn by the angle ``p * base^(-2m/D)``, so
     ``rot(q, i) . rot(k, j)`` depends on ``i - j`` only. Computed in float32 (float64 for
-    float64 input) and returned in x's dtype.
+    float64 input) and returned in x's dtype. The ops' ReRoPE (``rerope=``) uses the same
+    rotation (``ops/common/rotary.py``).
     """
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"rotary embedding needs an even head dimension, got {D}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inverse_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)
     positions = torch.arange(offset, offset + x.shape[-2], device=x.device, dtype=dtype)
-    angles = positions[:, None] * inverse_freq[None, :]  # [T, D/2]
-    cos, sin = angles.cos(), angles.sin()
-    pairs = x.to(dtype).unflatten(-1, (D // 2, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    return rotate(x.to(dtype), *rotation(positions, D, base, dtype)).to(x.dtype)
