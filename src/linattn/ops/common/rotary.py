@@ -66,7 +66,7 @@ def rerope_scores(q: torch.Tensor, k: torch.Tensor, q_first: int, k_first: int, 
 
 def far_queries(q: torch.Tensor, window: int, base: float) -> torch.Tensor:
     """``R(w) q``: the queries as every key at distance ``>= w`` sees them."""
-    return rotate_at(q, torch.tensor([window], device=q.device), base)
+    return rotate_at(q, positions(window, 1, q.device), base)  # made on the device: no copy from the host
 
 
 def pairwise_rerope_scores(q: torch.Tensor, k: torch.Tensor, q_first: int, k_first: int, window: int,
