@@ -222,28 +222,13 @@ def conclusions(rows: list[dict], summary: dict) -> str:
             f"bpb at the training context {train_context}" + (", at every seed" if several else "") + "): "
             f"{', '.join(holds) or 'none'}. Do not (largest rise" + (", mean over the seeds" if several else "")
             + f"): {', '.join(fails) or 'none'}."]
-    if summary.get("entropy_scale"):
-        gain = summary["entropy_scale"]
-        last = str(max(int(c) for c in gain))
-        verdict = "helps" if gain[last]["gain"] > 0 else "does not help"
-        at_train = gain.get(str(train_context))
-        text.append(f"The entropy-invariant scale {verdict} rotary softmax at C={last}: "
-                    f"{variants['softmax-entropy']['bpb_at_longest']['mean']:.3f} bpb with it against "
-                    f"{variants['softmax']['bpb_at_longest']['mean']:.3f} without ({gain[last]['gain']:+.3f} in its "
-                    f"favour, {_spread_word(gain[last]['resolved'])}"
-                    + (f"; {at_train['gain']:+.3f} at the training context, {_spread_word(at_train['resolved'])}"
-                       if at_train else "") + ").")
-    if summary.get("rerope"):
-        gain = summary["rerope"]
-        last = str(max(int(c) for c in gain))
-        verdict = "helps" if gain[last]["gain"] > 0 else "does not help"
-        at_train = gain.get(str(train_context))
-        text.append(f"ReRoPE at evaluation {verdict} the rotary softmax model at C={last}: "
-                    f"{variants['softmax-rerope']['bpb_at_longest']['mean']:.3f} bpb read with it against "
-                    f"{variants['softmax']['bpb_at_longest']['mean']:.3f} without ({gain[last]['gain']:+.3f} in its "
-                    f"favour, {_spread_word(gain[last]['resolved'])}"
-                    + (f"; {at_train['gain']:+.3f} at the training context, {_spread_word(at_train['resolved'])}"
-                       if at_train else "") + ").")
+    comparisons = (
+        ("entropy_scale", "softmax-entropy", "The entropy-invariant scale {verdict} rotary softmax", "with it"),
+        ("rerope", "softmax-rerope", "ReRoPE at evaluation {verdict} the rotary softmax model", "read with it"),
+    )
+    for key, name, subject, reading in comparisons:
+        if summary.get(key):
+            text.append(_gain_sentence(summary[key], variants, name, subject, reading, train_context))
     if "softmax-nope-entropy" in variants:
         v = variants["softmax-nope-entropy"]
         text.append(f"Without positions (softmax:nope:entropy): {v['bpb_at_train_context']['mean']:.3f} at "
@@ -254,6 +239,20 @@ def conclusions(rows: list[dict], summary: dict) -> str:
     if carried:
         text.append("State carried across the whole stream: " + ", ".join(carried) + ".")
     return " ".join(text)
+
+
+def _gain_sentence(gain: dict, variants: dict, name: str, subject: str, reading: str, train_context: int) -> str:
+    """The sentence on ``name`` against ``softmax`` from their per-context ``gain`` (``_gains``):
+    ``subject`` (with ``{verdict}``) at the longest context, both means, the gain there and at
+    the training context, each resolved or within the spread."""
+    last = str(max(int(c) for c in gain))
+    verdict = "helps" if gain[last]["gain"] > 0 else "does not help"
+    at_train = gain.get(str(train_context))
+    return (f"{subject.format(verdict=verdict)} at C={last}: {variants[name]['bpb_at_longest']['mean']:.3f} bpb "
+            f"{reading} against {variants['softmax']['bpb_at_longest']['mean']:.3f} without "
+            f"({gain[last]['gain']:+.3f} in its favour, {_spread_word(gain[last]['resolved'])}"
+            + (f"; {at_train['gain']:+.3f} at the training context, {_spread_word(at_train['resolved'])}"
+               if at_train else "") + ").")
 
 
 def _extrapolates_cell(v: dict) -> str:
