@@ -110,7 +110,7 @@ def test_logits_equal_transformers(tmp_path, tokenizer, case):
 def test_what_each_case_exercises(tmp_path, tokenizer):
     """The cases above can fail: the head is tied or not as asked, biases and windows are where
     the checkpoint has them, and llama3 keeps, blends and divides frequencies (all three bands)."""
-    from linattn.nn.rotary import rotary_frequencies
+    from linattn.ops.common.rotary import rotary_frequencies
 
     built = {case: LM.from_hf(hf_folder(tmp_path / case, tokenizer, family, **fields))
              for case, (family, fields) in CASES.items()}
@@ -135,7 +135,7 @@ def test_what_each_case_exercises(tmp_path, tokenizer):
 
 def test_llama3_frequencies_follow_the_written_out_rule():
     """Llama 3.1's rule from transformers' _compute_llama3_parameters, written out per frequency."""
-    from linattn.nn.rotary import rotary_frequencies
+    from linattn.ops.common.rotary import rotary_frequencies
 
     scaling = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 64}

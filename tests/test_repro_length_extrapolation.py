@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.nn.functional as F
 
 from linattn.cli import main
 from linattn.data import load_corpus
+from linattn.models import LM
 from linattn.repro import length_extrapolation
 from linattn.train.checkpoint import load_model
 
@@ -205,6 +208,7 @@ def test_hybrid_spec_follows_the_layer_count():
         (["--steps", "0"], "--steps"),
         (["--tolerance", "-1"], "--tolerance"),
         (["--variants", "hybrid", "--n-layers", "1"], "--n-layers"),
+        (["--variants", "softmax-rerope", "--rerope-window", "0"], "--rerope-window"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(args, named, corpus, tmp_path, capsys):
@@ -213,3 +217,85 @@ def test_bad_arguments_exit_2_naming_the_argument(args, named, corpus, tmp_path,
     err = capsys.readouterr().err
     assert "error:" in err and named in err and "Traceback" not in err
     assert not out.exists()
+
+
+# --- ReRoPE (seed 004): the rotary model read with ReRoPE, and the model trained with it ------
+
+
+def test_rerope_rows_read_the_rotary_model_with_rerope(corpus, tmp_path, monkeypatch, capsys):
+    torch.set_num_threads(1)
+    out = tmp_path / "out"
+    evaluated = []  # the model evaluate_bpb reads, per call
+    original = length_extrapolation.evaluate_bpb
+
+    def recording(model, *args, **kwargs):
+        evaluated.append(model)
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(length_extrapolation, "evaluate_bpb", recording)
+    argv = ["repro", "length-extrapolation", "--quick", "--data", str(corpus), "--variants", "softmax",
+            "softmax-rerope", "softmax-rerope-trained", "--steps", "4", "--eval-contexts", "64", "--out", str(out),
+            "--no-progress"]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    # --quick: ReRoPE's window is 16 (half the training context 32)
+    assert [(r["variant"], r["spec"], r["evaluation_spec"]) for r in runs] == [
+        ("softmax", "softmax", "softmax"), ("softmax-rerope", "softmax", "softmax:rerope=16"),
+        ("softmax-rerope-trained", "softmax:rerope=16", "softmax:rerope=16")]
+    assert runs[0]["validation_bpb"] == runs[1]["validation_bpb"]  # the same training: the rotary model
+    assert "| softmax-rerope | `softmax`, read as `softmax:rerope=16` |" in table
+    test = load_corpus(str(corpus)).tokens("test")
+    for run in runs:
+        trained, _ = load_model(out / "runs" / "seed-0" / run["variant"])
+        assert trained.config.attention == run["spec"]
+        reader = LM(dataclasses.replace(trained.config, attention=run["evaluation_spec"])).eval()
+        reader.load_state_dict(trained.state_dict())
+        for entry in run["test_bpb"]:
+            assert entry["bpb"] == pytest.approx(_bpb_in_windows(reader, test, entry["context"]), abs=2e-5)
+    # what was evaluated: the trained weights, in layers that apply ReRoPE where the row says so
+    per_run = len(evaluated) // len(runs)
+    for run, model in zip(runs, evaluated[::per_run]):
+        trained, _ = load_model(out / "runs" / "seed-0" / run["variant"])
+        rerope = None if run["evaluation_spec"] == "softmax" else 16
+        assert [layer.mixer.rerope for layer in model.layers] == [rerope] * len(model.layers)
+        for name, tensor in trained.state_dict().items():
+            assert torch.equal(model.state_dict()[name], tensor), name
+    summary = json.loads((out / "results.json").read_text())["summary"]
+    bpb = [{e["context"]: e["bpb"] for e in run["test_bpb"]} for run in runs]
+    assert {int(c): g["gain"] for c, g in summary["rerope"].items()} == pytest.approx(
+        {c: bpb[0][c] - bpb[1][c] for c in (32, 64)})
+    assert "ReRoPE at evaluation" in table
+
+
+def test_evaluated_model_moves_the_weights_into_rerope_layers():
+    """A rotary model read as ``softmax:rerope=W``: the same weights, ReRoPE in every layer, other
+    logits (q and k made large enough that positions matter)."""
+    args = SimpleNamespace(d_model=32, n_layers=2, n_heads=2, window=16, codebook_size=16, block_size=8, gau_d_k=16)
+    model = LM(length_extrapolation.model_config("softmax", args)).eval()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mixer.q_proj.weight.mul_(30.0)
+            layer.mixer.k_proj.weight.mul_(30.0)
+    reader = length_extrapolation.evaluated_model(model, "softmax:rerope=2", args)
+    assert isinstance(reader, LM) and reader.config == dataclasses.replace(model.config, attention="softmax:rerope=2")
+    assert [layer.mixer.rerope for layer in reader.layers] == [2, 2] and not reader.training
+    assert all(torch.equal(reader.state_dict()[k], v) for k, v in model.state_dict().items())
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (reader(ids)[0] - model(ids)[0]).abs().max() > 1e-3
+    assert length_extrapolation.evaluated_model(model, "softmax", args) is model
+
+
+def test_rerope_conclusion_from_the_numbers():
+    runs = [_run("softmax", {256: 2.0, 1024: 3.5, 4096: 5.0}),
+            _run("softmax-rerope", {256: 2.05, 1024: 2.2, 4096: 2.3})]
+    rows, summary = _summary(runs)
+    assert {c: g["gain"] for c, g in summary["rerope"].items()} == pytest.approx(
+        {"256": -0.05, "1024": 1.3, "4096": 2.7})
+    assert "entropy_scale" not in summary
+    text = length_extrapolation.conclusions(rows, summary)
+    assert ("ReRoPE at evaluation helps the rotary softmax model at C=4096: 2.300 bpb read with it against 5.000 "
+            "without (+2.700 in its favour, within the spread; -0.050 at the training context, within the spread)."
+            in text)
+    assert "rerope" not in _summary(runs[:1])[1]  # no ReRoPE row, no comparison

@@ -320,6 +320,20 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
+def check_rerope(rerope: object, rotary_base: object, key_dim: int) -> int | None:
+    """ReRoPE's window ``rerope``: None (off) or an int ``w >= 1``; ``rotary_base`` a finite number
+    ``> 1``; with a window, an even key dimension (rotary turns pairs of features)."""
+    if not is_number(rotary_base) or not math.isfinite(rotary_base) or not rotary_base > 1:
+        raise ValueError(f"rotary_base must be a finite number > 1, got {rotary_base!r}")
+    if rerope is None:
+        return None
+    if not is_int(rerope) or rerope < 1:
+        raise ValueError(f"rerope must be None or the ReRoPE window, an int >= 1, got {rerope!r}")
+    if key_dim % 2:
+        raise ValueError(f"rerope rotates pairs of key features and needs an even key dimension, got Dk={key_dim}")
+    return rerope
+
+
 def check_positive_int(name: str, value: object) -> int:
     """``value`` is an ``int`` (not bool) greater than zero."""
     if not is_int(value):

@@ -5,7 +5,8 @@ runs, every attention op a layer calls is recorded with its inputs, and for the 
 mechanisms the attention probabilities ``p_t`` of each query t are recomputed from the
 op's quadratic reference form (materialised: this bounds ``--tokens``):
 
-- ``softmax`` and ``local`` (``Attention``): ``softmax(s q_t.k_j)`` over the keys query t sees;
+- ``softmax`` and ``local`` (``Attention``): ``softmax(s q_t.k_j)`` over the keys query t sees
+  (with ReRoPE, ``rerope=w``, ``s (R(min(t - j, w)) q_t).k_j``);
 - ``vq``, ``vq-fsq`` and ``gau-softmax`` units (``GAU``): ``vq_attention_weights`` over the
   (quantized) keys, relative terms included; for VQ this is what the linear-time form computes.
 
@@ -46,6 +47,7 @@ from .nn import gla as gla_module
 from .nn import retention as retention_module
 from .nn.fsq import FSQuantizer
 from .nn.quantizer import VectorQuantizer
+from .ops.common.rotary import pairwise_rerope_scores
 from .ops.vq import vq_attention_weights, windowed_weights
 from .train.checkpoint import load_model
 from ._checks import positive_int
@@ -150,15 +152,15 @@ class _Recorder:
 
     def _softmax(self, op):
         def recorded(q, k, v, *, causal=False, scale=None, bias=None, **rest):
-            if bias is None and causal:
-                self._store("softmax", _exact_weights(q, k, scale, window=None))
+            if bias is None and causal and k.shape[2] == q.shape[2]:
+                self._store("softmax", _exact_weights(q, k, scale, None, rest.get("rerope"), rest.get("rotary_base")))
             return op(q, k, v, causal=causal, scale=scale, bias=bias, **rest)
         return recorded
 
     def _local(self, op):
         def recorded(q, k, v, *, window, scale=None, initial_state=None, **rest):
             if initial_state is None:
-                self._store("local", _exact_weights(q, k, scale, window=window))
+                self._store("local", _exact_weights(q, k, scale, window, rest.get("rerope"), rest.get("rotary_base")))
             return op(q, k, v, window=window, scale=scale, initial_state=initial_state, **rest)
         return recorded
 
@@ -167,7 +169,8 @@ class _Recorder:
             if kw.get("initial_state") is None:
                 self.block_size[self.current[-1]] = kw["block_size"]
                 weights = vq_attention_weights(q, k_hat, scale=kw.get("scale"), block_size=kw["block_size"],
-                                               bias=kw.get("bias"), position_keys=kw.get("position_keys"))
+                                               bias=kw.get("bias"), position_keys=kw.get("position_keys"),
+                                               rerope=kw.get("rerope"), rotary_base=kw.get("rotary_base", 10000.0))
                 self._store("vq", weights)
             return op(q, k_hat, v, codes, codebook, **kw)
         return recorded
@@ -193,11 +196,16 @@ class _Recorder:
         return wrap
 
 
-def _exact_weights(q, k, scale, window: int | None) -> torch.Tensor:
-    """Causal softmax probabilities ``[B, H, T, T]`` of ``q [B, H, T, D]`` on ``k [B, Hkv, T, D]``."""
+def _exact_weights(q, k, scale, window: int | None, rerope: int | None = None, base: float | None = None):
+    """Causal softmax probabilities ``[B, H, T, T]`` of ``q [B, H, T, D]`` on ``k [B, Hkv, T, D]``
+    (``rerope``: ReRoPE's window, with the rotary ``base``; q and k unrotated)."""
     B, H, T, D = q.shape
     keys = k.repeat_interleave(H // k.shape[1], dim=1).double()
-    scores = q.double() @ keys.transpose(-1, -2) * (D ** -0.5 if scale is None else scale)
+    if rerope is None:
+        scores = q.double() @ keys.transpose(-1, -2)
+    else:
+        scores = pairwise_rerope_scores(q.double(), keys, 0, 0, rerope, 10000.0 if base is None else base)
+    scores = scores * (D ** -0.5 if scale is None else scale)
     offsets = torch.arange(T)[:, None] - torch.arange(T)[None, :]
     hidden = offsets < 0 if window is None else (offsets < 0) | (offsets >= window)
     return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)

@@ -2,9 +2,13 @@
 
 A layer spec is ``KIND`` or ``KIND:OPTION`` (``"vq"``, ``"linear:dpfp:2"``, ``"local:128"``).
 The exact softmax kinds take flags after the kind (and after local's window), in any order:
-``nope`` (no positional encoding; softmax and local) and ``entropy`` (the entropy-invariant
-scale ``log_512(n)/sqrt(d)``; softmax, local, gau-softmax), e.g. the window + global hybrid
-``local:128,local:128,softmax:nope:entropy``.
+``nope`` (no positional encoding; softmax and local), ``entropy`` (the entropy-invariant
+scale ``log_512(n)/sqrt(d)``; softmax, local, gau-softmax) and ``rerope=W`` (ReRoPE, rotary
+positions inside a window of W and distance W beyond it; softmax and local, not with
+``nope``), e.g. the window + global hybrid ``local:128,local:128,softmax:nope:entropy`` or
+``softmax:rerope=64:entropy``. The VQ kinds take ``rerope`` (window = ``block_size``) or
+``rerope=W`` (``W <= block_size``): ReRoPE instead of the GAU's Transformer-XL terms
+(``vq:rerope``, ``vq-fsq:rerope=32``).
 Each kind is one ``LayerKind`` entry that says everything the model needs to know about it:
 how its option is checked, how the layer is built from an ``LMConfig``, which of its linear
 maps are output projections (initialised with the smaller residual std), how its decode
@@ -76,29 +80,60 @@ def _delta_option(option: str | None) -> bool:
     return option is None or _linear_option(option)
 
 
-def _exact_options(option: str | None, flags: tuple[str, ...], window: bool = False):
-    """``(window or None, set of flags)`` of an exact softmax kind's option text, or None if invalid."""
+def _rerope_part(parts: list[str]) -> tuple[int | None, bool]:
+    """Take a ``rerope=W`` part out of ``parts``: ``(W or None, valid)``."""
+    found = [part for part in parts if part.startswith("rerope=")]
+    if not found:
+        return None, True
+    value = found[0].removeprefix("rerope=")
+    if len(found) > 1 or not _is_count(value):
+        return None, False
+    parts.remove(found[0])
+    return int(value), True
+
+
+def _exact_options(option: str | None, flags: tuple[str, ...], window: bool = False, rerope: bool = False):
+    """``(window or None, set of flags, rerope window or None)`` of an exact softmax kind's option
+    text, or None if invalid (``rerope``: the kind takes ``rerope=W``, not with ``nope``)."""
     parts = [] if option is None else option.split(":")
     size = None
     if window and parts and parts[0].isascii() and parts[0].isdigit():
         size = int(parts.pop(0))
         if size < 1:
             return None
-    if any(part not in flags for part in parts) or len(set(parts)) != len(parts):
+    rerope_window, valid = _rerope_part(parts) if rerope else (None, True)
+    if not valid or any(part not in flags for part in parts) or len(set(parts)) != len(parts):
         return None
-    return size, set(parts)
+    if rerope_window is not None and "nope" in parts:
+        return None
+    return size, set(parts), rerope_window
 
 
 def _softmax_option(option: str | None) -> bool:
-    return _exact_options(option, ("nope", "entropy")) is not None
+    return _exact_options(option, ("nope", "entropy"), rerope=True) is not None
 
 
 def _local_option(option: str | None) -> bool:
-    return _exact_options(option, ("nope", "entropy"), window=True) is not None
+    return _exact_options(option, ("nope", "entropy"), window=True, rerope=True) is not None
 
 
 def _gau_softmax_option(option: str | None) -> bool:
     return _exact_options(option, ("entropy",)) is not None
+
+
+def _vq_rerope(option: str | None, config: LMConfig | None = None) -> int | None:
+    """The ReRoPE window of a VQ kind's option: None (no option), ``config.block_size`` for
+    ``rerope``, W for ``rerope=W``."""
+    if option is None:
+        return None
+    if option == "rerope":
+        return config.block_size
+    return int(option.removeprefix("rerope="))
+
+
+def _vq_option(option: str | None) -> bool:
+    """No option, ``rerope`` or ``rerope=W``."""
+    return option in (None, "rerope") or (option.startswith("rerope=") and _is_count(option.removeprefix("rerope=")))
 
 
 def _scale(config: LMConfig, flags: set) -> str:
@@ -214,14 +249,17 @@ class GAUPair(nn.Module):
     """Transformer-VQ's layer: two gated attention units, each ``x + GAU(x)`` (pre-norm inside),
     no feed-forward. The state is a pair of unit states."""
 
-    def __init__(self, config: LMConfig, attention: str, scale: str = "default"):
+    def __init__(self, config: LMConfig, attention: str, scale: str = "default", rerope: int | None = None):
         super().__init__()
-        options = dict(scale=scale,
+        gau_options = config.gau_options()
+        if rerope is not None:  # no sinusoids to drop out (a set sinusoid_dropout is refused by the config check)
+            gau_options.update(sinusoid_dropout=0.0)
+        options = dict(scale=scale, rerope=rerope, rotary_base=config.rotary_base,
             d_k=config.gau_d_k, d_v=config.gau_d_v, codebook_size=config.codebook_size,
             block_size=config.block_size, attention=attention,
             temperature=config.soft_vq_temperature, ema_decay=config.ema_decay,
             commitment_weight=config.commitment_weight, kmeans_init=config.kmeans_init,
-            dead_code_threshold=config.dead_code_threshold, fsq_levels=config.fsq_levels, **config.gau_options(),
+            dead_code_threshold=config.dead_code_threshold, fsq_levels=config.fsq_levels, **gau_options,
         )
         self.units = nn.ModuleList([GAU(config.d_model, **options) for _ in range(2)])
 
@@ -275,19 +313,43 @@ def _gated_delta_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNorm
 
 
 def _softmax_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
-    _, flags = _exact_options(spec.option, ("nope", "entropy"))
-    return _attention_block(config, mechanism="softmax", rotary="nope" not in flags, scale=_scale(config, flags))
+    _, flags, rerope = _exact_options(spec.option, ("nope", "entropy"), rerope=True)
+    return _attention_block(config, mechanism="softmax", rotary="nope" not in flags, scale=_scale(config, flags),
+                            rerope=rerope)
 
 
 def _local_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
-    window, flags = _exact_options(spec.option, ("nope", "entropy"), window=True)
+    window, flags, rerope = _exact_options(spec.option, ("nope", "entropy"), window=True, rerope=True)
     return _attention_block(config, mechanism="local", window=window or config.local_window,
-                            rotary="nope" not in flags, scale=_scale(config, flags))
+                            rotary="nope" not in flags, scale=_scale(config, flags), rerope=rerope)
 
 
 def _gau_softmax_pair(config: LMConfig, spec: LayerSpec, index: int) -> GAUPair:
-    _, flags = _exact_options(spec.option, ("entropy",))
+    _, flags, _ = _exact_options(spec.option, ("entropy",))
     return GAUPair(config, "softmax", scale=_scale(config, flags))
+
+
+def _vq_pair(attention: str) -> Callable[[LMConfig, LayerSpec, int], GAUPair]:
+    """The builder of a VQ kind's GAU pair (``attention``: ``"vq"`` or ``"fsq"``)."""
+    return lambda config, spec, index: GAUPair(config, attention, rerope=_vq_rerope(spec.option, config))
+
+
+def _check_vq_config(config: LMConfig, spec: LayerSpec) -> None:
+    """A VQ kind's ReRoPE window fits the block (the cache keeps no distances) and has no
+    sinusoids to drop out."""
+    rerope = _vq_rerope(spec.option, config)
+    if rerope is None:
+        return
+    if rerope > config.block_size:
+        raise ValueError(f"LMConfig: layer {str(spec)!r} has a ReRoPE window of {rerope} > block_size="
+                         f"{config.block_size}: Transformer-VQ's cache keeps no distances, so the window must fit "
+                         "in a block; use rerope=W with W <= block_size (or 'rerope' for W = block_size)")
+    if config.sinusoid_dropout:
+        raise ValueError(f"LMConfig: layer {str(spec)!r} replaces the GAU's sinusoids by ReRoPE, so "
+                         f"sinusoid_dropout={config.sinusoid_dropout} has nothing to drop; leave it unset or 0")
+    if config.gau_d_k % 2:
+        raise ValueError(f"LMConfig: layer {str(spec)!r} uses rotary positions, which need an even gau_d_k; got "
+                         f"gau_d_k={config.gau_d_k}")
 
 
 def _favor_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
@@ -340,6 +402,7 @@ _USED_BY = {"qkv_bias": "the attention kinds softmax, local, linear and favor", 
             "rotary_scaling": "the rotary positions of softmax and local"}
 _PROJECTION_BIASES = ("qkv_bias", "out_bias")
 _GAU_UNUSED = _unused_settings(*_PROJECTION_BIASES, "norm_eps")
+_VQ_CHECKS = _unused_settings(*_PROJECTION_BIASES, "norm_eps", then=_check_vq_config)
 
 
 def _truncated_cache(state: Any, config: LMConfig) -> Any:
@@ -354,17 +417,17 @@ _BLOCK_OUTPUTS = ("mixer.o_proj", "ffn.w_down")
 _PAIR_OUTPUTS = ("units.0.w_o", "units.1.w_o")
 
 for _kind in (
-    LayerKind("vq", lambda config, spec, index: GAUPair(config, "vq"),
-              "'vq' (Transformer-VQ GAU pair)", output_projections=_PAIR_OUTPUTS, check_config=_GAU_UNUSED),
-    LayerKind("vq-fsq", lambda config, spec, index: GAUPair(config, "fsq"),
-              "'vq-fsq' (GAU pair, keys on the FSQ grid of fsq_levels)", output_projections=_PAIR_OUTPUTS,
-              check_config=_GAU_UNUSED),
+    LayerKind("vq", _vq_pair("vq"), "'vq' (Transformer-VQ GAU pair; 'vq:rerope' / 'vq:rerope=W': ReRoPE)",
+              check_option=_vq_option, output_projections=_PAIR_OUTPUTS, check_config=_VQ_CHECKS),
+    LayerKind("vq-fsq", _vq_pair("fsq"), "'vq-fsq' (GAU pair, keys on the FSQ grid of fsq_levels; ':rerope' as vq)",
+              check_option=_vq_option, output_projections=_PAIR_OUTPUTS, check_config=_VQ_CHECKS),
     LayerKind("soft-vq", lambda config, spec, index: GAUPair(config, "soft-vq"), "'soft-vq'",
               output_projections=_PAIR_OUTPUTS, check_config=_GAU_UNUSED),
     LayerKind("gau-softmax", _gau_softmax_pair, "'gau-softmax' / 'gau-softmax:entropy' (the GAU's quadratic twin)",
               check_option=_gau_softmax_option, output_projections=_PAIR_OUTPUTS,
               carry=_truncated_unit_caches, growing_cache=True, check_config=_GAU_UNUSED),
-    LayerKind("softmax", _softmax_block, "'softmax' (flags ':nope', ':entropy', e.g. 'softmax:nope:entropy')",
+    LayerKind("softmax", _softmax_block,
+              "'softmax' (flags ':nope', ':entropy', ':rerope=W', e.g. 'softmax:nope:entropy', 'softmax:rerope=64')",
               check_option=_softmax_option, output_projections=_BLOCK_OUTPUTS, carry=_truncated_cache,
               growing_cache=True, check_config=_check_position_head_dim),
     LayerKind("linear", lambda config, spec, index: _attention_block(config, mechanism="linear",
@@ -385,7 +448,8 @@ for _kind in (
     LayerKind("gated-delta", _gated_delta_block, "'gated-delta' (Gated DeltaNet: delta rule with a decay per head)",
               output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES,
                                                                                 then=_check_head_dim)),
-    LayerKind("local", _local_block, "'local' / 'local:WINDOW' (flags ':nope', ':entropy', e.g. 'local:128:entropy')",
+    LayerKind("local", _local_block,
+              "'local' / 'local:WINDOW' (flags ':nope', ':entropy', ':rerope=W', e.g. 'local:128:entropy')",
               check_option=_local_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_position_head_dim),
 ):
     register_layer_kind(_kind)

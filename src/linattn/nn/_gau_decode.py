@@ -78,12 +78,13 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
 
 
 def can_decode_token(unit, x: torch.Tensor, state) -> bool:
-    """Whether ``decode_token`` applies: a VQ unit in eval mode, no gradient, one float32
+    """Whether ``decode_token`` applies: a VQ unit without ReRoPE (``GAU(rerope=)`` decodes
+    through ``vq_attention``) in eval mode, no gradient, one float32
     or float64 token continuing a state of this unit's block size, and plain submodules
     (``GAU._reads_plainly``: a step reads their parameters, so a PEFT adapter, a subclass
     or a forward hook sends the token down the general path, which calls them)."""
     return (
-        unit.attention == "vq" and x.shape[1] == 1 and isinstance(state, VQAttentionState)
+        unit.attention == "vq" and unit.rerope is None and x.shape[1] == 1 and isinstance(state, VQAttentionState)
         and not unit.training and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64)
         and state.partial_keys.shape[2] < unit.block_size and state.partial_keys.dtype == x.dtype
         and (state.prev_keys is None or state.prev_keys.shape[2] == unit.block_size)

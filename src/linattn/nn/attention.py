@@ -7,7 +7,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from .._checks import (check_bool, check_choice, check_head_layout, check_layer_input, check_state_batch,
+from .._checks import (check_bool, check_choice, check_head_layout, check_layer_input, check_rerope,
+                       check_state_batch,
                        check_state_tensor)
 from ..ops.kernel import FeatureMap, get_feature_map, linear_attention
 from ..ops.softmax import entropy_scale, kv_cache, softmax_attention
@@ -35,6 +36,11 @@ class Attention(nn.Module):
     (``rotary=None`` = on for softmax/local, off for linear: causal kernel attention has
     no use for them; ``rotary=False`` on softmax is NoPE, no positional encoding at all);
     ``rotary_scaling`` changes their frequencies (``nn/rotary.py``: linear, llama3).
+    ``rerope=w`` (softmax/local): ReRoPE instead: the op rotates the unrotated q and k so that
+    query i scores key j at the relative position ``min(i - j, w)`` (rotary inside the window,
+    w beyond it; seed 004); the caches keep unrotated keys. Exact softmax runs the tiled form
+    (``softmax_attention(rerope=)``: SDPA has no ReRoPE form). The ops' ReRoPE turns at
+    ``rotary_base``'s frequencies, so it does not combine with ``rotary_scaling``.
     ``scale`` (softmax/local): ``"default"`` (``head_dim^-1/2``) or ``"entropy"``: the
     entropy-invariant ``log_512(n_i) / sqrt(head_dim)`` with n_i the number of keys query i
     sees (its position + 1, at most ``window`` for local; the keys in the cache + 1 when a
@@ -63,6 +69,7 @@ class Attention(nn.Module):
         scale: str = "default",
         qkv_bias: bool = False,
         out_bias: bool = False,
+        rerope: int | None = None,
     ):
         super().__init__()
         check_choice("mechanism", mechanism, _MECHANISMS)
@@ -70,14 +77,22 @@ class Attention(nn.Module):
         if scale == "entropy" and mechanism == "linear":
             raise ValueError("scale='entropy' is for the softmax mechanisms (softmax, local), not 'linear'")
         n_kv_heads, head_dim = check_head_layout(d_model, n_heads, n_kv_heads, head_dim)
+        self.rerope = check_rerope(rerope, rotary_base, head_dim)
+        if rerope is not None and (mechanism == "linear" or rotary is False):
+            raise ValueError(f"rerope is a rotary position rule for the softmax mechanisms (softmax, local); got "
+                             f"mechanism={mechanism!r}, rotary={rotary!r}")
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.mechanism, self.window, self.chunk_size = mechanism, window, chunk_size
         self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
         if self.feature_map is not None:
             self.feature_map.prepare(head_dim)  # random features are drawn here, not in a compiled forward
-        self.rotary = (mechanism != "linear") if rotary is None else bool(rotary)
+        # whether the layer rotates q and k itself (with rerope the op does)
+        self.rotary = rerope is None and ((mechanism != "linear") if rotary is None else bool(rotary))
         self.rotary_base, self.scale = rotary_base, scale
         self.rotary_scaling = check_rotary_scaling("rotary_scaling", rotary_scaling)
+        if rerope is not None and self.rotary_scaling is not None:
+            raise ValueError(f"rerope={rerope} turns at rotary_base's frequencies; rotary_scaling="
+                             f"{self.rotary_scaling} would change them: pass one of the two")
         check_bool("qkv_bias", qkv_bias)
         check_bool("out_bias", out_bias)
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
@@ -145,10 +160,20 @@ class Attention(nn.Module):
             )
         elif self.mechanism == "local":
             out, state = local_attention(
-                q, k, v, window=self.window, scale=self._op_scale, initial_state=state, output_final_state=True
+                q, k, v, window=self.window, scale=self._op_scale, initial_state=state, output_final_state=True,
+                rerope=self.rerope, rotary_base=self.rotary_base,
             )
+        elif self.rerope is not None:
+            out, state = self._softmax_rerope(q, k, v, state)
         else:
             out, state = self._softmax(q, k, v, state, self._op_scale)
+        return out, state
+
+    def _softmax_rerope(self, q, k, v, state: KVCacheState | None):
+        """Exact softmax with ReRoPE: the T new queries are the last T positions of the cache."""
+        state = kv_cache.extend(state, k, v)
+        out = softmax_attention(q, state.keys, state.values, causal=True, scale=self._op_scale, rerope=self.rerope,
+                                rotary_base=self.rotary_base)
         return out, state
 
     @property

@@ -10,7 +10,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from .._checks import (check_choice, check_layer_input, check_positive_number, check_state_batch, check_state_tensor,
                        is_number)
 from ..ops.softmax import entropy_scale, kv_cache
-from ..ops.vq import GRAD_SCOPES, soft_vq_attention, vq_attention, windowed_softmax
+from ..ops.vq import GRAD_SCOPES, check_vq_rerope, soft_vq_attention, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
 from ._gau_decode import can_decode_token, decode_token, inverse_rms
 from .attention import ATTENTION_SCALES
@@ -115,6 +115,14 @@ class GAU(nn.Module):
     ``grad_scope`` is the VQ unit's
     ``vq_attention`` gradient scope and
     ``commitment_reduction`` its quantizer's (both only for ``attention="vq"``).
+
+    ``rerope=w`` (``attention="vq"`` or ``"fsq"``, ``1 <= w <= block_size``): ReRoPE replaces
+    the Transformer-XL terms (u, w, W_r and the sinusoids are not built): the score is
+    ``(R(min(i - j, w)) q_i).k_j``, R the rotary rotation with ``rotary_base``: rotary positions
+    inside the window, every key further back (the cache included) at distance w
+    (``vq_attention(rerope=)``; seed 004: with ReRoPE the bias is not needed). Decoding takes
+    ``vq_attention``'s torch decode form (the one-token fast path and the native step have no
+    ReRoPE form).
     ``scale="entropy"`` (``attention="softmax"`` only) multiplies query i's logits by
     ``log_512(n_i)``, n_i the keys it sees: the entropy-invariant scale (the logits already
     carry ``d_k^-1/2``).
@@ -145,10 +153,19 @@ class GAU(nn.Module):
         commitment_reduction: str = "mean",
         scale: str = "default",
         fsq_levels=(8, 5, 5, 5),
+        rerope: int | None = None,
+        rotary_base: float = 10000.0,
     ):
         super().__init__()
         if attention not in _ATTENTIONS:
             raise ValueError(f"attention must be one of {', '.join(_ATTENTIONS)}; got {attention!r}")
+        self.rerope = check_vq_rerope(rerope, rotary_base, d_k, block_size, True)
+        self.rotary_base = float(rotary_base)
+        if rerope is not None and attention not in ("vq", "fsq"):
+            raise ValueError(f"rerope is for the VQ units (attention='vq' or 'fsq'), got attention={attention!r}")
+        if rerope is not None and sinusoid_dropout:
+            raise ValueError(f"sinusoid_dropout={sinusoid_dropout!r}: a rerope unit has no sinusoids (ReRoPE replaces "
+                             "the relative terms); set it to 0")
         check_choice("variant", variant, GAU_VARIANTS)
         check_choice("scale", scale, ATTENTION_SCALES)
         if scale == "entropy" and attention != "softmax":
@@ -172,11 +189,12 @@ class GAU(nn.Module):
         self.w_g = nn.Linear(d_model, d_v, bias=False)
         self.w_o = nn.Linear(d_v, d_model, bias=False)
         self._sinusoid_width = d_model if paper else d_k
-        self.w_r = nn.Linear(self._sinusoid_width, d_k, bias=False)
-        self.content_bias = nn.Parameter(torch.zeros(d_k))  # u
-        self.position_bias = nn.Parameter(torch.zeros(d_k))  # w
-        self.register_buffer("sinusoids", _sinusoids(block_size + 1, self._sinusoid_width, self.sinusoid_wavelength),
-                             persistent=False)
+        if self.rerope is None:  # Transformer-XL's relative terms (ReRoPE replaces them)
+            self.w_r = nn.Linear(self._sinusoid_width, d_k, bias=False)
+            self.content_bias = nn.Parameter(torch.zeros(d_k))  # u
+            self.position_bias = nn.Parameter(torch.zeros(d_k))  # w
+            self.register_buffer("sinusoids", _sinusoids(block_size + 1, self._sinusoid_width,
+                                                         self.sinusoid_wavelength), persistent=False)
         self.quantizer = None
         self.codebook = None
         if attention == "vq":
@@ -198,6 +216,8 @@ class GAU(nn.Module):
         """Recompute the non-persistent ``sinusoids`` (a function of the block size, width and
         wavelength, in the dtype of the weights), for models materialised without them (Hugging
         Face ``from_pretrained``)."""
+        if self.rerope is not None:
+            return
         self.sinusoids = _sinusoids(self.block_size + 1, self._sinusoid_width,
                                     self.sinusoid_wavelength).to(self.w_r.weight.dtype)
 
@@ -225,12 +245,15 @@ class GAU(nn.Module):
             q, k = qk.unbind(-2)
             gate = F.silu(gate, inplace=True)  # a view of a fresh tensor
         q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)  # [B, 1, T, .]
-        position_keys, bias = self._relative_terms(x.dtype)
         # The attention ops keep their own precision (float32 sums and softmax); under
         # autocast they run outside it, on one dtype (that of the projected keys).
         dtype = k.dtype
-        queries = (q + self._bias_scale() * self.content_bias).to(dtype)
-        v, bias, position_keys = v.to(dtype), bias.to(dtype), position_keys.to(dtype)
+        if self.rerope is None:
+            position_keys, bias = self._relative_terms(x.dtype)
+            queries = (q + self._bias_scale() * self.content_bias).to(dtype)
+            v, bias, position_keys = v.to(dtype), bias.to(dtype), position_keys.to(dtype)
+        else:  # ReRoPE: the op rotates q
+            queries, v, bias, position_keys = q.to(dtype), v.to(dtype), None, None
         with torch.autocast(x.device.type, enabled=False):
             out, state, aux = self._attend(queries, k, v, bias, position_keys, state, x.new_zeros(()))
         gated = out.squeeze(1) * gate if torch.is_grad_enabled() else out.squeeze(1).mul_(gate)  # out: a fresh tensor
@@ -355,7 +378,8 @@ class GAU(nn.Module):
             aux["codes"] = codes
             out, state = vq_attention(
                 queries, k_hat, v, codes, self.quantizer.codebook.to(dtype), grad_scope=self.grad_scope,
-                initial_state=state, output_final_state=True, check_inputs=False, **common,
+                initial_state=state, output_final_state=True, check_inputs=False, rerope=self.rerope,
+                rotary_base=self.rotary_base, **common,
             )
         elif self.attention == "soft-vq":
             wide = torch.float64 if dtype == torch.float64 else torch.float32  # soft keys are built in float32

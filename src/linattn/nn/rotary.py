@@ -13,12 +13,12 @@ changes these frequencies as Hugging Face's rope types do (``transformers``'
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from .._checks import check_int, check_positive_number
+from ..ops.common.rotary import rotate, rotation
 
 SCALING_TYPES = {
     "linear": ("factor",),
@@ -54,26 +54,6 @@ def check_rotary_scaling(name: str, scaling: object) -> dict[str, Any] | None:
     return checked
 
 
-def rotary_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None = None, *,
-                       device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The ``head_dim / 2`` turning rates ``f_m`` of the pairs (module docstring), in ``dtype``.
-    Without ``scaling``: ``base^(-2m/D)``; with it, computed in float64 and then cast."""
-    steps = torch.arange(0, head_dim, 2, device=device, dtype=dtype if scaling is None else torch.float64)
-    frequencies = base ** (-steps / head_dim)
-    if scaling is None:
-        return frequencies
-    if scaling["type"] == "linear":
-        return (frequencies / scaling["factor"]).to(dtype)
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    length = scaling["original_max_position_embeddings"]
-    wavelength = 2 * math.pi / frequencies
-    scaled = torch.where(wavelength > length / low, frequencies / factor, frequencies)
-    blend = (length / wavelength - low) / (high - low)
-    smoothed = (1 - blend) * scaled / factor + blend * scaled
-    between = (wavelength >= length / high) & (wavelength <= length / low)
-    return torch.where(between, smoothed, scaled).to(dtype)
-
-
 def apply_rotary(x: torch.Tensor, offset: int = 0, base: float = 10000.0,
                  scaling: dict[str, Any] | None = None) -> torch.Tensor:
     """Rotate ``x [B, H, T, D]`` (D even) at positions ``offset .. offset + T - 1``.
@@ -81,17 +61,12 @@ def apply_rotary(x: torch.Tensor, offset: int = 0, base: float = 10000.0,
     Pairs ``(x_{2m}, x_{2m+1})`` at position p turn by the angle ``p * f_m`` (``f_m =
     base^(-2m/D)``, or as ``scaling`` changes it: ``rotary_frequencies``), so
     ``rot(q, i) . rot(k, j)`` depends on ``i - j`` only. Computed in float32 (float64 for
-    float64 input) and returned in x's dtype.
+    float64 input) and returned in x's dtype. The ops' ReRoPE (``rerope=``) uses the same
+    rotation (``ops/common/rotary.py``).
     """
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"rotary embedding needs an even head dimension, got {D}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    inverse_freq = rotary_frequencies(D, base, scaling, device=x.device, dtype=dtype)
     positions = torch.arange(offset, offset + x.shape[-2], device=x.device, dtype=dtype)
-    angles = positions[:, None] * inverse_freq[None, :]  # [T, D/2]
-    cos, sin = angles.cos(), angles.sin()
-    pairs = x.to(dtype).unflatten(-1, (D // 2, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    return rotate(x.to(dtype), *rotation(positions, D, base, dtype, scaling)).to(x.dtype)

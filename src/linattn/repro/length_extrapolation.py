@@ -14,7 +14,12 @@ entropy-invariant scale ``log_512(n)/sqrt(d)`` (``softmax:entropy``), without po
 with that scale (``softmax:nope:entropy``), the window + global hybrid (rotary local layers of
 window ``--window``, then a global NoPE layer with the entropy scale:
 ``local:W,...,local:W,softmax:nope:entropy`` over the layers), sliding-window attention
-(``local``, window ``--window``), Transformer-VQ, the delta rule and linear attention (elu+1).
+(``local``, window ``--window``), Transformer-VQ, the delta rule and linear attention (elu+1),
+and ReRoPE (seed 004: rotary positions inside a window of ``--rerope-window`` positions, every
+key further back at that distance, so no relative position beyond the window is ever seen):
+``softmax-rerope`` is the rotary ``softmax`` model, trained as it is, read with ReRoPE at
+evaluation (ReRoPE's claim: length extrapolation without training); ``softmax-rerope-trained``
+is trained and read with it (``softmax:rerope=W``).
 
 A variant extrapolates when its bpb at every evaluation context longer than the training one
 is at most ``--tolerance`` above its bpb at the training context, at every seed (``--seeds``,
@@ -32,6 +37,7 @@ import torch
 
 from .._checks import int_at_least, non_negative_int, positive_float
 from ..data import load_corpus
+from ..models import LM
 from ..reporting import markdown_table_lines, pyplot, save_figure
 from ..train import evaluate_bpb
 from . import framework, grids, spread
@@ -53,7 +59,13 @@ VARIANTS = {
     "retnet": "retnet",
     "gla": "gla",
     "gated-delta": "gated-delta",
+    "softmax-rerope": "softmax",  # read with ReRoPE (EVALUATED_WITH_REROPE)
+    "softmax-rerope-trained": None,
 }
+# Variants trained with one spec and evaluated with ReRoPE: the trained weights in a
+# ``softmax:rerope=W`` model (rotary positions have no parameters, so they load as they are).
+EVALUATED_WITH_REROPE = ("softmax-rerope",)
+REROPE_VARIANTS = ("softmax-rerope", "softmax-rerope-trained")
 DEFAULT_EVAL_CONTEXTS = (256, 512, 1024, 2048, 4096)
 QUICK_EVAL_CONTEXTS = (32, 64, 128)
 
@@ -66,8 +78,27 @@ def hybrid_spec(n_layers: int, window: int) -> str:
 
 
 def variant_spec(name: str, args: argparse.Namespace) -> str:
-    """The attention spec of the variant ``name`` at the size of ``args``."""
-    return hybrid_spec(args.n_layers, args.window) if name == "hybrid" else VARIANTS[name]
+    """The attention spec the variant ``name`` trains with at the size of ``args``."""
+    if name == "hybrid":
+        return hybrid_spec(args.n_layers, args.window)
+    if name == "softmax-rerope-trained":
+        return f"softmax:rerope={args.rerope_window}"
+    return VARIANTS[name]
+
+
+def evaluation_spec(name: str, args: argparse.Namespace) -> str:
+    """The attention spec the variant ``name`` is evaluated with (its training spec, or ReRoPE's)."""
+    return f"softmax:rerope={args.rerope_window}" if name in EVALUATED_WITH_REROPE else variant_spec(name, args)
+
+
+def evaluated_model(model: LM, spec: str, args: argparse.Namespace) -> LM:
+    """``model`` itself when ``spec`` is its own; else a model of ``spec`` at the size of ``args``
+    holding ``model``'s weights (every one: the load is strict), in eval mode."""
+    if spec == model.config.attention:
+        return model
+    reader = LM(model_config(spec, args))
+    reader.load_state_dict(model.state_dict(), strict=True)
+    return reader.eval()
 
 
 def eval_contexts(args: argparse.Namespace) -> list[int]:
@@ -78,15 +109,16 @@ def eval_contexts(args: argparse.Namespace) -> list[int]:
 def run_variant(name: str, args: argparse.Namespace, run_dir: Path, test_tokens: torch.Tensor) -> dict:
     """Train the variant ``name`` at ``args`` (its seed among them) in ``run_dir``, then evaluate
     it at every evaluation context (one run's row)."""
-    spec = variant_spec(name, args)
+    spec, read_as = variant_spec(name, args), evaluation_spec(name, args)
     summary, _, curves = train_model(model_config(spec, args), args, run_dir)
-    model = summary["model"]
+    model = evaluated_model(summary["model"], read_as, args)
     evaluate = partial(evaluate_bpb, model, test_tokens, batch_size=1, max_tokens=args.test_tokens)
     test = [{"context": context, **evaluate(context=context, carry_state=False)} for context in eval_contexts(args)]
     recurrent = not model.has_growing_cache
     carried = evaluate(context=args.context, carry_state=True) if recurrent else None
     return {
-        "variant": name, "spec": spec, "parameters": model.num_parameters(), "recurrent": recurrent,
+        "variant": name, "spec": spec, "evaluation_spec": read_as, "parameters": model.num_parameters(),
+        "recurrent": recurrent,
         "train_context": args.context, "validation_bpb": summary["final_bpb"], "test_bpb": test,
         "test_bpb_carried": None if carried is None else carried["bpb"], "test_tokens": test[0]["tokens"],
         "train_tokens_per_second": curves["train_tokens_per_second"], "train_seconds": summary["elapsed"],
@@ -137,7 +169,8 @@ def summarize(rows: list[dict], runs: list[dict], tolerance: float) -> dict:
     ``extrapolates`` (at every seed; None without a longer context), the stats of bpb at the
     longest and at the training context; ``entropy_scale``: per context, the mean bpb of
     ``softmax`` minus that of ``softmax-entropy`` (> 0: the scale helps) and whether the
-    difference is resolved (``spread.resolved``), when both were run."""
+    difference is resolved (``spread.resolved``), when both were run; ``rerope``: the same for
+    ``softmax-rerope`` (the same trained model read with ReRoPE)."""
     variants = {}
     for row in rows:
         rises = [_rise(run) for run in runs if run["variant"] == row["variant"]]
@@ -152,15 +185,21 @@ def summarize(rows: list[dict], runs: list[dict], tolerance: float) -> dict:
     summary = {"train_context": rows[0]["train_context"] if rows else None, "tolerance": tolerance,
                "variants": variants}
     by_name = {row["variant"]: row for row in rows}
-    if "softmax" in by_name and "softmax-entropy" in by_name:
-        plain, scaled = by_name["softmax"], by_name["softmax-entropy"]
-        summary["entropy_scale"] = {}
-        for context in _contexts([plain]):
-            a, b = spread.stats_of(plain, f"bpb_at_{context}"), spread.stats_of(scaled, f"bpb_at_{context}")
-            if a is not None and b is not None:
-                summary["entropy_scale"][str(context)] = {"gain": a["mean"] - b["mean"],
-                                                          "resolved": spread.resolved(a, b)}
+    for key, name in (("entropy_scale", "softmax-entropy"), ("rerope", "softmax-rerope")):
+        if "softmax" in by_name and name in by_name:
+            summary[key] = _gains(by_name["softmax"], by_name[name])
     return summary
+
+
+def _gains(plain: dict, other: dict) -> dict[str, dict]:
+    """Per context: the mean bpb of ``plain`` minus that of ``other`` (> 0: ``other`` is better)
+    and whether the difference is resolved (``spread.resolved``)."""
+    gains = {}
+    for context in _contexts([plain]):
+        a, b = spread.stats_of(plain, f"bpb_at_{context}"), spread.stats_of(other, f"bpb_at_{context}")
+        if a is not None and b is not None:
+            gains[str(context)] = {"gain": a["mean"] - b["mean"], "resolved": spread.resolved(a, b)}
+    return gains
 
 
 def _spread_word(is_resolved: bool) -> str:
@@ -183,17 +222,13 @@ def conclusions(rows: list[dict], summary: dict) -> str:
             f"bpb at the training context {train_context}" + (", at every seed" if several else "") + "): "
             f"{', '.join(holds) or 'none'}. Do not (largest rise" + (", mean over the seeds" if several else "")
             + f"): {', '.join(fails) or 'none'}."]
-    if summary.get("entropy_scale"):
-        gain = summary["entropy_scale"]
-        last = str(max(int(c) for c in gain))
-        verdict = "helps" if gain[last]["gain"] > 0 else "does not help"
-        at_train = gain.get(str(train_context))
-        text.append(f"The entropy-invariant scale {verdict} rotary softmax at C={last}: "
-                    f"{variants['softmax-entropy']['bpb_at_longest']['mean']:.3f} bpb with it against "
-                    f"{variants['softmax']['bpb_at_longest']['mean']:.3f} without ({gain[last]['gain']:+.3f} in its "
-                    f"favour, {_spread_word(gain[last]['resolved'])}"
-                    + (f"; {at_train['gain']:+.3f} at the training context, {_spread_word(at_train['resolved'])}"
-                       if at_train else "") + ").")
+    comparisons = (
+        ("entropy_scale", "softmax-entropy", "The entropy-invariant scale {verdict} rotary softmax", "with it"),
+        ("rerope", "softmax-rerope", "ReRoPE at evaluation {verdict} the rotary softmax model", "read with it"),
+    )
+    for key, name, subject, reading in comparisons:
+        if summary.get(key):
+            text.append(_gain_sentence(summary[key], variants, name, subject, reading, train_context))
     if "softmax-nope-entropy" in variants:
         v = variants["softmax-nope-entropy"]
         text.append(f"Without positions (softmax:nope:entropy): {v['bpb_at_train_context']['mean']:.3f} at "
@@ -204,6 +239,20 @@ def conclusions(rows: list[dict], summary: dict) -> str:
     if carried:
         text.append("State carried across the whole stream: " + ", ".join(carried) + ".")
     return " ".join(text)
+
+
+def _gain_sentence(gain: dict, variants: dict, name: str, subject: str, reading: str, train_context: int) -> str:
+    """The sentence on ``name`` against ``softmax`` from their per-context ``gain`` (``_gains``):
+    ``subject`` (with ``{verdict}``) at the longest context, both means, the gain there and at
+    the training context, each resolved or within the spread."""
+    last = str(max(int(c) for c in gain))
+    verdict = "helps" if gain[last]["gain"] > 0 else "does not help"
+    at_train = gain.get(str(train_context))
+    return (f"{subject.format(verdict=verdict)} at C={last}: {variants[name]['bpb_at_longest']['mean']:.3f} bpb "
+            f"{reading} against {variants['softmax']['bpb_at_longest']['mean']:.3f} without "
+            f"({gain[last]['gain']:+.3f} in its favour, {_spread_word(gain[last]['resolved'])}"
+            + (f"; {at_train['gain']:+.3f} at the training context, {_spread_word(at_train['resolved'])}"
+               if at_train else "") + ").")
 
 
 def _extrapolates_cell(v: dict) -> str:
@@ -229,7 +278,9 @@ def markdown(rows: list[dict], metadata: dict, summary: dict, *, runs: int, note
     cells = []
     for row in rows:
         v = summary["variants"][row["variant"]]
-        cells.append([row["variant"], f"`{row['spec']}`", f"{row['parameters']:,}", str(row["n"]),
+        read_as = row.get("evaluation_spec", row["spec"])
+        spec = f"`{row['spec']}`" + (f", read as `{read_as}`" if read_as != row["spec"] else "")
+        cells.append([row["variant"], spec, f"{row['parameters']:,}", str(row["n"]),
                       stats(spread.stats_of(row, "validation_bpb")),
                       *[stats(spread.stats_of(row, f"bpb_at_{c}")) for c in contexts],
                       stats(spread.stats_of(row, "test_bpb_carried")), _extrapolates_cell(v)])
@@ -303,7 +354,8 @@ def write_plot(rows: list[dict], runs: list[dict], train_context: int, path: Pat
 
 SPEC = ExperimentSpec(
     name="length-extrapolation",
-    help="train at context 256, evaluate test bpb at 256..4096 (entropy scale, NoPE, window + global hybrid)",
+    help="train at context 256, evaluate test bpb at 256..4096 (entropy scale, NoPE, window + global hybrid, "
+         "ReRoPE)",
     description=__doc__.split("\n\n", 1)[1],
     grid_axes=("variants",),
     row="variant",
@@ -316,10 +368,10 @@ SPEC = ExperimentSpec(
 # Defaults of the flags --quick changes, and their --quick values.
 _DEFAULTS = dict(steps=1000, batch_size=8, context=256, eval_contexts=list(DEFAULT_EVAL_CONTEXTS), d_model=128,
                  n_heads=4, window=128, codebook_size=64, block_size=64, gau_d_k=64, eval_every=250,
-                 eval_tokens=32768, test_tokens=131072)
+                 eval_tokens=32768, test_tokens=131072, rerope_window=128)
 _QUICK = dict(steps=20, batch_size=4, context=32, eval_contexts=list(QUICK_EVAL_CONTEXTS), d_model=32, n_heads=2,
               window=16, codebook_size=16, block_size=8, gau_d_k=16, eval_every=10, eval_tokens=2048,
-              test_tokens=4096)
+              test_tokens=4096, rerope_window=16)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -343,6 +395,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="validation bytes per evaluation")
     parser.add_argument("--test-tokens", type=non_negative_int, default=d["test_tokens"],
                         help="test bytes read at every evaluation context (default %(default)s; 0 = the whole split)")
+    parser.add_argument("--rerope-window", type=positive, default=d["rerope_window"],
+                        help="ReRoPE's window w of the softmax-rerope variants: rotary positions up to w, every key "
+                             "further back at distance w (default %(default)s, half the training context)")
     parser.add_argument("--tolerance", type=positive_float, default=0.01,
                         help="bpb a variant may rise past the training context and still extrapolate (default 0.01)")
 
@@ -354,7 +409,10 @@ _RUN_SETTINGS = ("data", "steps", "batch_size", "context", "eval_contexts", "lr"
 
 def _run_key(run: tuple) -> dict:
     name, args, _, _ = run
-    return {"variant": name, "settings": {key: getattr(args, key) for key in _RUN_SETTINGS}}
+    settings = {key: getattr(args, key) for key in _RUN_SETTINGS}
+    if name in REROPE_VARIANTS:  # the other variants' keys stay those of journals written before this flag
+        settings["rerope_window"] = args.rerope_window
+    return {"variant": name, "settings": settings}
 
 
 def _seed_of(run: tuple) -> int:
@@ -366,7 +424,7 @@ def _describe(row: dict) -> str:
 
 
 _POSITIVE = ("steps", "batch_size", "context", "d_model", "n_layers", "n_heads", "window", "codebook_size",
-             "block_size", "gau_d_k", "eval_every", "eval_tokens")
+             "block_size", "gau_d_k", "eval_every", "eval_tokens", "rerope_window")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -386,6 +444,7 @@ def _run(args: argparse.Namespace) -> int:
         args.test_tokens = None
     for name in args.variants:  # every model is checked before the first one trains
         model_config(variant_spec(name, args), args)
+        model_config(evaluation_spec(name, args), args)
     options = framework.run_options(args, SPEC)
     out_dir, command, seeds = options.pop("out_dir"), options.pop("command"), options.pop("seeds")
     test_tokens = None if args.report_only else load_corpus(args.data, cache_dir=args.cache_dir).tokens("test")

@@ -9,6 +9,14 @@ so all three see the same scaled queries.
 
 The tiled form (``tiled.py``) is FlashAttention's online softmax: memory O(T * block_size)
 both ways. ``kv_cache.py`` holds the preallocated KV cache that decoding appends to.
+
+ReRoPE (``rerope=w``, seed 004; ``ops/common/rotary.py``): q and k come unrotated and the score
+of query i on key j is ``s_i (R(min(i - j, w)) q_i).k_j``, causal. The T queries are the last
+T of the S >= T keys (``S > T``: a block continuing a KV cache of S - T keys), so query t is at
+position ``S - T + t``. The reference rotates one query per pair, ``[B, H, T, S, Dk]``; the tiled
+form scores two pairs per key block, ``(R(i) q).(R(j) k)`` inside the window and ``(R(w) q).k``
+beyond it, merged by the mask. SDPA takes one score product, so it has no ReRoPE form:
+``impl="auto"`` takes the tiled one (exact, O(T * block_size) memory like SDPA's kernels).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common.bias import relative_bias_table
+from ..common.rotary import far_queries, pairwise_rerope_scores, positions, rotate_at
 from ..._checks import (
     is_number,
     check_bool,
@@ -27,6 +36,7 @@ from ..._checks import (
     check_choice,
     check_positive_int,
     check_qkv,
+    check_rerope,
     compute_dtype,
 )
 from .tiled import TiledSoftmax, table_block
@@ -43,7 +53,8 @@ def entropy_scale(visible: torch.Tensor, key_dim: int) -> torch.Tensor:
 
 
 def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, device, dtype):
-    """The per-query scale: a float, or a ``[T, 1]`` tensor for ``scale="entropy"``."""
+    """The per-query scale: a float, or a ``[T, 1]`` tensor for ``scale="entropy"`` (causal:
+    query t sees ``key_length - T + t + 1`` keys, t + 1 when ``key_length == T``)."""
     Dk = shapes.key_dim
     if scale is None:
         return Dk ** -0.5
@@ -51,7 +62,8 @@ def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, de
         if scale != "entropy":
             raise ValueError(f"scale must be None, a positive number or 'entropy'; got {scale!r}")
         if causal:
-            visible = torch.arange(1, shapes.length + 1, device=device, dtype=dtype)
+            past = key_length - shapes.length
+            visible = torch.arange(past + 1, key_length + 1, device=device, dtype=dtype)
         else:
             visible = torch.full((shapes.length,), float(key_length), device=device, dtype=dtype)
         return entropy_scale(visible, Dk).unsqueeze(-1)
@@ -61,8 +73,8 @@ def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, de
 
 
 def _bias_table(bias: Callable, heads: int, length: int, key_length: int, device, dtype) -> torch.Tensor:
-    """``[Hb, T + S - 1]`` table of ``bias(i - j)``; column ``(i - j) + S - 1`` holds the
-    bias of query i on key j."""
+    """``[Hb, length + S - 1]`` table of ``bias(i - j)`` for query positions ``0 .. length - 1``;
+    column ``(i - j) + S - 1`` holds the bias of query i on key j."""
     offsets = torch.arange(-(key_length - 1), length, device=device)
     return relative_bias_table(bias, offsets, heads, dtype)
 
@@ -88,17 +100,22 @@ def _dense_bias(bias: torch.Tensor, B: int, H: int, T: int, S: int, like: torch.
     return bias4.to(like.dtype)
 
 
-def _reference(q, k, v, causal, bias):
-    """Materialised scores: the readable form. q is pre-scaled, ``[B, H, T, D]``."""
+def _reference(q, k, v, causal, bias, rerope=None):
+    """Materialised scores: the readable form. q is pre-scaled, ``[B, H, T, D]``; ``rerope``:
+    ``(w, rotary_base)``, the queries the last T of the S keys (module docstring)."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
-    scores = q @ k.transpose(-1, -2)
+    T, S = q.shape[-2], k.shape[-2]
+    past = S - T if rerope is not None else 0
+    if rerope is None:
+        scores = q @ k.transpose(-1, -2)
+    else:
+        scores = pairwise_rerope_scores(q, k, past, 0, *rerope)
     if bias is not None:
         scores = scores + bias
     if causal:
-        T, S = scores.shape[-2:]
-        future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1)
+        future = torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1 + past)
         scores = scores.masked_fill(future, float("-inf"))
     masked_rows = scores.amax(-1, keepdim=True) == float("-inf")  # rows that see no key: output 0
     probs = torch.softmax(scores.masked_fill(masked_rows, 0.0), dim=-1).masked_fill(masked_rows, 0.0)
@@ -127,12 +144,14 @@ def softmax_attention(
     bias: BiasLike = None,
     impl: str = "auto",
     block_size: int = 256,
+    rerope: int | None = None,
+    rotary_base: float = 10000.0,
 ) -> torch.Tensor:
     """Exact softmax attention, ``out = softmax(scale * q k^T + bias [+ causal mask]) v``.
 
     Args:
         q: ``[B, H, T, Dk]``; k: ``[B, Hkv, S, Dk]``; v: ``[B, Hkv, S, Dv]`` with
-            ``H % Hkv == 0`` (``S == T`` when causal).
+            ``H % Hkv == 0`` (``S == T`` when causal, ``S >= T`` with ``rerope``).
         causal: query i sees keys j <= i.
         scale: ``None`` (``Dk^-1/2``), a positive number, or ``"entropy"``
             (``log(n_i) / log(512) / sqrt(Dk)``, n_i keys visible to query i).
@@ -141,9 +160,15 @@ def softmax_attention(
             (1-D long tensor of n offsets) to ``[n]`` or ``[H, n]`` biases.
         impl: ``"reference"`` (materialised T x S scores), ``"sdpa"`` (torch's
             scaled_dot_product_attention), ``"tiled"`` (online softmax over key blocks,
-            O(T * block_size) memory), ``"auto"`` (``"tiled"`` for a callable bias, else
-            ``"sdpa"``).
+            O(T * block_size) memory), ``"auto"`` (``"tiled"`` for a callable bias or
+            ``rerope``, else ``"sdpa"``).
         block_size: key block length of ``impl="tiled"``.
+        rerope: ReRoPE's window w (an int >= 1) or None (off). q and k are passed unrotated; the
+            score of query i on key j is ``scale (R(min(i - j, w)) q_i).k_j`` with R the rotary
+            rotation of ``linattn.nn.rotary`` (``rotary_base``): rotary positions inside the
+            window, distance w beyond it. Causal only; query t is at position ``S - T + t``.
+            ``impl="sdpa"`` has no ReRoPE form (one score product) and is refused.
+        rotary_base: the base of the rotary frequencies ``base^(-2m/Dk)`` (a number > 1).
 
     ``impl="tiled"`` (so ``"auto"`` with a callable bias) has no second derivatives: a backward
     with ``create_graph=True`` through it raises; ``"reference"`` and ``"sdpa"`` have them.
@@ -154,13 +179,17 @@ def softmax_attention(
         output 0 and passes zero gradient, in every ``impl`` (as torch's SDPA does).
     """
     check_bool("causal", causal)
-    shapes = check_qkv(q, k, v, same_length=causal)
+    shapes = check_qkv(q, k, v, same_length=causal and rerope is None)
     check_choice("impl", impl, _IMPLS)
     check_positive_int("block_size", block_size)
+    rerope = check_rerope(rerope, rotary_base, shapes.key_dim)
     B, H, T = shapes.batch, shapes.heads, shapes.length
     S = k.shape[2]
+    if rerope is not None:
+        _check_rerope_call(causal, impl, T, S)
     if impl == "auto":
-        impl = "tiled" if callable(bias) and not isinstance(bias, torch.Tensor) else "sdpa"
+        impl = "tiled" if rerope is not None or (callable(bias) and not isinstance(bias, torch.Tensor)) else "sdpa"
+    past = S - T if rerope is not None else 0  # query t is at position past + t of the keys
 
     dtype = compute_dtype(q.dtype)
     row_scale = _row_scale(scale, shapes, causal, S, q.device, dtype)
@@ -169,15 +198,34 @@ def softmax_attention(
     dense = table = None
     if bias is not None:
         if callable(bias) and not isinstance(bias, torch.Tensor):
-            table = _bias_table(bias, H, T, S, q.device, dtype)
+            table = _bias_table(bias, H, past + T, S, q.device, dtype)
         else:
             dense = _dense_bias(bias, B, H, T, S, qf)
 
     if impl == "tiled":
-        G = shapes.group_size
-        out = TiledSoftmax.apply(qf.reshape(B, shapes.kv_heads, G, T, -1), kf, vf, dense, table, causal, block_size)
+        grouped = qf.reshape(B, shapes.kv_heads, shapes.group_size, T, -1)
+        if rerope is None:
+            out = TiledSoftmax.apply(grouped, kf, vf, dense, table, causal, block_size)
+        else:  # the rotated pair, then the far pair
+            out = TiledSoftmax.apply(
+                rotate_at(grouped, positions(past, T, q.device), rotary_base),
+                rotate_at(kf, positions(0, S, q.device), rotary_base), vf, dense, table, causal, block_size, past,
+                far_queries(grouped, rerope, rotary_base), kf, rerope)
         return out.reshape(B, H, T, -1).to(q.dtype)
     if table is not None:
-        dense = table_block(table, S, 0, T, 0, S).unsqueeze(0)
-    fn = _reference if impl == "reference" else _sdpa
-    return fn(qf, kf, vf, causal, dense).to(q.dtype)
+        dense = table_block(table, S, past, past + T, 0, S).unsqueeze(0)
+    if impl == "reference":
+        return _reference(qf, kf, vf, causal, dense, None if rerope is None else (rerope, rotary_base)).to(q.dtype)
+    return _sdpa(qf, kf, vf, causal, dense).to(q.dtype)
+
+
+def _check_rerope_call(causal: bool, impl: str, length: int, key_length: int) -> None:
+    """ReRoPE's score is causal and has no SDPA form (module docstring)."""
+    if not causal:
+        raise ValueError("rerope is ReRoPE's causal relative position min(i - j, w) (i >= j): it needs causal=True")
+    if key_length < length:
+        raise ValueError(f"with rerope the T queries are the last T of the S keys, so S >= T; got T={length} "
+                         f"queries and S={key_length} keys")
+    if impl == "sdpa":
+        raise ValueError("impl='sdpa' takes one score product, and rerope merges two (rotated by position inside the "
+                         "window, at distance w beyond it): use impl='tiled' (what 'auto' picks) or 'reference'")

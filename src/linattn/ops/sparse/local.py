@@ -9,6 +9,12 @@ Positions are cut into blocks of ``window``; a query block scores only the key b
 ``b - look_backward .. b + look_forward`` and masks the exact window inside them, so no
 T x T tensor is ever built. The decode state is the last ``look_backward * window - 1``
 keys and values: generation with a local layer is constant-memory.
+
+ReRoPE (``rerope=w``, causal; ``ops/common/rotary.py``): q and k come unrotated and the score
+of query i on key j is ``(R(min(i - j, w)) q_i).k_j``. In a block the queries are rotated by
+their row's position and the keys by their column's, ``(R(i) q).(R(j) k)``, for the pairs with
+``i - j < w``, and ``(R(w) q).k`` scores the others (only computed when the window of keys a
+query sees reaches past w); the state keeps the keys unrotated.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from ...state import KVCacheState
+from ..common.rotary import far_queries, positions, rerope_scores, rotate_at
 from ..._checks import (
     check_bool,
     check_int,
     check_positive_int,
     check_qkv,
+    check_rerope,
     check_state_tensor,
     compute_dtype,
     resolve_scale,
@@ -42,6 +50,8 @@ def local_attention(
     scale: float | None = None,
     initial_state: KVCacheState | None = None,
     output_final_state: bool = False,
+    rerope: int | None = None,
+    rotary_base: float = 10000.0,
 ) -> tuple[torch.Tensor, KVCacheState | None]:
     """Exact softmax attention restricted to a sliding window.
 
@@ -56,6 +66,11 @@ def local_attention(
             ``look_backward * W - 1`` keys and values; it records ``window = look_backward * W``
             and continues only a call over that many keys.
         output_final_state: (causal only) also return that state after this call.
+        rerope: ReRoPE's window w (an int >= 1) or None (off; causal only): q and k are passed
+            unrotated and the score of query i on key j is ``scale (R(min(i - j, w)) q_i).k_j``,
+            R the rotary rotation with ``rotary_base`` (a number > 1); positions continue across
+            calls through the state (which keeps unrotated keys). ``w >= look_backward * W`` is
+            rotary attention in the window.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, state or None)``.
@@ -65,6 +80,9 @@ def local_attention(
     look_backward = check_positive_int("look_backward", look_backward)
     look_forward = check_int("look_forward", look_forward, minimum=0)
     check_bool("causal", causal)
+    rerope = check_rerope(rerope, rotary_base, shapes.key_dim)
+    if rerope is not None and not causal:
+        raise ValueError("rerope is ReRoPE's causal relative position min(i - j, w) (i >= j): it needs causal=True")
     if causal and look_forward:
         raise ValueError(f"causal=True needs look_forward=0 (a query cannot see later keys), got {look_forward}")
     if not causal and (initial_state is not None or output_final_state):
@@ -89,10 +107,11 @@ def local_attention(
         kf = torch.cat([initial_state.keys.to(dtype), kf], dim=2)
         vf = torch.cat([initial_state.values.to(dtype), vf], dim=2)
     total = past + T
+    rope = None if rerope is None else (rerope, rotary_base)
     if causal and T <= W:
-        out = _recent(qf, kf, vf, past, back)
+        out = _recent(qf, kf, vf, past, back, rope)
     else:
-        out = _blocked(qf, kf, vf, past, W, look_backward, look_forward)
+        out = _blocked(qf, kf, vf, past, W, look_backward, look_forward, rope)
     out = out.reshape(B, H, T, Dv).to(q.dtype)
 
     state = None
@@ -116,19 +135,25 @@ def _check_window(made_with: int | None, window: int, look_backward: int) -> Non
                          f"{this}; a local cache continues only attention over the same window")
 
 
-def _recent(qf, kf, vf, past, back):
+def _recent(qf, kf, vf, past, back, rerope=None):
     """Causal form for a few queries (decoding): the T new queries (positions ``past..past+T-1``
     of ``kf``) against every carried and new key, ``[T, past + T]`` scores, keys outside
-    ``0 <= i - j < back`` masked. Same result as ``_blocked`` without padding T up to a block."""
+    ``0 <= i - j < back`` masked. Same result as ``_blocked`` without padding T up to a block.
+    ``rerope``: ``(w, rotary_base)`` or None."""
     T, total = qf.shape[-2], kf.shape[2]
-    scores = qf @ kf.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, total]
+    if rerope is None:
+        scores = qf @ kf.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, T, total]
+    else:
+        scores = rerope_scores(qf, kf.unsqueeze(2), past, 0, *rerope)
     offsets = past + torch.arange(T, device=qf.device)[:, None] - torch.arange(total, device=qf.device)[None, :]
     scores = scores.masked_fill((offsets < 0) | (offsets >= back), float("-inf"))
     return torch.softmax(scores, dim=-1) @ vf.unsqueeze(2)
 
 
-def _blocked(qf, kf, vf, past, W, look_backward, look_forward):
-    """Blocks of W queries against the (look_backward + 1 + look_forward) key blocks around them."""
+def _blocked(qf, kf, vf, past, W, look_backward, look_forward, rerope=None):
+    """Blocks of W queries against the (look_backward + 1 + look_forward) key blocks around them.
+    ``rerope``: ``(w, rotary_base)`` or None; a block's rows and columns are numbered from its
+    first key column (``_BlockReRoPE``)."""
     B, Hkv, G, T, Dk = qf.shape
     Dv = vf.shape[-1]
     total = past + T
@@ -149,14 +174,37 @@ def _blocked(qf, kf, vf, past, W, look_backward, look_forward):
     visible = (offsets >= -look_forward * W) & (offsets < back)
     visible = visible & ((key_index >= 0) & (key_index < total))[:, None, :]  # [R, W, span]
     step = max(1, _ROWS_PER_STEP // W)  # blocks per step: keeps each temporary small
+    scoring = _BlockReRoPE(rerope, offsets, front, W, span, qf) if rerope is not None else None
     outs = []
     pieces = zip(
         qf.reshape(B, Hkv, G, blocks, W, Dk).split(step, dim=3), keys.split(step, dim=2),
         values.split(step, dim=2), visible.split(step, dim=0),
     )
     for q_g, k_g, v_g, visible_g in pieces:
-        scores = q_g @ k_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, W, span]
+        if scoring is None:
+            scores = q_g @ k_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, W, span]
+        else:
+            scores = scoring.scores(q_g, k_g.unsqueeze(2))
         scores.masked_fill_(~visible_g, float("-inf"))
         outs.append(torch.softmax(scores, dim=-1) @ v_g.unsqueeze(2))
     out = torch.cat(outs, dim=3)
     return out.reshape(B, Hkv, G, blocks * W, Dv)[:, :, :, past:total]
+
+
+class _BlockReRoPE:
+    """ReRoPE's scores for a block of W queries against its ``span`` key columns: row a at
+    position ``front + a``, column c at position c (so ``i - j`` is the block's ``offsets``)."""
+
+    def __init__(self, rerope, offsets, front, W, span, like):
+        self.window, self.base = rerope
+        self.near = offsets < self.window  # [W, span]
+        self.only_near = front <= self.window  # (causal) a query sees keys up to front - 1 behind
+        self.query_at, self.key_at = positions(front, W, like.device), positions(0, span, like.device)
+
+    def scores(self, q, keys):
+        """q ``[..., W, D]``, keys ``[..., span, D]`` -> ``[..., W, span]``."""
+        near = rotate_at(q, self.query_at, self.base) @ rotate_at(keys, self.key_at, self.base).transpose(-1, -2)
+        if self.only_near:
+            return near
+        far = far_queries(q, self.window, self.base) @ keys.transpose(-1, -2)
+        return torch.where(self.near, near, far)

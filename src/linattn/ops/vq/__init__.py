@@ -8,16 +8,18 @@ counts and means), ``relative.py`` (the window's bias and position keys), ``deco
 ``resident.py`` (a few new positions, with and without gradients), ``step.py``
 (``vq_decode_step``), ``native.py`` and ``native_choice.py`` (the C++ decoding step),
 ``fused.py``, ``triton_kernels.py``, ``triton_choice.py`` and ``selfcheck.py`` (the Triton
-kernels), ``soft.py`` (soft assignments), ``codebook.py``, ``checks.py`` and ``tensors.py``.
+kernels), ``soft.py`` (soft assignments), ``rerope.py`` (ReRoPE's window: its check and the
+block form's rotations), ``codebook.py``, ``checks.py`` and ``tensors.py``.
 """
 
 from .attention import vq_attention
 from .checks import GRAD_SCOPES
 from .codebook import codebook_scores
 from .reference import vq_attention_weights, windowed_softmax, windowed_weights
+from .rerope import check_vq_rerope
 from .schedule import SCHEDULES
 from .soft import soft_assignments, soft_vq_attention
 from .step import vq_decode_step
 
 __all__ = ["vq_attention", "vq_decode_step", "soft_vq_attention", "soft_assignments", "vq_attention_weights",
-           "windowed_softmax", "windowed_weights", "codebook_scores", "GRAD_SCOPES", "SCHEDULES"]
+           "windowed_softmax", "windowed_weights", "codebook_scores", "GRAD_SCOPES", "SCHEDULES", "check_vq_rerope"]

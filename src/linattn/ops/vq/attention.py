@@ -27,6 +27,11 @@ training: nothing carried across a block boundary (previous block, cache counts 
 passes a gradient, only the cache logits reach the codebook and q; ``"none"`` stops
 nothing, so the block form's gradients equal the quadratic reference's w.r.t. q, v and
 the codebook. The reference form (``mode="parallel"``) is always ``"none"``.
+
+ReRoPE (``rerope=w <= L``, ``rerope.py``): q and k_hat are unrotated and ``q_i.k_hat_j`` becomes
+``(R(min(i - j, w)) q_i).k_hat_j``; every cached key is at distance w, so the cache logit is
+``scale (R(w) q).c_s + log n_s`` and every form stays exact (the Triton kernels and the native
+decoding step have no ReRoPE form: torch runs it).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from .checks import check_arguments, resolve_grad_scope
 from .decode import decode_form
 from .reference import noncausal, windowed_softmax
 from .relative import relative_inputs, relative_terms, reversed_terms
+from .rerope import check_vq_rerope
 from .schedule import SCHEDULES, auto_schedule
 from .tensors import as_dtype
 
@@ -67,6 +73,8 @@ def vq_attention(
     check_inputs: bool = True,
     schedule: str = "auto",
     impl: str = "auto",
+    rerope: int | None = None,
+    rotary_base: float = 10000.0,
 ) -> tuple[torch.Tensor, VQAttentionState | None]:
     """Softmax attention over vector-quantized keys (Transformer-VQ).
 
@@ -120,7 +128,16 @@ def vq_attention(
             (``ops/vq/selfcheck.py``): after a failed check ``"auto"`` warns once and uses
             torch there, ``"triton"`` raises ``RuntimeError``. Calls whose new positions
             stay inside the current block (decoding steps) use the torch decode form either way;
-            ``mode="parallel"`` and ``causal=False`` are torch only.
+            ``mode="parallel"``, ``causal=False`` and ``rerope`` are torch only (``"triton"`` with
+            ``rerope`` is refused).
+        rerope: ReRoPE's window w (None: off), an int ``1 <= w <= block_size``: q and k_hat are
+            passed unrotated and the content score of query i on key j is
+            ``scale (R(min(i - j, w)) q_i).k_hat_j``, R the rotary rotation of
+            ``linattn.nn.rotary`` with ``rotary_base`` (a number > 1): rotary positions inside
+            the window, distance w beyond it and for the whole cache (module docstring).
+            ``w > block_size`` is refused: the cache keeps no distances. Causal only; bias and
+            position keys still add their terms. Every torch form (parallel, block with either
+            schedule, decode with and without gradients) computes it exactly.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
@@ -131,8 +148,10 @@ def vq_attention(
     if check_inputs:
         codes, codebook = check_arguments(q, k_hat, v, codes, codebook, causal, mode, block_size, bias,
                                           position_keys, initial_state, output_final_state)
+    rerope = check_vq_rerope(rerope, rotary_base, q.shape[-1], block_size, causal)  # a few ints: always
+    rope = None if rerope is None else (rerope, rotary_base)
     mode = mode or "block"
-    requested, impl = impl, triton_choice.resolve_impl(impl, q, v, causal, mode)
+    requested, impl = impl, triton_choice.resolve_impl(impl, q, v, causal, mode, rerope is not None)
     B, H, T, Dk = q.shape
     Hkv, Dv = k_hat.shape[1], v.shape[-1]
     G = H // Hkv
@@ -159,22 +178,23 @@ def vq_attention(
         out = noncausal(qf, codes, vf, cb)
         return as_dtype(out.reshape(B, H, T, Dv), q.dtype), None
     if mode == "parallel":
-        out = windowed_softmax(qf, kf, vf, table, positions_k, L, causal)
+        out = windowed_softmax(qf, kf, vf, table, positions_k, L, causal, rerope=rope)
         return as_dtype(out.reshape(B, H, T, Dv), q.dtype), None
 
     if filled + T <= L and not torch.is_grad_enabled():
         relative = reversed_terms(relative_terms(qf, table, positions_k))
-        out, state = resident.decode(qf, kf, vf, codes, codebook, relative, L, initial_state, dtype)
+        out, state = resident.decode(qf, kf, vf, codes, codebook, relative, L, initial_state, dtype, rope)
         return as_dtype(out.reshape(B, H, T, Dv), q.dtype), (state if output_final_state else None)
     if torch.is_grad_enabled():
         resident.release(initial_state)
     if filled + T <= L:
-        out, pieces = decode_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype)
+        out, pieces = decode_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, rope)
     else:
         if schedule == "auto":
             blocks = -(-(filled + T) // L)
             schedule = auto_schedule(torch.is_grad_enabled(), B * H, L, cb.shape[1], blocks, q.device)
-        out, pieces = block_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule)
+        out, pieces = block_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule,
+                                 rope)
     return _result(out, pieces, q.dtype, initial_state, output_final_state, L,
                    _keys_record(codes, codebook, initial_state))
 

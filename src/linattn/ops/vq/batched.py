@@ -48,35 +48,37 @@ def block_caches(prev_codes, prev_v, run, has_prev, full_blocks, scope, S):
     return log_counts(run_counts), mean_values(run_sums, run_counts), final_cache
 
 
-def all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
+def all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, rerope=None):
     """The blocks in groups (``_block_loop``'s arguments and results), one (batch, kv head)
     row at a time: a row's blocks are one batch dimension of a single stride, so the batched
     matmuls read the window views (``block_windows``) in place (over several rows they would copy
     them). Without gradients every group writes its outputs into one buffer, and with hard
     codes the cache terms of all rows are one running product per block
-    (``running_blocks``)."""
+    (``running_blocks``). ``rerope``: a ``WindowReRoPE`` or None."""
     q_blocks, k_blocks, v_blocks, first_prev_k, first_prev_v, prev_codes = blocks
     B, Hkv, G, R, L, _ = q_blocks.shape
     cut = scope == "state"
     windows = (*block_windows(first_prev_k, k_blocks, cut), *block_windows(first_prev_v, v_blocks, cut))
     out = None if torch.is_grad_enabled() else q_blocks.new_empty(B, Hkv, G, R, L, v_blocks.shape[-1])
     if out is not None and not prev_codes.is_floating_point():
-        return running_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, S, out)
+        return running_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, S, out, rerope)
     if B * Hkv == 1:
-        return _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out)
+        return _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out,
+                           rerope)
     rows = [row_views(t) for t in (*blocks, *windows, *run)]  # per tensor: its B * Hkv rows, views
     out_rows = [None] * (B * Hkv) if out is None else row_views(out)
     outs, counts, sums = [], [], []
     for i, row in enumerate(zip(*rows)):
         h = i % Hkv
         o, (c, s) = _row_blocks(row[:6], row[6:10], codebook[h : h + 1], kv_head(window, h), kv_head(band_keys, h),
-                                row[10:], has_prev, full_blocks, scope, S, out_rows[i])
+                                row[10:], has_prev, full_blocks, scope, S, out_rows[i], rerope)
         outs.append(o), counts.append(c), sums.append(s)
     final_cache = (from_row_views(counts, B, Hkv), from_row_views(sums, B, Hkv))
     return (from_row_views(outs, B, Hkv) if out is None else out), final_cache
 
 
-def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out=None):
+def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, out=None,
+                rerope=None):
     """``all_blocks`` for one row (``B = Hkv = 1``, codebook ``[1, S, D]``; ``windows``: block 0's
     and the other blocks' window keys, then the same for values, ``block_windows``) in groups
     (``row_groups``). Within a group the cache each block reads is the carried cache plus the
@@ -86,7 +88,7 @@ def _row_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, ful
     (without gradients), else the outputs are concatenated."""
     q_blocks = blocks[0]
     B, Hkv, G, R, L, D = q_blocks.shape
-    scoring = row_scoring(codebook, window, band_keys)
+    scoring = row_scoring(codebook, window, band_keys, rerope)
     group = schedule.blocks_per_group(q_blocks.device, B * Hkv * G * L * (2 * L + S))
     outs, final_cache = [], None
     for start, q_g, keys_g, values_g, prev_codes_g, prev_v_g in row_groups(blocks, windows, group):

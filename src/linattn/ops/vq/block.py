@@ -12,12 +12,14 @@ from ..common.bias import add_window_band, window_position_keys
 from .batched import all_blocks
 from .cache import entering, log_counts, mean_values
 from .relative import offset_bias
+from .rerope import WindowReRoPE
 from .tensors import detached_if, owned, shared_matrix
 
 
-def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype, schedule="loop"):
+def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype, schedule="loop", rerope=None):
     """Linear-time causal form. q ``[B, Hkv, G, T, D]`` (scaled); returns (out, pieces of the final state).
-    ``schedule``: ``"loop"`` (one block after another) or ``"batched"`` (all blocks at once, in groups)."""
+    ``schedule``: ``"loop"`` (one block after another) or ``"batched"`` (all blocks at once, in groups).
+    ``rerope``: ``(w, rotary_base)`` with ``w <= L``, or None (``rerope.py``)."""
     B, Hkv, G, T, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
     # The stream continues the state's partial block; queries exist only for new positions.
@@ -71,10 +73,13 @@ def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dt
     full_blocks = P // L  # the cache after the call is the one block `full_blocks` would use
     blocks = (q_blocks, k_blocks, v_blocks, first_prev[0], first_prev[1], prev_codes)
     run = (run_counts, run_sums)
+    rotations = None if rerope is None else WindowReRoPE(*rerope, L, D, q.device, dtype)
     if schedule == "batched":
-        outs, final_cache = all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S)
+        outs, final_cache = all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S,
+                                       rotations)
     else:
-        outs, final_cache = _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S)
+        outs, final_cache = _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S,
+                                        rotations)
     out = outs.reshape(B, Hkv, G, R * L, E)[:, :, :, p : p + T]
 
     start = full_blocks * L
@@ -90,9 +95,10 @@ def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dt
     return out, new_state
 
 
-def _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S):
-    """The blocks one after another, the cache carried from each to the next.
-    Returns (outputs ``[B, Hkv, G, R, L, E]``, (counts, sums) of the cache before block ``full_blocks``)."""
+def _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S, rerope=None):
+    """The blocks one after another, the cache carried from each to the next (``rerope``: a
+    ``WindowReRoPE`` or None). Returns (outputs ``[B, Hkv, G, R, L, E]``, (counts, sums) of the
+    cache before block ``full_blocks``)."""
     q_blocks, k_blocks, v_blocks, first_prev_k, first_prev_v, prev_codes = blocks
     B, L, cut = k_blocks.shape[0], k_blocks.shape[3], scope == "state"
     run_counts, run_sums = run
@@ -108,7 +114,10 @@ def _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks,
         # One softmax over (previous block, own block, S cache slots): keys [prev; own; C].
         keys = torch.cat([detached_if(prev_k_r, cut), k_r, codebook_keys], dim=-2)
         values = torch.cat([detached_if(prev_v_r, cut), v_r, mean_values(run_sums, run_counts)], dim=-2)
-        scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
+        if rerope is None:
+            scores = q_r @ keys.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, L, 2L + S]
+        else:
+            scores = rerope.block_scores(q_r, keys.unsqueeze(2))
         scores[..., : 2 * L] += window
         if not with_prev:  # the first block has no previous block
             scores[..., :L] = float("-inf")

@@ -7,20 +7,23 @@ from __future__ import annotations
 import torch
 
 from ..common.bias import offset_rows
+from ..common.rotary import far_queries, rerope_scores
 from .cache import fold_block, log_counts
 from .codebook import codebook_scores
 from .relative import relative_terms
 from .tensors import as_dtype, detached_if, owned
 
 
-def decode_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype):
+def decode_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype, rerope=None):
     """The block form for T new positions that stay inside the current block (``p + T <= L``),
     e.g. one generated token: only the new queries are scored, against the previous block,
     the current block so far and the S cache slots, ``[T, L + p + T + S]`` scores instead of
     the block form's ``[L, 2L + S]``, each group read in place (no concatenated copy of the
     keys, values or cache). The cache (counts and means) is used as it is and changes only
     when the block completes: then the previous block enters it and the completed block
-    becomes the previous one. Same arguments and result as ``block_form``.
+    becomes the previous one. Same arguments and result as ``block_form``. ``rerope``: ``(w,
+    rotary_base)`` or None: the window's two score products merged by ``i - j < w`` (positions
+    from the previous block's first), the cache scored by ``R(w) q`` (``rerope.py``).
     """
     B, Hkv, G, T, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
@@ -40,13 +43,19 @@ def decode_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, d
         counts = detached_if(as_dtype(state.cache_counts, dtype), cut)
         means = detached_if(as_dtype(state.cache_means, dtype), cut)
     rows = q.reshape(B, Hkv, G * T, D)
-    window = [rows @ k.transpose(-1, -2)]  # [B, Hkv, G T, p + T]
     if has_prev:
         prev = (detached_if(as_dtype(state.prev_keys, dtype), cut),
                 detached_if(as_dtype(state.prev_values, dtype), cut), state.prev_codes)
-        window.insert(0, rows @ prev[0].transpose(-1, -2))
-    window = torch.cat(window, dim=-1).reshape(B, Hkv, G, T, -1)
     first = (L if has_prev else 0) + p  # offset i - j of query 0 and window column 0
+    if rerope is None:
+        window = [rows @ k.transpose(-1, -2)]  # [B, Hkv, G T, p + T]
+        if has_prev:
+            window.insert(0, rows @ prev[0].transpose(-1, -2))
+        window = torch.cat(window, dim=-1).reshape(B, Hkv, G, T, -1)
+    else:  # the previous block at positions 0 .. L - 1, the current one from L
+        keys = torch.cat([prev[0], k], dim=2) if has_prev else k
+        window = rerope_scores(q, keys.unsqueeze(2), L + p, L - first + p, *rerope)
+        rows = far_queries(rows, *rerope)  # the cache's keys are all at distance w
     columns = first + T
     relative = relative_terms(q, table, positions_k)
     if relative is not None:

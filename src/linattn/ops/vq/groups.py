@@ -25,13 +25,13 @@ def block_windows(first: torch.Tensor, blocks: torch.Tensor, cut: bool) -> tuple
     return head, blocks.flatten(2, 3).unfold(2, 2 * L, L).transpose(-1, -2)
 
 
-def row_scoring(codebook, window, band_keys):
+def row_scoring(codebook, window, band_keys, rerope=None):
     """What scores a row's blocks (``group_scores``' ``scoring``) from its kv head's codebook
     ``[1, S, D]``, window ``[(1, G|1,) L, 2L]`` and position keys: the window with a dimension
-    for the blocks, the codebook as one matrix ``[D, S]`` (the matmul folds the rows) and the
-    position keys transposed."""
+    for the blocks, the codebook as one matrix ``[D, S]`` (the matmul folds the rows), the
+    position keys transposed and ReRoPE's rotations (a ``WindowReRoPE``, or None)."""
     band_keys_t = None if band_keys is None else per_block(band_keys).transpose(-1, -2)  # [(1, G|1, 1,) D, 2L]
-    return window.unsqueeze(-3), band_keys_t, codebook[0].transpose(-1, -2)
+    return window.unsqueeze(-3), band_keys_t, codebook[0].transpose(-1, -2), rerope
 
 
 def row_groups(blocks, windows, group):
@@ -55,18 +55,23 @@ def row_groups(blocks, windows, group):
 def group_scores(q_g, keys_g, scoring, counts, first_without_prev: bool):
     """A group's scores: queries ``[B, Hkv, G, g, L, D]`` over their windows ``[B, Hkv, g, 2L, D]``
     with the window's bias and the position band (``scoring`` = window ``[.., 1, L, 2L]``,
-    position keys transposed or None, codebook ``[D, S]``), and over the codes with ``log n_s``
-    of the caches ``counts [B, Hkv, g, S]``. ``first_without_prev``: the group's first block
-    has no previous block (its first L columns get -inf)."""
-    window, band_keys_t, codebook_t = scoring
+    position keys transposed or None, codebook ``[D, S]``, ReRoPE's rotations or None), and over
+    the codes with ``log n_s`` of the caches ``counts [B, Hkv, g, S]``. ``first_without_prev``:
+    the group's first block has no previous block (its first L columns get -inf)."""
+    window, band_keys_t, codebook_t, rerope = scoring
     L = q_g.shape[-2]
-    scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, L, 2L]
+    if rerope is None:
+        scores_w = q_g @ keys_g.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, G, g, L, 2L]
+        scores_c = q_g @ codebook_t
+    else:
+        far_q = rerope.far_queries(q_g)
+        scores_w = rerope.window_scores(q_g, keys_g.unsqueeze(2), far_q)
+        scores_c = far_q @ codebook_t
     scores_w += window
     if first_without_prev:
         scores_w[:, :, :, 0, :, :L] = float("-inf")
     if band_keys_t is not None:
         add_window_band(scores_w, q_g @ band_keys_t)
-    scores_c = q_g @ codebook_t
     scores_c += log_counts(counts)[:, :, None, :, None, :]
     return scores_w, scores_c
 

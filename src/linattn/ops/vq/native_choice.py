@@ -65,9 +65,10 @@ def verdict(dtype: torch.dtype) -> str | None:
     return _verdicts[dtype]
 
 
-def use_native(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
+def use_native(impl: str, device: torch.device, dtype: torch.dtype, rerope: bool = False) -> bool:
     """Whether ``vq_decode_step(impl=...)`` runs the native step for inputs on ``device``
-    computed in ``dtype`` (see the module docstring)."""
+    computed in ``dtype`` (see the module docstring); ``rerope``: the step has a ReRoPE window,
+    which the native step does not compute (``"auto"`` takes torch, ``"native"`` is refused)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
     forced = forced_impl() if impl == "auto" else None
@@ -75,7 +76,7 @@ def use_native(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
     if impl == "torch":
         return False
     strict = impl == "native"
-    reason = unsupported(device, dtype)
+    reason = "has no ReRoPE form (rerope=)" if rerope else unsupported(device, dtype)
     if reason is not None:
         if strict:
             source = f"{ENV}=native" if forced else "impl='native'"

@@ -8,22 +8,29 @@ from __future__ import annotations
 import torch
 
 from ..._checks import check_positive_int, compute_dtype, resolve_scale
+from ..common.rotary import pairwise_rerope_scores
 from .cache import code_statistics, mean_values
 from .relative import offset_bias, position_scores, relative_inputs
+from .rerope import check_vq_rerope
 from .tensors import as_dtype
 
 
-def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0, row_scale=None):
+def windowed_softmax(q, k, v, table, positions_k, L, causal, past: int = 0, row_scale=None, rerope=None):
     """Quadratic softmax with the windowed relative terms: the reference, and the GAU's
     softmax twin. Materialised scores; q ``[B, Hkv, G, T, D]`` (scaled) holds positions
     ``past .. past + T - 1``, k ``[B, Hkv, past + T, D]`` and v every position from 0;
-    ``row_scale`` ``[T]`` (or None) multiplies each query's logits, relative terms included."""
-    return windowed_weights(q, k, table, positions_k, L, causal, past, row_scale) @ v.unsqueeze(2)
+    ``row_scale`` ``[T]`` (or None) multiplies each query's logits, relative terms included;
+    ``rerope``: ``(w, rotary_base)`` or None, ReRoPE's score ``(R(min(i - j, w)) q_i).k_j``
+    with one rotated query per pair (``common/rotary.py``)."""
+    return windowed_weights(q, k, table, positions_k, L, causal, past, row_scale, rerope) @ v.unsqueeze(2)
 
 
-def windowed_weights(q, k, table, positions_k, L, causal, past: int = 0, row_scale=None):
+def windowed_weights(q, k, table, positions_k, L, causal, past: int = 0, row_scale=None, rerope=None):
     """The attention probabilities of ``windowed_softmax`` ``[B, Hkv, G, T, past + T]``."""
-    scores = q @ k.unsqueeze(2).transpose(-1, -2)
+    if rerope is None:
+        scores = q @ k.unsqueeze(2).transpose(-1, -2)
+    else:
+        scores = pairwise_rerope_scores(q, k.unsqueeze(2), past, 0, *rerope)
     rows = torch.arange(past, past + q.shape[-2], device=q.device)
     offsets = rows[:, None] - torch.arange(k.shape[-2], device=q.device)[None, :]
     if table is not None:
@@ -38,7 +45,8 @@ def windowed_weights(q, k, table, positions_k, L, causal, past: int = 0, row_sca
 
 
 def vq_attention_weights(q: torch.Tensor, k_hat: torch.Tensor, *, scale: float | None = None, block_size: int = 128,
-                         bias=None, position_keys: torch.Tensor | None = None) -> torch.Tensor:
+                         bias=None, position_keys: torch.Tensor | None = None, rerope: int | None = None,
+                         rotary_base: float = 10000.0) -> torch.Tensor:
     """The causal attention probabilities ``[B, H, T, T]`` that ``vq_attention`` applies to v
     (its quadratic reference form, materialised: for inspection on bounded lengths). Same
     arguments as ``vq_attention``; the block form gives the same outputs."""
@@ -46,9 +54,11 @@ def vq_attention_weights(q: torch.Tensor, k_hat: torch.Tensor, *, scale: float |
     Hkv = k_hat.shape[1]
     dtype = compute_dtype(q.dtype)
     L = check_positive_int("block_size", block_size)
+    rerope = check_vq_rerope(rerope, rotary_base, Dk, L, True)
     qf = as_dtype(q, dtype).reshape(B, Hkv, H // Hkv, T, Dk) * resolve_scale(scale, Dk)
     table, positions_k = relative_inputs(bias, position_keys, H, Hkv, L, Dk, q, dtype)
-    return windowed_weights(qf, as_dtype(k_hat, dtype), table, positions_k, L, True).reshape(B, H, T, T)
+    rope = None if rerope is None else (rerope, rotary_base)
+    return windowed_weights(qf, as_dtype(k_hat, dtype), table, positions_k, L, True, rerope=rope).reshape(B, H, T, T)
 
 
 def noncausal(q, codes, v, codebook):

@@ -34,6 +34,7 @@ import torch
 from ...state import VQAttentionState
 from ..._checks import compute_dtype
 from ..common.bias import offset_rows
+from ..common.rotary import far_queries, rerope_scores
 from . import native
 from .cache import fold_block, log_counts
 from .relative import relative_inputs, relative_terms, reversed_terms
@@ -176,21 +177,28 @@ def _code_buffer(code_like: torch.Tensor, B: int, Hkv: int, L: int, S: int, devi
     return codes
 
 
-def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttentionState | None, dtype: torch.dtype):
+def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttentionState | None, dtype: torch.dtype,
+           rerope=None):
     """Gradient-free decode form over the resident buffer.
 
     q ``[B, Hkv, G, T, Dk]`` (scaled) for positions ``p .. p + T - 1`` of the current block
     (``p + T <= L``); k ``[B, Hkv, T, Dk]``, v ``[B, Hkv, T, Dv]``, codes ``[B, Hkv, T(, S)]``
     in ``dtype``; relative_reversed: None or ``r_delta = b_delta + q.P_delta`` for the offsets
     ``delta = L, L - 1, .., 0`` (reversed: for one query they then match columns ``p .. L + p``),
-    ``[B|1, Hkv|1, G|1, T|1, L + 1]``. Returns ``(out [B, Hkv, G, T, Dv], new state)``.
+    ``[B|1, Hkv|1, G|1, T|1, L + 1]``. ``rerope``: ``(w, rotary_base)`` or None: every column
+    scored by ``R(w) q`` (the far keys and the codebook), then the window's columns at distance
+    ``< w`` by the rotated pair (buffer column c at position c, ``rerope.py``).
+    Returns ``(out [B, Hkv, G, T, Dv], new state)``.
     """
     B, Hkv, G, T, D = q.shape
     BH, E = B * Hkv, v.shape[-1]
     p = 0 if state is None else state.partial_keys.shape[2]
     window = window_for(state, L, codebook, (B, Hkv, D, E), codes, dtype)
     window.append(p, k.reshape(BH, T, D), v.reshape(BH, T, E), codes.reshape(BH, T, *codes.shape[3:]))
-    scores = torch.baddbmm(window.mask3, q.reshape(BH, G * T, D), window.keys_t)
+    rows = q.reshape(BH, G * T, D)
+    scores = torch.baddbmm(window.mask3, rows if rerope is None else far_queries(rows, *rerope), window.keys_t)
+    if rerope is not None:
+        _add_near_window(scores.view(B, Hkv, G, T, -1), q, window, L + p + T, rerope)
     if relative_reversed is not None or T > 1:
         grid = scores.view(B, Hkv, G, T, -1)
         if T == 1:
@@ -203,6 +211,15 @@ def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttenti
     out = torch.bmm(torch.softmax(scores, dim=-1), window.values3).view(B, Hkv, G, T, E)
     has_prev = state is not None and state.prev_keys is not None
     return out, state_after(window, p + T, has_prev, (0 if state is None else state.steps) + T)
+
+
+def _add_near_window(grid, q, window: ResidentWindow, columns: int, rerope) -> None:
+    """Write into ``grid [B, Hkv, G, T, 2L + S]`` (scores by ``R(w) q`` plus the mask) ReRoPE's
+    scores plus the mask on the first ``columns`` (window) columns, whose last T rows the
+    queries ``q [B, Hkv, G, T, Dk]`` are (``rerope_scores``: the rotated pair at distance < w)."""
+    keys = window.keys.narrow(2, 0, columns).unsqueeze(2)
+    mask = window.mask.narrow(2, 0, columns)[:, :, None, None, :]
+    grid.narrow(-1, 0, columns).copy_(rerope_scores(q, keys, columns - q.shape[-2], 0, *rerope) + mask)
 
 
 HARD_CODES = torch.zeros((), dtype=torch.int64)  # stands for hard codes where a buffer is made
@@ -240,11 +257,13 @@ def _step_views(window: ResidentWindow, G: int) -> _StepViews:
 
 
 def quantizing_step(q, k, v, codebook, state: VQAttentionState | None, scale: float, L: int, bias, position_keys,
-                    native: bool):
+                    native: bool, rerope=None):
     """``vq_decode_step`` on checked arguments: q ``[B, H, 1, Dk]``, k ``[B, Hkv, 1, Dk]`` (before
     quantization), v ``[B, Hkv, 1, Dv]``, ``scale`` resolved; the relative terms of the new query
-    laid out for ``quantize_and_decode``. Returns ``(out [B, H, 1, Dv] in q's dtype, codes
-    [B, Hkv, 1], new state)``."""
+    laid out for ``quantize_and_decode``. ``rerope``: ``(w, rotary_base)`` or None; with it the
+    key is quantized and then attended to by ``decode`` (torch only: its window scores are not
+    the codebook scores gathered at the codes). Returns ``(out [B, H, 1, Dv] in q's dtype,
+    codes [B, Hkv, 1], new state)``."""
     B, H, _, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     dtype = compute_dtype(q.dtype)
@@ -253,6 +272,10 @@ def quantizing_step(q, k, v, codebook, state: VQAttentionState | None, scale: fl
     if bias is not None or position_keys is not None:
         table, positions_k = relative_inputs(bias, position_keys, H, Hkv, L, Dk, q, dtype)
         relative = reversed_terms(relative_terms(queries.unsqueeze(3) * scale, table, positions_k))
+    if rerope is not None:
+        out, codes, new_state = _quantize_then_decode(queries * scale, as_dtype(k, dtype), as_dtype(v, dtype), codebook,
+                                                      relative, L, state, dtype, rerope)
+        return as_dtype(out.view(B, H, 1, Dv), q.dtype), codes, new_state
     out, codes, new_state = quantize_and_decode(
         queries, as_dtype(k, dtype).reshape(B, Hkv, Dk), as_dtype(v, dtype).reshape(B, Hkv, Dv), codebook, scale,
         relative, L, state, dtype, native)
@@ -314,6 +337,19 @@ def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: i
     has_prev = state is not None and state.prev_keys is not None
     return out.view(B, Hkv, G, 1, -1), codes, state_after(window, p + 1, has_prev,
                                                           (0 if state is None else state.steps) + 1)
+
+
+def _quantize_then_decode(q, k, v, codebook, relative_reversed, L: int, state, dtype, rerope):
+    """One new position with ReRoPE: the nearest code of k ``[B, Hkv, 1, Dk]`` (in float32, as
+    ``quantize_and_decode``), then ``decode`` of q ``[B, Hkv, G, Dk]`` (scaled) on ``codebook[z]``.
+    Returns ``(out [B, Hkv, G, 1, Dv], codes [B, Hkv, 1], new state)``."""
+    _, search_t, norms = _scoring(codebook, dtype)
+    key_scores = torch.bmm(k.float().squeeze(2).transpose(0, 1), search_t)  # [Hkv, B, S]
+    codes = torch.add(norms, key_scores, alpha=-2.0).argmin(-1).t().unsqueeze(-1)  # [B, Hkv, 1]
+    heads = torch.arange(codebook.shape[0], device=codes.device)[None, :, None]
+    k_hat = codebook.detach().to(dtype)[heads, codes]
+    out, new_state = decode(q.unsqueeze(3), k_hat, v, codes, codebook, relative_reversed, L, state, dtype, rerope)
+    return out, codes, new_state
 
 
 def _native_step(window: ResidentWindow, q, k, v, scale: float, relative_reversed, p: int, state):

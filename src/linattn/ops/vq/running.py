@@ -12,7 +12,7 @@ from . import schedule
 from .tensors import kv_head, row_views
 
 
-def running_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, S, out):
+def running_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, full_blocks, S, out, rerope=None):
     """``all_blocks`` without gradients for hard codes. Scores and window outputs are
     computed per row in groups (``row_groups``, as ``_row_blocks``); the cache term is not:
     the cache sums of a set of rows are one ``[n, S, E]`` tensor, updated in place block by
@@ -36,8 +36,8 @@ def running_blocks(blocks, windows, codebook, window, band_keys, run, has_prev, 
         b = min(N, a + at_once)
         n = b - a
         groups = [row_groups(row[:6], row[6:], group) for row in zip(*(views[a:b] for views in views_by_tensor))]
-        scorings = [row_scoring(codebook[i % Hkv : i % Hkv + 1], kv_head(window, i % Hkv), kv_head(band_keys, i % Hkv))
-                    for i in range(a, b)]
+        scorings = [row_scoring(codebook[i % Hkv : i % Hkv + 1], kv_head(window, i % Hkv), kv_head(band_keys, i % Hkv),
+                                rerope) for i in range(a, b)]
         counts_now, sums_now = final_counts[a:b].clone(), final_sums[a:b].clone()  # [n, S], [n, S, E]
         sums_flat, offsets = sums_now.view(-1, E), torch.arange(0, n * S, S, device=out.device)[:, None, None]
         product = sums_now.new_empty(n, G * L, E)

@@ -20,6 +20,7 @@ from ..._checks import check_bool, compute_dtype, resolve_scale
 from . import resident
 from .checks import check_step
 from .native_choice import use_native
+from .rerope import check_vq_rerope
 
 
 def vq_decode_step(
@@ -35,6 +36,8 @@ def vq_decode_step(
     position_keys: torch.Tensor | None = None,
     check_inputs: bool = True,
     impl: str = "auto",
+    rerope: int | None = None,
+    rotary_base: float = 10000.0,
 ) -> tuple[torch.Tensor, torch.Tensor, VQAttentionState]:
     """Quantize one new key and attend to it and the past (Transformer-VQ decoding).
 
@@ -53,6 +56,10 @@ def vq_decode_step(
             first build takes about a minute), the torch form otherwise (a failed build or
             check warns once); ``"torch"``; ``"native"`` (an error where it cannot run).
             ``LINATTN_VQ_STEP_IMPL=torch|native`` replaces the automatic choice.
+        rerope: ReRoPE's window ``w <= block_size`` (None: off), with ``rotary_base``, as in
+            ``vq_attention``: q and k unrotated. The torch form only (the native step scores the
+            window by the codebook scores gathered at the codes, which ReRoPE's rotation by
+            distance rules out): ``"auto"`` takes torch, ``"native"`` is refused.
 
     Returns:
         ``(out [B, H, 1, Dv] in q's dtype, codes [B, Hkv, 1] int64, new state)``, equal to
@@ -65,9 +72,10 @@ def vq_decode_step(
     check_bool("check_inputs", check_inputs)
     if check_inputs:
         check_step(q, k, v, codebook, state, block_size)
+    rerope = check_vq_rerope(rerope, rotary_base, q.shape[-1], block_size, True)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, codebook)):
         raise ValueError("vq_decode_step has no backward: call it under torch.no_grad() (decoding), or use "
                          "VectorQuantizer and vq_attention for gradients")
-    native = use_native(impl, q.device, compute_dtype(q.dtype))
+    native = use_native(impl, q.device, compute_dtype(q.dtype), rerope=rerope is not None)
     return resident.quantizing_step(q, k, v, codebook, state, resolve_scale(scale, q.shape[-1]), block_size, bias,
-                                    position_keys, native)
+                                    position_keys, native, None if rerope is None else (rerope, rotary_base))

@@ -42,12 +42,18 @@ def unavailable_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
     return None
 
 
-def resolve_impl(impl: str, q: torch.Tensor, v: torch.Tensor, causal: bool, mode: str) -> str:
+def resolve_impl(impl: str, q: torch.Tensor, v: torch.Tensor, causal: bool, mode: str, rerope: bool = False) -> str:
     """``"torch"`` or ``"triton"`` for ``vq_attention``'s ``impl`` argument (see its docstring);
-    ``impl="auto"`` follows ``LINATTN_VQ_IMPL`` when it is set (``selfcheck.py``)."""
+    ``impl="auto"`` follows ``LINATTN_VQ_IMPL`` when it is set (``selfcheck.py``). The kernels
+    have no ReRoPE form: with ``rerope`` ``"auto"`` takes torch and ``"triton"`` is refused."""
     check_choice("impl", impl, IMPLS)
     if impl == "torch":
         return impl
+    if rerope:
+        if impl == "triton":
+            raise ValueError("impl='triton': the fused VQ kernels have no ReRoPE form (rerope=); pass impl='torch' or "
+                             "'auto' (the torch block form computes it)")
+        return "torch"
     block_form = causal and mode == "block"
     if impl == "auto":
         forced = forced_impl()
