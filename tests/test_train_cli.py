@@ -481,3 +481,13 @@ def test_eval_progress_bar_counts_bytes_on_byte_data_and_tokens_on_shards(traine
         assert main(["eval", "--ckpt", str(run), "--split", "test", "--max-tokens", "100", "--threads", "1"]) == 0
         err = capsys.readouterr().err
         assert "eval test: 100%" in err and unit in err and other not in err, err
+
+
+def test_a_start_on_shards_that_fails_its_checks_writes_no_tokenizer(token_run, tmp_path, capsys):
+    """A fresh run copies its shards' tokenizer only once every input is checked: a refused
+    evaluation budget leaves no folder that a retry would take for a run (tokenizer.json)."""
+    shards = token_run[0]
+    out = tmp_path / "run"
+    _fails(capsys, train_argv(shards, out, steps=1) + ["--set", "train.eval_tokens=20"], "train.eval_tokens=20")
+    assert not out.exists()
+    assert main(train_argv(shards, out, steps=1)) == 0

@@ -15,7 +15,9 @@ learned codebook.
 The converted run is a run folder like any other (``linattn eval``, ``generate``, ``export``)
 holding one checkpoint at the source's step, with the source's data position and a fresh
 optimizer state: ``linattn train --resume --out RUN --steps N`` fine-tunes it (a finished
-source schedule continues at its floor learning rate).
+source schedule continues at its floor learning rate). It is written beside ``--out`` and
+renamed into place (``run_folder.new_run_folder``), so a convert that is killed leaves no
+half-written run there and can be run again.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from .models.layers import GAUPair
 from .nn.codebook import kmeans
 from .train.checkpoint import load_model, save_checkpoint
 from .train.optim import trainer_adamw
-from .train.run_folder import RunLock, check_free_output
+from .train.run_folder import check_free_output, new_run_folder
 from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE
 from ._checks import check_choice, check_int, positive_int
 
@@ -136,21 +138,21 @@ def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_s
                               betas=(float(train_config["beta1"]), float(train_config["beta2"])))
     source_run = checkpoint.path.parent.parent
     meta = {key: value for key, value in checkpoint.meta.items()
-            if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry")}
+            if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry", "threads")}
     meta.update(model_config=model.config.to_dict(), train_config={**train_config, "out": str(out)}, command=command,
                 converted_from={"checkpoint": str(checkpoint.path), "step": checkpoint.step, "to": to,
                                 "codebook_size": model.config.codebook_size, "calibration_tokens": ids.numel(),
                                 "kmeans_iters": kmeans_iters, "seed": seed})
     world_size = int(checkpoint.meta.get("world_size", 1))
-    with RunLock.acquire(out, what="convert", command=command):  # created here, once the conversion has worked
-        check_free_output(out, what="convert", locked=True)
+    with new_run_folder(out, what="convert") as folder:  # written once the conversion has worked
         for name in (TOKENIZER_FILE, DATA_META_FILE):
             if (source_run / name).is_file():
-                shutil.copyfile(source_run / name, out / name)
-        path = save_checkpoint(out / "checkpoints", step=checkpoint.step, model_tensors=model.state_dict(),
-                               optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
-                               carries=[None] * world_size, meta=meta,
-                               keep=int(train_config.get("keep_checkpoints", 2)))
+                shutil.copyfile(source_run / name, folder / name)
+        written = save_checkpoint(folder / "checkpoints", step=checkpoint.step, model_tensors=model.state_dict(),
+                                  optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
+                                  carries=[None] * world_size, meta=meta,
+                                  keep=int(train_config.get("keep_checkpoints", 2)))
+    path = out / "checkpoints" / written.name
     echo(f"converted {checkpoint.path} ({', '.join(str(s) for s in source.specs)}) to {to} "
          f"(codebook {model.config.codebook_size}, k-means on {ids.numel():,} tokens): {path}")
     return path
