@@ -244,6 +244,31 @@ def test_a_folder_with_only_metrics_is_told_the_command_that_starts_it(finished)
     assert load_checkpoint(run).step == 6 and (root / "metrics-only.old-1" / "metrics.jsonl").is_file()
 
 
+# ----------------------------------------------------------------------------- the thread count
+
+
+def test_the_thread_count_is_recorded_and_a_resume_at_another_says_so(finished):
+    """Results are bit-exact for a fixed thread count only: each checkpoint records it, and a
+    resume at another count warns (one line) naming both."""
+    assert load_checkpoint(finished[1]).meta["threads"] == 1
+    try:
+        for threads, warned in ((2, True), (1, False)):
+            run = copy_run(finished, f"threads-{threads}")
+            rewind(run, 3)
+            code, stdout, stderr = run_captured(resume_argv(run, "--threads", str(threads)))
+            assert code == 0, stderr
+            warnings = [line for line in stdout.splitlines() if line.startswith("warning:")]
+            if warned:
+                assert len(warnings) == 1, stdout
+                assert "resuming at 2 torch threads" in warnings[0] and "was trained at 1" in warnings[0]
+                assert "no longer bit-identical" in warnings[0] and "--threads 1" in warnings[0]
+                assert load_checkpoint(run).meta["threads"] == 2
+            else:
+                assert warnings == [] and curve(run) == curve(finished[1]), stdout
+    finally:
+        torch.set_num_threads(1)
+
+
 # ----------------------------------------------------------------------------- the data: path and fingerprint
 
 

@@ -536,6 +536,38 @@ def test_a_skipped_final_step_is_an_error_naming_the_final_checkpoint(tmp_path, 
     assert load_checkpoint(run_dir).step == 12  # written, with the weights of step 11: finite
 
 
+def _overflowing_checkpoint(run_dir: Path) -> Path:
+    """Save, through the checkpoint writer, step 5 of ``run_dir``: its step-4 weights with the final
+    norm's weight at 3e38, finite, but the forward pass overflows to inf and NaN."""
+    checkpoint = load_checkpoint(run_dir)
+    tensors = dict(checkpoint.model)
+    tensors["norm.weight"] = torch.full_like(tensors["norm.weight"], 3e38)
+    meta = {key: value for key, value in checkpoint.meta.items()
+            if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry", "meta_sha256")}
+    return save_checkpoint(run_dir / "checkpoints", step=5, model_tensors=tensors,
+                           optimizer_state=checkpoint.optimizer_state(), rng=checkpoint.rng(),
+                           carries=[checkpoint.carry(0)], meta=meta)
+
+
+def test_eval_and_generate_refuse_a_checkpoint_whose_forward_is_not_finite(tmp_path, data):
+    from linattn.train import load_model
+
+    run_dir = tmp_path / "run"
+    assert run(run_argv(data, run_dir, steps=4))[0] == 0
+    path = _overflowing_checkpoint(run_dir)
+    model, _ = load_model(run_dir)  # finite weights: the readers take it
+    assert not torch.isfinite(model(torch.tensor([[65, 66, 67]]))[0]).all()
+    for argv in (["eval", "--ckpt", str(run_dir), "--no-progress"],
+                 ["eval", "--ckpt", str(run_dir), "--no-progress", "--json"],
+                 ["generate", "--ckpt", str(run_dir), "--temperature", "0", "--max-new-tokens", "4"],
+                 ["generate", "--ckpt", str(run_dir), "--max-new-tokens", "4"]):
+        code, stdout, stderr = run(argv)
+        assert code == 2, (argv, stdout, stderr)
+        assert stderr.startswith("linattn: error:") and stderr.count("\n") == 1, stderr
+        assert str(path) in stderr and "not finite" in stderr, stderr
+        assert "\0" not in stdout and "nan" not in stdout.lower(), stdout
+
+
 def _dead_pid() -> int:
     process = subprocess.Popen([sys.executable, "-c", "pass"])
     process.wait()

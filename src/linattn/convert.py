@@ -33,6 +33,7 @@ from .models import LM, LMConfig
 from .models.layers import GAUPair
 from .nn.codebook import kmeans
 from .train.checkpoint import load_model, save_checkpoint
+from .train.cli import add_runtime_flags, apply_threads
 from .train.optim import trainer_adamw
 from .train.run_folder import check_free_output, new_run_folder
 from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE
@@ -123,14 +124,16 @@ def calibration_ids(data_spec: str, n_tokens: int, context: int, *, cache_dir=No
 
 def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_size: int | None = None,
                 calibration_tokens: int = 65536, kmeans_iters: int = 20, seed: int = 0, command: str = "",
-                echo=print) -> Path:
-    """Convert the run (or checkpoint) ``ckpt`` into a new run folder ``out``; returns its checkpoint."""
+                device: str = "cpu", echo=print) -> Path:
+    """Convert the run (or checkpoint) ``ckpt`` into a new run folder ``out`` (the model runs on
+    ``device``); returns its checkpoint."""
     out = Path(out)
     check_free_output(out, what="convert")
-    source, checkpoint = load_model(ckpt)  # a CheckpointError if its tensors do not match its config
+    source, checkpoint = load_model(ckpt, device)  # a CheckpointError if its tensors do not match its config
     train_config = dict(checkpoint.meta["train_config"])
     context = int(train_config["context"])
-    ids = calibration_ids(train_config["data"], calibration_tokens, context, cache_dir=train_config.get("cache_dir"))
+    ids = calibration_ids(train_config["data"], calibration_tokens, context,
+                          cache_dir=train_config.get("cache_dir")).to(device)
     tokens_per_step = int(train_config["batch_size"]) * context * int(checkpoint.meta.get("world_size", 1))
     model = convert_model(source, ids, to=to, codebook_size=codebook_size, kmeans_iters=kmeans_iters,
                           tokens_per_step=tokens_per_step, seed=seed)
@@ -170,11 +173,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--kmeans-iters", type=int, default=20, help="Lloyd iterations after the k-means++ seeds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, type=Path, help="the new run folder")
+    add_runtime_flags(parser, progress=False)
     parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    apply_threads(args)
     convert_run(args.ckpt, args.out, to=args.to, codebook_size=args.codebook_size,
                 calibration_tokens=args.calibration_tokens, kmeans_iters=args.kmeans_iters, seed=args.seed,
-                command=args.command_line)
+                command=args.command_line, device=args.device)
     return 0
