@@ -149,7 +149,7 @@ def _describe_holder(folder: Path) -> str:
         command = _command_of(holder)
         return f"PID {holder}" + (f" ({command})" if command else "")
     if not fields:
-        return f"PID unknown ({folder / LOCK_FILE}, which names the holder, was deleted)"
+        return f"PID unknown ({folder / LOCK_FILE}, which names the holder, is missing or empty)"
     command = fields.get("command")
     return f"PID {fields.get('pid', 'unknown')}" + (f" ({command})" if command else "")
 
