@@ -327,3 +327,38 @@ def test_convert_needs_ckpt_and_out(tmp_path, missing):
     del argv[missing]
     code, _, stderr = run_captured(["convert", *[item for pair in argv.items() for item in pair]])
     assert code == 2 and f"the following arguments are required: {missing}" in stderr, stderr
+
+
+KILLED_CONVERT = """
+import os, signal, sys
+from pathlib import Path
+import linattn.train.checkpoint as checkpoint
+
+def save_file(tensors, path):  # the first tensor file half written, then the process is killed
+    Path(path).write_bytes(b"\\0" * 100)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.save_file = save_file
+from linattn.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_convert_killed_while_writing_can_be_run_again(token_softmax_run, tmp_path):
+    """A convert killed in the middle of writing its run must leave nothing at --out that a retry
+    would take for a training run's folder; the retry converts, and the dead one's leftovers go."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "vq"
+    argv = ["convert", "--ckpt", str(token_softmax_run), "--out", str(out), "--codebook-size", "8",
+            "--calibration-tokens", "256", "--kmeans-iters", "2"]
+    killed = subprocess.run([sys.executable, "-c", KILLED_CONVERT, *argv], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    code, stdout, stderr = run_captured(argv)
+    assert code == 0, stderr
+    model, checkpoint = load_model(out)
+    assert checkpoint.step == 2 and {str(s) for s in model.specs} == {"vq"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vq"]  # no temporary of the killed convert is left

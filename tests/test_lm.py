@@ -444,6 +444,40 @@ def test_sample_next_temperature_frequencies(temperature):
         assert (expected - untempered).abs().max() > 0.06
 
 
+def test_sample_next_at_a_tiny_positive_temperature_is_the_argmax():
+    """Logits divided by 1e-45 overflow to inf; any positive temperature must still sample, and one
+    that small leaves only the largest logit."""
+    logits = 10 * torch.randn(64, 300, generator=torch.Generator().manual_seed(2))
+    for options in (dict(), dict(top_k=5), dict(top_p=0.9)):
+        draws = sample_next(logits, temperature=1e-45, generator=torch.Generator().manual_seed(0), **options)
+        assert torch.equal(draws, logits.argmax(-1)), options
+
+
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_a_row_of_logits_that_are_not_finite_draws_no_token(temperature):
+    """A row holding NaN or inf (a forward pass that overflowed) gives -1, never a plausible id
+    (argmax would take the NaN's place: token 0); the other rows draw as usual."""
+    logits = torch.tensor([[float("nan"), 1.0, 0.0], [0.0, 3.0, 1.0], [float("inf"), 0.0, 1.0]])
+    draws = sample_next(logits, temperature=temperature, generator=torch.Generator().manual_seed(0))
+    assert draws[0] == -1 and draws[2] == -1 and 0 <= draws[1] < 3
+    if temperature == 0:
+        assert draws[1] == 1
+
+
+def test_generate_stops_at_logits_that_are_not_finite():
+    """A single prompt raises NonFiniteLogits, a ValueError, where its logits are not finite; a
+    batch (read without host round trips) yields -1 in the rows concerned."""
+    from linattn.models.sampling import NonFiniteLogits
+
+    model = make_model("local:4", n_layers=1)
+    with torch.no_grad():
+        model.norm.weight.fill_(1e308)  # finite (float64), but the forward pass overflows
+    with pytest.raises(NonFiniteLogits, match="generated token 1 are not finite"):
+        list(model.generate([1, 2, 3], 3, temperature=0))
+    tokens = list(model.generate([[1, 2, 3], [4, 5, 6]], 2, temperature=0.8, seed=0))
+    assert all(torch.equal(token, torch.tensor([-1, -1])) for token in tokens)
+
+
 def test_sample_next_temperature_zero_is_argmax():
     logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(1))
     assert torch.equal(sample_next(logits, temperature=0), logits.argmax(-1))

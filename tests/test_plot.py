@@ -84,6 +84,34 @@ def test_plot_cli_and_its_errors(runs, tmp_path, capsys):
     assert "line 2 of" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bad", ["[1, 2]", "3", '{"loss": 1.0}'])
+def test_a_line_that_is_no_record_is_an_error_naming_it(tmp_path, capsys, bad):
+    run = write_metrics(tmp_path / "run", [])
+    (run / "metrics.jsonl").write_text(f'{{"step": 1, "loss": 2.0}}\n{bad}\n{{"step": 2, "loss": 1.0}}\n')
+    assert main(["plot", str(run), "--out", str(tmp_path / "curves.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"linattn: error: line 2 of {run / 'metrics.jsonl'} ") and err.count("\n") == 1, err
+
+
+def test_a_last_line_cut_short_is_left_out_with_a_note(tmp_path, capsys):
+    """A run killed while writing its metrics leaves a last line without its newline: the plot
+    draws the complete lines and says which line it left out."""
+    run = write_metrics(tmp_path / "run", [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.0}])
+    with open(run / "metrics.jsonl", "a") as handle:
+        handle.write('{"step": 3, "lo')
+    assert main(["plot", str(run), "--out", str(tmp_path / "curves.png")]) == 0
+    err = capsys.readouterr().err
+    assert f"dropped the last line of {run / 'metrics.jsonl'} (line 3)" in err, err
+    assert read_curves_of(run) == ([1, 2], [2.0, 1.0])
+
+
+def read_curves_of(run: Path) -> tuple[list, list]:
+    from linattn.train.plot import read_curves
+
+    curves = read_curves(run, echo=lambda message: None)
+    return curves.train_steps, curves.train_loss
+
+
 def test_runs_with_the_same_name_are_labelled_by_path(runs, tmp_path):
     _, written = runs
     first = write_metrics(tmp_path / "a" / "run", [{"step": 1, "loss": 1.0}])

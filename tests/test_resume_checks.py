@@ -150,6 +150,125 @@ def test_a_version_1_checkpoint_without_hash_or_fingerprint_still_loads_and_resu
     assert latest["version"] == 2 and latest["data_fingerprint"] == meta["data_fingerprint"]
 
 
+# ----------------------------------------------------------------------------- what latest names
+
+
+def _point_latest_elsewhere(run: Path, other: Path, how: str) -> str:
+    """Make ``run``'s ``checkpoints/latest`` name ``other``'s step 3 (a path or, ``"link"``, a
+    ``step-*`` symbolic link to it); returns what ``latest`` (or the link) points to."""
+    target = other / "checkpoints" / "step-00000003"
+    latest = run / "checkpoints" / "latest"
+    if how == "relative":
+        text = f"../../{other.name}/checkpoints/step-00000003"
+    elif how == "absolute":
+        text = str(target)
+    else:
+        (run / "checkpoints" / "step-00000009").symlink_to(target)
+        text = "step-00000009"
+    latest.write_text(text + "\n")
+    return str(target) if how == "link" else text
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute", "link"])
+def test_latest_naming_another_runs_checkpoint_is_refused(finished, how):
+    """``latest`` holds the name of a step folder beside it; one naming a checkpoint of another run
+    (by a path, or through a symbolic step-* link) is refused by eval, generate and --resume,
+    which would evaluate it, or continue the other run here, in this run's name."""
+    other, run = copy_run(finished, f"other-{how}"), copy_run(finished, f"mine-{how}")
+    pointed = _point_latest_elsewhere(run, other, how)
+    before = (run / "metrics.jsonl").read_bytes()
+    for argv in (["eval", "--ckpt", str(run), "--no-progress"],
+                 ["generate", "--ckpt", str(run), "--max-new-tokens", "2"],
+                 resume_argv(run, "--steps", "12")):
+        code, stdout, stderr = run_captured(argv)
+        assert code == 2, (argv, stdout, stderr)
+        assert str(run / "checkpoints" / "latest") in stderr and pointed in stderr, stderr
+    assert (run / "metrics.jsonl").read_bytes() == before
+    assert not any((folder / "checkpoints" / "step-00000012").exists() for folder in (run, other))
+
+
+def test_a_step_link_is_refused_by_from_and_skipped_without_latest(finished):
+    other, run = copy_run(finished, "other-from"), copy_run(finished, "mine-from")
+    link = run / "checkpoints" / "step-00000009"
+    link.symlink_to(other / "checkpoints" / "step-00000006")
+    code, _, stderr = run_captured(resume_argv(run, "--from", "9", "--steps", "12"))
+    assert code == 2 and str(other / "checkpoints" / "step-00000006") in stderr, stderr
+    (run / "checkpoints" / "latest").unlink()
+    code, stdout, stderr = run_captured(resume_argv(run, "--steps", "7"))
+    assert code == 0, stderr
+    assert "resuming from the newest complete checkpoint, step-00000006" in stdout  # its own, not the link
+
+
+# ----------------------------------------------------------------------------- what metrics.jsonl holds
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_note(finished):
+    """A writer killed (or out of space) in the middle of a line leaves it without its newline:
+    the resume drops it, says so naming the file, and continues the curve."""
+    run = copy_run(finished, "torn")
+    rewind(run, 3)
+    metrics = run / "metrics.jsonl"
+    torn_line = len(metrics.read_text().splitlines()) + 1
+    with open(metrics, "a") as handle:
+        handle.write('{"step": 7, "loss": 1.2')
+    code, stdout, stderr = run_captured(resume_argv(run))
+    assert code == 0, stderr
+    assert f"dropped the last line of {metrics} (line {torn_line})" in stdout, stdout
+    assert curve(run) == curve(finished[1])
+
+
+@pytest.mark.parametrize("bad", ["not json", "[1, 2]", "7", '{"loss": 1.0}'])
+def test_a_bad_metrics_line_is_an_error_naming_the_file_and_line(finished, bad):
+    run = copy_run(finished, f"bad-line-{len(bad)}")
+    rewind(run, 3)
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([*lines[:2], bad, *lines[2:]]) + "\n")
+    code, _, stderr = run_captured(resume_argv(run))
+    assert code == 2, stderr
+    assert stderr.startswith(f"linattn: error: line 3 of {metrics} ") and stderr.count("\n") == 1, stderr
+
+
+def test_a_folder_with_only_metrics_is_told_the_command_that_starts_it(finished):
+    """A run stopped before its first checkpoint leaves metrics.jsonl alone: --resume cannot
+    continue it, and names the command that can start it again."""
+    root, _ = finished
+    run = root / "metrics-only"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    code, _, stderr = run_captured(resume_argv(run))
+    assert code == 2, stderr
+    assert "holds no checkpoint to resume" in stderr and f"linattn train --out {run} --overwrite" in stderr, stderr
+    code, stdout, stderr = run_captured(six_steps(root / "corpus.txt", run) + ["--overwrite"])
+    assert code == 0, stderr
+    assert load_checkpoint(run).step == 6 and (root / "metrics-only.old-1" / "metrics.jsonl").is_file()
+
+
+# ----------------------------------------------------------------------------- the thread count
+
+
+def test_the_thread_count_is_recorded_and_a_resume_at_another_says_so(finished):
+    """Results are bit-exact for a fixed thread count only: each checkpoint records it, and a
+    resume at another count warns (one line) naming both."""
+    assert load_checkpoint(finished[1]).meta["threads"] == 1
+    try:
+        for threads, warned in ((2, True), (1, False)):
+            run = copy_run(finished, f"threads-{threads}")
+            rewind(run, 3)
+            code, stdout, stderr = run_captured(resume_argv(run, "--threads", str(threads)))
+            assert code == 0, stderr
+            warnings = [line for line in stdout.splitlines() if line.startswith("warning:")]
+            if warned:
+                assert len(warnings) == 1, stdout
+                assert "resuming at 2 torch threads" in warnings[0] and "was trained at 1" in warnings[0]
+                assert "no longer bit-identical" in warnings[0] and "--threads 1" in warnings[0]
+                assert load_checkpoint(run).meta["threads"] == 2
+            else:
+                assert warnings == [] and curve(run) == curve(finished[1]), stdout
+    finally:
+        torch.set_num_threads(1)
+
+
 # ----------------------------------------------------------------------------- the data: path and fingerprint
 
 

@@ -10,7 +10,9 @@ import contextlib
 import errno
 import hashlib
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -237,6 +239,69 @@ def test_the_lock_excludes_a_second_claim_in_the_same_process(tmp_path):
     RunLock.acquire(tmp_path / "r", what="train").release()
 
 
+def test_a_filesystem_that_cannot_lock_a_folder_locks_its_lock_file(tmp_path, monkeypatch):
+    """Where a folder cannot be locked (NFS takes ``flock`` as a byte-range lock, which a folder
+    opened for reading cannot hold: EBADF), the run locks its ``.lock`` file instead, writes its
+    description into that same file (replacing it would drop the lock) and still keeps a second
+    writer and a converter out; released, the folder is free."""
+    import stat
+
+    import linattn.train.run_folder as run_folder
+
+    real = run_folder._try_lock
+
+    def no_folder_locks(descriptor):
+        if stat.S_ISDIR(os.fstat(descriptor).st_mode):
+            raise OSError(errno.EBADF, "Bad file descriptor")
+        return real(descriptor)
+
+    monkeypatch.setattr(run_folder, "_try_lock", no_folder_locks)
+    run = tmp_path / "run"
+    with run_folder.RunLock.acquire(run, what="train", command="first writer"):
+        assert "command=first writer" in (run / ".lock").read_text()
+        with pytest.raises(run_folder.RunFolderError, match="in use by another writer"):
+            run_folder.RunLock.acquire(run, what="train")
+        with pytest.raises(run_folder.RunFolderError, match="in use by a training run"):
+            run_folder.check_not_in_use(run, what="export")
+    run_folder.RunLock.acquire(run, what="train").release()
+    run_folder.check_not_in_use(tmp_path / "no-lock-here", what="export")
+
+
+def test_deleting_the_lock_file_lets_no_second_writer_in(tmp_path, data):
+    """``.lock`` stays in a run folder and invites clean-up; deleting it while the run is live
+    must not let a second writer in: it is refused, naming the holder."""
+    run_dir = tmp_path / "run"
+    with lock_held_by_another_process(run_dir) as holder:
+        (run_dir / ".lock").unlink()
+        for argv in (run_argv(data, run_dir, steps=4), ["train", "--resume", "--out", str(run_dir), "--no-progress"]):
+            code, _, stderr = run(argv)
+            assert code == 2, stderr
+            assert f"in use by another writer, PID {holder.pid}" in stderr
+        assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    code, _, stderr = run(run_argv(data, run_dir, steps=4))  # the holder is gone: the folder is free again
+    assert code == 0, stderr
+
+
+@pytest.mark.parametrize("where", ["new/run", "existing-empty"])
+def test_a_start_that_fails_before_writing_leaves_the_folder_as_it_was(tmp_path, data, where):
+    """A bad --data path (or a resume of a folder without a run) fails after the folder was
+    claimed: the claim's ``.lock``, and the folders it created, go with it, so nothing is left
+    that a retry would take for a run."""
+    run_dir = tmp_path / where
+    if where == "existing-empty":
+        run_dir.mkdir()
+    missing = tmp_path / "no-such-data.txt"
+    for argv in (run_argv(missing, run_dir, steps=4), ["train", "--resume", "--out", str(run_dir), "--no-progress"]):
+        code, _, stderr = run(argv)
+        assert code == 2, stderr
+        if where == "existing-empty":
+            assert list(run_dir.iterdir()) == [], stderr
+        else:
+            assert not (tmp_path / "new").exists(), stderr
+    code, _, stderr = run(run_argv(data, run_dir, steps=4))
+    assert code == 0, stderr
+
+
 SLOW_TRAIN = """
 import sys, time
 import linattn.train.trainer as trainer
@@ -398,10 +463,137 @@ def test_a_failed_metrics_write_is_a_clear_error(tmp_path, data, monkeypatch):
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_module, "open", failing_open, raising=False)
+    monkeypatch.setattr("builtins.open", failing_open)
     code, _, stderr = run(run_argv(data, run_dir))
     assert code == 2
     assert f"cannot write {run_dir / 'metrics.jsonl'}" in stderr and "No space left on device" in stderr
+
+
+class _InterruptedWrite:
+    """A text file handle whose first ``write`` writes half of its text and then raises
+    KeyboardInterrupt, as a Ctrl-C (or a kill) in the middle of writing would."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def write(self, text: str) -> int:
+        self._handle.write(text[: len(text) // 2])
+        self._handle.flush()
+        raise KeyboardInterrupt
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._handle.close()
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def test_a_resume_stopped_while_it_rewrites_metrics_leaves_the_old_file(tmp_path, data, monkeypatch):
+    """A resume rewrites metrics.jsonl without the lines logged after its checkpoint. Stopped in
+    the middle of that rewrite, the file must be the old one, not an empty or half one."""
+    import builtins
+    import io
+
+    run_dir = tmp_path / "run"
+    assert run(run_argv(data, run_dir, steps=8))[0] == 0
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000008")  # as if killed before its checkpoint at 8
+    (run_dir / "checkpoints" / "latest").write_text("step-00000004\n")
+    before = (run_dir / "metrics.jsonl").read_bytes()
+    assert [r["step"] for r in records(run_dir)] == [4, 8]
+    real_open = builtins.open
+
+    def interrupting_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        return _InterruptedWrite(handle) if "metrics.jsonl" in Path(str(file)).name and "w" in mode else handle
+
+    monkeypatch.setattr(builtins, "open", interrupting_open)
+    monkeypatch.setattr(io, "open", interrupting_open)  # what Path.write_text opens with
+    code, _, stderr = run(["train", "--resume", "--out", str(run_dir), "--no-progress"])
+    monkeypatch.undo()
+    assert code == 130, stderr
+    assert (run_dir / "metrics.jsonl").read_bytes() == before
+    code, _, stderr = run(["train", "--resume", "--out", str(run_dir), "--no-progress"])
+    assert code == 0, stderr
+    assert [r["step"] for r in records(run_dir)] == [4, 8]
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(token: str):
+        raise ValueError(f"not strict JSON: {token}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_metrics_are_strict_json_and_name_what_was_not_finite(tmp_path, data, monkeypatch):
+    """A skipped step's NaN loss is logged as null with the values that were not finite named,
+    so every line parses under a strict JSON reader; linattn's reader gives the NaN back and
+    still reads the bare NaN of older files."""
+    run_dir = tmp_path / "run"
+    poison(monkeypatch, {4}, "loss")
+    code, _, stderr = run(run_argv(data, run_dir, "--set", "train.max_skipped_steps=1", steps=8))
+    assert code == 0, stderr
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    logged = [_strict_json(line) for line in lines]
+    [step4] = [r for r in logged if r["step"] == 4 and "lr" in r]
+    assert step4["loss"] is None and step4["bpb"] is None
+    assert step4["nonfinite_values"] == {"loss": "NaN", "bpb": "NaN"}
+    assert math.isfinite(step4["grad_norm"])
+    from linattn.train.metrics import read_metrics
+
+    read = dict((r["step"], r) for _, r in read_metrics(run_dir / "metrics.jsonl") if "lr" in r)
+    assert math.isnan(read[4]["loss"]) and "nonfinite_values" not in read[4] and math.isfinite(read[8]["loss"])
+    old = tmp_path / "old.jsonl"
+    old.write_text('{"step": 1, "loss": NaN, "bpb": Infinity}\n')
+    [(_, record)] = read_metrics(old)
+    assert math.isnan(record["loss"]) and record["bpb"] == math.inf
+
+
+def test_a_skipped_final_step_is_an_error_naming_the_final_checkpoint(tmp_path, data, monkeypatch):
+    """In skip mode a final step that is not finite would end the run with exit 0 and a NaN
+    'last training loss': it is an error (exit 3) naming the final checkpoint instead."""
+    run_dir = tmp_path / "run"
+    poison(monkeypatch, {12}, "loss")
+    code, stdout, stderr = run(run_argv(data, run_dir, "--set", "train.max_skipped_steps=1"))
+    assert code == 3, stdout + stderr
+    assert "nan" not in stdout.lower()
+    assert "at the final step, 12, the loss was not finite" in stderr
+    assert str(run_dir / "checkpoints" / "step-00000012") in stderr and "holds the weights of step 11" in stderr
+    assert load_checkpoint(run_dir).step == 12  # written, with the weights of step 11: finite
+
+
+def _overflowing_checkpoint(run_dir: Path) -> Path:
+    """Save, through the checkpoint writer, step 5 of ``run_dir``: its step-4 weights with the final
+    norm's weight at 3e38, finite, but the forward pass overflows to inf and NaN."""
+    checkpoint = load_checkpoint(run_dir)
+    tensors = dict(checkpoint.model)
+    tensors["norm.weight"] = torch.full_like(tensors["norm.weight"], 3e38)
+    meta = {key: value for key, value in checkpoint.meta.items()
+            if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry", "meta_sha256")}
+    return save_checkpoint(run_dir / "checkpoints", step=5, model_tensors=tensors,
+                           optimizer_state=checkpoint.optimizer_state(), rng=checkpoint.rng(),
+                           carries=[checkpoint.carry(0)], meta=meta)
+
+
+def test_eval_and_generate_refuse_a_checkpoint_whose_forward_is_not_finite(tmp_path, data):
+    from linattn.train import load_model
+
+    run_dir = tmp_path / "run"
+    assert run(run_argv(data, run_dir, steps=4))[0] == 0
+    path = _overflowing_checkpoint(run_dir)
+    model, _ = load_model(run_dir)  # finite weights: the readers take it
+    assert not torch.isfinite(model(torch.tensor([[65, 66, 67]]))[0]).all()
+    for argv in (["eval", "--ckpt", str(run_dir), "--no-progress"],
+                 ["eval", "--ckpt", str(run_dir), "--no-progress", "--json"],
+                 ["generate", "--ckpt", str(run_dir), "--temperature", "0", "--max-new-tokens", "4"],
+                 ["generate", "--ckpt", str(run_dir), "--max-new-tokens", "4"]):
+        code, stdout, stderr = run(argv)
+        assert code == 2, (argv, stdout, stderr)
+        assert stderr.startswith("linattn: error:") and stderr.count("\n") == 1, stderr
+        assert str(path) in stderr and "not finite" in stderr, stderr
+        assert "\0" not in stdout and "nan" not in stdout.lower(), stdout
 
 
 def _dead_pid() -> int:

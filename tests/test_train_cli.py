@@ -481,3 +481,93 @@ def test_eval_progress_bar_counts_bytes_on_byte_data_and_tokens_on_shards(traine
         assert main(["eval", "--ckpt", str(run), "--split", "test", "--max-tokens", "100", "--threads", "1"]) == 0
         err = capsys.readouterr().err
         assert "eval test: 100%" in err and unit in err and other not in err, err
+
+
+# ----------------------------------------------------------------------------- one command line
+
+
+def test_set_train_out_and_out_naming_two_folders_is_refused(corpus, tmp_path, capsys):
+    given, other = tmp_path / "given", tmp_path / "set"
+    _fails(capsys, train_argv(corpus, given, steps=1) + ["--set", f"train.out={other}"],
+           f"--set train.out={other} and --out {given} name two run folders")
+    assert not given.exists() and not other.exists()
+    assert main(train_argv(corpus, given, steps=1) + ["--set", f"train.out={given}"]) == 0  # one folder, named twice
+    assert load_checkpoint(given).step == 1
+
+
+# each command that computes, and the arguments it needs besides --threads and --device
+COMPUTING = {"eval": ["--ckpt", "RUN"], "generate": ["--ckpt", "RUN"], "convert": ["--ckpt", "RUN", "--out", "NEW"],
+             "inspect": ["--ckpt", "RUN", "--out", "NEW"], "export": ["--ckpt", "RUN", "--out", "NEW"],
+             "lm-eval": ["run", "--model", "hf"]}
+
+
+@pytest.mark.parametrize("command", sorted(COMPUTING))
+def test_every_computing_command_refuses_a_cuda_device_torch_cannot_see(command, trained, tmp_path, monkeypatch,
+                                                                        capsys):
+    """--threads and --device are taken by every command that computes, and a CUDA device torch
+    cannot use (here: torch.cuda.is_available() made False) is refused before anything runs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    new = tmp_path / "new"
+    needs = [str(trained[0]) if arg == "RUN" else str(new) if arg == "NEW" else arg for arg in COMPUTING[command]]
+    _fails(capsys, [command, "--threads", "1", "--device", "cuda", *needs],
+           "'cuda' requested but torch.cuda.is_available() is False")
+    assert not new.exists()
+
+
+def test_inspect_and_export_apply_their_threads(trained, tmp_path, capsys):
+    try:
+        assert main(["inspect", "--ckpt", str(trained[0]), "--tokens", "32", "--out", str(tmp_path / "inspect"),
+                     "--threads", "3", "--device", "cpu"]) == 0
+        assert torch.get_num_threads() == 3
+        assert main(["export", "--ckpt", str(trained[0]), "--out", str(tmp_path / "hf"), "--threads", "2"]) == 0
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_lm_eval_takes_the_device_once(capsys):
+    _fails(capsys, ["lm-eval", "--device", "cpu", "run", "--model", "hf", "--device", "cpu"],
+           "--device cpu and lm_eval's own --device both name the device")
+
+
+def _parsers(parser, name: str = "linattn"):
+    """``(command, parser)`` for ``parser`` and every subcommand under it."""
+    import argparse
+
+    yield name, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub, subparser in action.choices.items():
+                yield from _parsers(subparser, f"{name} {sub}")
+
+
+def test_the_help_of_every_command_reads_as_plain_text():
+    """Help written as docstrings shows its words, not reStructuredText (``code``, **bold**)."""
+    from linattn.cli import build_parser
+
+    found = {name: parser.format_help() for name, parser in _parsers(build_parser())}
+    assert len(found) > 20 and "linattn convert" in found
+    marked = {name: help_text for name, help_text in found.items() if "``" in help_text or "**" in help_text}
+    assert not marked, sorted(marked)
+    assert "linattn convert: a trained softmax GAU model" in found["linattn convert"]
+
+
+def test_a_tiny_positive_temperature_is_greedy(trained, capsys):
+    """A positive temperature too small to divide the logits by (1e-45) samples the argmax, as
+    temperature 0 does, instead of failing in the sampler."""
+    argv = ["generate", "--ckpt", str(trained[0]), "--prompt", "The ", "--max-new-tokens", "12", "--threads", "1"]
+    assert main(argv + ["--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    for temperature in ("1e-45", "1e-30"):
+        assert main(argv + ["--temperature", temperature, "--seed", "3"]) == 0
+        assert capsys.readouterr().out == greedy
+
+
+def test_a_start_on_shards_that_fails_its_checks_writes_no_tokenizer(token_run, tmp_path, capsys):
+    """A fresh run copies its shards' tokenizer only once every input is checked: a refused
+    evaluation budget leaves no folder that a retry would take for a run (tokenizer.json)."""
+    shards = token_run[0]
+    out = tmp_path / "run"
+    _fails(capsys, train_argv(shards, out, steps=1) + ["--set", "train.eval_tokens=20"], "train.eval_tokens=20")
+    assert not out.exists()
+    assert main(train_argv(shards, out, steps=1)) == 0

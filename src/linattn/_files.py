@@ -14,12 +14,17 @@ def fsync_file(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one."""
+    """Write ``text`` to ``path`` so that a crash leaves either the old file or the new one (a
+    killed writer may leave its temporary ``.NAME.tmp-PID`` beside it; one that fails removes it)."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(text, encoding="utf-8")
-    fsync_file(temporary)
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(text, encoding="utf-8")
+        fsync_file(temporary)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
 
 
 def sha256_file(path: Path) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from collections.abc import Iterator, Sequence
@@ -48,9 +49,36 @@ from .train.divergence import TrainingDiverged
 _COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, doctor, repro_cli)
 
 
+_MARKUP = re.compile(r"``(.+?)``|\*\*(.+?)\*\*", re.DOTALL)
+
+
+def plain_text(text: str) -> str:
+    """``text`` (help written as a docstring) with its reStructuredText markup taken out:
+    ````code```` and ``**bold**`` become their words."""
+    return _MARKUP.sub(lambda match: match.group(1) or match.group(2), text)
+
+
+class _PlainTextHelp(argparse.HelpFormatter):
+    """Descriptions, epilogs and argument help as plain text (``plain_text``)."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return super()._fill_text(plain_text(text), width, indent)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return super()._split_lines(plain_text(text), width)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose help reads as plain text; its subcommands' parsers are too."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _PlainTextHelp)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The full ``linattn`` argument parser."""
-    parser = argparse.ArgumentParser(prog="linattn", description="Linear-time Transformers for PyTorch.")
+    """The full ``linattn`` argument parser (help of every command as plain text)."""
+    parser = _Parser(prog="linattn", description="Linear-time Transformers for PyTorch.")
     parser.add_argument("--version", action="version", version=f"linattn {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for group in _COMMAND_GROUPS:

@@ -17,7 +17,9 @@ learned codebook.
 The converted run is a run folder like any other (``linattn eval``, ``generate``, ``export``)
 holding one checkpoint at the source's step, with the source's data position and a fresh
 optimizer state: ``linattn train --resume --out RUN --steps N`` fine-tunes it (a finished
-source schedule continues at its floor learning rate).
+source schedule continues at its floor learning rate). It is written beside ``--out`` and
+renamed into place (``run_folder.new_run_folder``), so a convert that is killed leaves no
+half-written run there and can be run again.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from .models import LM, LMConfig
 from .models.layers import GAUPair
 from .nn.codebook import kmeans
 from .train.checkpoint import load_model, save_checkpoint
+from .train.cli import add_runtime_flags, apply_threads
 from .train.optim import trainer_adamw
 from .pretrained_run import import_hf_run
-from .train.run_folder import RunLock, check_free_output
+from .train.run_folder import check_free_output, new_run_folder
 from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE, copy_tokenizer
 from ._checks import check_choice, check_int, positive_int
 
@@ -128,20 +131,22 @@ def calibration_ids(data_spec: str, n_tokens: int, context: int, *, cache_dir=No
 
 def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_size: int | None = None,
                 calibration_tokens: int = 65536, kmeans_iters: int = 20, seed: int = 0, command: str = "",
-                echo=print) -> Path:
-    """Convert the run (or checkpoint) ``ckpt`` into a new run folder ``out``; returns its checkpoint."""
+                device: str = "cpu", echo=print) -> Path:
+    """Convert the run (or checkpoint) ``ckpt`` into a new run folder ``out`` (the model runs on
+    ``device``); returns its checkpoint."""
     out = Path(out)
     check_free_output(out, what="convert")
-    source, checkpoint = load_model(ckpt)  # a CheckpointError if its tensors do not match its config
+    source, checkpoint = load_model(ckpt, device)  # a CheckpointError if its tensors do not match its config
     train_config = dict(checkpoint.meta["train_config"])
     context = int(train_config["context"])
-    ids = calibration_ids(train_config["data"], calibration_tokens, context, cache_dir=train_config.get("cache_dir"))
+    ids = calibration_ids(train_config["data"], calibration_tokens, context,
+                          cache_dir=train_config.get("cache_dir")).to(device)
     tokens_per_step = int(train_config["batch_size"]) * context * int(checkpoint.meta.get("world_size", 1))
     model = convert_model(source, ids, to=to, codebook_size=codebook_size, kmeans_iters=kmeans_iters,
                           tokens_per_step=tokens_per_step, seed=seed)
     source_run = checkpoint.path.parent.parent
     meta = {key: value for key, value in checkpoint.meta.items()
-            if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry")}
+            if key not in ("format", "version", "step", "files", "optimizer", "rng", "carry", "threads")}
     meta.update(model_config=model.config.to_dict(), train_config={**train_config, "out": str(out)}, command=command,
                 converted_from={"checkpoint": str(checkpoint.path), "step": checkpoint.step, "to": to,
                                 "codebook_size": model.config.codebook_size, "calibration_tokens": ids.numel(),
@@ -168,13 +173,13 @@ def write_run(out: Path, model: LM, meta: dict, *, step: int, world_size: int, c
     train_config = meta["train_config"]
     optimizer = trainer_adamw(model, lr=float(train_config["lr"]), weight_decay=float(train_config["weight_decay"]),
                               betas=(float(train_config["beta1"]), float(train_config["beta2"])))
-    with RunLock.acquire(out, what="convert", command=command):  # created here, once the conversion has worked
-        check_free_output(out, what="convert", locked=True)
-        add_files(out)
-        return save_checkpoint(out / "checkpoints", step=step, model_tensors=model.state_dict(),
-                               optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
-                               carries=[None] * world_size, meta=meta,
-                               keep=int(train_config.get("keep_checkpoints", 2)))
+    with new_run_folder(out, what="convert") as folder:  # written once the conversion has worked
+        add_files(folder)
+        written = save_checkpoint(folder / "checkpoints", step=step, model_tensors=model.state_dict(),
+                                  optimizer_state=optimizer.state_dict(), rng={"torch": torch.get_rng_state()},
+                                  carries=[None] * world_size, meta=meta,
+                                  keep=int(train_config.get("keep_checkpoints", 2)))
+    return Path(out) / "checkpoints" / written.name
 
 
 def convert_hf(hf_dir: str | Path, out: str | Path, *, data: str | None, overrides: list[str] = (),
@@ -213,11 +218,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="train.KEY=VALUE",
                         help="--to softmax: a training setting of the run (repeatable), e.g. --set train.lr=3e-5")
     parser.add_argument("--out", required=True, type=Path, help="the new run folder")
+    add_runtime_flags(parser, progress=False)
     parser.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    apply_threads(args)
     importing = args.to == IMPORT_TARGET
+    if importing and args.device != "cpu":
+        raise ValueError(f"--device {args.device}: an import (--to softmax) computes nothing, it reads and writes "
+                         "weights on the CPU; leave --device out")
     given = [name for name in (_GAU_OPTIONS if importing else _IMPORT_OPTIONS) if getattr(args, name)
              not in (None, [])]
     if given:
@@ -229,5 +239,5 @@ def _run(args: argparse.Namespace) -> int:
         convert_hf(args.ckpt, args.out, data=args.data, overrides=args.overrides, command=args.command_line)
         return 0
     options = {name: getattr(args, name) for name in _GAU_OPTIONS if getattr(args, name) is not None}
-    convert_run(args.ckpt, args.out, to=args.to, command=args.command_line, **options)
+    convert_run(args.ckpt, args.out, to=args.to, command=args.command_line, device=args.device, **options)
     return 0

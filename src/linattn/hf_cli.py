@@ -9,6 +9,8 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
+from .train.cli import add_runtime_flags, apply_threads
+
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``export`` and ``lm-eval`` to the top-level subcommands."""
@@ -23,6 +25,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "linattn's classes).")
     p.add_argument("--ckpt", required=True, metavar="RUN_DIR", help="run directory or checkpoint folder")
     p.add_argument("--out", required=True, metavar="HF_DIR", help="output directory")
+    add_runtime_flags(p, progress=False)
     p.set_defaults(handler=run_export)
     p = commands.add_parser(
         "lm-eval", help="run lm-evaluation-harness with linattn models registered",
@@ -30,8 +33,10 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "pretrained=HF_DIR` loads an exported linattn model as a causal LM). A linattn model's prefix "
                     "token (what lm_eval conditions an empty context on) defaults to its config's bos_token_id, the "
                     "newline in an export; prefix_token_id=ID in --model_args overrides it. Everything after "
-                    "`lm-eval` goes to lm_eval, e.g. linattn lm-eval run --model hf --model_args pretrained=HF_DIR "
-                    "--tasks TASK --include_path TASK_DIR --device cpu.")
+                    "`lm-eval` and its own --threads and --device goes to lm_eval, e.g. linattn lm-eval --device cpu "
+                    "run --model hf --model_args pretrained=HF_DIR --tasks TASK --include_path TASK_DIR; --device "
+                    "is handed to lm_eval (give it there or here, not both).")
+    add_runtime_flags(p, device=None, progress=False)
     p.add_argument("harness_args", nargs=argparse.REMAINDER, metavar="ARGS", help="lm_eval arguments")
     p.set_defaults(handler=run_lm_eval)
 
@@ -39,18 +44,25 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run_export(args: argparse.Namespace) -> int:
     from .hf.export import export_run
 
-    out = export_run(args.ckpt, args.out)
+    apply_threads(args)
+    out = export_run(args.ckpt, args.out, device=args.device)
     print(f"wrote {out} (load: import linattn.hf; AutoModelForCausalLM.from_pretrained({str(out)!r}), or "
           f"without the import with trust_remote_code=True)")
     return 0
 
 
 def run_lm_eval(args: argparse.Namespace) -> int:
+    harness_args = list(args.harness_args)
+    if args.device is not None:
+        if any(arg == "--device" or arg.startswith("--device=") for arg in harness_args):
+            raise ValueError(f"--device {args.device} and lm_eval's own --device both name the device; give it once")
+        harness_args += ["--device", args.device]
+    apply_threads(args)
     import linattn.hf  # noqa: F401 - registers the linattn Auto classes
     from lm_eval.__main__ import cli_evaluate
 
     saved = sys.argv
-    sys.argv = ["lm_eval", *args.harness_args]
+    sys.argv = ["lm_eval", *harness_args]
     try:
         with _linattn_in_lm_eval():
             cli_evaluate()

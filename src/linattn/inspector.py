@@ -50,6 +50,7 @@ from .nn.quantizer import VectorQuantizer
 from .ops.common.rotary import pairwise_rerope_scores
 from .ops.vq import vq_attention_weights, windowed_weights
 from .train.checkpoint import load_model
+from .train.cli import add_runtime_flags, apply_threads
 from ._checks import positive_int
 
 SPLITS = ("train", "validation", "test")
@@ -148,7 +149,7 @@ class _Recorder:
     def _store(self, kind: str, weights: torch.Tensor) -> None:
         name = self.current[-1]
         self.kinds[name] = kind
-        self.weights[name].append(weights.detach()[0].double())  # first sequence: [H, T, T]
+        self.weights[name].append(weights.detach()[0].double().cpu())  # first sequence: [H, T, T]
 
     def _softmax(self, op):
         def recorded(q, k, v, *, causal=False, scale=None, bias=None, **rest):
@@ -190,7 +191,7 @@ class _Recorder:
                 if state is not None:
                     matrix = state.kv if kind in ("linear", "retnet", "gla") else state.memory  # [B, Hkv, F, Dv]
                     self.kinds[self.current[-1]] = kind
-                    self.states[self.current[-1]] = matrix.detach()[0]
+                    self.states[self.current[-1]] = matrix.detach()[0].cpu()
                 return out, state
             return recorded
         return wrap
@@ -206,7 +207,8 @@ def _exact_weights(q, k, scale, window: int | None, rerope: int | None = None, b
     else:
         scores = pairwise_rerope_scores(q.double(), keys, 0, 0, rerope, 10000.0 if base is None else base)
     scores = scores * (D ** -0.5 if scale is None else scale)
-    offsets = torch.arange(T)[:, None] - torch.arange(T)[None, :]
+    positions = torch.arange(T, device=q.device)
+    offsets = positions[:, None] - positions[None, :]
     hidden = offsets < 0 if window is None else (offsets < 0) | (offsets >= window)
     return torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
 
@@ -332,6 +334,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens read in one pass (probabilities are materialised: T x T per head)")
     parser.add_argument("--data", help="the data to read (default: the run's)")
     parser.add_argument("--out", type=Path, required=True)
+    add_runtime_flags(parser, progress=False)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -343,7 +346,8 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    model, checkpoint = load_model(args.ckpt)
+    apply_threads(args)
+    model, checkpoint = load_model(args.ckpt, args.device)
     train_config = checkpoint.meta["train_config"]
     data = open_data(args.data or train_config["data"], cache_dir=train_config.get("cache_dir"))
     split = data.tokens(args.split)
@@ -351,12 +355,12 @@ def run_command(args: argparse.Namespace) -> int:
     if tokens.numel() < 2:
         raise ValueError(f"inspecting needs 2 tokens; --tokens {args.tokens} of the {args.split} split "
                          f"({split.numel()} tokens) gives {tokens.numel()}")
-    entries = inspect_model(model, tokens.unsqueeze(0))
+    entries = inspect_model(model, tokens.unsqueeze(0).to(args.device))
     args.out.mkdir(parents=True, exist_ok=True)
     header = (f"# linattn inspect\n\n`{args.command_line}`\n\n{checkpoint.path} (step {checkpoint.step}), "
               f"{tokens.numel()} tokens of the {args.split} split in one pass")
     text = markdown(entries, header)
-    metadata = reporting.collect_metadata(device="cpu", command=args.command_line,
+    metadata = reporting.collect_metadata(device=args.device, command=args.command_line,
                                           shapes={"tokens": tokens.numel(), "split": args.split})
     reporting.write_json(args.out / "inspect.json", rows=entries, metadata=metadata, summary={})
     reporting.write_markdown(args.out / "inspect.md", text)

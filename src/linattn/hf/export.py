@@ -100,14 +100,14 @@ def _start_token(tokenizer: PreTrainedTokenizerFast) -> dict:
     return {"bos_token_id": ids[0]} if len(ids) == 1 else {}
 
 
-def export_run(ckpt: str | Path, out: str | Path) -> Path:
+def export_run(ckpt: str | Path, out: str | Path, *, device: str = "cpu") -> Path:
     """``linattn export``: the model of a training run (a run directory or one checkpoint
     folder, its latest complete checkpoint) with the run's tokenizer -> a Hugging Face
-    directory at ``out``."""
+    directory at ``out`` (the model is loaded and converted on ``device``)."""
     from ..train.checkpoint import load_model
     from ..train.run_folder import check_free_output
     from ..train.run_tokenizer import load_run_tokenizer
 
     check_free_output(out, what="export")
-    lm, checkpoint = load_model(ckpt)
+    lm, checkpoint = load_model(ckpt, device)
     return save_pretrained_lm(lm, out, tokenizer=load_run_tokenizer(checkpoint))

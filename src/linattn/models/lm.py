@@ -20,7 +20,7 @@ from .config import LMConfig
 from .pretrained import hf_lm_config, read_config_file
 from .pretrained_weights import FLOAT_DTYPES, lm_state_dict, read_hf_tensors
 from .layers import layer_kind
-from .sampling import sample_next
+from .sampling import NO_TOKEN, NonFiniteLogits, sample_next
 
 
 class LM(nn.Module):
@@ -273,7 +273,10 @@ class LM(nn.Module):
         FAVOR, delta, local) and grows only for exact softmax's KV cache, which is allocated
         once after the prompt for all the tokens to come (``ops/softmax/kv_cache.py``). ``temperature=0`` is
         greedy; ``top_k``/``top_p`` filter before sampling; ``seed`` makes it reproducible.
-        The model is in eval mode while generating (no codebook statistics).
+        The model is in eval mode while generating (no codebook statistics). Logits that are
+        not finite (a forward pass that overflowed) give no token: a ``[T]`` prompt raises
+        ``NonFiniteLogits`` (a ValueError) there; a ``[B, T]`` prompt, which reads nothing on
+        the host, yields ``-1`` in that row instead of a token (``sampling.NO_TOKEN``).
 
         Every argument is checked here, when ``generate`` is called, before the prompt is run
         and before the first token is asked for (the returned iterator does the work).
@@ -308,9 +311,15 @@ class LM(nn.Module):
             state = kv_cache.reserve(state, max_new_tokens - 1)  # exact softmax caches: room for every fed token
             for produced in range(1, max_new_tokens + 1):
                 token = sample_next(logits[:, -1], generator=generator, **sampling)
-                yield int(token[0]) if single else token
+                if not single:
+                    yield token
+                elif int(token[0]) == NO_TOKEN:
+                    raise NonFiniteLogits(f"the logits of generated token {produced} are not finite (NaN or inf): "
+                                          f"the model's forward pass overflowed")
+                else:
+                    yield int(token[0])
                 if produced < max_new_tokens:  # the last token's logits would go unused
-                    logits, state, _ = self._run(token.unsqueeze(1), state, with_aux=False)
+                    logits, state, _ = self._run(token.clamp_min(0).unsqueeze(1), state, with_aux=False)
         finally:
             self.train(was_training)
 

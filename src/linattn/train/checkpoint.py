@@ -14,7 +14,11 @@ A checkpoint is a folder ``<run>/checkpoints/step-00000100/`` holding
 It is written into a temporary folder and renamed into place, then ``checkpoints/latest``
 is replaced atomically, so a crash leaves either the old or the new checkpoint, never a
 half one; ``latest`` never names a folder that is not complete (a step saved again is
-swapped in while ``latest`` names a hard-linked copy of the old one). Loading never
+swapped in while ``latest`` names a hard-linked copy of the old one). ``latest`` holds the
+name of a folder beside it and nothing else: a path (``../other-run/...``), or a name that is
+a symbolic link, would continue or evaluate another run's checkpoint in this run's name,
+and is refused, as is a ``step-*`` symbolic link selected by ``--from``; the fallbacks skip
+such links. Loading never
 unpickles: it checks sizes and hashes first, so a truncated, edited or foreign file is a
 ``CheckpointError`` that says what is wrong.
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,6 +193,10 @@ def save_checkpoint(
     return final
 
 
+class NoCheckpointError(CheckpointError):
+    """A run folder without any checkpoint to resume from."""
+
+
 class CheckpointWriteError(CheckpointError):
     """A checkpoint that could not be written (a full disk, an I/O error, no permission);
     the previous checkpoints and ``latest`` are as they were."""
@@ -211,6 +220,36 @@ def _latest_name(root: Path) -> str | None:
     return pointer.read_text(encoding="utf-8").strip() if pointer.is_file() else None
 
 
+_OWN_FOLDER = re.compile(r"^(?:step-\d+|\.old-step-\d+-\d+)$")  # what ``latest`` may name
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """The ``step-*`` folders of ``root`` (symbolic links left out), oldest first."""
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.is_symlink())
+
+
+def _refuse_link(folder: Path, named_by: str) -> None:
+    """``CheckpointError`` if ``folder`` (``named_by`` says what named it) is a symbolic link."""
+    if folder.is_symlink():
+        raise CheckpointError(f"{named_by} names {folder.name}, a symbolic link to {os.readlink(folder)}: a "
+                              f"checkpoint of another run is not this run's; a run continues and is evaluated from "
+                              f"its own step-* folders only (to use that checkpoint, name it: --ckpt or --from PATH)")
+
+
+def latest_folder(root: Path) -> Path:
+    """The folder ``root/latest`` names: a ``step-*`` folder (or the ``.old-step-*`` copy a
+    save keeps) directly in ``root``, not a symbolic link; else ``CheckpointError`` naming
+    ``latest`` and what it points to."""
+    pointer = root / "latest"
+    name = pointer.read_text(encoding="utf-8").strip()
+    if not _OWN_FOLDER.match(name):
+        raise CheckpointError(f"{pointer} names {name!r}, which is not a step-* folder of this run's {root}: latest "
+                              f"may only hold the name of a checkpoint folder beside it, never a path (it would "
+                              f"continue or evaluate another run's checkpoint in this run's name)")
+    _refuse_link(root / name, str(pointer))
+    return root / name
+
+
 def _link_or_copy(source: str, destination: str) -> None:
     try:
         os.link(source, destination)
@@ -232,7 +271,7 @@ def _remove_keeping_latest_complete(root: Path, folder: Path) -> None:
 def _prune(root: Path, keep: int) -> None:
     """Keep the newest ``keep`` step folders, and no ``.old-*`` copy that ``latest`` does not name.
     Never removed: the folder ``latest`` names and the newest complete one (with its meta.json)."""
-    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    steps = _step_folders(root)
     latest = _latest_name(root)
     complete = [p for p in steps if (p / "meta.json").is_file()]
     protected = {latest, complete[-1].name if complete else None}
@@ -283,7 +322,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for root in (path / "checkpoints", path):
         pointer = root / "latest"
         if pointer.is_file():
-            target = root / pointer.read_text(encoding="utf-8").strip()
+            target = latest_folder(root)
             if not (target / "meta.json").is_file():
                 raise CheckpointError(f"{pointer} names {target.name}, which is not a complete checkpoint")
             return target
@@ -332,7 +371,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 def _usable_checkpoints(root: Path, skip: Path | None = None) -> list[Checkpoint]:
     """The complete, verified ``step-*`` checkpoints under ``root``, newest first."""
     usable = []
-    for folder in sorted((p for p in root.glob("step-*") if p.is_dir()), reverse=True):
+    for folder in reversed(_step_folders(root)):
         if skip is not None and folder.resolve() == skip.resolve():
             continue
         try:
@@ -357,6 +396,7 @@ def find_resume_checkpoint(run_dir: str | Path, select: int | str | Path | None 
     if select is not None:
         if is_int(select):
             folder = root / step_name(select)
+            _refuse_link(folder, f"--from {select}")
             if not folder.is_dir():
                 steps = ", ".join(str(c.step) for c in reversed(_usable_checkpoints(root))) or "none"
                 raise CheckpointError(f"{folder} does not exist; the usable checkpoints of {run_dir} are at steps "
@@ -366,15 +406,15 @@ def find_resume_checkpoint(run_dir: str | Path, select: int | str | Path | None 
     if not (root / "latest").is_file():
         usable = _usable_checkpoints(root) if root.is_dir() else []
         if not usable:
-            raise CheckpointError(f"{run_dir} holds no checkpoint to resume (no {root / 'latest'} and no complete "
-                                  "step-* folder)")
+            raise NoCheckpointError(f"{run_dir} holds no checkpoint to resume (no {root / 'latest'} and no complete "
+                                    "step-* folder)")
         echo(f"{root / 'latest'} is missing; resuming from the newest complete checkpoint, {usable[0].path.name}")
         return usable[0]
     try:
         return load_checkpoint(root)
     except CheckpointError as error:
         named = root / (root / "latest").read_text(encoding="utf-8").strip()
-        usable = _usable_checkpoints(root, skip=named)
+        usable = _usable_checkpoints(root, skip=None if named.parent != root else named)
         if not usable:
             raise
         steps = ", ".join(f"{c.path.name} (step {c.step})" for c in usable)

@@ -1,7 +1,8 @@
 """``linattn train``, ``linattn eval``, ``linattn generate`` and ``linattn plot``.
 
 Configuration precedence for ``train``: defaults < ``--config FILE.toml`` ([model] and
-[train] tables) < the named flags < ``--set table.key=value``. ``--resume`` takes the
+[train] tables) < the named flags < ``--set table.key=value``; ``--out`` names the run folder
+(``train.out``), and a ``--set train.out`` that names another is refused. ``--resume`` takes the
 configuration from the run's latest checkpoint. With a shard folder as ``--data``,
 ``model.vocab_size`` is the tokenizer's (an explicit different value is an error).
 
@@ -22,12 +23,13 @@ import torch
 from tqdm import tqdm
 
 from .._checks import non_negative_int as _non_negative_int
-from .._checks import device_name
+from .._checks import available_device_name, device_name
 from .._checks import non_negative_float as _non_negative_float, positive_fraction as _positive_fraction
 from .._checks import positive_float as _positive_float, positive_int as _positive_int
 from ..data import (bits_per_byte, check_vocabulary, data_fingerprint, data_vocab_size, evaluated_bytes,
                     fingerprint_changes, open_data)
 from ..models.layers import layer_spec_help
+from ..models.sampling import NonFiniteLogits
 from .checkpoint import Checkpoint, load_model
 from .config import TrainConfig, build_configs, load_run_file, parse_override
 from .evaluate import check_evaluation_fits, evaluate_bpb
@@ -46,9 +48,23 @@ _TRAIN_FLAGS = {
 }
 
 
-def _add_runtime(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+def add_runtime_flags(parser: argparse.ArgumentParser, *, device: str | None = "cpu", progress: bool = True) -> None:
+    """The runtime flags of a command that computes: ``--threads`` (torch CPU threads; apply
+    them with ``apply_threads``), ``--device`` (default ``device``; a CUDA device only where
+    torch sees one, so an unusable one is refused before anything runs) and, with
+    ``progress``, ``--no-progress``."""
+    parser.add_argument("--threads", type=_positive_int, default=None,
+                        help="torch CPU threads (default: torch's, usually one per core)")
+    parser.add_argument("--device", type=available_device_name, default=device,
+                        help="cpu, cuda or cuda:N" + (f" (default: {device})" if device else ""))
+    if progress:
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """``torch.set_num_threads(args.threads)`` when ``--threads`` was given."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -104,7 +120,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--accept-new-data", dest="accept_new_data", action="store_true",
                    help="with --resume: continue although the run's data changed since the checkpoint (by default "
                         "changed, moved or missing data is refused)")
-    _add_runtime(p)
+    p.add_argument("--threads", type=_positive_int, default=None,
+                   help="torch CPU threads (default: torch's; with --resume: the run's); results are bit-exact for "
+                        "a fixed count")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run_train)
 
     p = commands.add_parser("eval", help="bits per byte of a checkpoint on a split",
@@ -127,9 +146,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--accept-new-data", dest="accept_new_data", action="store_true",
                    help="without --data: evaluate although the run's data changed since the checkpoint")
     p.add_argument("--cache-dir", metavar="DIR")
-    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    _add_runtime(p)
+    add_runtime_flags(p)
     p.set_defaults(handler=run_eval)
 
     p = commands.add_parser("generate", help="stream text from a checkpoint",
@@ -142,8 +160,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=_positive_int)
     p.add_argument("--top-p", type=_positive_fraction, help="nucleus mass in (0, 1]")
     p.add_argument("--seed", type=_non_negative_int, default=0)
-    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N")
-    _add_runtime(p)
+    add_runtime_flags(p)
     p.set_defaults(handler=run_generate)
 
     p = commands.add_parser("plot", help="plot training loss and validation bpb of runs",
@@ -163,6 +180,8 @@ def _train_values(args: argparse.Namespace) -> tuple[dict, dict]:
             tables[table][key] = value
     for text in args.overrides:
         table, key, value = parse_override(text)
+        if (table, key) == ("train", "out") and args.out is not None and Path(str(value)) != Path(args.out):
+            raise ValueError(f"--set train.out={value} and --out {args.out} name two run folders; give one of them")
         tables[table][key] = value
     if args.threads is not None:
         train_values["threads"] = args.threads
@@ -184,12 +203,10 @@ def run_train(args: argparse.Namespace) -> int:
                              f"drop {', '.join(given)}")
         if args.overwrite:
             raise ValueError("--overwrite starts a new run in place of the old one; drop it to --resume the run")
-        if args.threads is not None:
-            torch.set_num_threads(args.threads)
         resume_from = int(args.resume_from) if args.resume_from and args.resume_from.isdigit() else args.resume_from
         summary = train(None, None, resume=True, resume_from=resume_from, steps=args.steps, out=args.out,
                         progress=progress, command=args.command_line, accept_new_data=args.accept_new_data,
-                        parallel=args.parallel)
+                        parallel=args.parallel, threads=args.threads)
     else:
         if args.resume_from is not None:
             raise ValueError("--from selects the checkpoint of --resume; add --resume")
@@ -230,8 +247,7 @@ def _vocab_from_data(model_values: dict, data: str) -> None:
 
 def _load(args: argparse.Namespace):
     """Apply ``--threads`` and load ``--ckpt`` on ``--device`` -> ``(model, checkpoint)``."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     return load_model(args.ckpt, args.device)
 
 
@@ -279,6 +295,10 @@ def run_eval(args: argparse.Namespace) -> int:
     with tqdm(total=total, disable=args.no_progress, desc=f"eval {args.split}", unit=unit, unit_scale=True) as bar:
         result = evaluate_bpb(model, tokens, context=context, batch_size=args.batch_size, max_tokens=args.max_tokens,
                               carry_state=not args.no_carry, reset_every=args.reset_every, progress=bar)
+    if not math.isfinite(result["bpb"]):
+        raise ValueError(f"eval: {checkpoint.path} gives a loss that is not finite on the {args.split} split "
+                         f"({result['bpb']} bits): its forward pass overflows to NaN or inf although its weights are "
+                         f"finite; use an earlier checkpoint of the run (a step-* folder of {checkpoint.path.parent})")
     record = {"split": args.split, "bpb": result["bpb"], "tokens": result["tokens"], "context": context,
               "batch_size": args.batch_size, "carry_state": not args.no_carry, "reset_every": args.reset_every,
               "step": checkpoint.step, "checkpoint": str(checkpoint.path)}
@@ -305,11 +325,17 @@ def run_generate(args: argparse.Namespace) -> int:
     if prompt.numel() == 0:
         raise ValueError("--prompt must not be empty (give at least one character, e.g. a newline)")
     decoder = tokenizer.stream_decoder()
+    tokens = model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
     sys.stdout.write(args.prompt)
-    for token in model.generate(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed):
-        sys.stdout.write(decoder.feed(token))
-        sys.stdout.flush()
+    try:
+        for token in tokens:
+            sys.stdout.write(decoder.feed(token))
+            sys.stdout.flush()
+    except NonFiniteLogits as error:
+        sys.stdout.write("\n")
+        raise ValueError(f"generate: {checkpoint.path}: {error} although its weights are finite; use an earlier "
+                         f"checkpoint of the run (a step-* folder of {checkpoint.path.parent})") from None
     sys.stdout.write(decoder.flush() + "\n")
     return 0
 

@@ -118,3 +118,16 @@ def diverged_message(step: int, what: list[str], *, last_step: int, last_checkpo
                 "inf): check the model settings (e.g. model.rotary_base, model.init_std)")
     return (f"training diverged: {happened}, and {saved}. Start a new run with a lower train.lr (or a longer "
             f"train.warmup_steps), or let the run skip such steps with --set train.max_skipped_steps=N")
+
+
+def skipped_last_message(step: int, what: list[str], *, skipped: int, checkpoint, run_dir: str) -> str:
+    """The error of a run (skip mode) whose final step ``step`` was not finite and so skipped,
+    the last ``skipped`` steps in a row: the run has no finite final loss; ``checkpoint``, the
+    final one, holds the weights of the last step that was applied."""
+    names = " and ".join(what)
+    verb = "were" if len(what) > 1 else "was"
+    return (f"training ended on a step that was not finite: at the final step, {step}, the {names} {verb} not "
+            f"finite (NaN or inf), so the last {skipped} step(s) were skipped (train.max_skipped_steps) and the run "
+            f"has no finite final loss; the final checkpoint {checkpoint} holds the weights of step "
+            f"{step - skipped}. Train on past it with linattn train --resume --out {run_dir} --steps N (N > {step}), "
+            f"or start a new run with a lower train.lr")

@@ -9,11 +9,18 @@ shards) against the step. One line per run in both, labelled with the run folder
 
 from __future__ import annotations
 
-import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..reporting import pyplot, save_figure
+from .metrics import read_metrics
+from .run_folder import METRICS_FILE
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 @dataclass
@@ -28,20 +35,16 @@ class RunCurves:
     validation_bpb: list[float]
 
 
-def read_curves(run_dir: str | Path, label: str | None = None) -> RunCurves:
-    """The curves in ``run_dir/metrics.jsonl`` (a ``ValueError`` names a missing or unreadable file)."""
+def read_curves(run_dir: str | Path, label: str | None = None, *,
+                echo: Callable[[str], None] = _to_stderr) -> RunCurves:
+    """The curves in ``run_dir/metrics.jsonl``: a ``ValueError`` names a missing file, or a line
+    that is not a record (``metrics.read_metrics``; ``echo`` notes a last line cut short)."""
     run_dir = Path(run_dir)
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"run: {run_dir} has no metrics.jsonl; expected a folder written by linattn train --out")
     curves = RunCurves(label or run_dir.name, [], [], [], [])
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"run: line {number} of {path} is not JSON ({error})") from None
+    for _, record in read_metrics(path, echo=echo):
         if record.get("split") == "validation":
             curves.validation_steps.append(record["step"])
             curves.validation_bpb.append(record["bpb"])

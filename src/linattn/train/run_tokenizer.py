@@ -36,11 +36,10 @@ def copy_tokenizer(data, run_dir: str | Path) -> None:
     write_text_atomic(run_dir / DATA_META_FILE, json.dumps({"folder": str(data.folder), **data.meta}, indent=1))
 
 
-def setup_run_tokenizer(data, vocab_size: int, checkpoint: Checkpoint | None, run_dir: str | Path, *,
-                        write: bool) -> dict[str, Any]:
+def check_run_tokenizer(data, vocab_size: int, checkpoint: Checkpoint | None) -> dict[str, Any]:
     """Check that ``data`` fits the model (``vocab_size``) and, when resuming, that it is
-    tokenized as the checkpoint recorded; copy the tokenizer into a fresh run when
-    ``write``. Returns the record each checkpoint stores.
+    tokenized as the checkpoint recorded. Returns the record each checkpoint stores (a fresh
+    run copies the tokenizer itself, ``copy_tokenizer``, once all its inputs are checked).
 
     Shard data needs ``vocab_size`` equal to its tokenizer's (``linattn train`` sets it) in a
     fresh run, and at least as large when resuming (a run imported from a Hugging Face
@@ -54,8 +53,6 @@ def setup_run_tokenizer(data, vocab_size: int, checkpoint: Checkpoint | None, ru
                          f"(linattn train then takes it from the data)")
     if checkpoint is not None:
         check_same_tokenizer(checkpoint.meta.get("tokenizer"), data, what="--resume")
-    elif write:
-        copy_tokenizer(data, run_dir)
     return data.tokenizer_record()
 
 

@@ -5,7 +5,6 @@ shard folder (``data.open_shards``) or a byte corpus."""
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import time
@@ -24,16 +23,17 @@ from ..data import (TokenStreams, bits_per_byte, check_vocabulary, data_fingerpr
                     fingerprint_changes, load_corpus, open_shards)
 from ..models import LM, LMConfig
 from . import distributed, parallel, resharding
-from .checkpoint import Checkpoint, find_resume_checkpoint, nonfinite_tensors, save_checkpoint
+from .checkpoint import Checkpoint, NoCheckpointError, find_resume_checkpoint, nonfinite_tensors, save_checkpoint
 from .compiling import CompiledLayers
 from .config import TrainConfig
-from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message
+from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message, skipped_last_message
 from .evaluate import check_evaluation_fits, evaluate_bpb
+from .metrics import MetricsLog
 from .microbatch import join_states, split_rows, split_state
 from .optim import as_fused_state, trainer_adamw
 from .parallel import check_launched
-from .run_folder import RunFolderError, claim_run_folder
-from .run_tokenizer import setup_run_tokenizer
+from .run_folder import METRICS_FILE, RunFolderError, claim_run_folder, start_instead
+from .run_tokenizer import check_run_tokenizer, copy_tokenizer
 from .schedule import learning_rate
 
 
@@ -58,49 +58,6 @@ class _StopRequest:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-
-
-class _Metrics:
-    """Rank 0's JSONL log: one JSON object per line, flushed as written (and mirrored to
-    TensorBoard with ``tensorboard``)."""
-
-    def __init__(self, path: Path, enabled: bool, resume_step: int | None, tensorboard: bool = False):
-        self.path, self.enabled, self.scalars = path, enabled, None
-        if not enabled:
-            return
-        if tensorboard:
-            from .tensorboard import TensorBoardScalars
-
-            purge = None if resume_step is None else resume_step + 1
-            self.scalars = TensorBoardScalars(path.parent / "tensorboard", purge_step=purge)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if resume_step is None:
-                path.write_text("", encoding="utf-8")
-            elif path.exists():  # drop what the interrupted run logged after its last checkpoint
-                kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-                        if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-                path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        except OSError as error:
-            raise self._failed(error) from None
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self.enabled:
-            try:
-                with open(self.path, "a", encoding="utf-8") as handle:
-                    handle.write(json.dumps(record) + "\n")
-            except OSError as error:
-                raise self._failed(error) from None
-            if self.scalars is not None:
-                self.scalars.write(record)
-
-    def close(self) -> None:
-        if self.scalars is not None:
-            self.scalars.close()
-
-    def _failed(self, error: OSError) -> ValueError:
-        return ValueError(f"cannot write {self.path}: {error}; the run's checkpoints are as they were: free space "
-                          f"or fix the permissions, then continue with linattn train --resume --out {self.path.parent}")
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -262,6 +219,7 @@ def train(
     echo=print,
     accept_new_data: bool = False,
     parallel: str | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
@@ -291,6 +249,12 @@ def train(
     batch evenly, and under either strategy (``parallel``: ``"ddp"`` or ``"fsdp"``, default
     the checkpoint's): the per-process batch and the carried states are re-cut, the streams
     stay those of the global batch (``train/resharding.py``).
+
+    ``threads`` (with ``resume``): the torch CPU threads to continue with (default: the run's
+    ``train.threads``). Each checkpoint records the thread count it was trained at; a resume
+    on the CPU at another count says (one line) that the run stays correct but is no longer
+    bit-identical to an uninterrupted one. A start that fails before it wrote anything
+    leaves the run folder as it found it (``RunLock.release(discard=True)``).
     """
     if resume and out is None:
         raise ValueError("resume needs the run folder (--out)")
@@ -318,24 +282,33 @@ def train(
     try:
         return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
                               steps=steps, progress=progress, command=command, echo=echo,
-                              accept_new_data=accept_new_data, strategy=parallel)
+                              accept_new_data=accept_new_data, strategy=parallel, threads=threads)
+    except BaseException:
+        if claim is not None:
+            claim.release(discard=True)  # removes the lock's files if nothing else was written
+        raise
     finally:
         if claim is not None:
             claim.release()
 
 
 def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
-                   echo, accept_new_data, strategy=None) -> dict[str, Any]:
+                   echo, accept_new_data, strategy=None, threads=None) -> dict[str, Any]:
     """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
     out = run_dir
     if resume:
-        checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
+        try:
+            checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
+        except NoCheckpointError as error:
+            raise NoCheckpointError(f"{error}; {start_instead(out)}") from None
         model_config = LMConfig.from_saved(checkpoint.meta["model_config"])
         written_by, world_size = resharding.written_world_size(checkpoint), distributed.env_world_size()
         train_values = resharding.resharded_train_values({**checkpoint.meta["train_config"], "out": str(out)},
                                                          written_by, world_size)
         if strategy is not None:
             train_values["parallel"] = strategy
+        if threads is not None:
+            train_values["threads"] = threads
         if steps is not None:
             if not is_int(steps) or steps <= checkpoint.step:
                 raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
@@ -351,6 +324,8 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
 
     if train_config.threads is not None:
         torch.set_num_threads(train_config.threads)
+    if checkpoint is not None and checkpoint.step < train_config.steps:
+        _note_other_threads(checkpoint, train_config, echo)
     context = distributed.setup(train_config.device)
     try:
         if distributed.broadcast_flag(refusal is not None, context):
@@ -360,6 +335,17 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
                           accept_new_data)
     finally:
         distributed.teardown(context)
+
+
+def _note_other_threads(checkpoint: Checkpoint, train_config: TrainConfig, echo: Callable[[str], None]) -> None:
+    """Say (one line) when a CPU run resumes at another torch thread count than ``checkpoint``
+    recorded (checkpoints written before the count was recorded say nothing)."""
+    recorded, now = checkpoint.meta.get("threads"), torch.get_num_threads()
+    if recorded is None or recorded == now or torch.device(train_config.device).type != "cpu":
+        return
+    echo(f"warning: resuming at {now} torch threads, but {checkpoint.path} was trained at {recorded}: the results "
+         f"stay correct but are no longer bit-identical to an uninterrupted run (resume with --threads {recorded} "
+         f"to keep them so)")
 
 
 def _train(model_config, train_config, checkpoint, context, progress, command, echo,
@@ -392,7 +378,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                               cfg.grad_accum_steps)
 
     data, data_spec, fingerprint = _load_data(cfg, context, checkpoint, accept_new_data=accept_new_data, echo=echo)
-    tokenizer = setup_run_tokenizer(data, model_config.vocab_size, checkpoint, run_dir, write=context.is_main)
+    tokenizer = check_run_tokenizer(data, model_config.vocab_size, checkpoint)
     byte_tokens = tokenizer.get("sha256") is None  # else bits per token are converted to bits per byte
     check_vocabulary(data, ("train", "validation") if cfg.eval_every else ("train",), model_config.vocab_size,
                      spec=cfg.data)
@@ -406,8 +392,10 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
         validation_bytes = evaluated_bytes(data, validation[:cfg.eval_tokens], context=cfg.context,
                                            n_streams=cfg.eval_batch_size * context.world_size)
     tokens_per_step = cfg.batch_size * cfg.context * context.world_size
-    metrics = _Metrics(run_dir / "metrics.jsonl", context.is_main, start_step if checkpoint else None,
-                       tensorboard=cfg.tensorboard)
+    if context.is_main and checkpoint is None:  # the inputs are checked: the run's first files
+        copy_tokenizer(data, run_dir)
+    metrics = MetricsLog(run_dir / METRICS_FILE, context.is_main, start_step if checkpoint else None,
+                         tensorboard=cfg.tensorboard, echo=echo)
     if context.is_main and checkpoint is None:
         unit = "bytes" if byte_tokens else f"tokens of a {data.vocab_size}-token vocabulary"
         echo(f"model: {model_config.attention} x {model_config.n_layers} layers, d_model {model_config.d_model}, "
@@ -460,7 +448,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                      "streams": cfg.batch_size * context.world_size},
             "data_fingerprint": fingerprint,
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
-            "torch_version": torch.__version__, "command": command,
+            "torch_version": torch.__version__, "command": command, "threads": torch.get_num_threads(),
         }
         path = save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
                                optimizer_state=optimizer_state, rng=_rng_state(device),
@@ -547,6 +535,11 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
                     if not (logging or evaluating):
                         check_guard(step)
                     path = save(step, carries)
+                    if step == cfg.steps and guard.max_skipped and guard.consecutive:  # the final step was skipped
+                        raise TrainingDiverged(
+                            skipped_last_message(step, guard.what(), skipped=guard.consecutive, checkpoint=path,
+                                                 run_dir=str(run_dir)),
+                            step=step, what=guard.what(), last_checkpoint=None if path is None else str(path))
                     if stopping:
                         summary["interrupted"] = stop.signal_name or "signal on another rank"
                         if context.is_main:
