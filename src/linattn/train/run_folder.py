@@ -5,7 +5,8 @@ A run folder (``linattn train --out R``) is claimed before anything is written t
 - **Lock.** The writer holds an exclusive OS lock on the folder itself for as long as it
   runs: ``fcntl.flock`` on the folder's own directory descriptor (on Windows, where a folder
   cannot be locked, ``msvcrt.locking`` on ``R/.lock``, a file Windows does not let anyone
-  delete while it is open). Nothing a second writer or a clean-up can delete defeats it, and
+  delete while it is open; and on a filesystem that cannot lock a folder, such as NFS, where
+  deleting it would let a second writer in). Elsewhere nothing a clean-up can delete defeats it, and
   the kernel releases it when the process ends, however it ends, so a crash never leaves a
   stale lock. ``R/.lock`` describes the holder (its PID and command) for a second writer's
   error; deleting it only loses that description (on Linux the holder is then found in
