@@ -32,6 +32,7 @@ from linattn.train import trainer as trainer_module
 from linattn.train.checkpoint import find_resume_checkpoint, save_checkpoint
 from linattn.train.config import parse_override
 from linattn.train.distributed import Context
+from linattn.train.metrics import MetricsLog
 from _helpers import english_like, record_state_resets
 
 torch.set_num_threads(1)
@@ -278,17 +279,18 @@ def test_stop_request_puts_the_previous_signal_handlers_back():
 
 def test_resumed_metrics_keep_only_what_was_logged_up_to_the_checkpoint(tmp_path):
     path = tmp_path / "metrics.jsonl"
+    """(A line without a step is an error: tests/test_resume_checks.py.) Blank lines are left out."""
     records = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "split": "validation", "bpb": 6.0},
-               {"note": "no step"}, {"step": 3, "loss": 3.0}, {"step": 4, "loss": 2.0}, {"step": 3, "loss": 9.0}]
+               {"step": 3, "loss": 3.0}, {"step": 4, "loss": 2.0}, {"step": 3, "loss": 9.0}]
     lines = [json.dumps(r) for r in records]
     path.write_text("\n".join(lines[:3]) + "\n\n   \n" + "\n".join(lines[3:]) + "\n")
-    trainer_module._Metrics(path, enabled=True, resume_step=2)
+    MetricsLog(path, enabled=True, resume_step=2)
     kept = path.read_text()
     assert kept.endswith("\n") and [json.loads(line) for line in kept.splitlines()] == [
-        r for r in records if r.get("step", 0) <= 2]
-    trainer_module._Metrics(path, enabled=False, resume_step=None)  # another rank: leaves the file alone
+        r for r in records if r["step"] <= 2]
+    MetricsLog(path, enabled=False, resume_step=None)  # another rank: leaves the file alone
     assert path.read_text() == kept
-    trainer_module._Metrics(path, enabled=True, resume_step=None)  # a fresh run starts an empty log
+    MetricsLog(path, enabled=True, resume_step=None)  # a fresh run starts an empty log
     assert path.read_text() == ""
 
 
@@ -596,13 +598,13 @@ def test_metrics_mirror_to_tensorboard_only_when_asked_and_a_resume_purges_the_l
 
     run = tmp_path / "runs" / "run"
     path = run / "metrics.jsonl"
-    trainer_module._Metrics(path, enabled=True, resume_step=None).close()
+    MetricsLog(path, enabled=True, resume_step=None).close()
     assert path.read_text() == "" and sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
-    metrics_log = trainer_module._Metrics(path, enabled=True, resume_step=None, tensorboard=True)
+    metrics_log = MetricsLog(path, enabled=True, resume_step=None, tensorboard=True)
     for step in (1, 2, 3, 4):
         metrics_log.write({"step": step, "loss": float(step)})
     metrics_log.close()
-    resumed = trainer_module._Metrics(path, enabled=True, resume_step=2, tensorboard=True)
+    resumed = MetricsLog(path, enabled=True, resume_step=2, tensorboard=True)
     resumed.write({"step": 3, "loss": 30.0})
     resumed.close()
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3]
