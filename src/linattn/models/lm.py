@@ -309,7 +309,7 @@ def _state_settings(config: LMConfig) -> tuple[tuple[str, object], ...]:
         ("d_model", config.d_model),
         ("n_heads", config.n_heads),
         ("n_kv_heads", config.n_kv_heads or config.n_heads),
-        ("head_dim", config.head_dim or config.d_model // config.n_heads),
+        ("head_dim", config.head_dim or (config.d_model // config.n_heads if config.n_heads else None)),
         ("local_window", config.local_window),
         ("favor_features", config.favor_features),
         ("feature_seed", config.feature_seed),
