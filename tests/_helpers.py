@@ -13,8 +13,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from linattn import feature_maps as fm
+from linattn.models import uses_heads
+from linattn.models.config import HEAD_FIELDS
 
 F64 = torch.float64
+
+
+def head_fields(attention, /, **fields) -> dict:
+    """``fields`` (``LMConfig`` fields) without ``n_heads``, ``n_kv_heads`` and ``head_dim``
+    when no layer of ``attention`` has heads: a model of GAU pairs refuses them set."""
+    return fields if uses_heads(attention) else {k: v for k, v in fields.items() if k not in HEAD_FIELDS}
 
 
 def make_qkv(B=2, H=4, Hkv=2, T=7, Dk=4, Dv=3, *, S=None, dtype=F64, positive=False, seed=0, requires_grad=False):

@@ -16,7 +16,7 @@ import linattn.nn.quantizer as quantizer_module
 from linattn.models import LM, LMConfig
 from linattn.train import TrainConfig, load_checkpoint, train
 from linattn.train import trainer as trainer_module
-from _helpers import assert_close_rel, english_like
+from _helpers import assert_close_rel, english_like, head_fields
 from test_grad_accum import assert_states_close
 
 torch.set_num_threads(1)
@@ -28,7 +28,8 @@ def config(**overrides) -> LMConfig:
     options = dict(d_model=16, n_layers=3, attention="vq,delta,softmax", n_heads=2, gau_d_k=8, codebook_size=16,
                    block_size=4, chunk_size=4, ffn_hidden=32, softmax_memory=5, kmeans_init=True,
                    dead_code_threshold=0.5, sinusoid_dropout=0.3)
-    return LMConfig(**{**options, **overrides})
+    options.update(overrides)
+    return LMConfig(**head_fields(options["attention"], **options))
 
 
 def _step(model, ids, targets, state):

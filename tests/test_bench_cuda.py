@@ -94,7 +94,7 @@ def test_bench_train_on_cuda(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(english_like(4000))
     config = tmp_path / "run.toml"
-    config.write_text(f'[model]\nattention = "vq"\nd_model = 16\nn_layers = 1\nn_heads = 2\ngau_d_k = 8\n'
+    config.write_text(f'[model]\nattention = "vq"\nd_model = 16\nn_layers = 1\ngau_d_k = 8\n'
                       f'codebook_size = 8\nblock_size = 8\n\n[train]\ndata = "{corpus}"\nbatch_size = 2\n'
                       f'context = 16\n')
     args = ["bench", "train", "--config", str(config), "--device", "cuda", "--modes", "eager", "--steps", "3",

@@ -15,6 +15,7 @@ from linattn.bench.harness import Measurement
 from linattn.cli import main
 from linattn.models import LM, LMConfig
 from linattn.models.config import matched_gau_value_width
+from _helpers import head_fields
 
 ROW_KEYS = {
     "case", "label", "parameters", "threads", "context", "batch", "tokens_per_step", "train_s", "train_times_s",
@@ -61,8 +62,8 @@ def test_bench_lm_end_to_end(tmp_path, capsys):
     sizes = {}
     for spec in models:
         # --quick's model: d_model 32, 3 layers, 2 heads; VQ d_k 16, 16 codes, block 16; window 32
-        config = LMConfig(attention=spec, d_model=32, n_layers=3, n_heads=2, gau_d_k=16, codebook_size=16,
-                          block_size=16, local_window=32, gau_d_v=matched_gau_value_width(32, 16))
+        config = LMConfig(attention=spec, d_model=32, n_layers=3, gau_d_k=16, codebook_size=16, block_size=16,
+                          local_window=32, gau_d_v=matched_gau_value_width(32, 16), **head_fields(spec, n_heads=2))
         sizes[spec] = LM(config).num_parameters()
         assert {r["parameters"] for r in rows if r["case"] == spec} == {sizes[spec]}
     assert max(sizes.values()) / min(sizes.values()) < 1.05, sizes  # equal parameter counts

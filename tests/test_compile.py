@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import linattn.ops.kernel.attention as linear_module
-from _helpers import make_qkv, wide_shift_inputs
+from _helpers import head_fields, make_qkv, wide_shift_inputs
 from linattn import VectorQuantizer, delta_rule, linear_attention, vq_attention
 from linattn.feature_maps import FAVOR
 from linattn.models import LM, LMConfig
@@ -49,9 +49,9 @@ def tiny_lm(attention: str, seed: int = 0) -> LM:
     """One layer, d_model 16, blocks/chunks/windows of 4; VQ with k-means initialisation and
     dead-code restarts (both write module state in the forward pass); softmax layers carry
     4 keys to the next window."""
-    config = LMConfig(vocab_size=32, d_model=16, n_layers=1, attention=attention, n_heads=2, gau_d_k=8, gau_d_v=16,
+    config = LMConfig(vocab_size=32, d_model=16, n_layers=1, attention=attention, gau_d_k=8, gau_d_v=16,
                       codebook_size=8, block_size=4, chunk_size=4, local_window=4, favor_features=8,
-                      kmeans_init=True, dead_code_threshold=0.5, softmax_memory=4)
+                      kmeans_init=True, dead_code_threshold=0.5, softmax_memory=4, **head_fields(attention, n_heads=2))
     torch.manual_seed(seed)
     return LM(config).train()
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from linattn.models import LM, LMConfig
+from linattn.models import LM, LMConfig, uses_heads
+from linattn.models.config import HEAD_FIELDS
 from linattn.nn.quantizer import COMMITMENT_REDUCTIONS
 from linattn.ops.vq import GRAD_SCOPES
 from linattn.train import TrainConfig
@@ -56,7 +57,7 @@ LM_FIELDS = {
     "vocab_size": (st.integers(2, 64), BAD_COUNTS),
     # multiples of 4 over at most 2 heads: an even head dimension, as rotary positions need
     "d_model": (st.sampled_from([8, 12, 16, 24, 32]), bad(0, -8, 16.0, False, "16")),
-    "n_heads": (st.integers(1, 2), BAD_COUNTS),
+    "n_heads": (st.integers(1, 2), bad(0, -1, 1.5, True, "4")),  # None (4 where a layer has heads) is valid too
     "n_kv_heads": (optional(st.just(1)), bad(0, -1, 3, 1.0, True)),  # 3 divides neither 1 nor 2 heads
     "head_dim": (optional(st.sampled_from([2, 4, 8])), bad(0, -2, 4.0, "4")),
     "ffn_hidden": (optional(st.integers(1, 64)), bad(0, -1, 3.5)),
@@ -154,6 +155,8 @@ def lm_values(draw) -> tuple[dict, frozenset]:
         longest = values["n_layers"] if "n_layers" not in broken else 1
         pattern = draw(st.lists(st.sampled_from(SPECS), min_size=1, max_size=longest), label="attention")
         values["attention"] = draw(st.sampled_from([",".join(pattern), pattern]), label="attention form")
+        if not uses_heads(pattern):  # GAU pairs only: no heads, so the valid head settings are unset
+            values.update({name: None for name in HEAD_FIELDS if name not in broken})
     return values, broken
 
 

@@ -68,7 +68,7 @@ def test_lm_config_bools_must_be_bools(field, value):
 def test_lm_config_extra_is_a_json_dict(value, match):
     with pytest.raises(TypeError, match=rf"^LMConfig\.extra {match}"):
         LMConfig(**TINY, extra=value)
-    assert LMConfig(**TINY, extra={"note": "x", "n": [1, 2.5, None]}).extra["n"] == [1, 2.5, None]
+    assert LMConfig(**TINY, attention="softmax", extra={"note": "x", "n": [1, 2.5, None]}).extra["n"] == [1, 2.5, None]
 
 
 @pytest.mark.parametrize("value", [3, None, ["vq", 3], ("vq", None), {"vq"}, b"vq"])
@@ -100,6 +100,67 @@ def test_lm_config_from_dict_checks_the_same():
 def test_hf_config_checks_the_same():
     with pytest.raises(ValueError, match=r"^LMConfig\.soft_vq_temperature must be "):
         H.LinattnConfig(**TINY, attention="soft-vq", soft_vq_temperature=0.0)
+
+
+# ----------------------------------------------------------------------------- heads
+
+NO_HEADS = {**{key: value for key, value in TINY.items() if key != "n_heads"}, "n_layers": 2}
+GAU_PATTERNS = ["vq", "vq-fsq", "soft-vq", "gau-softmax", ["vq", "gau-softmax"]]
+
+
+@pytest.mark.parametrize("n_heads, d_model", [(3, 16), (5, 16), (4, 30), (8, 4)])
+def test_n_heads_that_does_not_divide_d_model_is_refused_by_name(n_heads, d_model):
+    """``d_model // n_heads`` channels per head would leave ``d_model % n_heads`` of the width
+    unused (or none at all for more heads than channels): refused, unless ``head_dim`` is set
+    (then the heads' width is chosen, not a remainder dropped)."""
+    settings = {**TINY, "n_heads": n_heads, "d_model": d_model, "n_layers": 2}
+    for attention in ("linear:elu", "vq,delta"):
+        with pytest.raises(ValueError, match=rf"^LMConfig\.n_heads={n_heads} must divide d_model={d_model} "
+                                             rf"\(.*{d_model % n_heads} of its {d_model} channels unused.*head_dim"):
+            LMConfig(**settings, attention=attention)
+    LM(LMConfig(**settings, attention="vq,delta", head_dim=2))
+
+
+@pytest.mark.parametrize("field, value", [("n_heads", 4), ("n_heads", 2), ("n_kv_heads", 1), ("head_dim", 8)])
+@pytest.mark.parametrize("attention", GAU_PATTERNS, ids=str)
+def test_head_settings_of_a_model_without_heads_are_refused_by_name(attention, field, value):
+    """A GAU pair (vq, vq-fsq, soft-vq, gau-softmax) has no heads: ``n_heads``, ``n_kv_heads``
+    and ``head_dim`` set for a model of only such layers would be ignored, so they are
+    refused; unset (None, the default) the model builds."""
+    with pytest.raises(ValueError, match=rf"^LMConfig\.{field}={value} is used by no layer"):
+        LMConfig(**NO_HEADS, attention=attention, **{field: value})
+    config = LMConfig(**NO_HEADS, attention=attention)
+    assert (config.n_heads, config.n_kv_heads, config.head_dim) == (None, None, None)
+    LM(config)
+
+
+def test_n_heads_is_4_where_a_layer_has_heads():
+    assert LMConfig(attention="softmax").n_heads == 4
+    assert LMConfig(attention="vq,local", n_layers=2).n_heads == 4
+    assert LMConfig(attention="vq").n_heads is None
+    assert LMConfig.from_dict(LMConfig(attention="delta").to_dict()).n_heads == 4
+
+
+@pytest.mark.parametrize("attention", GAU_PATTERNS, ids=str)
+def test_saved_configs_of_models_without_heads_still_load(attention):
+    """Every config saved before n_heads could be unset recorded it (4 by default, or the
+    grid's) for models without heads too: read back as saved (``from_saved``, the HF config's
+    ``from_dict``), the head settings of such a model are dropped, and the model builds."""
+    saved = {**LMConfig(**NO_HEADS, attention=attention).to_dict(), "n_heads": 2, "n_kv_heads": 1}
+    config = LMConfig.from_saved(saved)
+    assert (config.n_heads, config.n_kv_heads) == (None, None)
+    LM(config)
+    assert H.LinattnConfig.from_dict(saved).to_lm_config() == config
+
+
+def test_a_saved_config_whose_n_heads_did_not_divide_d_model_loads_as_it_was_built():
+    """Such a model was built with ``d_model // n_heads`` channels per head: read back as
+    saved it gets that ``head_dim``, so its weights keep their shapes."""
+    saved = {**LMConfig(**TINY, attention="linear:elu").to_dict(), "d_model": 16, "n_heads": 3}
+    config = LMConfig.from_saved(saved)
+    assert (config.n_heads, config.head_dim) == (3, 5)
+    assert LM(config).layers[0].mixer.q_proj.weight.shape == (15, 16)  # 3 heads of 16 // 3 channels
+    assert H.LinattnConfig.from_dict(saved).to_lm_config() == config
 
 
 # ----------------------------------------------------------------------------- TrainConfig
@@ -177,6 +238,7 @@ def corpus_folder(tmp_path, monkeypatch) -> Path:
     (["model.rotary_base=0"], "LMConfig.rotary_base must be a number > 1"),
     (["model.ema_decay=1.0"], "LMConfig.ema_decay must be in [0, 1)"),
     (["model.attention='delta:elu:3'"], "unknown layer attention spec 'delta:elu:3'"),
+    (["model.attention='vq'"], "LMConfig.n_heads=2 is used by no layer"),
 ])
 def test_train_command_refuses_bad_settings_before_training(corpus_folder, capsys, sets, named):
     out = corpus_folder / "run"

@@ -18,6 +18,7 @@ import linattn
 from linattn.convert import calibration_ids, collect_keys, convert_model, converted_config
 from linattn.nn.codebook import kmeans
 from linattn.train import load_checkpoint, load_model
+from _helpers import head_fields
 from test_resume_checks import write_meta
 from test_train_cli import TINY_SETS, corpus, run_captured, train_argv  # noqa: F401  (the tiny corpus fixture)
 
@@ -26,8 +27,8 @@ torch.set_num_threads(1)
 
 def _softmax_model(seed: int = 0, codebook_size: int = 64, attention: str = "local:4,gau-softmax",
                    **options) -> linattn.LM:
-    config = linattn.LMConfig(d_model=16, n_layers=2, attention=attention, n_heads=2, gau_d_k=8,
-                              block_size=4, codebook_size=codebook_size, **options)
+    config = linattn.LMConfig(d_model=16, n_layers=2, attention=attention, gau_d_k=8, block_size=4,
+                              codebook_size=codebook_size, **head_fields(attention, n_heads=2), **options)
     torch.manual_seed(seed)
     model = linattn.LM(config)
     with torch.no_grad():

@@ -517,7 +517,7 @@ def test_bad_qkv_shapes():
         )
     with pytest.raises(ValueError, match=r"k has length"):
         delta_rule(q, k[:, :, :4], v[:, :, :4], beta[:, :, :4])
-    with pytest.raises(TypeError, match="scale"):
+    with pytest.raises(ValueError, match="scale must be a finite positive number or None .*, got '1'"):
         delta_rule(q, k, v, beta, scale="1")
 
 

@@ -30,7 +30,7 @@ from linattn.bench.lm_config import LMBenchConfig
 from linattn.bench.lm_measure import training_step
 from linattn.train import TrainConfig, evaluate_bpb, train
 from linattn.train.optim import parameter_groups
-from _helpers import F64, HostRoundTrips, english_like
+from _helpers import F64, HostRoundTrips, english_like, head_fields
 
 DEVICE = torch.device(os.environ.get("LINATTN_TEST_DEVICE", "cpu"))
 
@@ -67,8 +67,9 @@ def no_round_trips(allowed: tuple[str, ...] = ()):
 
 def make_model(spec: str, seed: int = 0) -> LM:
     torch.manual_seed(seed)
-    config = LMConfig(attention=spec, d_model=32, n_layers=2, n_heads=2, gau_d_k=16, codebook_size=8, block_size=8,
-                      chunk_size=4, local_window=8, ffn_hidden=64, dead_code_threshold=0.5)
+    config = LMConfig(attention=spec, d_model=32, n_layers=2, gau_d_k=16, codebook_size=8, block_size=8,
+                      chunk_size=4, local_window=8, ffn_hidden=64, dead_code_threshold=0.5,
+                      **head_fields(spec, n_heads=2))
     return LM(config).to(DEVICE)
 
 

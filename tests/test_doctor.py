@@ -5,6 +5,8 @@ the exit code to 1 and be named."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import torch
 
@@ -78,3 +80,45 @@ def test_the_sdpa_backend_is_read_from_the_operator_torch_runs():
     assert doctor.sdpa_backend(torch.device("cpu"), torch.float32, 16, 16) == "flash attention (CPU kernel)"
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         assert doctor.sdpa_backend(torch.device("cpu"), torch.float32, 16, 16) == "math (materialised scores)"
+
+
+_FIRST_DECODE = """
+import torch, linattn
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 1, 4, generator=g, dtype=torch.float64) for _ in range(3))
+codebook = torch.randn(2, 5, 4, generator=g, dtype=torch.float64)
+linattn.vq_decode_step(q, k, v, codebook, block_size=4, impl="native")
+print("decoded")
+"""
+
+
+def test_doctor_build_compiles_ahead_so_a_first_decode_compiles_nothing(monkeypatch, tmp_path):
+    """``linattn doctor --build`` builds the native VQ decoding step (into a build root of the
+    test's own here: a real build, about a minute) and checks it in float32 and float64; a
+    later process's first decoding step loads that build and compiles nothing."""
+    from linattn.ops.vq import native, native_choice
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(native_choice.ENV, raising=False)
+    doctor_run = subprocess.run([sys.executable, "-m", "linattn.cli", "doctor", "--build"], capture_output=True,
+                                text=True, timeout=600)
+    assert doctor_run.returncode == 0, doctor_run.stdout + doctor_run.stderr
+    assert "compiling the native VQ decoding step" in doctor_run.stderr
+    assert doctor_run.stdout.splitlines() == [f"native VQ decoding step: built in {native.build_directory()}"] + [
+        f"  ok    {dtype}: agrees with the torch form" for dtype in ("float32", "float64")]
+    later = subprocess.run([sys.executable, "-c", _FIRST_DECODE], capture_output=True, text=True, timeout=300)
+    assert later.returncode == 0 and later.stdout == "decoded\n", later.stderr
+    assert "compiling" not in later.stderr
+
+
+def test_doctor_build_exits_1_naming_a_build_that_fails(monkeypatch, capsys):
+    from linattn.ops.vq import native
+
+    def no_compiler():
+        raise RuntimeError("the native VQ decoding step could not be built: no compiler here")
+
+    monkeypatch.setattr(native, "extension", no_compiler)
+    assert main(["doctor", "--build"]) == 1
+    out = capsys.readouterr().out
+    assert out.splitlines() == ["  FAIL  native VQ decoding step: the native VQ decoding step could not be "
+                                        "built: no compiler here"]

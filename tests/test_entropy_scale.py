@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import linattn
-from _helpers import assert_decodes_as_full_pass
+from _helpers import assert_decodes_as_full_pass, head_fields
 from linattn.nn import GAU, Attention
 
 F64 = torch.float64
@@ -90,7 +90,7 @@ def test_gau_entropy_scale_is_one_at_512_keys():
                                        "gau-softmax:entropy", "local:4,local:4,softmax:nope:entropy"])
 def test_lm_decodes_as_the_full_pass(attention):
     config = linattn.LMConfig(d_model=16, n_layers=len(attention.split(",")) if "," in attention else 2,
-                              attention=attention, n_heads=2, gau_d_k=8, block_size=4)
+                              attention=attention, gau_d_k=8, block_size=4, **head_fields(attention, n_heads=2))
     torch.manual_seed(0)
     model = linattn.LM(config).double().eval()
     assert_decodes_as_full_pass(model, torch.randint(0, 256, (2, 13)), prefill=6)

@@ -20,7 +20,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from _helpers import english_like
+from _helpers import english_like, head_fields
 from linattn import LM, LMConfig
 from linattn.data import train_bpe
 
@@ -314,7 +314,7 @@ def test_new_fields_default_to_the_models_saved_before_them():
 ])
 def test_a_layer_that_cannot_honour_a_setting_refuses_it(attention, field, value):
     with pytest.raises(ValueError, match=f"LMConfig.{field}="):
-        LMConfig(attention=attention, d_model=16, n_heads=2, n_layers=1, **{field: value})
+        LMConfig(attention=attention, d_model=16, n_layers=1, **head_fields(attention, n_heads=2), **{field: value})
 
 
 @pytest.mark.parametrize("scaling, named", [

@@ -18,7 +18,7 @@ import linattn.hf as H
 from linattn import LM, LMConfig
 from linattn.cli import main
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
-from _helpers import codebook_trainer, lm_eval_task
+from _helpers import codebook_trainer, head_fields, lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,7 @@ def tiny_lm(attention: str = "vq", seed: int = 0, **overrides) -> LM:
     values = dict(d_model=16, n_layers=max(2, attention.count(",") + 1), n_heads=2, attention=attention,
                   gau_d_k=8, codebook_size=8, block_size=4, chunk_size=4, local_window=4, favor_features=8)
     values.update(overrides)
-    model = LM(LMConfig(**values)).double().eval()
+    model = LM(LMConfig(**head_fields(values["attention"], **values))).double().eval()
     if any(q is not None for q in model.quantizers()):
         with torch.no_grad():  # spread the EMA state away from its init, so a lost buffer shows
             for q in model.quantizers():
@@ -72,10 +72,13 @@ def test_config_round_trips_every_lm_field(tmp_path):
 
 
 def test_config_exposes_the_hugging_face_names():
-    config = H.LinattnConfig(d_model=48, n_layers=3, n_heads=4, n_kv_heads=2, tie_embeddings=False)
+    config = H.LinattnConfig(d_model=48, n_layers=3, attention="softmax", n_heads=4, n_kv_heads=2,
+                             tie_embeddings=False)
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (48, 3, 4)
     assert (config.num_key_value_heads, config.tie_word_embeddings, config.vocab_size) == (2, False, 256)
-    assert H.LinattnConfig(n_heads=4).num_key_value_heads == 4
+    assert H.LinattnConfig(attention="delta", n_heads=4).num_key_value_heads == 4
+    assert H.LinattnConfig(attention="delta").num_attention_heads == 4  # unset: 4, as LMConfig resolves it
+    assert H.LinattnConfig(attention="vq").num_attention_heads is None  # GAU pairs have no heads
     config.hidden_size = 64
     assert config.d_model == 64 and config.to_lm_config().d_model == 64
     assert config.model_type == "linattn"
@@ -394,8 +397,8 @@ def test_lm_eval_scores_an_exported_model_on_a_local_task(saved, tmp_path, monke
 def test_hf_module_registers_without_remote_code():
     assert os.environ.get("TRANSFORMERS_TRUST_REMOTE_CODE") is None
     assert AutoConfig.for_model("linattn").model_type == "linattn"
-    assert isinstance(AutoModelForCausalLM.from_config(H.LinattnConfig(d_model=16, n_layers=1, n_heads=2,
-                                                                       gau_d_k=8, codebook_size=8)),
+    assert isinstance(AutoModelForCausalLM.from_config(H.LinattnConfig(d_model=16, n_layers=1, gau_d_k=8,
+                                                                       codebook_size=8)),
                       H.LinattnForCausalLM)
 
 
@@ -467,12 +470,12 @@ def test_cache_row_selection_keeps_padding_only_rows_stateless():
 def test_a_legacy_config_gradient_checkpointing_flag_turns_on_the_lms_checkpointing():
     """A config carrying the legacy ``gradient_checkpointing=True`` builds a model whose LM
     checkpoints its layers (HF consumes the flag, so it is not saved again)."""
-    legacy = H.LinattnConfig(d_model=16, n_layers=1, n_heads=2, gau_d_k=8, codebook_size=8,
+    legacy = H.LinattnConfig(d_model=16, n_layers=1, gau_d_k=8, codebook_size=8,
                              gradient_checkpointing=True)
     built = H.LinattnForCausalLM(legacy)
     assert built.lm.activation_checkpointing is True
     assert not hasattr(built.config, "gradient_checkpointing")
-    plain = H.LinattnForCausalLM(H.LinattnConfig(d_model=16, n_layers=1, n_heads=2, gau_d_k=8, codebook_size=8))
+    plain = H.LinattnForCausalLM(H.LinattnConfig(d_model=16, n_layers=1, gau_d_k=8, codebook_size=8))
     assert plain.lm.activation_checkpointing is False
 
 

@@ -15,7 +15,7 @@ from linattn import LM, KVCacheState, LMConfig
 from linattn.nn import GAU
 from linattn.nn.attention import Attention
 from linattn.ops.softmax import kv_cache
-from _helpers import F64, OpRecorder
+from _helpers import F64, OpRecorder, head_fields
 from test_paper_variant import _paper_gau_reference
 
 torch.set_num_threads(1)
@@ -198,7 +198,8 @@ def test_generate_reserves_exactly_the_tokens_it_feeds(attention, monkeypatch):
     the prompt: every step writes into the same buffers, and greedy tokens equal the argmax of
     full passes over the sequence so far."""
     torch.manual_seed(4)
-    config = LMConfig(attention=attention, d_model=16, n_layers=2, n_heads=2, gau_d_k=8, block_size=8)
+    config = LMConfig(attention=attention, d_model=16, n_layers=2, gau_d_k=8, block_size=8,
+                      **head_fields(attention, n_heads=2))
     model = LM(config).double().eval()
     prompt = torch.randint(0, 256, (2, 5))
     seen = []

@@ -11,6 +11,7 @@ from torch import nn
 import linattn
 from linattn.models import layers as layer_registry
 from linattn.models.layers import LayerKind, PreNormBlock
+from _helpers import head_fields
 
 F64 = torch.float64
 TINY = dict(d_model=16, n_heads=2, gau_d_k=8, codebook_size=8, block_size=4, local_window=4, chunk_size=4)
@@ -232,7 +233,7 @@ def test_one_wide_heads_are_allowed_and_fewer_channels_than_heads_are_not():
     logits, _, _ = linattn.LM(config)(torch.randint(0, 256, (1, 5)))
     assert logits.shape == (1, 5, 256)
     linattn.LMConfig(n_layers=1, attention="linear:elu", head_dim=1, **TINY)
-    with pytest.raises(ValueError, match="needs d_model >= n_heads"):
+    with pytest.raises(ValueError, match=r"n_heads=4 must divide d_model=3 \(.*3 of its 3 channels unused"):
         linattn.LMConfig(n_layers=1, attention="linear:elu", **{**TINY, "d_model": 3, "n_heads": 4})
 
 
@@ -250,7 +251,7 @@ def _state_numel(value):
                                   "retnet", "gla", "gated-delta", "local:4"])
 @torch.no_grad()
 def test_growing_cache_flag_says_whether_the_decode_state_grows(spec):
-    model = linattn.LM(linattn.LMConfig(n_layers=1, attention=spec, **TINY)).eval()
+    model = linattn.LM(linattn.LMConfig(n_layers=1, attention=spec, **head_fields(spec, **TINY))).eval()
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
     _, state, _ = model(ids[:, :8])
     before = _state_numel(state)
@@ -297,11 +298,13 @@ def test_delta_layers_normalize_identity_features_by_l2_and_others_by_their_sum(
     assert model.layers[1].mixer.normalize == "sum"
 
 
-def test_rotary_head_dim_is_the_floor_of_d_model_over_n_heads():
-    # 8 // 3 = 2 channels per head: even, so rotary positions fit
-    linattn.LMConfig(n_layers=1, attention="softmax", **{**TINY, "d_model": 8, "n_heads": 3})
-    with pytest.raises(ValueError, match="got head_dim=1 "):  # 6 // 4 = 1
-        linattn.LMConfig(n_layers=1, attention="softmax", **{**TINY, "d_model": 6, "n_heads": 4})
+def test_rotary_head_dim_is_d_model_over_n_heads_or_head_dim():
+    # 12 / 3 = 4 channels per head: even, so rotary positions fit
+    linattn.LMConfig(n_layers=1, attention="softmax", **{**TINY, "d_model": 12, "n_heads": 3})
+    with pytest.raises(ValueError, match="got head_dim=3 "):  # 12 / 4
+        linattn.LMConfig(n_layers=1, attention="softmax", **{**TINY, "d_model": 12, "n_heads": 4})
+    with pytest.raises(ValueError, match="got head_dim=1 "):
+        linattn.LMConfig(n_layers=1, attention="softmax", head_dim=1, **{**TINY, "d_model": 6, "n_heads": 4})
 
 
 @pytest.mark.parametrize("kind", ["softmax", "local"])

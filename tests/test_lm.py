@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from _helpers import assert_causal_jacobian
+from _helpers import assert_causal_jacobian, head_fields
 from linattn.models import LM, LMConfig, sample_next
 from linattn.state import KVCacheState, LMState, _State
 
@@ -27,7 +27,7 @@ def make_model(attention, n_layers=None, *, seed=0, vocab_size=256, **overrides)
     """A tiny float64 LM in eval mode."""
     if n_layers is None:
         n_layers = len(attention) if isinstance(attention, list) else len(attention.split(","))
-    options = {**TINY, **overrides}
+    options = head_fields(attention, **{**TINY, **overrides})
     config = LMConfig(vocab_size=vocab_size, n_layers=n_layers, attention=attention, **options)
     torch.manual_seed(seed)
     return LM(config).double().eval()
@@ -550,7 +550,7 @@ def test_bf16_autocast_training_step_and_decoding(kind):
     """Under torch.autocast(bfloat16) every layer kind trains (finite loss and gradients)
     and its logits stay close to the float32 model's; decoding under autocast works too."""
     torch.manual_seed(0)
-    model = LM(LMConfig(n_layers=1, attention=kind, **TINY)).train()
+    model = LM(LMConfig(n_layers=1, attention=kind, **head_fields(kind, **TINY))).train()
     ids = random_ids(2, 11)
     with torch.no_grad():
         reference, _, _ = model.eval()(ids)

@@ -15,7 +15,7 @@ import linattn.hf as H
 import linattn.nn.gau as gau_module
 from linattn import LM, LMConfig
 from peft import LoraConfig, PeftModel, get_peft_model
-from _helpers import codebook_trainer
+from _helpers import codebook_trainer, head_fields
 
 torch.set_num_threads(1)
 
@@ -33,8 +33,8 @@ def tiny_lm(attention: str, seed: int = 0) -> LM:
     """A float64 model small enough for exact comparisons; blocks, chunks and windows of 4,
     so a few tokens cross several of them."""
     torch.manual_seed(seed)
-    config = LMConfig(d_model=16, n_layers=attention.count(",") + 1, n_heads=2, attention=attention, gau_d_k=8,
-                      codebook_size=8, block_size=4, chunk_size=4, local_window=4)
+    config = LMConfig(d_model=16, n_layers=attention.count(",") + 1, attention=attention, gau_d_k=8,
+                      codebook_size=8, block_size=4, chunk_size=4, local_window=4, **head_fields(attention, n_heads=2))
     model = LM(config).double().eval()
     with torch.no_grad():  # spread the codebooks away from their init
         for quantizer in model.quantizers():

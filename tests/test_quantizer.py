@@ -183,6 +183,76 @@ def test_ema_update_hand_checked():
     assert torch.equal(vq.codebook, before)
 
 
+NON_FINITE = [float("nan"), float("inf"), -float("inf")]
+_EMA = ("codebook", "ema_counts", "ema_sums")
+
+
+def _ema_state(vq):
+    return {name: getattr(vq, name).clone() for name in _EMA}
+
+
+def _assert_unchanged(vq, before):
+    for name, value in before.items():
+        assert torch.equal(getattr(vq, name), value), name
+        assert torch.isfinite(getattr(vq, name)).all(), name
+
+
+@pytest.mark.parametrize("bad", NON_FINITE, ids=repr)
+def test_update_after_a_non_finite_key_refuses_naming_the_code_and_changes_nothing(bad):
+    """A user's own loop (no guard): a NaN or infinite key assigned to a code would make its
+    EMA sum, and then the code, non-finite for good. ``update()`` refuses instead: a
+    ValueError naming the head and the code, nothing updated (the step's statistics are
+    dropped), the codebook finite; the next step updates as if the bad one never was."""
+    vq = tiny_quantizer([0.0, 10.0], ema_decay=0.5)
+    _, codes, _ = vq(as_keys([1.0, bad, 9.0]))
+    before = _ema_state(vq)
+    with pytest.raises(ValueError, match=rf"head 0, code {codes.flatten()[1].item()}\b.* not finite"):
+        vq.update()
+    _assert_unchanged(vq, before)
+    vq(as_keys([1.0, 2.0, 9.0]))
+    vq.update()
+    assert vq.codebook.flatten().tolist() == [1.0, 9.5]  # as in test_ema_update_hand_checked
+
+
+def test_the_guarded_update_drops_non_finite_statistics_without_a_host_read():
+    """The trainer's update (``apply`` given) reads nothing on the host: statistics that are
+    not finite are dropped on the device, as a step its guard refused."""
+    from _helpers import HostRoundTrips
+
+    vq = tiny_quantizer([0.0, 10.0], ema_decay=0.5, dead_code_threshold=0.6)
+    vq(as_keys([1.0, float("nan"), 9.0]))
+    before = _ema_state(vq)
+    with HostRoundTrips() as trips:
+        vq.update(apply=torch.tensor(True))
+    assert trips == []
+    _assert_unchanged(vq, before)
+
+
+def test_update_codebooks_names_every_layer_whose_statistics_are_not_finite():
+    """``LM.update_codebooks()`` updates every quantizer it can and names, in one error, each
+    one whose statistics are not finite (a NaN embedding reaches both units' keys)."""
+    torch.manual_seed(0)
+    model = linattn.LM(linattn.LMConfig(d_model=16, n_layers=1, gau_d_k=8, codebook_size=4, block_size=4)).train()
+    with torch.no_grad():
+        model.embed.weight[7] = float("nan")
+    model(torch.tensor([[1, 2, 7, 3]]))
+    before = [_ema_state(quantizer) for quantizer in model.quantizers()]
+    with pytest.raises(ValueError, match=r"^layers\.0\.units\.0\.quantizer: .*\n.*layers\.0\.units\.1\.quantizer: "):
+        model.update_codebooks()
+    for quantizer, state in zip(model.quantizers(), before):
+        _assert_unchanged(quantizer, state)
+
+
+def test_kmeans_initialisation_refuses_non_finite_keys():
+    vq = linattn.VectorQuantizer(1, 1, 2, kmeans_init=True).train()
+    with pytest.raises(ValueError, match=r"k holds non-finite values .*k-means initialisation"):
+        vq(as_keys([1.0, float("nan"), 2.0]))
+    assert vq.initialization_pending() and torch.isfinite(vq.codebook).all()
+    padded = torch.tensor([[True, False, True]])  # a padded position's key is not the codebook's
+    vq(as_keys([1.0, float("nan"), 2.0]), mask=padded)
+    assert not vq.initialization_pending() and sorted(vq.codebook.flatten().tolist()) == [1.0, 2.0]
+
+
 def test_codebook_uses_count_floor():
     # a code whose count decays below 0.01 is divided by 0.01, not by its count
     vq = tiny_quantizer([0.0, 10.0], ema_decay=0.1)

@@ -26,7 +26,7 @@ from linattn.inspector import _Recorder
 from linattn.nn.rotary import apply_rotary
 from linattn.ops.vq import vq_attention_weights
 
-from _helpers import assert_causal_jacobian, assert_close_rel, assert_decodes_as_full_pass, make_qkv
+from _helpers import assert_causal_jacobian, assert_close_rel, assert_decodes_as_full_pass, head_fields, make_qkv
 
 F64 = torch.float64
 BASE = 10000.0
@@ -450,8 +450,8 @@ SPECS = ["softmax:rerope=3", "softmax:entropy:rerope=2", "local:4:rerope=2", "lo
 @pytest.mark.parametrize("spec", SPECS)
 def test_rerope_specs_decode_token_by_token_as_the_full_pass(spec):
     torch.manual_seed(0)
-    config = LMConfig(d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, attention=spec, block_size=4, codebook_size=8,
-                      gau_d_k=8, fsq_levels=(3, 2))
+    config = LMConfig(d_model=16, n_layers=2, attention=spec, block_size=4, codebook_size=8, gau_d_k=8,
+                      fsq_levels=(3, 2), **head_fields(spec, n_heads=2, n_kv_heads=1))
     model = LM(config).double().eval()
     ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(1))
     assert_decodes_as_full_pass(model, ids, prefill=5)
@@ -476,9 +476,9 @@ def test_rerope_specs_build_rerope_layers():
     ("vq:rerope", "vq:rope"), ("vq-fsq:rerope", "gau-softmax:rerope=2"), ("local:rerope=2", "linear:elu:rerope=2"),
 ])
 def test_rerope_specs_and_their_near_misses(good, bad):
-    LMConfig(d_model=16, n_layers=1, n_heads=2, attention=good, block_size=8)
+    LMConfig(d_model=16, n_layers=1, attention=good, block_size=8, **head_fields(good, n_heads=2))
     with pytest.raises(ValueError, match=f"unknown layer attention spec '{bad}'"):
-        LMConfig(d_model=16, n_layers=1, n_heads=2, attention=bad, block_size=8)
+        LMConfig(d_model=16, n_layers=1, attention=bad, block_size=8)
 
 
 def test_vq_rerope_spec_checks_the_block_and_the_sinusoids():

@@ -98,7 +98,7 @@ def test_found_inf_leaves_parameters_moments_and_codebooks_as_they_were():
     """The gate itself: with the guard's flag set the fused AdamW step and the codebook EMA
     change nothing; with it clear they do."""
     torch.manual_seed(0)
-    model = LM(LMConfig(d_model=16, n_layers=1, n_heads=2, attention="vq", gau_d_k=8, codebook_size=8, block_size=4))
+    model = LM(LMConfig(d_model=16, n_layers=1, attention="vq", gau_d_k=8, codebook_size=8, block_size=4))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     guard = NonFiniteGuard(torch.device("cpu"))
 

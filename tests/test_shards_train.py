@@ -188,7 +188,7 @@ def test_a_shard_id_beyond_the_vocabulary_is_refused_naming_the_file_the_id_and_
 
 def test_resume_on_shards_continues_exactly(bpe_run, tmp_path):
     shards, _, _ = bpe_run
-    model_config = LMConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2, attention="vq", gau_d_k=8,
+    model_config = LMConfig(vocab_size=300, d_model=16, n_layers=1, attention="vq", gau_d_k=8,
                             codebook_size=8, block_size=4)
     train_config = TrainConfig(data=str(shards), out=str(tmp_path / "whole"), steps=6, batch_size=2, context=8,
                                eval_every=3, eval_tokens=128, checkpoint_every=3, log_every=1, warmup_steps=2)

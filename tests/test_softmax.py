@@ -490,10 +490,10 @@ def test_offset_rows_equals_its_loop(lead, per_row):
 
 @pytest.mark.parametrize("scale", [0, 0.0, -0.5, True, [0.5]], ids=["int-0", "float-0", "negative", "bool", "list"])
 def test_scales_that_are_not_positive_numbers_are_refused_by_name(scale):
-    """``scale`` is None, ``"entropy"`` or a positive int/float: zero, a negative number, a bool and
-    anything else are refused with a ValueError that names it."""
+    """``scale`` is None, ``"entropy"`` or a finite positive int/float: zero, a negative number, a
+    bool and anything else are refused with a ValueError that names it."""
     q, k, v = make_qkv(B=1, H=2, Hkv=1, T=3, Dk=4, Dv=3)
-    message = f"scale must be None, a positive number or 'entropy'; got {scale!r}"
+    message = f"scale must be a finite positive number, None (key_dim^-1/2) or 'entropy', got {scale!r}"
     with pytest.raises(ValueError, match=re.escape(message)):
         softmax_attention(q, k, v, scale=scale)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import linattn
-from _helpers import F64, make_qkv
+from _helpers import F64, make_qkv, head_fields
 from linattn import LM, LMConfig, LMState
 from linattn.feature_maps import FAVOR
 from linattn.nn import (GAU, Attention, DeltaNet, FSQuantizer, GatedDeltaNet, GatedLinearAttention, LinformerAttention,
@@ -241,7 +241,7 @@ def tiny_lm(attention="vq", seed=0, **overrides) -> LM:
     values = dict(vocab_size=32, d_model=16, n_layers=1, attention=attention, n_heads=2, gau_d_k=8, gau_d_v=16,
                   codebook_size=8, block_size=4, chunk_size=4, local_window=4, favor_features=8)
     values.update(overrides)
-    return LM(LMConfig(**values)).double().eval()
+    return LM(LMConfig(**head_fields(values["attention"], **values))).double().eval()
 
 
 def ids(B=2, T=6, seed=0):

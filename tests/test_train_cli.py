@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from linattn.cli import main
 from linattn.train import load_checkpoint, load_model
+from linattn.models import uses_heads
 from _helpers import english_like
 
 torch.set_num_threads(1)
@@ -28,8 +29,9 @@ TINY_SETS = ["--set", "model.codebook_size=8", "--set", "model.gau_d_k=8", "--se
 
 
 def train_argv(data: Path, out: Path, steps: int = 12, attention: str = "vq,local:4") -> list[str]:
+    heads = ["--n-heads", "2"] if uses_heads(attention) else []  # a model of GAU pairs has no heads
     return ["train", "--data", str(data), "--out", str(out), "--steps", str(steps), "--attention", attention,
-            "--d-model", "16", "--n-layers", "2", "--n-heads", "2", "--batch-size", "2", "--context", "16",
+            "--d-model", "16", "--n-layers", "2", *heads, "--batch-size", "2", "--context", "16",
             "--eval-every", str(steps), "--lr", "0.003", *TINY_SETS, "--no-progress", "--threads", "1"]
 
 

@@ -223,7 +223,7 @@ def run_ranks(args: list[str], cwd: Path, world: int = WORLD, timeout: float = 1
     return results
 
 
-TINY_RUN = ["--d-model", "16", "--n-layers", "2", "--n-heads", "2", "--batch-size", "2", "--context", "16",
+TINY_RUN = ["--d-model", "16", "--n-layers", "2", "--batch-size", "2", "--context", "16",
             "--threads", "1", "--set", "model.codebook_size=8", "--set", "model.block_size=4",
             "--set", "model.gau_d_k=8"]
 

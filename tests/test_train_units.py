@@ -33,7 +33,7 @@ from linattn.train.checkpoint import find_resume_checkpoint, save_checkpoint
 from linattn.train.config import parse_override
 from linattn.train.distributed import Context
 from linattn.train.metrics import MetricsLog
-from _helpers import english_like, record_state_resets
+from _helpers import english_like, head_fields, record_state_resets
 
 torch.set_num_threads(1)
 
@@ -45,7 +45,8 @@ def quiet(*args):
 def vq_config(**overrides) -> LMConfig:
     options = dict(d_model=16, n_layers=1, n_heads=2, attention="vq", gau_d_k=8, codebook_size=8, block_size=4,
                    chunk_size=4, ffn_hidden=32)
-    return LMConfig(**{**options, **overrides})
+    options.update(overrides)
+    return LMConfig(**head_fields(options["attention"], **options))
 
 
 def linear_config(**overrides) -> LMConfig:

@@ -27,7 +27,7 @@ from linattn.state import LMState, _State
 from linattn.train import CheckpointError, TrainConfig, load_checkpoint, load_model, train
 from linattn.train.checkpoint import flatten_state, resolve_checkpoint, save_checkpoint, unflatten_state
 from linattn.train.schedule import learning_rate
-from _helpers import english_like, record_state_resets, torchrun_env
+from _helpers import english_like, head_fields, record_state_resets, torchrun_env
 from test_resume_checks import write_meta
 
 torch.set_num_threads(1)
@@ -40,7 +40,8 @@ def quiet(*args):
 def tiny_model(attention="vq", n_layers=2, **overrides):
     options = dict(d_model=32, n_layers=n_layers, attention=attention, n_heads=2, gau_d_k=16, codebook_size=16,
                    block_size=8, chunk_size=8, ffn_hidden=64)
-    return LMConfig(**{**options, **overrides})
+    options.update(overrides)
+    return LMConfig(**head_fields(options["attention"], **options))
 
 
 def read_metrics(run: Path) -> list[dict]:

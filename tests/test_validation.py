@@ -4,11 +4,13 @@ einsum/matmul error. Each case runs against every implementation/mode."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
 import torch
 
+import linattn
 from _helpers import F64, make_qkv
 from linattn import LinearAttentionState, linear_attention, softmax_attention
 
@@ -257,3 +259,60 @@ def test_valid_call_passes(op):
     out = ALL_OPS[op](q, k, v, causal=True)
     out = out[0] if isinstance(out, tuple) else out
     assert out.shape == (2, 4, 8, 5)
+
+
+# ----------------------------------------------------------------------------- scale, in every op
+
+
+def _scale_calls():
+    """Each public op with a ``scale``, as a function of it, on valid inputs."""
+    q, k, v = good()
+    g = torch.Generator().manual_seed(1)
+    codebook = torch.randn(2, 6, 4, generator=g, dtype=F64)
+    codes = torch.randint(0, 6, (2, 2, 8), generator=g)
+    k_hat = codebook[torch.arange(2)[None, :, None], codes]
+    beta = torch.rand(2, 2, 8, generator=g, dtype=F64)
+    projection = torch.randn(3, 8, generator=g, dtype=F64)
+    return {
+        "softmax_attention": lambda scale: linattn.softmax_attention(q, k, v, scale=scale),
+        "linear_attention": lambda scale: linattn.linear_attention(q, k, v, scale=scale),
+        "delta_rule": lambda scale: linattn.delta_rule(q, k, v, beta, scale=scale),
+        "local_attention": lambda scale: linattn.local_attention(q, k, v, window=4, scale=scale),
+        "linformer_attention": lambda scale: linattn.linformer_attention(q, k, v, projection, projection, scale=scale),
+        "strided_attention": lambda scale: linattn.strided_attention(q, k, v, block=4, scale=scale),
+        "vq_attention": lambda scale: linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, scale=scale),
+        "vq_decode_step": lambda scale: linattn.vq_decode_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], codebook,
+                                                               block_size=4, scale=scale),
+        "soft_vq_attention": lambda scale: linattn.soft_vq_attention(q, k, v, codebook, temperature=1.0, block_size=4,
+                                                                     scale=scale),
+    }
+
+
+SCALE_OPS = list(_scale_calls())
+BAD_SCALES = [float("nan"), float("inf"), -float("inf"), 0, 0.0, -1, -0.5, True, False]
+
+
+def test_every_public_op_with_a_scale_is_checked_here():
+    ops = [name for name in linattn.__all__ if inspect.isfunction(getattr(linattn, name))
+           and "scale" in inspect.signature(getattr(linattn, name)).parameters]
+    assert sorted(ops) == sorted(SCALE_OPS)
+
+
+@pytest.mark.parametrize("scale", BAD_SCALES, ids=repr)
+@pytest.mark.parametrize("op", SCALE_OPS)
+def test_a_scale_that_is_not_a_finite_positive_number_is_refused_by_name(op, scale):
+    """One rule in every op: ``scale`` is a finite positive int or float (or the op's
+    default); NaN, infinities, 0, negatives and bools are a ValueError naming it, never a
+    NaN output."""
+    message = rf"^scale must be a finite positive number\b.*, got {re.escape(repr(scale))}$"
+    with pytest.raises(ValueError, match=message):
+        _scale_calls()[op](scale)
+
+
+@pytest.mark.parametrize("op", SCALE_OPS)
+def test_a_finite_positive_scale_is_taken(op):
+    """The values around the refused ones pass (a tiny, a large and an int scale)."""
+    call = _scale_calls()[op]
+    for scale in (1e-30, 1e30, 2):
+        out = call(scale)
+        assert (out[0] if isinstance(out, tuple) else out).shape[:3] in ((2, 4, 8), (2, 4, 1))

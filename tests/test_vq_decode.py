@@ -14,7 +14,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 import linattn
-from _helpers import F64, OpRecorder, assert_close_rel, assert_decodes_as_full_pass
+from _helpers import F64, OpRecorder, assert_close_rel, assert_decodes_as_full_pass, head_fields
 from test_vq_attention import gather_codes, make_bias, make_position_keys, make_vq
 
 H, L, DK = 4, 4, 4
@@ -300,8 +300,8 @@ def test_a_codebook_written_between_steps_is_read_anew():
 def test_lm_prefill_then_token_wise_equals_one_pass(attention):
     """A model reads a prompt in one call (block form), then one token per call (decode form):
     the logits equal one pass over the whole sequence, for every block boundary on the way."""
-    config = linattn.LMConfig(d_model=16, n_layers=2, attention=attention, n_heads=2, gau_d_k=8, codebook_size=8,
-                              block_size=4, chunk_size=4)
+    config = linattn.LMConfig(d_model=16, n_layers=2, attention=attention, gau_d_k=8, codebook_size=8,
+                              block_size=4, chunk_size=4, **head_fields(attention, n_heads=2))
     torch.manual_seed(0)
     model = linattn.LM(config).double().eval()
     assert_decodes_as_full_pass(model, torch.randint(0, 256, (2, 23)), prefill=9)

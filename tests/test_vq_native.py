@@ -7,6 +7,11 @@ against the references: ``tests/test_vq_decode_step.py`` (every test there runs 
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -168,3 +173,174 @@ def test_the_pinned_ninja_is_found_without_one_on_path(monkeypatch):
     monkeypatch.setenv("PATH", "/nowhere")
     native._ninja_on_path()
     assert native.os.environ["PATH"].split(native.os.pathsep) == [ninja.BIN_DIR, "/nowhere"]
+
+
+# ---------------------------------------------------------------- the build: its lock and its folder
+
+
+class _Hung(BaseException):
+    """Raised by ``_within`` (a BaseException: the build's own ``except Exception`` must not
+    take it for a build failure)."""
+
+
+@contextlib.contextmanager
+def _within(seconds: int):
+    """Fails the test, instead of hanging it, when the block takes longer than ``seconds``."""
+
+    def hung(signum, frame):
+        raise _Hung(f"still waiting after {seconds} s: the native step's build hangs")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path, fresh_verdicts):
+    """A build root of the test's own, where nothing is built, and a process that has not
+    tried to build yet (the loaded module and a failed build are restored after the test);
+    returns the build folder."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_build_error", None)
+    return native.build_directory()
+
+
+def _single_warning(record) -> str:
+    messages = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1, messages
+    return messages[0]
+
+
+def test_a_stale_build_lock_warns_naming_it_and_the_torch_form_runs(fresh_build):
+    """A build killed half-way (SIGKILL, out of memory) leaves torch's ``lock`` in the build
+    folder, on which torch's builder waits forever. No process builds there, so the lock is
+    stale: the step warns once, naming the lock and ``LINATTN_VQ_STEP_IMPL``, and the torch
+    form gives the result."""
+    fresh_build.mkdir(parents=True)
+    (fresh_build / "lock").touch()
+    expected = _decode("torch")
+    with _within(60), pytest.warns(RuntimeWarning) as record:
+        out = _decode("auto")
+    assert torch.equal(out, expected)
+    message = _single_warning(record)
+    assert str(fresh_build / "lock") in message and "stale" in message
+    assert "LINATTN_VQ_STEP_IMPL=torch" in message
+    with pytest.raises(RuntimeError, match="stale"):
+        _decode("native")
+    assert (fresh_build / "lock").exists(), "another process's lock is never deleted"
+
+
+_HOLDER = """
+import sys, time
+from pathlib import Path
+from linattn.ops.vq import native
+directory = Path(sys.argv[1])
+with native.build_lock(directory, wait_seconds=0):
+    (directory / "lock").touch()  # torch's, as its builder takes it
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_build_that_does_not_finish_is_waited_on_for_a_bounded_time(fresh_build, monkeypatch):
+    """A live process building in the folder (here one that never finishes) is waited on for
+    ``BUILD_WAIT_SECONDS``, then the torch form runs with a warning naming the lock, the
+    process holding it and ``LINATTN_VQ_STEP_IMPL``."""
+    monkeypatch.setattr(native, "BUILD_WAIT_SECONDS", 1.0)
+    fresh_build.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(fresh_build)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        expected = _decode("torch")
+        with _within(60), pytest.warns(RuntimeWarning) as record:
+            out = _decode("auto")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert torch.equal(out, expected)
+    message = _single_warning(record)
+    assert str(native.build_lock_path(fresh_build)) in message
+    assert f"process {holder.pid} on {socket.gethostname()}" in message and "after 1 s" in message
+    assert "LINATTN_VQ_STEP_IMPL=torch" in message
+
+
+def test_the_build_folder_name_changes_with_every_build_input(monkeypatch, tmp_path):
+    """Two installations, compilers, flags, CPUs, Pythons or torches never share a build
+    folder (ninja would rebuild there at every switch, for a minute, silently); the same
+    inputs give one name."""
+    from torch.utils import cpp_extension
+
+    name = native.extension_name()
+    assert native.extension_name() == name
+    compiler = tmp_path / "bin" / "c++"
+    compiler.parent.mkdir()
+    copy = tmp_path / "install" / native.SOURCE.name
+    copy.parent.mkdir()
+    copy.write_bytes(native.SOURCE.read_bytes())
+
+    def fake_compiler(version):
+        def change(mp):
+            compiler.write_text(f"#!/bin/sh\necho 'c++ (fake) {version}'\n")
+            compiler.chmod(0o755)
+            mp.setenv("CXX", str(compiler))
+        return change
+
+    changes = {
+        "source text": lambda mp: mp.setattr(native, "SOURCE", _edited(native.SOURCE, tmp_path)),
+        "installation path": lambda mp: mp.setattr(native, "SOURCE", copy),
+        "compile flags": lambda mp: mp.setattr(native, "FLAGS", (*native.FLAGS, "-g")),
+        "link flags": lambda mp: mp.setattr(native, "LDFLAGS", (*native.LDFLAGS, "-lm")),
+        "compiler": lambda mp: mp.setenv("CXX", "clang++"),
+        "compiler version 1": fake_compiler("1.0"),
+        "compiler version 2": fake_compiler("2.0"),
+        "CPU": lambda mp: mp.setattr(native, "_cpu_identity", lambda: "another CPU"),
+        "torch version": lambda mp: mp.setattr(torch, "__version__", "0.0.1"),
+        "torch installation": lambda mp: mp.setattr(cpp_extension, "include_paths",
+                                                    lambda *args, **kwargs: [str(tmp_path / "torch" / "include")]),
+        "Python version": lambda mp: mp.setattr(sys, "version", "3.0.0 (elsewhere)"),
+    }
+    names = {}
+    for what, change in changes.items():
+        with monkeypatch.context() as mp:
+            change(mp)
+            names[what] = native.extension_name()
+            assert native.extension_name() == names[what], what
+        assert native.extension_name() == name, f"{what}: undone"
+    assert name not in names.values()
+    assert len(set(names.values())) == len(names), names
+
+
+def _edited(source, tmp_path):
+    edited = tmp_path / "edited" / source.name
+    edited.parent.mkdir()
+    edited.write_text(source.read_text() + "\n// edited\n")
+    return edited
+
+
+def test_every_path_and_flag_torch_writes_into_the_build_file_enters_the_name(tmp_path):
+    """What torch's builder writes into ``build.ninja`` (the compiler, the include and library
+    folders of this torch and this Python, the source's path, our flags) is what ninja
+    rebuilds on: each of it is among the inputs the folder's name hashes."""
+    from torch.utils import cpp_extension
+
+    build_file = tmp_path / "build.ninja"
+    ldflags = cpp_extension._prepare_ldflags(list(native.LDFLAGS), False, False, False, False)
+    cpp_extension._write_ninja_file_to_build_library(
+        path=str(build_file), name="NAME", sources=[str(native.SOURCE)], extra_cflags=list(native.FLAGS),
+        extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=ldflags, extra_include_paths=[], with_cuda=False,
+        with_sycl=False, is_standalone=False)
+    inputs = "\n".join(native.build_inputs().values())
+    lines = [line for line in build_file.read_text().splitlines()
+             if line.startswith(("cxx =", "cflags =", "ldflags =", "build vq_decode_step.o"))]
+    assert len(lines) == 4, lines
+    tokens = [token for line in lines for token in line.partition(" = " if " = " in line else ": compile ")[2].split()]
+    checked = [token for token in tokens if "/" in token or token in native.FLAGS + native.LDFLAGS]
+    assert str(native.SOURCE) in checked and cpp_extension.get_cxx_compiler() in tokens
+    missing = [token for token in checked + [cpp_extension.get_cxx_compiler()]
+               if token.removeprefix("-L").removeprefix("-I") not in inputs]
+    assert not missing, missing

@@ -25,13 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from _helpers import english_like  # noqa: E402  (the tests' small English-like corpus)
 
-from linattn.models import LMConfig  # noqa: E402
+from linattn.models import LMConfig, uses_heads  # noqa: E402
 from linattn.train import TrainConfig, train  # noqa: E402
 
 
 def _losses(attention: str, micro_batches: int, steps: int, data: Path, root: Path) -> list[float]:
-    model = LMConfig(d_model=32, n_layers=2, n_heads=2, attention=attention, gau_d_k=16, codebook_size=16,
-                     block_size=8, ffn_hidden=64)
+    model = LMConfig(d_model=32, n_layers=2, n_heads=2 if uses_heads(attention) else None, attention=attention,
+                     gau_d_k=16, codebook_size=16, block_size=8, ffn_hidden=64)
     out = root / f"{attention}-{micro_batches}"
     config = TrainConfig(data=str(data), out=str(out), steps=steps, batch_size=8, grad_accum_steps=micro_batches,
                          context=32, lr=3e-3, warmup_steps=5, eval_every=0, log_every=1, checkpoint_every=0,

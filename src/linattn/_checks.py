@@ -399,13 +399,21 @@ def check_first_order_backward(op: str, alternative: str) -> None:
         )
 
 
+def check_scale(scale: object, *, also: str = "") -> float:
+    """The one rule for an op's ``scale`` given as a number: a finite int or float (not a
+    bool) greater than zero; anything else (NaN, an infinity, 0, a negative number, a bool,
+    another kind) is a ValueError naming ``scale`` and the value. ``also`` names the other
+    forms the op takes (e.g. ``" or None (...)"``), for the message."""
+    if not is_number(scale) or not math.isfinite(scale) or not scale > 0:
+        raise ValueError(f"scale must be a finite positive number{also}, got {scale!r}")
+    return float(scale)
+
+
 def resolve_scale(scale: object, key_dim: int) -> float:
-    """The score scale: ``None`` -> ``key_dim^-1/2``; a number -> itself; else TypeError."""
+    """The score scale: ``None`` -> ``key_dim^-1/2``; else ``check_scale``'s number."""
     if scale is None:
         return key_dim ** -0.5
-    if not is_number(scale):
-        raise TypeError(f"scale must be a number or None, got {type(scale).__name__}")
-    return float(scale)
+    return check_scale(scale, also=" or None (key_dim^-1/2)")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -9,6 +9,10 @@ the self-test of ``_selftest.py`` on each device (the VQ kernels' self-check inc
 CUDA). Exit code 0 when every check agrees, 1 when one does not (each named on a ``FAIL``
 line and in the last line), 2 for bad arguments. ``--json`` prints the same as one JSON
 object instead.
+
+``--build`` does one thing instead: it builds (or loads) the native VQ decoding step for
+this machine and checks it in each dtype it computes in (``build_native``), so that a
+first decoding step compiles nothing (an installation step).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, _selftest
 from ._checks import available_device_name
-from .ops.vq import native_choice, schedule, triton_choice
+from .ops.vq import native, native_choice, schedule, triton_choice
 from .reporting import device_name
 
 _PACKAGES = ("triton", "transformers", "peft", "numpy")
@@ -194,6 +198,34 @@ def run(selected: list[str] | None = None, as_json: bool = False) -> int:
     return 0 if not failures else 1
 
 
+def build_native() -> int:
+    """Build (or load) the native VQ decoding step and run its self-check in float32 and
+    float64 (``ops/vq/native_choice.py``), one line each; 0 when it builds and agrees with
+    the torch form, 1 otherwise (each failure on a ``FAIL`` line)."""
+    try:
+        native.extension()
+    except RuntimeError as error:
+        print(f"  FAIL  native VQ decoding step: {error}")
+        return 1
+    print(f"native VQ decoding step: built in {native.build_directory()}")
+    failed = False
+    for dtype in native_choice.DTYPES:
+        failure = native_choice.verdict(dtype)
+        name = str(dtype).replace("torch.", "")
+        print(f"  ok    {name}: agrees with the torch form" if failure is None else f"  FAIL  {name}: {failure}")
+        failed = failed or failure is not None
+    sys.stdout.flush()
+    return 1 if failed else 0
+
+
+def _handle(args: argparse.Namespace) -> int:
+    if args.build:
+        if args.device or args.json:
+            raise ValueError("doctor --build runs alone: it takes no --device or --json")
+        return build_native()
+    return run(args.device, args.json)
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``linattn doctor``."""
     parser = commands.add_parser(
@@ -204,4 +236,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", action="append", type=available_device_name,
                         help="a device to report and test (repeatable; default: the CPU and every CUDA device)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.set_defaults(handler=lambda args: run(args.device, args.json))
+    parser.add_argument("--build", action="store_true",
+                        help="only build (or load) the native VQ decoding step for this machine and check it, so "
+                             "that a first decoding step compiles nothing (an installation step); exit 0 when it "
+                             "builds and agrees with the torch form")
+    parser.set_defaults(handler=_handle)

@@ -187,11 +187,11 @@ DEFAULT_PROMPTS = (1024, 16384, 65536)
 
 def model_config(name: str) -> LMConfig:
     """The demo-sized model of ``name`` (a ``MODEL_SPECS`` key): d_model 128, 2 layers, 4
-    heads; VQ layers with the GAU value width matched to an attention + SwiGLU block, every
-    other kind with the SwiGLU width (a multiple of 8) that gives it the softmax model's
-    parameter count."""
+    heads (the default) where a layer has heads; VQ layers with the GAU value width matched
+    to an attention + SwiGLU block, every other kind with the SwiGLU width (a multiple of 8)
+    that gives it the softmax model's parameter count."""
     d_model, gau_d_k = 128, 64
-    base = LMConfig(d_model=d_model, n_layers=2, n_heads=4, attention=MODEL_SPECS[name], gau_d_k=gau_d_k,
+    base = LMConfig(d_model=d_model, n_layers=2, attention=MODEL_SPECS[name], gau_d_k=gau_d_k,
                     gau_d_v=matched_gau_value_width(d_model, gau_d_k), codebook_size=128, block_size=64)
     if name == "vq":
         return base

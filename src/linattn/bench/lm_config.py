@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._checks import check_choice, check_device, check_positive_int
-from ..models import LMConfig, sizes
+from ..models import LMConfig, sizes, uses_heads
 from ..models.config import matched_gau_value_width
 
 DEFAULT_MODELS = ("softmax", "vq", "delta", "linear:elu", "local", "local,local,vq", "retnet", "gla", "gated-delta")
@@ -56,11 +56,12 @@ class LMBenchConfig:
         VQ layers with the GAU value width matched to an attention + SwiGLU block; a spec with
         SwiGLU blocks gets the SwiGLU width (a multiple of 8) that gives it the softmax model's
         parameter count (a layer kind with extra projections, such as ``gla``, a narrower one)."""
-        base = LMConfig(attention=spec, d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
-                        local_window=self.window, gau_d_k=self.gau_d_k,
+        base = LMConfig(attention=spec, d_model=self.d_model, n_layers=self.n_layers,
+                        n_heads=self.n_heads if uses_heads(spec) else None, local_window=self.window,
+                        gau_d_k=self.gau_d_k,
                         gau_d_v=matched_gau_value_width(self.d_model, self.gau_d_k),
                         codebook_size=self.codebook_size, block_size=self.block_size)
-        target = sizes.count_parameters(replace(base, attention="softmax"))
+        target = sizes.count_parameters(replace(base, attention="softmax", n_heads=self.n_heads))
         try:
             width = sizes.matched_width(lambda w: replace(base, ffn_hidden=w), target, 8)
         except ValueError:  # no SwiGLU block (only VQ layers): the GAU width is the match

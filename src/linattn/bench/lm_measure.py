@@ -17,17 +17,19 @@ from .lm_config import LMBenchConfig
 
 def training_step(model: LM, optimizer: torch.optim.Optimizer, ids: torch.Tensor, config: LMBenchConfig):
     """One optimizer step as ``train.trainer`` takes it, on ``ids [B, C + 1]`` (inputs and
-    targets); the step returns the loss (detached)."""
+    targets), the codebook update gated on a finite loss on the device (no host read); the
+    step returns the loss (detached)."""
 
     def step() -> torch.Tensor:
         with config.autocast():
             logits, _, aux = model(ids[:, :-1], check_inputs=False)
         loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        total = loss + aux["commit_loss"]
         optimizer.zero_grad(set_to_none=True)
-        (loss + aux["commit_loss"]).backward()
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        model.update_codebooks()
+        model.update_codebooks(apply=torch.isfinite(total.detach()))
         return loss.detach()
 
     return step

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from transformers import PretrainedConfig
 
-from ..models.config import SAVED_BEFORE, LMConfig
+from ..models.config import LMConfig, saved_values
 
 _LM_FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
 
@@ -15,8 +15,9 @@ _LM_FIELDS = tuple(f.name for f in dataclasses.fields(LMConfig))
 class LinattnConfig(PretrainedConfig):
     """Every ``LMConfig`` field under its own name (same defaults), plus the names Hugging
     Face code reads: ``hidden_size`` (= ``d_model``), ``num_hidden_layers`` (= ``n_layers``),
-    ``num_attention_heads`` (= ``n_heads``), ``num_key_value_heads`` (= ``n_kv_heads``, or
-    ``n_heads`` when unset), ``tie_word_embeddings`` (= ``tie_embeddings``), ``vocab_size``,
+    ``num_attention_heads`` (= ``n_heads``; None for a model of GAU pairs, which have no
+    heads), ``num_key_value_heads`` (= ``n_kv_heads``, or ``n_heads`` when unset),
+    ``tie_word_embeddings`` (= ``tie_embeddings``), ``vocab_size``,
     ``bos/eos/pad_token_id`` (None by default: the byte vocabulary has no BOS/EOS, and a pad
     id would make ``generate`` read that byte in a prompt as padding; pass ``attention_mask``.
     An export sets ``bos_token_id`` to the newline token, the token documents start after:
@@ -41,7 +42,7 @@ class LinattnConfig(PretrainedConfig):
     d_model: int = 256
     n_layers: int = 4
     attention: str | list[str] = "vq"
-    n_heads: int = 4
+    n_heads: int | None = None
     n_kv_heads: int | None = None
     head_dim: int | None = None
     ffn_hidden: int | None = None
@@ -84,17 +85,19 @@ class LinattnConfig(PretrainedConfig):
         if self.extra is None:
             self.extra = {}
         super().__post_init__(**kwargs)
-        self.to_lm_config()
+        self.n_heads = self.to_lm_config().n_heads  # unset: 4 where a layer has heads, as LMConfig resolves it
 
     @classmethod
     def from_dict(cls, config_dict: dict[str, Any], **kwargs: Any) -> "LinattnConfig":
-        """``PretrainedConfig.from_dict`` (what ``from_pretrained`` reads a ``config.json`` with); a
-        field the file lacks because it was written before the field existed takes the value
-        that model was built with (``LMConfig.from_saved``: ``sinusoid_wavelength`` 1e4)."""
-        return super().from_dict({**SAVED_BEFORE, **config_dict}, **kwargs)
+        """``PretrainedConfig.from_dict`` (what ``from_pretrained`` reads a ``config.json`` with),
+        the file read as its model was built (``models.config.saved_values``, as
+        ``LMConfig.from_saved``: a field it lacks because it was written before the field
+        existed, ``sinusoid_wavelength``, is 1e4; head settings saved for a model without heads
+        are unset)."""
+        return super().from_dict(saved_values(config_dict), **kwargs)
 
     @property
-    def num_key_value_heads(self) -> int:
+    def num_key_value_heads(self) -> int | None:
         return self.n_kv_heads or self.n_heads
 
     def to_lm_config(self) -> LMConfig:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import (check_bool_fields, check_choice, check_int_fields, check_number_fields, config_from_dict,
-                       is_number)
+                       is_int, is_number)
 from ..nn.attention import ATTENTION_SCALES
 from ..nn.fsq import check_levels
 from ..nn.gau import GAU_VARIANTS
@@ -22,6 +22,8 @@ _SEED_LIMIT = 2**63
 # Fields added after models were first saved, with the value a saved config without them meant:
 # before sinusoid_wavelength existed, every GAU (paper variant included) used 1e4.
 SAVED_BEFORE = {"sinusoid_wavelength": 1e4}
+DEFAULT_HEADS = 4  # n_heads where a layer has heads and n_heads is unset
+HEAD_FIELDS = ("n_heads", "n_kv_heads", "head_dim")
 
 
 def _check_attention_kind(attention: object) -> None:
@@ -64,14 +66,19 @@ class LMConfig:
     ``rotary_scaling``, ``qkv_bias``, ``out_bias`` and ``norm_eps`` describe models imported
     from Hugging Face checkpoints (``LM.from_hf``); their defaults are what every model saved
     before they existed was built with.
+    ``n_heads``, ``n_kv_heads`` and ``head_dim`` shape the layers with heads (every kind but
+    the GAU pairs: ``vq``, ``vq-fsq``, ``soft-vq``, ``gau-softmax``). ``n_heads`` unset is 4
+    where a layer has heads; it must divide ``d_model`` unless ``head_dim`` is set (else part
+    of the width would go unused). A model without such layers refuses all three set (they
+    would be ignored); ``from_saved`` reads configs saved before that rule as they were built.
     """
 
     vocab_size: int = 256
     d_model: int = 256
     n_layers: int = 4
     attention: str | list[str] = "vq"
-    # multi-head attention blocks
-    n_heads: int = 4
+    # multi-head attention blocks (not the GAU pairs); n_heads None = 4 where a layer has heads
+    n_heads: int | None = None
     n_kv_heads: int | None = None
     head_dim: int | None = None
     ffn_hidden: int | None = None  # SwiGLU width; None = 8/3 d_model rounded up to 32
@@ -112,10 +119,9 @@ class LMConfig:
     def __post_init__(self) -> None:
         """Check every field, naming it: ValueError for a value out of range, TypeError for a
         wrong kind; then each layer kind checks the settings it is built with."""
-        check_int_fields(self, "LMConfig", ("vocab_size", "d_model", "n_layers", "n_heads", "local_window",
-                                            "chunk_size", "favor_features", "gau_d_k", "codebook_size", "block_size"),
-                         minimum=1)
-        check_int_fields(self, "LMConfig", ("n_kv_heads", "head_dim", "ffn_hidden", "gau_d_v", "delta_short_conv"),
+        check_int_fields(self, "LMConfig", ("vocab_size", "d_model", "n_layers", "local_window", "chunk_size",
+                                            "favor_features", "gau_d_k", "codebook_size", "block_size"), minimum=1)
+        check_int_fields(self, "LMConfig", (*HEAD_FIELDS, "ffn_hidden", "gau_d_v", "delta_short_conv"),
                          minimum=1, optional=True)
         check_int_fields(self, "LMConfig", ("softmax_memory", "feature_seed"), minimum=0)
         if self.feature_seed + self.n_layers > _SEED_LIMIT:  # layer i draws its FAVOR features from seed + i
@@ -135,8 +141,6 @@ class LMConfig:
         self.rotary_scaling = check_rotary_scaling("LMConfig.rotary_scaling", self.rotary_scaling)
         _check_extra(self.extra)
         _check_attention_kind(self.attention)
-        if self.n_heads % (self.n_kv_heads or self.n_heads):
-            raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
         check_choice("LMConfig.gau_variant", self.gau_variant, GAU_VARIANTS)
         check_choice("LMConfig.attention_scale", self.attention_scale, ATTENTION_SCALES)
         try:
@@ -151,8 +155,31 @@ class LMConfig:
         if self.sinusoid_wavelength is not None:
             check_number_fields(self, "LMConfig", ("sinusoid_wavelength",), low=0, low_inclusive=False,
                                 wanted="a positive number or None (the variant's: 1e4, paper 1e5)")
-        for spec in self.layer_specs():  # validates the attention pattern, then each kind its settings
+        specs = self.layer_specs()  # validates the attention pattern
+        self._check_heads(specs)
+        for spec in specs:
             layer_kind(spec).check_config(self, spec)
+
+    def _check_heads(self, specs: list[LayerSpec]) -> None:
+        """The head settings against the layers (class docstring): refused by name where no
+        layer has heads, else ``n_heads`` resolved (None: 4) and checked against ``d_model``."""
+        if not any(layer_kind(spec).uses_heads for spec in specs):
+            for name in HEAD_FIELDS:
+                if getattr(self, name) is not None:
+                    kinds = ", ".join(sorted({spec.kind for spec in specs}))
+                    raise ValueError(f"LMConfig.{name}={getattr(self, name)!r} is used by no layer: the {kinds} "
+                                     "layers have no heads (a GAU pair attends with one head of gau_d_k channels); "
+                                     "leave it unset")
+            return
+        if self.n_heads is None:
+            self.n_heads = DEFAULT_HEADS
+        if self.n_heads % (self.n_kv_heads or self.n_heads):
+            raise ValueError(f"LMConfig.n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            width = self.d_model // self.n_heads
+            raise ValueError(f"LMConfig.n_heads={self.n_heads} must divide d_model={self.d_model} (head_dim = "
+                             f"d_model // n_heads = {width} would leave {self.d_model - width * self.n_heads} of its "
+                             f"{self.d_model} channels unused); set head_dim to choose the heads' width")
 
     def layer_specs(self) -> list[LayerSpec]:
         """The parsed spec of each of the ``n_layers`` layers."""
@@ -193,9 +220,32 @@ class LMConfig:
     @classmethod
     def from_saved(cls, values: dict[str, Any]) -> "LMConfig":
         """``from_dict`` of a config a model was saved with (a checkpoint's ``model_config``, an
-        export's ``config.json``): a field it lacks because it was written before the field
-        existed takes the value that model was built with (``SAVED_BEFORE``), not today's default."""
-        return cls.from_dict({**SAVED_BEFORE, **values})
+        export's ``config.json``), read as that model was built (``saved_values``)."""
+        return cls.from_dict(saved_values(values))
+
+
+def uses_heads(attention: str | list[str]) -> bool:
+    """Whether a layer of the pattern ``attention`` (``LMConfig.attention``'s forms) has heads,
+    so that ``n_heads``, ``n_kv_heads`` and ``head_dim`` apply (every kind but the GAU pairs)."""
+    _check_attention_kind(attention)
+    pattern = attention.split(",") if isinstance(attention, str) else list(attention)
+    return any(layer_kind(parse_layer_spec(spec)).uses_heads for spec in pattern)
+
+
+def saved_values(values: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a saved config as its model was built, for configs written before a
+    rule of today's ``LMConfig``: a field it lacks because it did not exist yet takes the
+    value the model was built with (``SAVED_BEFORE``), not today's default; head settings
+    saved for a model without heads (every config recorded ``n_heads``, 4 by default) are
+    unset; and a model whose ``n_heads`` did not divide ``d_model`` gets the ``head_dim`` it
+    was built with (``d_model // n_heads``), so its weights keep their shapes."""
+    values = {**SAVED_BEFORE, **values}
+    if not uses_heads(values.get("attention", LMConfig.attention)):
+        return {**values, **dict.fromkeys(HEAD_FIELDS)}
+    n_heads, d_model = values.get("n_heads") or DEFAULT_HEADS, values.get("d_model", LMConfig.d_model)
+    if values.get("head_dim") is None and is_int(n_heads) and is_int(d_model) and n_heads > 0 and d_model % n_heads:
+        values["head_dim"] = d_model // n_heads
+    return values
 
 
 def matched_gau_value_width(d_model: int, gau_d_k: int) -> int:

@@ -160,6 +160,8 @@ class LayerKind:
     - ``growing_cache``: the decode state grows with the context (exact softmax's KV cache).
     - ``check_config(config, spec)``: raises ValueError, at ``LMConfig`` construction, for
       settings the layer cannot be built with (e.g. an odd head dimension under rotary).
+    - ``uses_heads``: the layer is built with ``n_heads``, ``n_kv_heads`` and ``head_dim``
+      (a model none of whose layers is refuses them set: ``LMConfig``).
     """
 
     name: str
@@ -170,6 +172,7 @@ class LayerKind:
     carry: Callable[[Any, LMConfig], Any] = _unchanged
     growing_cache: bool = False
     check_config: Callable[[LMConfig, LayerSpec], None] = lambda config, spec: None
+    uses_heads: bool = True
 
 
 _LAYER_KINDS: dict[str, LayerKind] = {}
@@ -357,15 +360,7 @@ def _favor_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
     return _attention_block(config, mechanism="linear", feature_map=features)
 
 
-def _check_head_dim(config: LMConfig, spec: LayerSpec) -> None:
-    head_dim = config.head_dim or config.d_model // config.n_heads
-    if head_dim < 1:
-        raise ValueError(f"LMConfig: layer {str(spec)!r} needs d_model >= n_heads (head_dim = d_model // n_heads), "
-                         f"got d_model={config.d_model}, n_heads={config.n_heads}")
-
-
 def _check_rotary_head_dim(config: LMConfig, spec: LayerSpec) -> None:
-    _check_head_dim(config, spec)
     head_dim = config.head_dim or config.d_model // config.n_heads
     if head_dim % 2:
         raise ValueError(f"LMConfig: layer {str(spec)!r} uses rotary positions, which need an even head dimension; "
@@ -375,9 +370,7 @@ def _check_rotary_head_dim(config: LMConfig, spec: LayerSpec) -> None:
 
 def _check_position_head_dim(config: LMConfig, spec: LayerSpec) -> None:
     """Rotary positions need an even head dimension; a ``nope`` layer has none."""
-    if "nope" in (spec.option or "").split(":"):
-        _check_head_dim(config, spec)
-    else:
+    if "nope" not in (spec.option or "").split(":"):
         _check_rotary_head_dim(config, spec)
 
 
@@ -418,14 +411,15 @@ _PAIR_OUTPUTS = ("units.0.w_o", "units.1.w_o")
 
 for _kind in (
     LayerKind("vq", _vq_pair("vq"), "'vq' (Transformer-VQ GAU pair; 'vq:rerope' / 'vq:rerope=W': ReRoPE)",
-              check_option=_vq_option, output_projections=_PAIR_OUTPUTS, check_config=_VQ_CHECKS),
+              check_option=_vq_option, output_projections=_PAIR_OUTPUTS, check_config=_VQ_CHECKS, uses_heads=False),
     LayerKind("vq-fsq", _vq_pair("fsq"), "'vq-fsq' (GAU pair, keys on the FSQ grid of fsq_levels; ':rerope' as vq)",
-              check_option=_vq_option, output_projections=_PAIR_OUTPUTS, check_config=_VQ_CHECKS),
+              check_option=_vq_option, output_projections=_PAIR_OUTPUTS, check_config=_VQ_CHECKS, uses_heads=False),
     LayerKind("soft-vq", lambda config, spec, index: GAUPair(config, "soft-vq"), "'soft-vq'",
-              output_projections=_PAIR_OUTPUTS, check_config=_GAU_UNUSED),
+              output_projections=_PAIR_OUTPUTS, check_config=_GAU_UNUSED, uses_heads=False),
     LayerKind("gau-softmax", _gau_softmax_pair, "'gau-softmax' / 'gau-softmax:entropy' (the GAU's quadratic twin)",
               check_option=_gau_softmax_option, output_projections=_PAIR_OUTPUTS,
-              carry=_truncated_unit_caches, growing_cache=True, check_config=_GAU_UNUSED),
+              carry=_truncated_unit_caches, growing_cache=True, check_config=_GAU_UNUSED,
+              uses_heads=False),
     LayerKind("softmax", _softmax_block,
               "'softmax' (flags ':nope', ':entropy', ':rerope=W', e.g. 'softmax:nope:entropy', 'softmax:rerope=64')",
               check_option=_softmax_option, output_projections=_BLOCK_OUTPUTS, carry=_truncated_cache,
@@ -433,21 +427,18 @@ for _kind in (
     LayerKind("linear", lambda config, spec, index: _attention_block(config, mechanism="linear",
                                                                      feature_map=spec.option),
               "'linear:elu' / 'linear:relu' / 'linear:dpfp' / 'linear:dpfp:NU' / 'linear:taylor'",
-              check_option=_linear_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+              check_option=_linear_option, output_projections=_BLOCK_OUTPUTS),
     LayerKind("favor", _favor_block, "'favor' / 'favor:M'", check_option=_optional_count,
-              output_projections=_BLOCK_OUTPUTS, check_config=_check_head_dim),
+              output_projections=_BLOCK_OUTPUTS),
     LayerKind("delta", _delta_block, "'delta' / 'delta:dpfp' / 'delta:elu'", check_option=_delta_option,
-              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES,
-                                                                                then=_check_head_dim)),
+              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES)),
     LayerKind("retnet", _retnet_block, "'retnet' (multi-scale retention: fixed decay per head, rotary positions)",
               output_projections=_BLOCK_OUTPUTS,
               check_config=_unused_settings(*_PROJECTION_BIASES, "rotary_scaling", then=_check_rotary_head_dim)),
     LayerKind("gla", _gla_block, "'gla' (gated linear attention: data-dependent decay per key channel)",
-              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES,
-                                                                                then=_check_head_dim)),
+              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES)),
     LayerKind("gated-delta", _gated_delta_block, "'gated-delta' (Gated DeltaNet: delta rule with a decay per head)",
-              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES,
-                                                                                then=_check_head_dim)),
+              output_projections=_BLOCK_OUTPUTS, check_config=_unused_settings(*_PROJECTION_BIASES)),
     LayerKind("local", _local_block,
               "'local' / 'local:WINDOW' (flags ':nope', ':entropy', ':rerope=W', e.g. 'local:128:entropy')",
               check_option=_local_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_position_head_dim),

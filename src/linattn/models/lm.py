@@ -222,9 +222,19 @@ class LM(nn.Module):
     @torch.no_grad()
     def update_codebooks(self, apply: torch.Tensor | None = None) -> None:
         """The EMA codebook update of every VQ unit; call once per optimizer step. ``apply``, a
-        bool tensor, False drops the step's statistics instead (read on the device, no sync)."""
-        for quantizer in self.quantizers():
-            quantizer.update(apply=apply)
+        bool tensor, False drops the step's statistics instead (read on the device, no sync).
+        Without ``apply``, statistics that are not finite are dropped and named: every unit
+        is updated or dropped, then one ValueError names each unit that was dropped
+        (``Codebook.update``)."""
+        refused = []
+        for name, module in self.named_modules():
+            if isinstance(module, VectorQuantizer):
+                try:
+                    module.update(apply=apply)
+                except ValueError as error:
+                    refused.append(f"{name}: {error}")
+        if refused:
+            raise ValueError("\n".join(refused))
 
     def codebook_usage(self) -> dict[str, float] | None:
         """Mean EMA code perplexity and total dead codes over the VQ units (None without any)."""
@@ -336,7 +346,7 @@ def _state_settings(config: LMConfig) -> tuple[tuple[str, object], ...]:
         ("d_model", config.d_model),
         ("n_heads", config.n_heads),
         ("n_kv_heads", config.n_kv_heads or config.n_heads),
-        ("head_dim", config.head_dim or config.d_model // config.n_heads),
+        ("head_dim", config.head_dim or (config.d_model // config.n_heads if config.n_heads else None)),
         ("local_window", config.local_window),
         ("favor_features", config.favor_features),
         ("feature_seed", config.feature_seed),

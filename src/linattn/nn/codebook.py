@@ -103,6 +103,16 @@ def _plus_plus(keys: torch.Tensor, n_codes: int, generator: torch.Generator | No
     return torch.tensor(picks, device=keys.device)
 
 
+def _non_finite_message(where: torch.Tensor) -> str:
+    """What ``update()`` says when the statistics at ``where [H, S]`` are not finite."""
+    rows = where.nonzero().tolist()
+    named = ", ".join(f"(head {h}, code {s})" for h, s in rows[:8])
+    more = f" and {len(rows) - 8} more codes" if len(rows) > 8 else ""
+    return (f"the EMA statistics of {named}{more} are not finite (a NaN or infinite key was assigned since the last "
+            "update); nothing was updated and these statistics are dropped, so the codebook stays finite. Pass "
+            "apply (a bool tensor, False for a step with a non-finite loss) to drop such steps without this error")
+
+
 class Codebook(nn.Module):
     """Per-head codes ``[H, S, Dk]`` learned by EMA of the keys assigned to them.
 
@@ -239,14 +249,23 @@ class Codebook(nn.Module):
         """Apply the EMA update with the statistics gathered since the last call, summed over
         ranks by ``sync("sum", ...)``, then restart dead codes. Without statistics on any rank
         this changes nothing, and neither does ``apply``, a bool tensor, when False (the
-        statistics are dropped: the trainer's guard against a non-finite step). No value is
-        read on the host (no device sync): the updates are selected with ``torch.where``."""
+        statistics are dropped: the trainer's guard against a non-finite step).
+
+        Statistics that are not finite (a NaN or infinite key was assigned since the last
+        update) never reach the codebook, which would stay non-finite for good: with
+        ``apply`` they are dropped like a refused step, and no value is read on the host (no
+        device sync: the updates are selected with ``torch.where``); without it (a loop with
+        no guard) the update reads that one flag on the host and, when it is not finite,
+        drops them and raises ValueError naming the heads and codes."""
         counts, sums = self._pending_counts.clone(), self._pending_sums.clone()
         self._pending_counts.zero_()
         self._pending_sums.zero_()
         self._recent_complete = True
         self.sync("sum", [counts, sums])
-        seen = counts.sum() > 0
+        finite = torch.isfinite(sums).all(-1) & torch.isfinite(counts)  # [H, S]
+        if apply is None and not bool(finite.all()):
+            raise ValueError(_non_finite_message(~finite))
+        seen = (counts.sum() > 0) & finite.all()
         if apply is not None:
             seen = seen & apply.to(seen.device)
         g = self.ema_decay
@@ -298,6 +317,9 @@ class Codebook(nn.Module):
         centers on every rank) and mark the codebook initialized. Without real tokens (on
         rank 0) nothing changes and the codebook stays uninitialised."""
         keys = self._unmasked(k, mask)
+        if not bool(torch.isfinite(keys).all()):
+            raise ValueError("k holds non-finite values (NaN or inf) at real tokens; the k-means initialisation of "
+                             "the codebook needs finite keys (it stays pending)")
         where = torch.full((self.n_heads, self.codebook_size), keys.shape[1] > 0, device=self.codebook.device)
         centers = kmeans(keys, self.codebook_size, self.kmeans_iters) if keys.shape[1] > 0 else self.codebook.clone()
         done = bool(self._replace_codes(where, centers).any())

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .._checks import int_at_least, non_negative_int, positive_float
 from ..data import load_corpus
-from ..models import LMConfig
+from ..models import LMConfig, uses_heads
 from ..models.config import matched_gau_value_width
 from ..reporting import markdown_table_lines, peak_memory, pyplot, save_figure
 from ..train import TrainConfig, evaluate_bpb, train
@@ -57,7 +57,8 @@ def model_config(spec: str, args: argparse.Namespace, **options) -> LMConfig:
     ``framework.add_lm_arguments``'s flags but ``--favor-features``), VQ value width matched
     to an attention + SwiGLU block, k-means codebooks; ``options``: further ``LMConfig`` fields."""
     d = args.d_model
-    common = dict(d_model=d, n_layers=args.n_layers, n_heads=args.n_heads, local_window=args.window,
+    common = dict(d_model=d, n_layers=args.n_layers, n_heads=args.n_heads if uses_heads(spec) else None,
+                  local_window=args.window,
                   codebook_size=args.codebook_size, block_size=args.block_size, gau_d_k=args.gau_d_k,
                   kmeans_init=True)
     return LMConfig(attention=spec, gau_d_v=matched_gau_value_width(d, args.gau_d_k), **common, **options)

@@ -77,7 +77,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_fraction, check_int, check_positive_number, int_at_least, positive_float
-from ..models import LM, LMConfig, sizes
+from ..models import LM, LMConfig, sizes, uses_heads
 from . import framework, grids, spread
 from .framework import Experiment, ExperimentSpec, seeded_generator
 from .grids import Grid
@@ -261,9 +261,10 @@ def base_model_config(mechanism: str, config: LongRangeConfig, **fields) -> LMCo
     """The ``LM`` of ``mechanism`` at the experiment's size; ``fields``: further ``LMConfig`` fields."""
     if mechanism not in LONG_RANGE_SPECS:
         raise ValueError(f"unknown mechanism {mechanism!r}; choose from {', '.join(LONG_RANGE_SPECS)}")
+    spec = LONG_RANGE_SPECS[mechanism]
     return LMConfig(
-        vocab_size=config.vocab_size, d_model=config.d_model, n_layers=config.n_layers,
-        attention=LONG_RANGE_SPECS[mechanism], n_heads=config.n_heads, local_window=config.window,
+        vocab_size=config.vocab_size, d_model=config.d_model, n_layers=config.n_layers, attention=spec,
+        n_heads=config.n_heads if uses_heads(spec) else None, local_window=config.window,
         codebook_size=config.codebook_size, block_size=config.block_size, gau_d_k=config.gau_d_k,
         kmeans_init=True, dead_code_threshold=0.5, chunk_size=32, **fields,
     )

@@ -58,7 +58,7 @@ import torch
 
 from .._checks import check_fraction, check_int, check_positive_number, int_at_least, int_between, is_int
 from .._checks import positive_float
-from ..models import LM, LMConfig
+from ..models import LM, LMConfig, uses_heads
 from . import framework, grids, spread
 from .framework import Experiment, ExperimentSpec, seeded_generator
 from .grids import Grid
@@ -185,9 +185,11 @@ def model_config(mechanism: str, d_model: int, config: MQARConfig) -> LMConfig:
     check_int("d_model", d_model)
     if d_model % config.n_heads:
         raise ValueError(f"d_model={d_model} must be divisible by n_heads={config.n_heads}")
+    spec = attention_spec(mechanism, config)
     return LMConfig(
-        vocab_size=config.vocab_size, d_model=d_model, n_layers=2, attention=attention_spec(mechanism, config),
-        n_heads=config.n_heads, favor_features=config.favor_features, feature_seed=config.seed,
+        vocab_size=config.vocab_size, d_model=d_model, n_layers=2, attention=spec,
+        n_heads=config.n_heads if uses_heads(spec) else None, favor_features=config.favor_features,
+        feature_seed=config.seed,
         codebook_size=config.codebook_size, block_size=config.block_size, gau_d_k=config.gau_d_k,
         kmeans_init=True, dead_code_threshold=0.5, chunk_size=32,
     )

@@ -28,8 +28,8 @@ from ..._checks import (
     check_choice,
     check_log_decay,
     check_positive_int,
-    check_positive_number,
     check_qkv,
+    check_scale,
     check_state_setting,
     check_state_tensor,
     compute_dtype,
@@ -120,7 +120,7 @@ def linear_attention(
     check_choice("mode", mode, (None,) + _MODES)
     check_positive_int("chunk_size", chunk_size)
     check_non_negative_number("eps", eps)
-    check_positive_number("scale", scale, finite=True)
+    check_scale(scale)
     check_bool("check_inputs", check_inputs)
     if mode is None:
         mode = "recurrent" if causal and shapes.length == 1 else "chunk"

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from ..common.bias import relative_bias_table
 from ..common.rotary import far_queries, pairwise_rerope_scores, positions, rotate_at
 from ..._checks import (
-    is_number,
     check_bool,
+    check_scale,
     AttentionShapes,
     check_choice,
     check_positive_int,
@@ -58,18 +58,14 @@ def _row_scale(scale, shapes: AttentionShapes, causal: bool, key_length: int, de
     Dk = shapes.key_dim
     if scale is None:
         return Dk ** -0.5
-    if isinstance(scale, str):
-        if scale != "entropy":
-            raise ValueError(f"scale must be None, a positive number or 'entropy'; got {scale!r}")
+    if isinstance(scale, str) and scale == "entropy":
         if causal:
             past = key_length - shapes.length
             visible = torch.arange(past + 1, key_length + 1, device=device, dtype=dtype)
         else:
             visible = torch.full((shapes.length,), float(key_length), device=device, dtype=dtype)
         return entropy_scale(visible, Dk).unsqueeze(-1)
-    if not is_number(scale) or not scale > 0:
-        raise ValueError(f"scale must be None, a positive number or 'entropy'; got {scale!r}")
-    return float(scale)
+    return check_scale(scale, also=", None (key_dim^-1/2) or 'entropy'")
 
 
 def _bias_table(bias: Callable, heads: int, length: int, key_length: int, device, dtype) -> torch.Tensor:

@@ -12,27 +12,56 @@ threads (a row is one thread's, so results do not depend on the thread count).
 vector width of the machine; OpenMP is torch's own runtime, so ``torch.set_num_threads``
 governs it; ``ninja``, pinned in requirements.lock, drives the compiler), into
 ``<torch extensions root>/linattn/<name>`` (``TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``), where the name hashes the source, the torch version
-and the CPU, so a change of any of them builds anew. The first build takes about a minute
-and says so on stderr; later processes load the cached library.
+default ``~/.cache/torch_extensions``). The name hashes every input of the build
+(``build_inputs``: the source's text and path, the compiler and its version, the flags, the
+CPU, the include and library folders of this torch and this Python, their versions), so
+installations, compilers and machines never share a folder and ninja never rebuilds in one
+(a change of any input builds anew, in a folder of its own). The first build takes about a
+minute and says so on stderr; later processes load the cached library. ``linattn doctor
+--build`` builds ahead of time.
+
+**Lock.** A process builds (or loads) holding ``build_lock``: an exclusive ``flock`` on
+``<folder>/linattn.lock``, which records its process id and host. The kernel releases a
+flock when its process dies, so the lock is never stale; another process waits for it at
+most ``BUILD_WAIT_SECONDS`` (saying so on stderr), then gives up naming the holder. Inside
+it, torch's own lock (``<folder>/lock``, which torch's builder waits on without a timeout)
+can only be one left by a build that was killed (SIGKILL, out of memory): that stale lock
+is named and not waited on. Either way the build fails (``extension`` raises, and
+``native_choice`` runs the torch form with a warning naming the lock and
+``LINATTN_VQ_STEP_IMPL``); no lock is ever deleted for its holder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import platform
 import shutil
+import socket
+import subprocess
 import sys
+import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 SOURCE = Path(__file__).parent / "_native" / "vq_decode_step.cpp"
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)
+_LOCK_NAME = "linattn.lock"
+_TORCH_LOCK_NAME = "lock"  # torch.utils.cpp_extension's FileBaton in the build folder
+_POLL_SECONDS = 0.2
 _module = None
 _build_error: str | None = None
+
+
+class BuildLocked(RuntimeError):
+    """The build folder is locked by another process that does not finish, or by a stale lock."""
 
 
 def _cpu_identity() -> str:
@@ -46,11 +75,44 @@ def _cpu_identity() -> str:
         return f"{platform.machine()} {platform.processor()}"
 
 
+def _compiler_identity() -> str:
+    """The compiler torch's builder runs (``CXX``, else ``c++``), where ``PATH`` finds it, and
+    what its ``--version`` prints."""
+    from torch.utils import cpp_extension
+
+    compiler = cpp_extension.get_cxx_compiler()
+    found = shutil.which(compiler) or compiler
+    try:
+        version = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as error:  # no compiler: the build fails, naming it
+        version = f"not runnable ({type(error).__name__})"
+    return f"{compiler} = {found}: {version}"
+
+
+def build_inputs() -> dict[str, str]:
+    """Everything the build's result depends on, by name: what torch's builder writes into
+    ``build.ninja`` (the compiler, the flags, the include and library folders of this torch
+    and this Python, the source's path) and what those do not show (the source's text, the
+    compiler's version, the CPU behind ``-march=native``, the versions of torch and Python)."""
+    from torch.utils import cpp_extension
+
+    return {
+        "source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
+        "source path": os.path.abspath(SOURCE),
+        "compiler": _compiler_identity(),
+        "flags": " ".join(FLAGS),
+        "link flags": " ".join(LDFLAGS),
+        "cpu": _cpu_identity(),
+        "torch": f"{torch.__version__} ({torch.version.git_version})",
+        "torch folders": " ".join(cpp_extension.include_paths("cpu") + cpp_extension.library_paths("cpu")),
+        "python": f"{sys.version} {sysconfig.get_config_var('SOABI')}",
+        "python include": sysconfig.get_path("include", scheme="nt" if os.name == "nt" else "posix_prefix") or "",
+    }
+
+
 def extension_name() -> str:
-    """The build's name: one per source text, torch version and CPU."""
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_identity().encode(), " ".join(FLAGS).encode()):
-        digest.update(part)
+    """The build's name: one per set of ``build_inputs``."""
+    digest = hashlib.sha256(json.dumps(build_inputs(), sort_keys=True).encode())
     return f"linattn_vq_step_{digest.hexdigest()[:16]}"
 
 
@@ -60,6 +122,62 @@ def build_directory() -> Path:
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     return Path(root) / "linattn" / extension_name()
+
+
+def build_lock_path(directory: Path) -> Path:
+    """The file whose ``flock`` a process holds while it builds in ``directory``."""
+    return Path(directory) / _LOCK_NAME
+
+
+def _holder(path: Path) -> str:
+    """Who holds (or last held) the lock ``path``, as it records itself."""
+    try:
+        pid, host = path.read_text().split()
+    except (OSError, ValueError):
+        return "another process"
+    return f"process {pid} on {host}"
+
+
+@contextlib.contextmanager
+def build_lock(directory: Path, wait_seconds: float | None = None) -> Iterator[None]:
+    """Hold ``directory``'s build lock for the block (module docstring), recording this
+    process's id and host in it. Another holder is waited for at most ``wait_seconds``
+    (default ``BUILD_WAIT_SECONDS``), then ``BuildLocked`` names it; a torch lock found
+    inside (one no build holds: stale) is ``BuildLocked`` at once."""
+    import fcntl
+
+    path = build_lock_path(directory)
+    wait_seconds = BUILD_WAIT_SECONDS if wait_seconds is None else wait_seconds
+    with open(path, "a+") as handle:
+        _take(handle, fcntl, path, wait_seconds)
+        last = _holder(path)
+        handle.truncate(0)
+        handle.write(f"{os.getpid()} {socket.gethostname()}\n")
+        handle.flush()
+        stale = Path(directory) / _TORCH_LOCK_NAME
+        if stale.exists():
+            raise BuildLocked(f"{stale} is stale: no process builds in its folder (the last build there, by {last}, "
+                              "did not finish); delete it to build again")
+        yield
+
+
+def _take(handle, fcntl, path: Path, wait_seconds: float) -> None:
+    """The exclusive flock of ``handle``, waiting at most ``wait_seconds`` (said on stderr)."""
+    deadline = time.monotonic() + wait_seconds
+    waiting = False
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise BuildLocked(f"{path} is held by {_holder(path)}, still building after {wait_seconds:g} s")
+        if not waiting:
+            print(f"linattn: waiting for {_holder(path)} to build the native VQ decoding step (lock {path}; at most "
+                  f"{wait_seconds:g} s)", file=sys.stderr, flush=True)
+            waiting = True
+        time.sleep(min(_POLL_SECONDS, remaining))
 
 
 def _ninja_on_path() -> None:
@@ -74,19 +192,21 @@ def _ninja_on_path() -> None:
 
 
 def _build():
-    """Compile (or load the cached build of) the extension module."""
+    """Compile (or load the cached build of) the extension module, holding the folder's lock."""
     from torch.utils.cpp_extension import load
 
     _ninja_on_path()
-    name, directory = extension_name(), build_directory()
+    directory = build_directory()
+    name = directory.name
     directory.mkdir(parents=True, exist_ok=True)
-    fresh = not (directory / f"{name}.so").exists()
-    if fresh:
-        print(f"linattn: compiling the native VQ decoding step for this CPU (once; about a minute), into {directory}",
-              file=sys.stderr, flush=True)
-    start = time.perf_counter()
-    module = load(name, [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=["-fopenmp"],
-                  build_directory=str(directory), verbose=False)
+    with build_lock(directory):
+        fresh = not (directory / f"{name}.so").exists()
+        if fresh:
+            print(f"linattn: compiling the native VQ decoding step for this CPU (once; about a minute), into "
+                  f"{directory}", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        module = load(name, [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
+                      build_directory=str(directory), verbose=False)
     if fresh:
         print(f"linattn: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return module

@@ -90,7 +90,8 @@ def use_native(impl: str, device: torch.device, dtype: torch.dtype, rerope: bool
         raise RuntimeError(f"{message}. Use impl='torch' (or impl='auto' without {ENV}=native)")
     if dtype not in _warned:
         _warned.add(dtype)
-        warnings.warn(f"{message}; vq_decode_step uses the torch form in {dtype} from now on", RuntimeWarning,
+        warnings.warn(f"{message}; vq_decode_step uses the torch form in {dtype} from now on ({ENV}=torch chooses "
+                      f"it without trying the native step, {ENV}=native makes this an error)", RuntimeWarning,
                       stacklevel=3)
     return False
 
