@@ -14,6 +14,7 @@ from ..ops.kernel import FeatureMap, get_feature_map, linear_attention
 from ..ops.softmax import entropy_scale, kv_cache, softmax_attention
 from ..ops.sparse import local_attention
 from ..state import KVCacheState, LinearAttentionState
+from .hedgehog import HEDGEHOG, HedgehogFeatureMap, LearnedFeatures
 from .rotary import apply_rotary, check_rotary_scaling
 
 _MECHANISMS = ("softmax", "linear", "local")
@@ -29,6 +30,8 @@ class Attention(nn.Module):
         (preallocated without gradients, ``ops/softmax/kv_cache.py``).
       - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
         ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
+        ``feature_map="hedgehog"``: Hedgehog's learned map (``nn/hedgehog.py``), one per query
+        head (``query_map``) and per key/value head (``key_map``), identity weights at first.
       - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
         positions; constant-size ``KVCacheState``.
 
@@ -83,7 +86,13 @@ class Attention(nn.Module):
                              f"mechanism={mechanism!r}, rotary={rotary!r}")
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.mechanism, self.window, self.chunk_size = mechanism, window, chunk_size
-        self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
+        self.query_map = self.key_map = None
+        if mechanism == "linear" and feature_map == HEDGEHOG:  # learned: the layer computes the features
+            self.feature_map = LearnedFeatures()
+            self.query_map, self.key_map = HedgehogFeatureMap(n_heads, head_dim), HedgehogFeatureMap(n_kv_heads,
+                                                                                                     head_dim)
+        else:
+            self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
         if self.feature_map is not None:
             self.feature_map.prepare(head_dim)  # random features are drawn here, not in a compiled forward
         # whether the layer rotates q and k itself (with rerope the op does)
@@ -154,6 +163,8 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, state):
         if self.mechanism == "linear":
+            if self.query_map is not None:
+                q, k = self.query_map(q), self.key_map(k)
             out, state = linear_attention(
                 q, k, v, feature_map=self.feature_map, chunk_size=self.chunk_size,
                 initial_state=state, output_final_state=True,
