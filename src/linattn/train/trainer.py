@@ -23,7 +23,7 @@ from .._checks import is_int
 from ..data import (TokenStreams, bits_per_byte, check_vocabulary, data_fingerprint, evaluated_bytes,
                     fingerprint_changes, load_corpus, open_shards)
 from ..models import LM, LMConfig
-from . import distributed, parallel, resharding
+from . import distributed, lora, parallel, resharding
 from .checkpoint import Checkpoint, find_resume_checkpoint, nonfinite_tensors, save_checkpoint
 from .compiling import CompiledLayers
 from .config import TrainConfig
@@ -262,6 +262,7 @@ def train(
     echo=print,
     accept_new_data: bool = False,
     parallel: str | None = None,
+    lora_rank: int | None = None,
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
@@ -290,7 +291,8 @@ def train(
     ``resume`` continues at any number of processes that shares the checkpoint's global
     batch evenly, and under either strategy (``parallel``: ``"ddp"`` or ``"fsdp"``, default
     the checkpoint's): the per-process batch and the carried states are re-cut, the streams
-    stay those of the global batch (``train/resharding.py``).
+    stay those of the global batch (``train/resharding.py``). ``lora_rank`` (with ``resume``)
+    fine-tunes with LoRA adapters of that rank from the checkpoint on (``train/lora.py``).
     """
     if resume and out is None:
         raise ValueError("resume needs the run folder (--out)")
@@ -299,8 +301,9 @@ def train(
     if overwrite and resume:
         raise ValueError("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
     if not resume:
-        if parallel is not None:
-            raise ValueError("parallel= picks the strategy of a resumed run; for a new run set TrainConfig.parallel")
+        if parallel is not None or lora_rank is not None:
+            name = "parallel= picks the strategy" if parallel is not None else "lora_rank= sets the LoRA rank"
+            raise ValueError(f"{name} of a resumed run; for a new run set it in the TrainConfig")
         check_launched("train.parallel", train_config.parallel, distributed.env_world_size())
     elif parallel is not None:
         check_launched("--parallel", parallel, distributed.env_world_size())
@@ -318,14 +321,14 @@ def train(
     try:
         return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
                               steps=steps, progress=progress, command=command, echo=echo,
-                              accept_new_data=accept_new_data, strategy=parallel)
+                              accept_new_data=accept_new_data, strategy=parallel, lora_rank=lora_rank)
     finally:
         if claim is not None:
             claim.release()
 
 
 def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
-                   echo, accept_new_data, strategy=None) -> dict[str, Any]:
+                   echo, accept_new_data, strategy=None, lora_rank=None) -> dict[str, Any]:
     """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
     out = run_dir
     if resume:
@@ -336,6 +339,7 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
                                                          written_by, world_size)
         if strategy is not None:
             train_values["parallel"] = strategy
+        train_values["lora_rank"] = lora.resumed_rank(train_values.get("lora_rank"), lora_rank)
         if steps is not None:
             if not is_int(steps) or steps <= checkpoint.step:
                 raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
@@ -377,15 +381,17 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     torch.manual_seed(cfg.seed)
     model = LM(model_config).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint.model, strict=True)
+    new_adapters = lora.load_adapted(model, checkpoint.model if checkpoint is not None else None, cfg.lora_rank)
+    if cfg.lora_rank and context.is_main:
+        echo(lora.adapter_summary(model, cfg.lora_rank))
     trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
     layers = CompiledLayers(model, enabled=cfg.compile, checkpointing=cfg.activation_checkpointing,
                             compile=compile_model)  # train.compile: each layer on its own
     optimizer = trainer_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
     if checkpoint is not None:
-        parallel.load_optimizer_state(model, optimizer, as_fused_state(checkpoint.optimizer_state()))
+        if not new_adapters:  # (new adapters start a fresh optimizer state)
+            parallel.load_optimizer_state(model, optimizer, as_fused_state(checkpoint.optimizer_state()))
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
         carries = split_state(resharding.rank_carry(checkpoint, context.world_size, context.rank, device),
