@@ -117,9 +117,10 @@ def test_hedgehog_features_and_attention_follow_their_formulas():
     x = torch.randn(1, 2, 5, 3, dtype=F64)
     with torch.no_grad():
         phi = feature_map(x)
+    weight = feature_map.weight.detach()
     for h in range(2):
         for t in range(5):
-            z = [sum(float(x[0, h, t, d]) * float(feature_map.weight.detach()[h, d, f]) for d in range(3)) for f in range(3)]
+            z = [sum(float(x[0, h, t, d]) * float(weight[h, d, f]) for d in range(3)) for f in range(3)]
             positive = torch.tensor(z, dtype=F64).exp()
             negative = torch.tensor([-value for value in z], dtype=F64).exp()
             torch.testing.assert_close(phi[0, h, t], torch.cat([positive / positive.sum(), negative / negative.sum()]))
