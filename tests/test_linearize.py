@@ -76,6 +76,7 @@ def test_conversion_keeps_the_teachers_tensors_and_trains_two_finite_steps(to, s
     trained = [record["loss"] for record in losses if "loss" in record]
     assert trained and all(torch.isfinite(torch.tensor(trained)))
     assert load_checkpoint(run).step == 2
+    assert load_checkpoint(run).meta["converted_from"] == checkpoint.meta["converted_from"]  # carried along
     after, _ = load_model(run)
     assert any(not torch.equal(value, student.state_dict()[name]) for name, value in after.state_dict().items())
 

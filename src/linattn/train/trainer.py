@@ -103,6 +103,10 @@ class _Metrics:
                           f"or fix the permissions, then continue with linattn train --resume --out {self.path.parent}")
 
 
+# where a run came from (linattn convert), carried from checkpoint to checkpoint
+_PROVENANCE = ("imported_from", "converted_from")
+
+
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     rng = {"torch": torch.get_rng_state()}
     if device.type == "cuda":
@@ -467,6 +471,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             "data_fingerprint": fingerprint,
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command,
+            **{key: checkpoint.meta[key] for key in _PROVENANCE if checkpoint is not None and key in checkpoint.meta},
         }
         path = save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
                                optimizer_state=optimizer_state, rng=_rng_state(device),
