@@ -8,7 +8,10 @@ positions inside a window of W and distance W beyond it; softmax and local, not 
 ``nope``), e.g. the window + global hybrid ``local:128,local:128,softmax:nope:entropy`` or
 ``softmax:rerope=64:entropy``. The VQ kinds take ``rerope`` (window = ``block_size``) or
 ``rerope=W`` (``W <= block_size``): ReRoPE instead of the GAU's Transformer-XL terms
-(``vq:rerope``, ``vq-fsq:rerope=32``).
+(``vq:rerope``, ``vq-fsq:rerope=32``). ``vq-attn:rerope[=W]`` and ``vq-attn:bias`` are multi-head
+attention over VQ keys (a transformer's q/k/v/o, ReRoPE or Transformer-VQ's windowed bias; what
+``linattn convert`` makes of a softmax layer); ``linear:hedgehog`` is kernel attention through
+Hedgehog's learned feature map.
 Each kind is one ``LayerKind`` entry that says everything the model needs to know about it:
 how its option is checked, how the layer is built from an ``LMConfig``, which of its linear
 maps are output projections (initialised with the smaller residual std), how its decode
