@@ -14,6 +14,7 @@ from ..ops.kernel import FeatureMap, get_feature_map, linear_attention
 from ..ops.softmax import entropy_scale, kv_cache, softmax_attention
 from ..ops.sparse import local_attention
 from ..state import KVCacheState, LinearAttentionState
+from ._heads import add_attention_projections, attention_heads
 from .hedgehog import HEDGEHOG, HedgehogFeatureMap, LearnedFeatures
 from .rotary import apply_rotary, check_rotary_scaling
 
@@ -104,13 +105,7 @@ class Attention(nn.Module):
                              f"{self.rotary_scaling} would change them: pass one of the two")
         check_bool("qkv_bias", qkv_bias)
         check_bool("out_bias", out_bias)
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
-        for projection in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            if projection.bias is not None:
-                nn.init.zeros_(projection.bias)
+        add_attention_projections(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias=qkv_bias, out_bias=out_bias)
 
     def forward(
         self, x: torch.Tensor, state: KVCacheState | LinearAttentionState | None = None
@@ -119,9 +114,7 @@ class Attention(nn.Module):
         if state is not None:
             self._check_state(state, x)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = attention_heads(self, x)
         past = 0 if state is None else state.steps
         if self.rotary:
             q = apply_rotary(q, past, self.rotary_base, self.rotary_scaling)

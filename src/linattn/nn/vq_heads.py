@@ -8,6 +8,7 @@ from torch import nn
 from .._checks import check_bool, check_choice, check_head_layout, check_layer_input, check_state_batch
 from ..ops.vq import GRAD_SCOPES, check_vq_rerope, check_vq_state, vq_attention
 from ..state import VQAttentionState
+from ._heads import add_attention_projections, attention_heads
 from .quantizer import VectorQuantizer
 
 VQ_POSITIONS = ("rerope", "bias")
@@ -73,13 +74,7 @@ class MultiHeadVQAttention(nn.Module):
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.block_size, self.positions, self.grad_scope = block_size, positions, grad_scope
         self.rotary_base = float(rotary_base)
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
-        for projection in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            if projection.bias is not None:
-                nn.init.zeros_(projection.bias)
+        add_attention_projections(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias=qkv_bias, out_bias=out_bias)
         self.relative_bias = nn.Parameter(torch.zeros(n_heads, block_size + 1)) if positions == "bias" else None
         self.quantizer = VectorQuantizer(
             n_kv_heads, head_dim, codebook_size, ema_decay=ema_decay, commitment_weight=commitment_weight,
@@ -93,9 +88,7 @@ class MultiHeadVQAttention(nn.Module):
         if state is not None:
             self._check_state(state, x)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = attention_heads(self, x)
         # the op keeps its own precision (float32 sums and softmax); under autocast it runs on q's dtype
         with torch.autocast(x.device.type, enabled=False):
             k_hat, codes, commit = self.quantizer(k)

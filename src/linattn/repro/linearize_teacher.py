@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from ..data import Shards, TokenStreams, bits_per_byte, evaluated_bytes, prepare_shards
 from ..models import LM
 from ..train import evaluate_bpb
+from ..train.config import read_toml
 from ..train.optim import parameter_groups
 from ..train.schedule import learning_rate
 
@@ -45,13 +45,7 @@ def teacher_settings(path: str | Path, quick: bool) -> dict[str, dict[str, Any]]
     """The teacher's ``{"llama": ..., "tokenizer": ..., "train": ...}`` from the TOML file ``path``
     (its ``[quick.*]`` tables over them with ``quick``); a missing table or train key is a
     ValueError naming it."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--teacher-config {path}: no such file (the committed one is configs/linearize-teacher.toml)")
-    try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"--teacher-config {path}: not valid TOML ({error})") from None
+    document = read_toml(path, "--teacher-config", " (the committed one is configs/linearize-teacher.toml)")
     missing = [name for name in TEACHER_TABLES if not isinstance(document.get(name), dict)]
     if missing:
         raise ValueError(f"--teacher-config {path}: the table(s) {', '.join(missing)} are missing")

@@ -118,15 +118,21 @@ class TrainConfig:
         return config_from_dict(cls, values, "train")
 
 
-def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read a TOML run file -> ``(model values, train values)``; only ``[model]`` and ``[train]``."""
+def read_toml(path: str | Path, flag: str = "--config", hint: str = "") -> dict[str, Any]:
+    """The TOML document at ``path``; a missing file or invalid TOML is a ValueError naming
+    ``flag`` and the path (``hint`` follows "no such file")."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--config {path}: no such file")
+        raise ValueError(f"{flag} {path}: no such file{hint}")
     try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"--config {path}: not valid TOML ({error})") from None
+        raise ValueError(f"{flag} {path}: not valid TOML ({error})") from None
+
+
+def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a TOML run file -> ``(model values, train values)``; only ``[model]`` and ``[train]``."""
+    document = read_toml(path)
     unknown = sorted(set(document) - {"model", "train"})
     if unknown:
         raise ValueError(f"--config {path}: unknown tables {unknown}; expected [model] and [train]")
