@@ -235,7 +235,9 @@ def test_what_does_not_convert_is_refused_by_name(family, fields, to, extra, nam
 def test_source_and_option_refusals(source, tmp_path):
     hf, shards = source
     code, _, err = run_captured(["convert", "--ckpt", str(hf), "--to", "gla", "--out", str(tmp_path / "a")])
-    assert code == 2 and "needs --data SHARDS" in err
+    assert code == 2 and "--to gla needs --data SHARDS" in err
+    code, _, err = run_captured(["convert", "--ckpt", str(hf), "--to", "vq", "--out", str(tmp_path / "a")])
+    assert code == 2 and "would become 'vq'" in err  # the specs are checked first
     code, _, err = run_captured(["convert", "--ckpt", str(hf), "--to", "softmax", "--out", str(tmp_path / "b"),
                                  "--data", str(shards), "--transfer-steps", "3"])
     assert code == 2 and "--transfer-steps: not an option of --to softmax" in err

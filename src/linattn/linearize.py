@@ -44,6 +44,7 @@ import torch
 from .attention_transfer import attention_transfer, new_parameters
 from .data import data_fingerprint, open_data
 from .models import LM, LMConfig, parse_layer_spec
+from .models.pretrained import hf_lm_config, read_config_file
 from .nn.codebook import kmeans_codes
 from .nn.short_conv import ShortConvolution
 from .nn.vq_heads import MultiHeadVQAttention
@@ -290,8 +291,12 @@ def linearized_run(ckpt: str | Path, out: str | Path, *, to: str, data: str | No
                    options: LinearizeOptions = LinearizeOptions(), command: str = "") -> ConvertedRun:
     """Everything of the run ``out`` that converts ``ckpt`` (module docstring); nothing is written."""
     model_overrides, train_overrides = _split_overrides(list(overrides))
-    if is_hf_folder(ckpt):
-        imported = import_hf_run(ckpt, out, data=data, overrides=train_overrides, command=command)
+    if options.codebook_size is not None:
+        model_overrides["codebook_size"] = options.codebook_size
+    if is_hf_folder(ckpt):  # the specs are checked before the weights and the data are read
+        student_config(hf_lm_config(read_config_file(Path(ckpt)), str(Path(ckpt) / "config.json")), to,
+                       model_overrides)
+        imported = import_hf_run(ckpt, out, data=data, overrides=train_overrides, command=command, target=to)
         teacher, meta, train_config, step = imported.model, imported.meta, imported.train_config, 0
         source = {"folder": str(Path(ckpt).resolve()), "architecture": meta["imported_from"]["architecture"]}
         world_size = 1
