@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 # maps (a torch.cond decides their float64 recomputation), which
 # test_linear_float64_fallback_is_decided_inside_the_graph covers for "exp"
 KINDS = ["vq", "vq-fsq", "soft-vq", "gau-softmax:entropy", "softmax:nope:entropy", "linear:elu", "favor", "delta",
-         "retnet", "gla", "gated-delta", "local:4:entropy"]
+         "retnet", "gla", "gated-delta", "local:4:entropy", "vq-attn:rerope", "vq-attn:bias", "linear:hedgehog"]
 
 
 @pytest.fixture(autouse=True)

@@ -47,9 +47,11 @@ BAD_COUNTS = bad(0, -1, 1.5, True, "4", None)
 SPECS = ["vq", "vq-fsq", "soft-vq", "gau-softmax", "gau-softmax:entropy", "softmax", "softmax:nope",
          "softmax:entropy:nope", "linear:elu", "linear:relu", "linear:identity", "linear:exp", "linear:dpfp",
          "linear:dpfp:2", "linear:taylor", "favor", "favor:4", "delta", "delta:elu", "delta:dpfp:2", "delta:taylor",
-         "retnet", "gla", "gated-delta", "local", "local:3", "local:2:nope:entropy"]
+         "retnet", "gla", "gated-delta", "local", "local:3", "local:2:nope:entropy", "vq-attn:rerope", "vq-attn:bias",
+         "linear:hedgehog"]
 BAD_ATTENTION = bad("", "bogus", "local:0", "local:²", "delta:elu:3", "delta:dpfp:x", "linear", "linear:dpfp:0",
                     "favor:0", "softmax:nope:nope", "vq:2", "retnet:nope", "gla:16", "gated-delta:4", "vq,,vq", 3,
+                    "vq-attn", "vq-attn:rope", "vq-attn:rerope=0", "delta:hedgehog",
                     None, ["vq", 3], {"vq"})
 
 # field -> (valid values, invalid values); n_layers and attention are drawn together below
@@ -132,6 +134,7 @@ TRAIN_FIELDS = {
     "device": (st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:3"]), bad("tpu", "cuda:x", "cpu:0", "", None)),
     "threads": (optional(st.integers(1, 8)), bad(0, -1, 1.5)),
     "tensorboard": (st.booleans(), BAD_BOOLS),
+    "lora_rank": (optional(st.integers(1, 64)), bad(0, -1, 1.5, "4")),
 }
 
 

@@ -36,7 +36,8 @@ DEVICE = torch.device(os.environ.get("LINATTN_TEST_DEVICE", "cpu"))
 
 SPECS = ["vq", "vq-fsq", "soft-vq", "gau-softmax", "softmax", "softmax:nope:entropy", "linear:elu", "favor", "delta",
          "retnet", "gla", "gated-delta",
-         "local:8:entropy", "local:8,vq", "softmax:rerope=4", "local:8:rerope=3", "vq:rerope"]
+         "local:8:entropy", "local:8,vq", "softmax:rerope=4", "local:8:rerope=3", "vq:rerope", "vq-attn:rerope",
+         "vq-attn:bias", "linear:hedgehog"]
 # the float32 overflow guard of feature maps with a tracked shift (module docstring)
 ALLOWED = {"favor": ("ops/kernel/attention.py",)}
 

@@ -23,7 +23,8 @@ from _helpers import codebook_trainer, head_fields, lm_eval_task
 torch.set_num_threads(1)
 
 KINDS = ["vq", "soft-vq", "gau-softmax", "softmax", "linear:elu", "linear:relu", "linear:dpfp", "linear:taylor",
-         "favor", "delta", "delta:dpfp", "delta:elu", "retnet", "gla", "gated-delta", "local:4", "local:4,vq,delta"]
+         "favor", "delta", "delta:dpfp", "delta:elu", "retnet", "gla", "gated-delta", "local:4", "local:4,vq,delta",
+         "vq-attn:rerope", "vq-attn:bias", "linear:hedgehog"]
 
 
 def tiny_lm(attention: str = "vq", seed: int = 0, **overrides) -> LM:

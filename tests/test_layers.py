@@ -15,7 +15,7 @@ from _helpers import head_fields
 
 F64 = torch.float64
 TINY = dict(d_model=16, n_heads=2, gau_d_k=8, codebook_size=8, block_size=4, local_window=4, chunk_size=4)
-ALL_SPECS = "vq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,retnet,gla,gated-delta,local"
+ALL_SPECS = "vq,soft-vq,gau-softmax,softmax,linear:elu,favor,delta,retnet,gla,gated-delta,local,vq-attn:bias"
 
 
 class _CausalMean(nn.Module):
@@ -81,13 +81,13 @@ def test_carry_policy_comes_from_the_kind():
 
 def test_every_builtin_mixer_has_the_common_interface():
     x = torch.randn(2, 5, 16, dtype=F64)
-    config = linattn.LMConfig(n_layers=11, attention=ALL_SPECS, **TINY)
+    config = linattn.LMConfig(n_layers=12, attention=ALL_SPECS, **TINY)
     model = linattn.LM(config).double()
     mixers = [m for m in model.modules() if isinstance(m, (
         linattn.nn.Attention, linattn.nn.DeltaNet, linattn.nn.GAU, linattn.nn.MultiScaleRetention,
-        linattn.nn.GatedLinearAttention, linattn.nn.GatedDeltaNet))]
+        linattn.nn.GatedLinearAttention, linattn.nn.GatedDeltaNet, linattn.nn.MultiHeadVQAttention))]
     mixers.append(linattn.nn.LinformerAttention(16, 2, max_len=8, k=4).double())
-    assert len(mixers) == 15
+    assert len(mixers) == 16
     for mixer in mixers:
         y, state, aux = mixer(x)
         assert y.shape == x.shape and isinstance(aux, dict)
@@ -109,7 +109,7 @@ def test_linformer_refuses_a_state():
 
 
 def test_mixers_have_no_projection_biases():
-    config = linattn.LMConfig(n_layers=11, attention=ALL_SPECS, **TINY)
+    config = linattn.LMConfig(n_layers=12, attention=ALL_SPECS, **TINY)
     model = linattn.LM(config)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     assert len(linears) > 30

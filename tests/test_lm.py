@@ -16,10 +16,12 @@ from linattn.state import KVCacheState, LMState, _State
 torch.set_num_threads(1)
 
 ALL_KINDS = ["vq", "softmax", "linear:elu", "favor:16", "delta", "local:5", "linear:dpfp", "soft-vq",
-             "gau-softmax", "delta:dpfp", "retnet", "gla", "gated-delta"]
+             "gau-softmax", "delta:dpfp", "retnet", "gla", "gated-delta", "vq-attn:rerope", "vq-attn:bias",
+             "linear:hedgehog"]
 RECURRENT = ["vq", "linear:elu", "favor:16", "delta", "local:5", "linear:dpfp", "soft-vq", "delta:dpfp", "retnet",
-             "gla", "gated-delta"]
-FIXED_SIZE = ["linear:elu", "favor:16", "delta", "delta:dpfp", "retnet", "gla", "gated-delta"]  # the same at every step
+             "gla", "gated-delta", "vq-attn:rerope", "vq-attn:bias", "linear:hedgehog"]
+FIXED_SIZE = ["linear:elu", "favor:16", "delta", "delta:dpfp", "retnet", "gla", "gated-delta",
+              "linear:hedgehog"]  # the same at every step
 TINY = dict(d_model=16, n_heads=2, chunk_size=4, gau_d_k=8, codebook_size=8, block_size=4, ffn_hidden=32)
 
 

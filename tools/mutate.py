@@ -86,6 +86,7 @@ NN = [
     Target("src/linattn/nn/linformer.py", ("tests/test_linformer.py", "tests/test_layers.py")),
     *_targets(["src/linattn/nn/retention.py", "src/linattn/nn/gla.py", "src/linattn/nn/gated_delta_net.py"],
               ["tests/test_gated_layers.py", "tests/test_state_mismatch.py"]),
+    *_targets(["src/linattn/nn/vq_heads.py", "src/linattn/nn/hedgehog.py"], ["tests/test_vq_heads.py"]),
 ]
 # The lm-eval, export, pipeline and Trainer runs load whole stacks; the rest judge the wrapper.
 HF = _targets(["src/linattn/hf/modeling.py", "src/linattn/hf/cache.py", "src/linattn/hf/config.py"],
@@ -110,9 +111,11 @@ TRAIN = [
            "evaluate or tiny_run_learns or test_train_units"),
     *_targets(["src/linattn/train/config.py", "src/linattn/train/cli.py"],
               ["tests/test_train_cli.py", "tests/test_train_resume.py", _UNITS]),
+    Target("src/linattn/train/lora.py", ("tests/test_lora.py",)),
 ]
 TOOLS = [
     Target("src/linattn/convert.py", ("tests/test_convert.py",)),
+    *_targets(["src/linattn/linearize.py", "src/linattn/attention_transfer.py"], ["tests/test_linearize.py"]),
     Target("src/linattn/inspector.py", ("tests/test_inspector.py",)),
 ]
 TARGETS = OPS + QUANTIZER + NN + MODELS + TRAIN + HF + TOOLS

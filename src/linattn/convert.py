@@ -1,6 +1,7 @@
-"""``linattn convert``: a trained softmax GAU model becomes a Transformer-VQ model, and a
-Hugging Face Llama, Mistral or Qwen2 checkpoint becomes a linattn run (``--to softmax``, an
-exact import: ``pretrained_run.py``).
+"""``linattn convert``: a trained softmax GAU model becomes a Transformer-VQ model; a Hugging Face
+Llama, Mistral or Qwen2 checkpoint becomes a linattn run (``--to softmax``, an exact import:
+``pretrained_run.py``); a softmax transformer, imported or a linattn run, becomes a linear-time
+model of any layer specs (``--to vq-attn:rerope``, ``gated-delta``, ...: ``linearize.py``).
 
 A ``gau-softmax`` layer and a ``vq`` layer have the same parameters — the VQ unit only adds
 a codebook for its keys (seed 000: "VQ the keys and the complexity becomes linear"). So a
@@ -31,22 +32,31 @@ from pathlib import Path
 
 import torch
 
-from .data import open_data
 from .models import LM, LMConfig
 from .models.layers import GAUPair
-from .nn.codebook import kmeans
-from .train.checkpoint import load_model, save_checkpoint
+from .nn.codebook import kmeans_codes
+from .train.checkpoint import load_checkpoint, load_model, save_checkpoint
 from .train.cli import add_runtime_flags, apply_threads
 from .train.optim import trainer_adamw
+from .linearize import SOURCE_KINDS, LinearizeOptions, calibration_ids, describe, is_hf_folder, linearized_run
 from .pretrained_run import import_hf_run
 from .train.run_folder import check_free_output, new_run_folder
 from .train.run_tokenizer import DATA_META_FILE, TOKENIZER_FILE, copy_tokenizer
-from ._checks import check_choice, check_int, positive_int
+from ._checks import check_choice, check_int, non_negative_int, positive_float, positive_int
 
 TARGETS = ("vq", "soft-vq")
 IMPORT_TARGET = "softmax"
 _GAU_OPTIONS = ("codebook_size", "calibration_tokens", "kmeans_iters", "seed")
+_TRANSFER_OPTIONS = ("transfer_steps", "transfer_lr")
 _IMPORT_OPTIONS = ("data", "overrides")
+_ALL_OPTIONS = (*_GAU_OPTIONS, *_TRANSFER_OPTIONS, *_IMPORT_OPTIONS)
+# what each way of converting takes, and why the rest does not apply
+_MODES = {
+    "import": (_IMPORT_OPTIONS, "an exact import has no codebooks or new parameters"),
+    "gau": (_GAU_OPTIONS, "a gau-softmax run converts to vq or soft-vq by its own weights and k-means codebooks; "
+                          "--data, --set and attention transfer are for converting a softmax transformer"),
+    "linearize": (_ALL_OPTIONS, ""),
+}
 
 
 def converted_config(config: LMConfig, to: str, codebook_size: int | None = None) -> LMConfig:
@@ -105,28 +115,14 @@ def convert_model(source: LM, calibration: torch.Tensor, *, to: str = "vq", code
     if unexpected or any(".quantizer." not in name and not name.endswith(".codebook") for name in missing):
         raise ValueError(f"the models differ beyond the codebooks: missing {missing}, unexpected {unexpected}")
     generator = torch.Generator().manual_seed(seed)
-    S = config.codebook_size
     for unit, keys in zip(_converted_units(source, target), collect_keys(source, calibration)):
-        centers, assignment = kmeans(keys.unsqueeze(0).cpu(), S, kmeans_iters, generator, seeding="kmeans++",
-                                     return_assignment=True)
+        centers, counts = kmeans_codes(keys.unsqueeze(0).cpu(), config.codebook_size, kmeans_iters, generator,
+                                       tokens_per_step=tokens_per_step)
         if to == "soft-vq":
             unit.codebook.copy_(centers.to(unit.codebook))
-            continue
-        counts = torch.bincount(assignment[0], minlength=S).float().unsqueeze(0)
-        if tokens_per_step is not None:
-            counts = counts * (tokens_per_step / keys.shape[0])
-        counts = torch.where(counts > 0, counts, torch.full_like(counts, 0.01))
-        unit.quantizer.set_codes(centers, counts)
+        else:
+            unit.quantizer.set_codes(centers, counts)
     return target
-
-
-def calibration_ids(data_spec: str, n_tokens: int, context: int, *, cache_dir=None) -> torch.Tensor:
-    """The first ``n_tokens`` tokens of the training split as windows ``[n_tokens // context, context]``."""
-    tokens = open_data(data_spec, cache_dir=cache_dir).tokens("train")
-    rows = min(n_tokens, tokens.numel()) // context
-    if rows < 1:
-        raise ValueError(f"--calibration-tokens {n_tokens} gives no whole window of the run's context {context}")
-    return tokens[: rows * context].long().reshape(rows, context)
 
 
 def convert_run(ckpt: str | Path, out: str | Path, *, to: str = "vq", codebook_size: int | None = None,
@@ -198,46 +194,88 @@ def convert_hf(hf_dir: str | Path, out: str | Path, *, data: str | None, overrid
     return path
 
 
+def convert_linear(ckpt: str | Path, out: str | Path, *, to: str, data: str | None = None,
+                   overrides: list[str] = (), options: LinearizeOptions = LinearizeOptions(), command: str = "",
+                   echo=print) -> Path:
+    """``linattn convert --ckpt SRC --to SPEC``: the run folder ``out`` holding the softmax transformer
+    ``ckpt`` (a Hugging Face folder or a linattn run) converted to the layers of ``to``
+    (``linearize.py``); returns its checkpoint."""
+    out = Path(out)
+    check_free_output(out, what="convert")
+    run = linearized_run(ckpt, out, to=to, data=data, overrides=overrides, options=options, command=command)
+    path = write_run(out, run.model, run.meta, step=run.step, world_size=run.world_size, command=command,
+                     add_files=run.copy_files)
+    echo(describe(run, ckpt, path))
+    return path
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     """Add ``linattn convert``."""
     parser = commands.add_parser(
-        "convert", help="turn a trained gau-softmax model into a Transformer-VQ model, or import a Hugging Face "
-                        "Llama/Mistral/Qwen2 checkpoint (--to softmax)",
+        "convert", help="make a softmax transformer (a Hugging Face Llama/Mistral/Qwen2 folder or a linattn run) "
+                        "linear-time, import one (--to softmax), or turn a gau-softmax model into Transformer-VQ",
         description=__doc__.split("\n\n", 1)[0])
     parser.add_argument("--ckpt", required=True,
-                        help="the source run folder or checkpoint; with --to softmax a Hugging Face model folder")
-    parser.add_argument("--to", choices=(*TARGETS, IMPORT_TARGET), default="vq")
+                        help="the source: a linattn run folder or checkpoint, or a Hugging Face model folder")
+    parser.add_argument("--to", default="vq", metavar="SPEC",
+                        help="the layers to convert to: a layer spec or comma-separated pattern (e.g. vq-attn:rerope, "
+                             "'gated-delta', 'vq-attn:bias,softmax'; a layer given its source's spec is kept); "
+                             "'softmax' from a Hugging Face folder imports it exactly; 'vq' or 'soft-vq' from a "
+                             "gau-softmax run (default vq)")
     parser.add_argument("--codebook-size", type=positive_int, help="S of the new codebooks (default: the run's)")
     parser.add_argument("--calibration-tokens", type=positive_int,
-                        help="training-split tokens whose keys fit the codebooks (default 65536)")
-    parser.add_argument("--kmeans-iters", type=int, help="Lloyd iterations after the k-means++ seeds (default 20)")
-    parser.add_argument("--seed", type=int, help="k-means seed (default 0)")
-    parser.add_argument("--data", metavar="SHARDS",
-                        help="--to softmax: the run's data, a shard folder tokenized with the checkpoint's "
-                             "tokenizer.json (linattn data prepare --tokenizer HF_DIR/tokenizer.json)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="train.KEY=VALUE",
-                        help="--to softmax: a training setting of the run (repeatable), e.g. --set train.lr=3e-5")
+                        help="training-split tokens whose keys fit the codebooks and on which attention transfer "
+                             "fits new parameters (default 65536)")
+    parser.add_argument("--kmeans-iters", type=non_negative_int,
+                        help="Lloyd iterations after the k-means++ seeds (default 20)")
+    parser.add_argument("--seed", type=non_negative_int, help="k-means and attention-transfer seed (default 0)")
+    parser.add_argument("--transfer-steps", type=non_negative_int,
+                        help="attention-transfer steps fitting the new parameters (gates, decays, feature maps, a "
+                             "bias table) to the softmax layers' outputs (default 200; 0: none)")
+    parser.add_argument("--transfer-lr", type=positive_float, help="attention transfer's Adam learning rate "
+                                                                   "(default 1e-2)")
+    parser.add_argument("--data", metavar="DATA",
+                        help="calibration and fine-tuning data: from a Hugging Face folder a shard folder tokenized "
+                             "with its tokenizer.json (linattn data prepare --tokenizer HF_DIR/tokenizer.json); "
+                             "from a run, data of the run's tokenizer (default: the run's own)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                        help="a training setting of the new run (train.KEY=VALUE, e.g. --set train.lr=3e-5) or, when "
+                             "converting a softmax transformer, a model setting of the student (e.g. --set "
+                             "model.block_size=64); repeatable")
     parser.add_argument("--out", required=True, type=Path, help="the new run folder")
     add_runtime_flags(parser, progress=False)
     parser.set_defaults(handler=_run)
 
 
+def _mode(ckpt: str, to: str) -> str:
+    """``"import"`` (a Hugging Face folder, ``--to softmax``), ``"gau"`` (``--to vq|soft-vq`` from a run
+    with gau-softmax layers, or without a softmax or local layer to linearize) or ``"linearize"``
+    (everything else: a softmax transformer to ``--to``)."""
+    if is_hf_folder(ckpt):
+        return "import" if to == IMPORT_TARGET else "linearize"
+    if to in TARGETS:
+        kinds = {spec.kind for spec in LMConfig.from_saved(load_checkpoint(ckpt).meta["model_config"]).layer_specs()}
+        if "gau-softmax" in kinds or not kinds & set(SOURCE_KINDS):
+            return "gau"
+    return "linearize"
+
+
 def _run(args: argparse.Namespace) -> int:
     apply_threads(args)
-    importing = args.to == IMPORT_TARGET
-    if importing and args.device != "cpu":
-        raise ValueError(f"--device {args.device}: an import (--to softmax) computes nothing, it reads and writes "
-                         "weights on the CPU; leave --device out")
-    given = [name for name in (_GAU_OPTIONS if importing else _IMPORT_OPTIONS) if getattr(args, name)
-             not in (None, [])]
+    mode = _mode(args.ckpt, args.to)
+    allowed, why = _MODES[mode]
+    given = [name for name in _ALL_OPTIONS if name not in allowed and getattr(args, name) not in (None, [])]
     if given:
         flags = ", ".join("--set" if name == "overrides" else f"--{name.replace('_', '-')}" for name in given)
-        raise ValueError(f"{flags}: not an option of --to {args.to} ("
-                         + ("an exact import has no codebooks" if importing else
-                            "--data and --set are for importing a Hugging Face checkpoint with --to softmax") + ")")
-    if importing:
+        raise ValueError(f"{flags}: not an option of --to {args.to} from {args.ckpt} ({why})")
+    if mode == "import":
         convert_hf(args.ckpt, args.out, data=args.data, overrides=args.overrides, command=args.command_line)
         return 0
-    options = {name: getattr(args, name) for name in _GAU_OPTIONS if getattr(args, name) is not None}
-    convert_run(args.ckpt, args.out, to=args.to, command=args.command_line, device=args.device, **options)
+    options = {name: getattr(args, name) for name in (*_GAU_OPTIONS, *_TRANSFER_OPTIONS)
+               if getattr(args, name) is not None}
+    if mode == "gau":
+        convert_run(args.ckpt, args.out, to=args.to, command=args.command_line, device=args.device, **options)
+        return 0
+    convert_linear(args.ckpt, args.out, to=args.to, data=args.data, overrides=args.overrides,
+                   options=LinearizeOptions(**options), command=args.command_line)
     return 0

@@ -41,8 +41,9 @@ class ImportedRun:
 
 
 def import_hf_run(hf_dir: str | Path, out: str | Path, *, data: str | None, overrides: list[str] = (),
-                  command: str = "") -> ImportedRun:
-    """Everything of the run ``out`` that imports ``hf_dir`` (module docstring); nothing is written."""
+                  command: str = "", target: str = "softmax") -> ImportedRun:
+    """Everything of the run ``out`` that imports ``hf_dir`` (module docstring); nothing is written.
+    ``target``: the ``--to`` the import is for (named when ``--data`` is missing)."""
     folder = Path(hf_dir)
     model = LM.from_hf(folder)
     tokenizer_path = folder / TOKENIZER_FILE
@@ -50,7 +51,7 @@ def import_hf_run(hf_dir: str | Path, out: str | Path, *, data: str | None, over
     if tokenizer.vocab_size > model.config.vocab_size:
         raise ValueError(f"{tokenizer_path} has {tokenizer.vocab_size} tokens, more than the model's vocab_size="
                          f"{model.config.vocab_size} (config.json)")
-    shards = _training_data(data, folder)
+    shards = _training_data(data, folder, target)
     record = {"kind": "file", "vocab_size": tokenizer.vocab_size,
               "sha256": hashlib.sha256(tokenizer.to_json().encode("utf-8")).hexdigest()}
     check_same_tokenizer(record, shards, what=f"--data {data}")
@@ -65,13 +66,13 @@ def import_hf_run(hf_dir: str | Path, out: str | Path, *, data: str | None, over
     return ImportedRun(model=model, data=shards, train_config=train_config, meta=meta)
 
 
-def _training_data(spec: str | None, folder: Path) -> Shards:
+def _training_data(spec: str | None, folder: Path, target: str) -> Shards:
     """The shard folder ``--data`` names; without one, or with a corpus, a ValueError that says
     how to prepare it with the checkpoint's tokenizer."""
     prepare = (f"prepare one with the checkpoint's tokenizer: linattn data prepare --data CORPUS --tokenizer "
                f"{folder / TOKENIZER_FILE} --out SHARDS")
     if spec is None:
-        raise ValueError(f"--to softmax needs --data SHARDS, the run's training data tokenized with the checkpoint's "
+        raise ValueError(f"--to {target} needs --data SHARDS, the run's training data tokenized with the checkpoint's "
                          f"tokenizer (eval and train --resume read it); {prepare}")
     shards = open_shards(spec)
     if shards is None:

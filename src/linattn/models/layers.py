@@ -8,7 +8,10 @@ positions inside a window of W and distance W beyond it; softmax and local, not 
 ``nope``), e.g. the window + global hybrid ``local:128,local:128,softmax:nope:entropy`` or
 ``softmax:rerope=64:entropy``. The VQ kinds take ``rerope`` (window = ``block_size``) or
 ``rerope=W`` (``W <= block_size``): ReRoPE instead of the GAU's Transformer-XL terms
-(``vq:rerope``, ``vq-fsq:rerope=32``).
+(``vq:rerope``, ``vq-fsq:rerope=32``). ``vq-attn:rerope[=W]`` and ``vq-attn:bias`` are multi-head
+attention over VQ keys (a transformer's q/k/v/o, ReRoPE or Transformer-VQ's windowed bias; what
+``linattn convert`` makes of a softmax layer); ``linear:hedgehog`` is kernel attention through
+Hedgehog's learned feature map.
 Each kind is one ``LayerKind`` entry that says everything the model needs to know about it:
 how its option is checked, how the layer is built from an ``LMConfig``, which of its linear
 maps are output projections (initialised with the smaller residual std), how its decode
@@ -35,13 +38,15 @@ from ..nn.delta_net import DeltaNet
 from ..nn.gated_delta_net import GatedDeltaNet
 from ..nn.gau import GAU
 from ..nn.gla import GatedLinearAttention
+from ..nn.hedgehog import HEDGEHOG
 from ..nn.retention import MultiScaleRetention
+from ..nn.vq_heads import MultiHeadVQAttention
 from ..ops.kernel import FAVOR
 
 if TYPE_CHECKING:
     from .config import LMConfig
 
-LINEAR_FEATURE_MAPS = ("elu", "relu", "identity", "exp", "dpfp", "taylor")
+LINEAR_FEATURE_MAPS = ("elu", "relu", "identity", "exp", "dpfp", "taylor", HEDGEHOG)
 
 
 @dataclass(frozen=True)
@@ -75,9 +80,9 @@ def _linear_option(option: str | None) -> bool:
 
 
 def _delta_option(option: str | None) -> bool:
-    """No option (identity features), or a linear layer's feature map (``dpfp:NU`` included):
+    """No option (identity features), or a linear layer's fixed feature map (``dpfp:NU`` included):
     ``delta:elu:3`` or ``delta:dpfp:x`` would fail only when the layer is built."""
-    return option is None or _linear_option(option)
+    return option is None or (_linear_option(option) and option != HEDGEHOG)
 
 
 def _rerope_part(parts: list[str]) -> tuple[int | None, bool]:
@@ -134,6 +139,11 @@ def _vq_rerope(option: str | None, config: LMConfig | None = None) -> int | None
 def _vq_option(option: str | None) -> bool:
     """No option, ``rerope`` or ``rerope=W``."""
     return option in (None, "rerope") or (option.startswith("rerope=") and _is_count(option.removeprefix("rerope=")))
+
+
+def _vq_heads_option(option: str | None) -> bool:
+    """``rerope``, ``rerope=W`` or ``bias``: the positions of a ``vq-attn`` layer."""
+    return option == "bias" or (option is not None and _vq_option(option))
 
 
 def _scale(config: LMConfig, flags: set) -> str:
@@ -290,6 +300,44 @@ def _attention_block(config: LMConfig, **options) -> PreNormBlock:
     return PreNormBlock(config, mixer)
 
 
+def _linear_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    """Kernel attention with the spec's feature map; the learned Hedgehog map reads rotated q and k
+    (as LoLCATs does: it is fitted to a rotary softmax layer's attention), the fixed maps none."""
+    return _attention_block(config, mechanism="linear", feature_map=spec.option,
+                            rotary=True if spec.option == HEDGEHOG else None)
+
+
+def _vq_heads_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
+    """A ``vq-attn`` layer: multi-head VQ attention (ReRoPE or the windowed bias) + SwiGLU."""
+    gau = config.gau_options()
+    positions = "bias" if spec.option == "bias" else "rerope"
+    mixer = MultiHeadVQAttention(
+        config.d_model, config.n_heads, codebook_size=config.codebook_size, block_size=config.block_size,
+        positions=positions, rerope=_vq_rerope(spec.option, config) if positions == "rerope" else None,
+        rotary_base=config.rotary_base, qkv_bias=config.qkv_bias, out_bias=config.out_bias,
+        ema_decay=config.ema_decay, commitment_weight=config.commitment_weight, kmeans_init=config.kmeans_init,
+        dead_code_threshold=config.dead_code_threshold, grad_scope=gau["grad_scope"],
+        commitment_reduction=gau["commitment_reduction"], **_heads(config))
+    return PreNormBlock(config, mixer)
+
+
+def _check_vq_heads_config(config: LMConfig, spec: LayerSpec) -> None:
+    """A ``vq-attn`` layer's head dimension (even, for ReRoPE), its ReRoPE window (at most the block)
+    and, with ReRoPE, no ``rotary_scaling`` (ReRoPE turns at ``rotary_base``'s frequencies)."""
+    if spec.option == "bias":
+        return
+    _check_rotary_head_dim(config, spec)
+    window = _vq_rerope(spec.option, config)
+    if window > config.block_size:
+        raise ValueError(f"LMConfig: layer {str(spec)!r} has a ReRoPE window of {window} > block_size="
+                         f"{config.block_size}: Transformer-VQ's cache keeps no distances, so the window must fit "
+                         "in a block; use rerope=W with W <= block_size (or 'rerope' for W = block_size)")
+    if config.rotary_scaling is not None:
+        raise ValueError(f"LMConfig.rotary_scaling={config.rotary_scaling}: layer {str(spec)!r} applies ReRoPE at "
+                         f"rotary_base's frequencies, which the scaling would change; use 'vq-attn:bias' or a model "
+                         "without rotary_scaling")
+
+
 def _delta_block(config: LMConfig, spec: LayerSpec, index: int) -> PreNormBlock:
     feature_map = spec.option or "identity"
     normalize = "l2" if feature_map == "identity" else "sum"
@@ -368,6 +416,12 @@ def _check_rotary_head_dim(config: LMConfig, spec: LayerSpec) -> None:
                          "set head_dim or change n_heads")
 
 
+def _check_linear_config(config: LMConfig, spec: LayerSpec) -> None:
+    """Hedgehog's rotary q and k need an even head dimension."""
+    if spec.option == HEDGEHOG:
+        _check_rotary_head_dim(config, spec)
+
+
 def _check_position_head_dim(config: LMConfig, spec: LayerSpec) -> None:
     """Rotary positions need an even head dimension; a ``nope`` layer has none."""
     if "nope" not in (spec.option or "").split(":"):
@@ -390,8 +444,9 @@ def _unused_settings(*names: str, then: Callable[[LMConfig, LayerSpec], None] = 
     return check
 
 
-_USED_BY = {"qkv_bias": "the attention kinds softmax, local, linear and favor", "out_bias": "the attention kinds "
-            "softmax, local, linear and favor", "norm_eps": "the pre-norm blocks, every kind but the GAU pairs",
+_USED_BY = {"qkv_bias": "the attention kinds softmax, local, linear, favor and vq-attn",
+            "out_bias": "the attention kinds softmax, local, linear, favor and vq-attn",
+            "norm_eps": "the pre-norm blocks, every kind but the GAU pairs",
             "rotary_scaling": "the rotary positions of softmax and local"}
 _PROJECTION_BIASES = ("qkv_bias", "out_bias")
 _GAU_UNUSED = _unused_settings(*_PROJECTION_BIASES, "norm_eps")
@@ -424,10 +479,15 @@ for _kind in (
               "'softmax' (flags ':nope', ':entropy', ':rerope=W', e.g. 'softmax:nope:entropy', 'softmax:rerope=64')",
               check_option=_softmax_option, output_projections=_BLOCK_OUTPUTS, carry=_truncated_cache,
               growing_cache=True, check_config=_check_position_head_dim),
-    LayerKind("linear", lambda config, spec, index: _attention_block(config, mechanism="linear",
-                                                                     feature_map=spec.option),
-              "'linear:elu' / 'linear:relu' / 'linear:dpfp' / 'linear:dpfp:NU' / 'linear:taylor'",
-              check_option=_linear_option, output_projections=_BLOCK_OUTPUTS),
+    LayerKind("linear", _linear_block,
+              "'linear:elu' / 'linear:relu' / 'linear:dpfp' / 'linear:dpfp:NU' / 'linear:taylor' / "
+              "'linear:hedgehog' (a learned map, rotary q and k)",
+              check_option=_linear_option, output_projections=_BLOCK_OUTPUTS, check_config=_check_linear_config),
+    LayerKind("vq-attn", _vq_heads_block,
+              "'vq-attn:rerope' / 'vq-attn:rerope=W' / 'vq-attn:bias' (multi-head attention over VQ keys, "
+              "ReRoPE or the windowed bias, + SwiGLU: what linattn convert makes of a softmax layer)",
+              check_option=_vq_heads_option, output_projections=_BLOCK_OUTPUTS,
+              check_config=_check_vq_heads_config),
     LayerKind("favor", _favor_block, "'favor' / 'favor:M'", check_option=_optional_count,
               output_projections=_BLOCK_OUTPUTS),
     LayerKind("delta", _delta_block, "'delta' / 'delta:dpfp' / 'delta:elu'", check_option=_delta_option,

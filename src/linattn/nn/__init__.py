@@ -7,12 +7,15 @@ from .fsq import FSQuantizer
 from .gated_delta_net import GatedDeltaNet
 from .gau import GAU
 from .gla import GatedLinearAttention
+from .hedgehog import HedgehogFeatureMap
 from .linformer import LinformerAttention
 from .quantizer import VectorQuantizer
 from .retention import MultiScaleRetention
 from .short_conv import ShortConvolution
+from .vq_heads import MultiHeadVQAttention
 
 __all__ = [
     "Attention", "Codebook", "DeltaNet", "FSQuantizer", "GAU", "GatedDeltaNet", "GatedLinearAttention",
-    "LinformerAttention", "MultiScaleRetention", "ShortConvolution", "VectorQuantizer", "kmeans",
+    "HedgehogFeatureMap", "LinformerAttention", "MultiHeadVQAttention", "MultiScaleRetention", "ShortConvolution",
+    "VectorQuantizer", "kmeans",
 ]

@@ -11,6 +11,31 @@ from torch import nn
 from .._checks import check_head_layout
 from .short_conv import ShortConvolution
 
+def add_attention_projections(module: nn.Module, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
+                              qkv_bias: bool, out_bias: bool) -> None:
+    """Multi-head attention's maps on ``module``: ``q_proj`` (``n_heads`` heads), ``k_proj`` and
+    ``v_proj`` (``n_kv_heads``), ``o_proj`` back to ``d_model``; biases (zeros at first) on q, k and
+    v with ``qkv_bias`` and on the output with ``out_bias`` (the names and layout of a Hugging Face
+    Llama, Mistral or Qwen2 attention, so their checkpoints load as they are)."""
+    module.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
+    module.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+    module.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
+    module.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
+    for projection in (module.q_proj, module.k_proj, module.v_proj, module.o_proj):
+        if projection.bias is not None:
+            nn.init.zeros_(projection.bias)
+
+
+def attention_heads(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``q [B, n_heads, T, head_dim]``, ``k, v [B, n_kv_heads, T, head_dim]`` of ``x [B, T, d_model]``
+    through the maps of ``add_attention_projections``."""
+    B, T, _ = x.shape
+    q = module.q_proj(x).view(B, T, module.n_heads, module.head_dim).transpose(1, 2)
+    k = module.k_proj(x).view(B, T, module.n_kv_heads, module.head_dim).transpose(1, 2)
+    v = module.v_proj(x).view(B, T, module.n_kv_heads, module.head_dim).transpose(1, 2)
+    return q, k, v
+
+
 # The per-head output norm's eps, one value in every dtype (nn.RMSNorm's default, the dtype's
 # machine epsilon, would make float32 and float64 models differ on small head outputs).
 _NORM_EPS = 1e-5

@@ -14,6 +14,8 @@ from ..ops.kernel import FeatureMap, get_feature_map, linear_attention
 from ..ops.softmax import entropy_scale, kv_cache, softmax_attention
 from ..ops.sparse import local_attention
 from ..state import KVCacheState, LinearAttentionState
+from ._heads import add_attention_projections, attention_heads
+from .hedgehog import HEDGEHOG, HedgehogFeatureMap, LearnedFeatures
 from .rotary import apply_rotary, check_rotary_scaling
 
 _MECHANISMS = ("softmax", "linear", "local")
@@ -29,6 +31,8 @@ class Attention(nn.Module):
         (preallocated without gradients, ``ops/softmax/kv_cache.py``).
       - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
         ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
+        ``feature_map="hedgehog"``: Hedgehog's learned map (``nn/hedgehog.py``), one per query
+        head (``query_map``) and per key/value head (``key_map``), identity weights at first.
       - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
         positions; constant-size ``KVCacheState``.
 
@@ -83,7 +87,13 @@ class Attention(nn.Module):
                              f"mechanism={mechanism!r}, rotary={rotary!r}")
         self.d_model, self.n_heads, self.n_kv_heads, self.head_dim = d_model, n_heads, n_kv_heads, head_dim
         self.mechanism, self.window, self.chunk_size = mechanism, window, chunk_size
-        self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
+        self.query_map = self.key_map = None
+        if mechanism == "linear" and feature_map == HEDGEHOG:  # learned: the layer computes the features
+            self.feature_map = LearnedFeatures()
+            self.query_map, self.key_map = HedgehogFeatureMap(n_heads, head_dim), HedgehogFeatureMap(n_kv_heads,
+                                                                                                     head_dim)
+        else:
+            self.feature_map = get_feature_map(feature_map) if mechanism == "linear" else None
         if self.feature_map is not None:
             self.feature_map.prepare(head_dim)  # random features are drawn here, not in a compiled forward
         # whether the layer rotates q and k itself (with rerope the op does)
@@ -95,13 +105,7 @@ class Attention(nn.Module):
                              f"{self.rotary_scaling} would change them: pass one of the two")
         check_bool("qkv_bias", qkv_bias)
         check_bool("out_bias", out_bias)
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=out_bias)
-        for projection in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            if projection.bias is not None:
-                nn.init.zeros_(projection.bias)
+        add_attention_projections(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias=qkv_bias, out_bias=out_bias)
 
     def forward(
         self, x: torch.Tensor, state: KVCacheState | LinearAttentionState | None = None
@@ -110,9 +114,7 @@ class Attention(nn.Module):
         if state is not None:
             self._check_state(state, x)
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = attention_heads(self, x)
         past = 0 if state is None else state.steps
         if self.rotary:
             q = apply_rotary(q, past, self.rotary_base, self.rotary_scaling)
@@ -154,6 +156,8 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, state):
         if self.mechanism == "linear":
+            if self.query_map is not None:
+                q, k = self.query_map(q), self.key_map(k)
             out, state = linear_attention(
                 q, k, v, feature_map=self.feature_map, chunk_size=self.chunk_size,
                 initial_state=state, output_final_state=True,

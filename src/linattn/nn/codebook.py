@@ -87,6 +87,22 @@ def kmeans(
     return centers
 
 
+@torch.no_grad()
+def kmeans_codes(keys: torch.Tensor, n_codes: int, iters: int, generator: torch.Generator | None = None, *,
+                 tokens_per_step: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A codebook fitted to ``keys [H, N, D]``: the ``kmeans`` centers (k-means++ seeds, ``iters``
+    Lloyd iterations) ``[H, n_codes, D]`` and the EMA counts to seed it with (``Codebook.set_codes``)
+    ``[H, n_codes]``: how many keys chose each center, scaled to ``tokens_per_step`` keys in all (one
+    training step's worth, so the first updates move the codes as much as later ones; None: the
+    counts as they are), a center no key chose at 0.01 (``update``'s floor)."""
+    centers, assignment = kmeans(keys, n_codes, iters, generator, seeding="kmeans++", return_assignment=True)
+    counts = torch.zeros(keys.shape[0], n_codes, dtype=torch.float32, device=keys.device)
+    counts.scatter_add_(1, assignment, torch.ones(assignment.shape, dtype=torch.float32, device=keys.device))
+    if tokens_per_step is not None:
+        counts = counts * (tokens_per_step / keys.shape[1])
+    return centers, torch.where(counts > 0, counts, torch.full_like(counts, 0.01))
+
+
 def _plus_plus(keys: torch.Tensor, n_codes: int, generator: torch.Generator | None) -> torch.Tensor:
     """k-means++ seeds of ``keys [N, D]``: ``n_codes`` indices."""
     n = keys.shape[0]

@@ -14,6 +14,9 @@ per mechanism; ``length_extrapolation``: test bpb at evaluation contexts longer 
 training one (entropy-invariant scale, NoPE, window + global hybrid; seed 003);
 ``long_range`` (+ ``long_range_report``): recall of facts d tokens before their question, d
 past the training distance (the efficient-attention survey's claim, seed 004); ``demo``:
-the ``make demo`` model at several seeds. ``cli``: the ``repro`` command group, one
+the ``make demo`` model at several seeds; ``linearize`` (+ ``linearize_teacher``,
+``linearize_report``): a trained Llama converted to linear-time layers (Transformer-VQ with ReRoPE or
+the bias, Gated DeltaNet, Hedgehog, a hybrid) against training them from scratch (seed 004,
+LoLCATs). ``cli``: the ``repro`` command group, one
 subcommand per experiment.
 """

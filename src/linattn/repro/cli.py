@@ -13,13 +13,14 @@ from pathlib import Path
 
 from .._command_group import ReportCommand, add_command_group
 from ..reporting import results_page
-from . import conversion, demo, fwp_retrieval, length_extrapolation, lm_quality, long_range, mqar
+from . import conversion, demo, fwp_retrieval, length_extrapolation, linearize, lm_quality, long_range, mqar
 from .framework import Experiment
 
 REPRODUCTIONS: dict[str, Experiment] = {
     command.spec.name: command
     for command in (fwp_retrieval.capacity_command, fwp_retrieval.update_rule_command, mqar.command, lm_quality.command,
-                    conversion.command, length_extrapolation.command, demo.command, long_range.command)
+                    conversion.command, length_extrapolation.command, demo.command, long_range.command,
+                    linearize.command)
 }
 
 

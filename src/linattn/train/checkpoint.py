@@ -430,8 +430,10 @@ def nonfinite_tensors(tensors: dict[str, torch.Tensor]) -> list[str]:
 
 def load_model(path: str | Path, device: torch.device | str = "cpu"):
     """The ``LM`` stored in a checkpoint, in eval mode -> ``(model, checkpoint)``. A checkpoint
-    whose model tensors are not all finite is refused (``CheckpointError``)."""
+    whose model tensors are not all finite is refused (``CheckpointError``). LoRA adapters (a run
+    fine-tuned with ``train.lora_rank``) are merged into the weights (``train/lora.py``)."""
     from ..models import LM, LMConfig
+    from .lora import holds_adapters, load_adapted, merge_adapters
 
     checkpoint = load_checkpoint(path)
     nonfinite = nonfinite_tensors(checkpoint.model)
@@ -442,7 +444,9 @@ def load_model(path: str | Path, device: torch.device | str = "cpu"):
             f"diverged. Use an earlier checkpoint of {checkpoint.path.parent} (a step-* folder)")
     try:
         model = LM(LMConfig.from_saved(checkpoint.meta["model_config"]))
-        model.load_state_dict(checkpoint.model, strict=True)
+        adapted = holds_adapters(checkpoint.model)
+        load_adapted(model, checkpoint.model, checkpoint.meta["train_config"].get("lora_rank") if adapted else None)
+        merge_adapters(model)
     except (KeyError, RuntimeError) as error:
         raise CheckpointError(f"{checkpoint.path}: the stored model does not match its config ({error})") from None
     return model.to(device).eval(), checkpoint

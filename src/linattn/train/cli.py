@@ -44,8 +44,10 @@ _TRAIN_FLAGS = {
     "seed": ("train", "seed"), "eval_every": ("train", "eval_every"),
     "checkpoint_every": ("train", "checkpoint_every"), "log_every": ("train", "log_every"),
     "device": ("train", "device"), "cache_dir": ("train", "cache_dir"), "bf16": ("train", "bf16"),
-    "compile": ("train", "compile"), "parallel": ("train", "parallel"),
+    "compile": ("train", "compile"), "parallel": ("train", "parallel"), "lora_rank": ("train", "lora_rank"),
 }
+# the flags --resume takes (the rest of the configuration is the checkpoint's)
+_RESUME_FLAGS = ("steps", "parallel", "lora_rank")
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser, *, device: str | None = "cpu", progress: bool = True) -> None:
@@ -105,6 +107,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--parallel", choices=("ddp", "fsdp"),
                    help="under torchrun: DistributedDataParallel (the default there) or FSDP2 (sharded); refused "
                         "without torchrun. With --resume: the strategy to continue under (default: the run's)")
+    p.add_argument("--lora-rank", dest="lora_rank", type=_positive_int, metavar="R",
+                   help="train LoRA adapters of rank R on the layers' linear maps instead of every parameter "
+                        "(with --resume: from the checkpoint on, e.g. to fine-tune a converted run); eval, generate "
+                        "and export merge them")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="TABLE.KEY=VALUE",
                    help="any [model]/[train] setting, e.g. --set model.codebook_size=256 (repeatable)")
     p.add_argument("--out", required=False, metavar="DIR", help="run folder (checkpoints, metrics.jsonl)")
@@ -192,21 +198,21 @@ def run_train(args: argparse.Namespace) -> int:
     progress = not args.no_progress
     if args.resume:
         given = [f"--{flag.replace('_', '-')}" for flag in _TRAIN_FLAGS
-                 if flag not in ("steps", "parallel") and getattr(args, flag) is not None]
+                 if flag not in _RESUME_FLAGS and getattr(args, flag) is not None]
         given += ["--config"] if args.config else []
         given += ["--set"] if args.overrides else []
         if not args.out:
             raise ValueError("--resume needs --out DIR, the run folder to continue")
         if given:
-            raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps and --parallel may "
-                             f"change); "
+            raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps, --parallel and "
+                             f"--lora-rank may change); "
                              f"drop {', '.join(given)}")
         if args.overwrite:
             raise ValueError("--overwrite starts a new run in place of the old one; drop it to --resume the run")
         resume_from = int(args.resume_from) if args.resume_from and args.resume_from.isdigit() else args.resume_from
         summary = train(None, None, resume=True, resume_from=resume_from, steps=args.steps, out=args.out,
                         progress=progress, command=args.command_line, accept_new_data=args.accept_new_data,
-                        parallel=args.parallel, threads=args.threads)
+                        parallel=args.parallel, threads=args.threads, lora_rank=args.lora_rank)
     else:
         if args.resume_from is not None:
             raise ValueError("--from selects the checkpoint of --resume; add --resume")

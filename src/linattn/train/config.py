@@ -47,6 +47,10 @@ class TrainConfig:
     run stops with an error naming the step and the last good checkpoint, or, with
     ``max_skipped_steps = N > 0``, skips such steps (counted in the metrics) until more than
     ``N`` come in a row (``train/divergence.py``).
+
+    ``lora_rank = r`` trains LoRA adapters of rank r on the layers' linear maps instead of every
+    parameter (``train/lora.py``; ``linattn train --resume --lora-rank r`` fine-tunes a converted
+    or imported run so); the checkpoints' readers merge them.
     """
 
     data: str = "shakespeare"
@@ -81,6 +85,7 @@ class TrainConfig:
     threads: int | None = None
     cache_dir: str | None = None
     tensorboard: bool = False  # also write the metrics as TensorBoard scalars to <out>/tensorboard/
+    lora_rank: int | None = None  # train LoRA adapters of this rank instead of every parameter (train/lora.py)
 
     def __post_init__(self) -> None:
         """Check every field, naming it: ValueError for a value out of range (numbers must be
@@ -94,7 +99,8 @@ class TrainConfig:
         check_int_fields(self, "train", ("warmup_steps", "eval_every", "checkpoint_every", "seed", "carry_windows",
                                          "max_skipped_steps"),
                          minimum=0, note=" (0 = never/none)")
-        check_int_fields(self, "train", ("eval_tokens", "threads", "decay_steps"), minimum=1, optional=True)
+        check_int_fields(self, "train", ("eval_tokens", "threads", "decay_steps", "lora_rank"), minimum=1,
+                         optional=True)
         check_number_fields(self, "train", ("lr", "grad_clip"), low=0, low_inclusive=False, wanted="a positive number")
         check_number_fields(self, "train", ("min_lr_ratio",), low=0, high=1, wanted="in [0, 1]")
         check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
@@ -112,15 +118,21 @@ class TrainConfig:
         return config_from_dict(cls, values, "train")
 
 
-def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Read a TOML run file -> ``(model values, train values)``; only ``[model]`` and ``[train]``."""
+def read_toml(path: str | Path, flag: str = "--config", hint: str = "") -> dict[str, Any]:
+    """The TOML document at ``path``; a missing file or invalid TOML is a ValueError naming
+    ``flag`` and the path (``hint`` follows "no such file")."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--config {path}: no such file")
+        raise ValueError(f"{flag} {path}: no such file{hint}")
     try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"--config {path}: not valid TOML ({error})") from None
+        raise ValueError(f"{flag} {path}: not valid TOML ({error})") from None
+
+
+def load_run_file(path: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Read a TOML run file -> ``(model values, train values)``; only ``[model]`` and ``[train]``."""
+    document = read_toml(path)
     unknown = sorted(set(document) - {"model", "train"})
     if unknown:
         raise ValueError(f"--config {path}: unknown tables {unknown}; expected [model] and [train]")

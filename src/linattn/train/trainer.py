@@ -22,7 +22,7 @@ from .._checks import is_int
 from ..data import (TokenStreams, bits_per_byte, check_vocabulary, data_fingerprint, evaluated_bytes,
                     fingerprint_changes, load_corpus, open_shards)
 from ..models import LM, LMConfig
-from . import distributed, parallel, resharding
+from . import distributed, lora, parallel, resharding
 from .checkpoint import Checkpoint, NoCheckpointError, find_resume_checkpoint, nonfinite_tensors, save_checkpoint
 from .compiling import CompiledLayers
 from .config import TrainConfig
@@ -58,6 +58,10 @@ class _StopRequest:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+# where a run came from (linattn convert), carried from checkpoint to checkpoint
+_PROVENANCE = ("imported_from", "converted_from")
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -220,6 +224,7 @@ def train(
     accept_new_data: bool = False,
     parallel: str | None = None,
     threads: int | None = None,
+    lora_rank: int | None = None,
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
@@ -248,7 +253,8 @@ def train(
     ``resume`` continues at any number of processes that shares the checkpoint's global
     batch evenly, and under either strategy (``parallel``: ``"ddp"`` or ``"fsdp"``, default
     the checkpoint's): the per-process batch and the carried states are re-cut, the streams
-    stay those of the global batch (``train/resharding.py``).
+    stay those of the global batch (``train/resharding.py``). ``lora_rank`` (with ``resume``)
+    fine-tunes with LoRA adapters of that rank from the checkpoint on (``train/lora.py``).
 
     ``threads`` (with ``resume``): the torch CPU threads to continue with (default: the run's
     ``train.threads``). Each checkpoint records the thread count it was trained at; a resume
@@ -263,8 +269,9 @@ def train(
     if overwrite and resume:
         raise ValueError("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
     if not resume:
-        if parallel is not None:
-            raise ValueError("parallel= picks the strategy of a resumed run; for a new run set TrainConfig.parallel")
+        if parallel is not None or lora_rank is not None:
+            name = "parallel= picks the strategy" if parallel is not None else "lora_rank= sets the LoRA rank"
+            raise ValueError(f"{name} of a resumed run; for a new run set it in the TrainConfig")
         check_launched("train.parallel", train_config.parallel, distributed.env_world_size())
     elif parallel is not None:
         check_launched("--parallel", parallel, distributed.env_world_size())
@@ -282,7 +289,8 @@ def train(
     try:
         return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
                               steps=steps, progress=progress, command=command, echo=echo,
-                              accept_new_data=accept_new_data, strategy=parallel, threads=threads)
+                              accept_new_data=accept_new_data, strategy=parallel, threads=threads,
+                              lora_rank=lora_rank)
     except BaseException:
         if claim is not None:
             claim.release(discard=True)  # removes the lock's files if nothing else was written
@@ -293,7 +301,8 @@ def train(
 
 
 def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
-                   echo, accept_new_data, strategy=None, threads=None) -> dict[str, Any]:
+                   echo, accept_new_data, strategy=None, threads=None,
+                   lora_rank=None) -> dict[str, Any]:
     """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
     out = run_dir
     if resume:
@@ -309,6 +318,7 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
             train_values["parallel"] = strategy
         if threads is not None:
             train_values["threads"] = threads
+        train_values["lora_rank"] = lora.resumed_rank(train_values.get("lora_rank"), lora_rank)
         if steps is not None:
             if not is_int(steps) or steps <= checkpoint.step:
                 raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
@@ -363,15 +373,17 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     torch.manual_seed(cfg.seed)
     model = LM(model_config).to(device)
     model.activation_checkpointing = cfg.activation_checkpointing
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint.model, strict=True)
+    new_adapters = lora.load_adapted(model, checkpoint.model if checkpoint is not None else None, cfg.lora_rank)
+    if cfg.lora_rank and context.is_main:
+        echo(lora.adapter_summary(model, cfg.lora_rank))
     trained = parallel.wrap(model, cfg.parallel, context)  # FSDP shards `model` in place
     layers = CompiledLayers(model, enabled=cfg.compile, checkpointing=cfg.activation_checkpointing,
                             compile=compile_model)  # train.compile: each layer on its own
     optimizer = trainer_adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2))
     start_step, carries = 0, [None] * cfg.grad_accum_steps  # one carried state per micro-batch
     if checkpoint is not None:
-        parallel.load_optimizer_state(model, optimizer, as_fused_state(checkpoint.optimizer_state()))
+        if not new_adapters:  # (new adapters start a fresh optimizer state)
+            parallel.load_optimizer_state(model, optimizer, as_fused_state(checkpoint.optimizer_state()))
         _restore_rng(checkpoint.rng(), device)
         start_step = checkpoint.step
         carries = split_state(resharding.rank_carry(checkpoint, context.world_size, context.rank, device),
@@ -449,6 +461,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             "data_fingerprint": fingerprint,
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command, "threads": torch.get_num_threads(),
+            **{key: checkpoint.meta[key] for key in _PROVENANCE if checkpoint is not None and key in checkpoint.meta},
         }
         path = save_checkpoint(run_dir / "checkpoints", step=step, model_tensors=model_tensors,
                                optimizer_state=optimizer_state, rng=_rng_state(device),

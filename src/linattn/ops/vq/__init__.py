@@ -14,6 +14,7 @@ block form's rotations), ``codebook.py``, ``checks.py`` and ``tensors.py``.
 
 from .attention import vq_attention
 from .checks import GRAD_SCOPES
+from .checks import check_state as check_vq_state
 from .codebook import codebook_scores
 from .reference import vq_attention_weights, windowed_softmax, windowed_weights
 from .rerope import check_vq_rerope
@@ -22,4 +23,5 @@ from .soft import soft_assignments, soft_vq_attention
 from .step import vq_decode_step
 
 __all__ = ["vq_attention", "vq_decode_step", "soft_vq_attention", "soft_assignments", "vq_attention_weights",
-           "windowed_softmax", "windowed_weights", "codebook_scores", "GRAD_SCOPES", "SCHEDULES", "check_vq_rerope"]
+           "windowed_softmax", "windowed_weights", "codebook_scores", "GRAD_SCOPES", "SCHEDULES", "check_vq_rerope",
+           "check_vq_state"]
