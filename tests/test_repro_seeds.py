@@ -156,7 +156,7 @@ def test_a_hand_built_namespace_with_zero_seeds_is_named():
 
 def test_every_reproduction_takes_seeds_with_its_default(capsys):
     defaults = {"lm": 3, "convert": 3, "length-extrapolation": 3, "mqar": 3, "demo": 3, "fwp-capacity": 1,
-                "fwp-update-rule": 1, "long-range": 3}
+                "fwp-update-rule": 1, "long-range": 3, "linearize": 3}
     from linattn.repro.cli import REPRODUCTIONS
 
     assert set(REPRODUCTIONS) == set(defaults)
