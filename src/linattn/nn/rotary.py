@@ -12,13 +12,19 @@ def apply_rotary(x: torch.Tensor, offset: int = 0, base: float = 10000.0) -> tor
     ``rot(q, i) . rot(k, j)`` depends on ``i - j`` only. Computed in float32 (float64 for
     float64 input) and returned in x's dtype.
     """
+    return apply_rotary_at(x, torch.arange(offset, offset + x.shape[-2], device=x.device), base)
+
+
+def apply_rotary_at(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """``apply_rotary`` with the position of each of the ``T`` rows of ``x [..., T, D]`` given
+    by ``positions [T]`` (integers): the rows of a serving engine's flat batch belong to
+    several sequences, each at its own position."""
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"rotary embedding needs an even head dimension, got {D}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
     inverse_freq = base ** (-torch.arange(0, D, 2, device=x.device, dtype=dtype) / D)
-    positions = torch.arange(offset, offset + x.shape[-2], device=x.device, dtype=dtype)
-    angles = positions[:, None] * inverse_freq[None, :]  # [T, D/2]
+    angles = positions.to(dtype)[:, None] * inverse_freq[None, :]  # [T, D/2]
     cos, sin = angles.cos(), angles.sin()
     pairs = x.to(dtype).unflatten(-1, (D // 2, 2))
     even, odd = pairs[..., 0], pairs[..., 1]
