@@ -16,21 +16,27 @@ import sys
 import traceback
 
 
-def _run(job: dict) -> list:
+def _run(job: dict):
+    """The job's token lists, or ``{"error": traceback}``. The engine is released only after
+    the exception is gone (its traceback holds the engine's frames), so the next engine of
+    this process starts clean."""
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    llm = LLM(model=job["model"], **job["engine"])
+    llm = None
     try:
+        llm = LLM(model=job["model"], **job["engine"])
         prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in job["requests"]]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=r.get("temperature", 0.0),
                                  seed=r.get("seed"), ignore_eos=True) for r in job["requests"]]
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        return [list(output.outputs[0].token_ids) for output in outputs]
-    finally:
-        del llm
-        gc.collect()
-        cleanup_dist_env_and_memory()  # the next engine of this process sets its groups up again
+        result = [list(output.outputs[0].token_ids) for output in outputs]
+    except Exception:  # the test reports it beside the engine's name
+        result = {"error": traceback.format_exc()}
+    del llm
+    gc.collect()
+    cleanup_dist_env_and_memory()  # the next engine of this process sets its groups up again
+    return result
 
 
 def main() -> int:
@@ -38,10 +44,7 @@ def main() -> int:
     jobs = json.loads(open(sys.argv[1], encoding="utf-8").read())
     results = {}
     for job in jobs:
-        try:
-            results[job["name"]] = _run(job)
-        except Exception:  # the test reports it beside the engine's name
-            results[job["name"]] = {"error": traceback.format_exc()}
+        results[job["name"]] = _run(job)
     with open(sys.argv[2], "w", encoding="utf-8") as out:
         json.dump(results, out)
     return 0

@@ -35,7 +35,7 @@ DRIVER = Path(__file__).with_name("_serve_driver.py")
 MODELS = {
     "vq": ["vq"], "vq-fsq": ["vq-fsq"], "soft-vq": ["soft-vq"], "gau-softmax": ["gau-softmax"],
     "softmax": ["softmax"], "linear": ["linear:elu"], "favor": ["favor"], "delta": ["delta"], "retnet": ["retnet"],
-    "gla": ["gla"], "gated-delta": ["gated-delta"], "local": ["local:8"],
+    "gla": ["gla"], "gated-delta": ["gated-delta"], "local": ["local:32"],
     "hybrid": ["vq", "softmax", "gated-delta", "local:8:entropy", "softmax:entropy"],
 }
 PROMPT_LENGTHS = (1, 5, 40, 77, 13, 8)  # 40 and 77 arrive in chunks of at most 16 tokens
