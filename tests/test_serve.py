@@ -156,12 +156,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(exports, serve_python):
-    """``linattn serve`` on the hybrid export, 127.0.0.1, stopped (SIGTERM, then SIGKILL) at the end."""
+    """``linattn serve`` on the hybrid export, 127.0.0.1, stopped (SIGTERM, then SIGKILL) at the end;
+    as users start it: vLLM compiles the model around the state layers' custom ops (the engines
+    above run eagerly)."""
     port = _free_port()
     linattn = serve_python.parent / "linattn"
     command = [str(linattn), "serve", exports["hybrid"]["path"], "--host", "127.0.0.1", "--port", str(port),
                "--max-model-len", "128", "--max-num-seqs", "2",
-               "--vllm-args", "--enforce-eager --max-num-batched-tokens 16 --kv-cache-memory-bytes 33554432"]
+               "--vllm-args", "--max-num-batched-tokens 16 --kv-cache-memory-bytes 33554432"]  # compiled, as by default
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env=_serve_env(), start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -88,3 +88,27 @@ def test_reading_a_new_sequence_is_refused():
     layout = layer_layout("delta", lm.layers[0], 64, 64)
     with pytest.raises(ValueError, match="a new sequence has none"):
         layout.read(torch.zeros(1, layout.size), torch.tensor([0]), 0)
+
+
+# -- the engine settings the plugin refuses (linattn.serve.config) ----------------------------------------------
+
+
+def _config(kinds, **fields) -> LMConfig:
+    return LMConfig(d_model=64, n_layers=len(kinds), attention=kinds, n_heads=2, **fields)
+
+
+def test_served_settings_are_checked_by_name():
+    from linattn.serve.config import check_served_config, layer_types
+
+    sizes = [32, 64, 128]
+    hybrid = _config(["gated-delta", "softmax"])
+    assert layer_types(hybrid) == ["linattn_state", "full_attention"]
+    check_served_config(hybrid, torch.float32, sizes, prefix_caching=False)
+    check_served_config(_config(["softmax"]), torch.float32, sizes, prefix_caching=True)  # paged layers only
+    with pytest.raises(ValueError, match=r"served in float32, got dtype torch.bfloat16: pass --dtype float32"):
+        check_served_config(hybrid, torch.bfloat16, sizes, prefix_caching=False)
+    with pytest.raises(ValueError, match="prefix caching is not supported .* --no-enable-prefix-caching"):
+        check_served_config(hybrid, torch.float32, sizes, prefix_caching=True)
+    with pytest.raises(ValueError, match=r"head_dim=16, but vLLM's attention backend here takes head sizes"):
+        check_served_config(_config(["softmax"], head_dim=16), torch.float32, sizes, prefix_caching=False)
+    check_served_config(_config(["gated-delta"], head_dim=16), torch.float32, sizes, prefix_caching=False)
