@@ -3,7 +3,8 @@
 PATH is a directory ``linattn export`` wrote, or a training run (a run folder or one
 checkpoint folder), which is exported first into a temporary directory removed when the
 server stops. The server is vLLM's own (``vllm serve``) with the settings linattn models
-need (``--dtype float32``, ``--no-enable-prefix-caching``); ``--vllm-args`` adds more
+need (``--dtype float32``, ``--no-enable-prefix-caching``), under the model name PATH as
+given (requests name it in ``"model"``, also for an exported run); ``--vllm-args`` adds more
 ``vllm serve`` arguments (one string, split as a shell would). vLLM must be installed in the
 Python that runs this (``make serve-env`` makes ``.venv-serve``: ``.venv-serve/bin/linattn
 serve PATH``).
@@ -48,8 +49,8 @@ def run_serve(args: argparse.Namespace) -> int:
     check_vllm()
     with tempfile.TemporaryDirectory(prefix="linattn-serve-") as scratch:
         model = served_directory(args.path, Path(scratch) / "export")
-        _vllm_serve([str(model), *vllm_serve_arguments(args.host, args.port, args.max_model_len, args.max_num_seqs),
-                     *extra])
+        _vllm_serve([str(model), "--served-model-name", str(args.path),
+                     *vllm_serve_arguments(args.host, args.port, args.max_model_len, args.max_num_seqs), *extra])
     return 0
 
 
