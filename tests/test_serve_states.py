@@ -109,6 +109,8 @@ def test_served_settings_are_checked_by_name():
         check_served_config(hybrid, torch.bfloat16, sizes, prefix_caching=False)
     with pytest.raises(ValueError, match="prefix caching is not supported .* --no-enable-prefix-caching"):
         check_served_config(hybrid, torch.float32, sizes, prefix_caching=True)
+    with pytest.raises(ValueError, match="speculative decoding is not supported"):
+        check_served_config(hybrid, torch.float32, sizes, prefix_caching=False, speculative=True)
     with pytest.raises(ValueError, match=r"head_dim=16, but vLLM's attention backend here takes head sizes"):
         check_served_config(_config(["softmax"], head_dim=16), torch.float32, sizes, prefix_caching=False)
     check_served_config(_config(["gated-delta"], head_dim=16), torch.float32, sizes, prefix_caching=False)

@@ -33,13 +33,14 @@ def layer_types(config: LMConfig) -> list[str]:
 
 
 def check_served_config(config: LMConfig, dtype: torch.dtype, head_sizes: list[int] | None,
-                        prefix_caching: bool) -> None:
+                        prefix_caching: bool, speculative: bool = False) -> None:
     """The settings vLLM would run the model with, refused where they do not fit (ValueError
     naming the setting): float32 weights (linattn's one-token decoding steps and the exact
     comparison with ``LM.generate`` are float32), a head size vLLM's attention kernels take
     for every paged layer (``head_sizes``; None: not checked here, vLLM checks), and no prefix
-    caching for a model with state layers (its states are kept per sequence, not per cached
-    block)."""
+    caching (``prefix_caching``) or speculative decoding (``speculative``) for a model with
+    state layers (its states are kept per sequence, not per cached block, and cannot take back
+    rejected draft tokens)."""
     if dtype != torch.float32:
         raise ValueError(f"linattn models are served in float32, got dtype {dtype}: pass --dtype float32")
     types = layer_types(config)
@@ -51,6 +52,9 @@ def check_served_config(config: LMConfig, dtype: torch.dtype, head_sizes: list[i
     if "linattn_state" in types and prefix_caching:
         raise ValueError("prefix caching is not supported for linattn models with state layers (each sequence "
                          "keeps one state, not one per cached block): pass --no-enable-prefix-caching")
+    if "linattn_state" in types and speculative:
+        raise ValueError("speculative decoding is not supported for linattn models with state layers (a state "
+                         "cannot take back rejected draft tokens): leave --speculative-config unset")
 
 
 def _verify_and_update_config(vllm_config) -> None:
@@ -61,7 +65,8 @@ def _verify_and_update_config(vllm_config) -> None:
     model_config = vllm_config.model_config
     config = model_config.hf_config.to_lm_config()
     head_sizes = _cpu_head_sizes() if current_platform.is_cpu() else None
-    check_served_config(config, model_config.dtype, head_sizes, bool(vllm_config.cache_config.enable_prefix_caching))
+    check_served_config(config, model_config.dtype, head_sizes, bool(vllm_config.cache_config.enable_prefix_caching),
+                        speculative=vllm_config.speculative_config is not None)
     if "linattn_state" in layer_types(config):
         MambaModelConfig.verify_and_update_config(vllm_config)
 
