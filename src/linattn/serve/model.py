@@ -190,6 +190,7 @@ class _StateLayer(MambaBase, nn.Module):
             out.copy_(layer(x.unsqueeze(0), None)[0][0])
             return
         slots = self.kv_cache[0]
+        # the batch's layout, read on the host (free on a CPU; on a GPU one copy per layer and step)
         starts = metadata.query_start_loc.tolist()
         totals = metadata.seq_lens.tolist()
         rows = metadata.state_indices_tensor.tolist()
@@ -202,10 +203,11 @@ class _StateLayer(MambaBase, nn.Module):
             if end - start == 1 and past > 0:
                 decodes[self.layout.group_key(past)].append((start, row, past))
                 continue
-            state = None if past == 0 else self.layout.read(slots, torch.tensor([row]), past)
+            slot = torch.tensor([row], device=slots.device)
+            state = None if past == 0 else self.layout.read(slots, slot, past)
             y, state, _ = layer(x[start:end].unsqueeze(0), state)
             out[start:end] = y[0]
-            self.layout.write(slots, torch.tensor([row]), state, past + end - start)
+            self.layout.write(slots, slot, state, past + end - start)
         for members in decodes.values():
             self._decode(layer, x, out, slots, members)
 
@@ -214,8 +216,8 @@ class _StateLayer(MambaBase, nn.Module):
         position), as one batched call. Their states have the same shapes and whatever of the
         position the layer reads (``StateLayout.group_key``), so the first member's position
         stands for all of them."""
-        tokens = torch.tensor([token for token, _, _ in members])
-        rows = torch.tensor([row for _, row, _ in members])
+        tokens = torch.tensor([token for token, _, _ in members], device=x.device)
+        rows = torch.tensor([row for _, row, _ in members], device=slots.device)
         past = members[0][2]
         state = self.layout.read(slots, rows, past)
         y, state, _ = layer(x.index_select(0, tokens).unsqueeze(1), state)
