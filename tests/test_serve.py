@@ -273,3 +273,31 @@ def test_serve_refuses_another_model_type(tmp_path, serve_python):
                          text=True, timeout=300, env=_serve_env())
     assert run.returncode == 2
     assert "model_type='llama', not a linattn export" in run.stderr
+
+
+def test_a_training_run_is_served_through_an_export(tmp_path, serve_python):
+    """``linattn serve RUN`` exports the run first (in the serving environment, with its
+    transformers): the export holds the run's model exactly; an export is served as it is."""
+    from _helpers import english_like
+    from test_train_cli import train_argv
+    from transformers import AutoModelForCausalLM
+
+    import linattn.hf  # noqa: F401 - registers the linattn Auto classes
+    from linattn.cli import main
+    from linattn.train import load_model
+
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text(english_like(4000), encoding="utf-8")
+    run = tmp_path / "run"
+    assert main(train_argv(corpus, run, steps=2)) == 0
+    script = ("import sys; from pathlib import Path; from linattn.serve.cli import served_directory\n"
+              "print(served_directory(sys.argv[1], Path(sys.argv[2])))\n"
+              "print(served_directory(sys.argv[2], Path(sys.argv[2]) / 'unused'))\n")
+    done = subprocess.run([str(serve_python), "-c", script, str(run), str(tmp_path / "export")], capture_output=True,
+                          text=True, timeout=300, env=_serve_env())
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(tmp_path / "export")] * 2
+    lm, _ = load_model(run)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    ids = torch.tensor(_prompts([12, 12], seed=4))
+    assert torch.equal(exported(ids).logits, lm(ids)[0])
