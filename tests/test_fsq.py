@@ -129,6 +129,20 @@ def test_cached_codebook_follows_the_weights():
         torch.testing.assert_close(fsq.codebook, fsq._codebook(), rtol=0, atol=0)
 
 
+def test_vq_fsq_model_generates_under_inference_mode():
+    """Serving engines (vLLM) run models under torch.inference_mode: the cached codebook, whose
+    version decoding reads, must not be an inference tensor there."""
+    config = linattn.LMConfig(d_model=16, n_layers=1, attention="vq-fsq", gau_d_k=8, block_size=4, fsq_levels=(4, 3))
+    torch.manual_seed(0)
+    model = linattn.LM(config).eval()
+    prompt = torch.randint(0, 256, (6,))
+    expected = list(model.generate(prompt, 9, temperature=0))
+    torch.manual_seed(0)
+    model = linattn.LM(config).eval()  # a fresh model: no codebook cached before
+    with torch.inference_mode():
+        assert list(model.generate(prompt, 9, temperature=0)) == expected
+
+
 def test_initial_keys_are_as_large_as_the_keys():
     """With keys of typical coordinate size ``init_scale``, the initial projections give ``k^``
     of the same order (neither vanishing nor blown up by the number of levels)."""

@@ -186,7 +186,7 @@ def test_eager_and_sdpa_load_and_run_linattns_own_attention(exported, implementa
     assert model.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention", "paged|eager",
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention",
                                             "kernels-community/flash-attn", "bogus"])
 def test_other_attention_implementations_are_refused_by_name(exported, implementation):
     _, out = exported
@@ -196,6 +196,17 @@ def test_other_attention_implementations_are_refused_by_name(exported, implement
     model = AutoModelForCausalLM.from_pretrained(out)
     with pytest.raises(ValueError, match=message.replace("|", r"\|")):
         model.set_attn_implementation(implementation)
+
+
+def test_continuous_batching_points_to_vllm(exported):
+    """transformers' continuous batching (``generate_batch``, what ``transformers serve`` runs)
+    asks for a paged attention implementation: refused with why and the vLLM route."""
+    _, out = exported
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with pytest.raises(ValueError, match=r"carry their own recurrent states.*`linattn serve DIR`"):
+        model.generate_batch(inputs=[[1, 2, 3]])
+    with pytest.raises(ValueError, match=r"attn_implementation='paged\|eager': transformers' continuous batching"):
+        AutoModelForCausalLM.from_pretrained(out, attn_implementation="paged|eager")
 
 
 # -- HF Trainer with gradient accumulation -------------------------------------------------------

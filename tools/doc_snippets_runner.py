@@ -132,15 +132,16 @@ class SnippetRunner:
         self._zygote = None
 
     def page_env(self, cache: Path) -> dict[str, str]:
-        """The environment of a page's blocks."""
+        """The environment of a page's blocks (``$LINATTN_REPO``: the tree's root, where a page
+        finds ``.venv-serve``)."""
         env = dict(os.environ)
         for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(name, None)
         env.update(
             PATH=os.pathsep.join([str(self._bin), str(Path(sys.executable).parent), env.get("PATH", "")]),
             PYTHONPATH=os.pathsep.join(filter(None, [str(self.root / "src"), os.environ.get("PYTHONPATH")])),
-            LINATTN_CACHE=str(cache), HF_HOME=str(cache / "huggingface"), HF_HUB_OFFLINE="1",
-            HF_DATASETS_OFFLINE="1", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
+            LINATTN_CACHE=str(cache), LINATTN_REPO=str(self.root), HF_HOME=str(cache / "huggingface"),
+            HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
         env[ZYGOTE_ENV] = str(self.socket_path)
         return env
 

@@ -1,5 +1,5 @@
 """The ``linattn`` command: ``train``, ``eval``, ``generate``, ``plot``, ``data``, ``export``,
-``lm-eval``, ``convert``, ``inspect``, ``bench``, ``doctor`` (and ``repro``).
+``lm-eval``, ``serve``, ``convert``, ``inspect``, ``bench``, ``doctor`` (and ``repro``).
 
 Each command group lives in the package it drives and provides
 ``register(commands)``, which adds its subparser and sets ``handler(args) -> int`` as
@@ -42,11 +42,12 @@ from .bench import cli as bench_cli
 from .data import cli as data_cli
 from . import convert, doctor, hf_cli, inspector
 from .repro import cli as repro_cli
+from .serve import cli as serve_cli
 from .train import cli as train_cli
 from .train.distributed import env_rank, env_world_size
 from .train.divergence import TrainingDiverged
 
-_COMMAND_GROUPS = (train_cli, data_cli, hf_cli, convert, inspector, bench_cli, doctor, repro_cli)
+_COMMAND_GROUPS = (train_cli, data_cli, hf_cli, serve_cli, convert, inspector, bench_cli, doctor, repro_cli)
 
 
 _MARKUP = re.compile(r"``(.+?)``|\*\*(.+?)\*\*", re.DOTALL)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from .._command_group import ReportCommand, add_command_group
 from ..reporting import results_page
-from . import attention, decode, lm, train_speed
+from . import attention, decode, lm, serve, train_speed
 
-BENCHMARKS = {"attention": attention, "decode": decode, "lm": lm, "train": train_speed}
+BENCHMARKS = {"attention": attention, "decode": decode, "lm": lm, "train": train_speed, "serve": serve}
 
 
 def report_page(out_dir: str | Path) -> str:

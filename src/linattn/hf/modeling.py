@@ -282,7 +282,14 @@ class LinattnModel(LinattnPreTrainedModel):
 
 def _attn_implementation(requested: str | None) -> str:
     """The recorded attention implementation for a requested one: always ``"eager"`` (the
-    model's own code); None, ``"eager"`` and ``"sdpa"`` are accepted, anything else refused."""
+    model's own code); None, ``"eager"`` and ``"sdpa"`` are accepted, anything else refused
+    (a paged one, which transformers' continuous batching asks for, pointing to vLLM)."""
+    if isinstance(requested, str) and requested.startswith("paged"):
+        raise ValueError(f"attn_implementation={requested!r}: transformers' continuous batching (generate_batch, "
+                         "transformers serve) keeps every layer's keys and values in its paged cache, but linattn "
+                         "layers carry their own recurrent states (constant size for all but exact softmax); serve "
+                         "linattn models with continuous batching through vLLM instead: `linattn serve DIR` "
+                         "(docs/guide/serving.md), or generate with model.generate")
     if requested is not None and requested not in _ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation={requested!r} is not supported by linattn models: their layers always "
                          f"run linattn's own attention code; pass 'eager' or 'sdpa' (both run that code) or leave it "

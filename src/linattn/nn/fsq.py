@@ -86,13 +86,16 @@ class FSQuantizer(nn.Module):
     @property
     def codebook(self) -> torch.Tensor:
         """``[H, S, Dk]``: ``W_out`` on every grid point (differentiable in ``W_out``). With
-        gradients off it is computed once until ``W_out`` changes, so decoding reads one tensor."""
+        gradients off it is computed once until ``W_out`` changes, so decoding reads one tensor.
+        That tensor is never an inference tensor (made outside ``torch.inference_mode``, as
+        serving engines run models): it outlives the call, and decoding reads its version."""
         if torch.is_grad_enabled():
             return self._codebook()
         key = (self.w_out.data_ptr(), self.w_out._version, self.w_out.dtype)
         cached = self.__dict__.get("_cached_codebook")
         if cached is None or cached[0] != key:
-            cached = (key, self._codebook())
+            with torch.inference_mode(False):
+                cached = (key, self._codebook())
             self.__dict__["_cached_codebook"] = cached
         return cached[1]
 

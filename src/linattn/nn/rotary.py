@@ -64,9 +64,16 @@ def apply_rotary(x: torch.Tensor, offset: int = 0, base: float = 10000.0,
     float64 input) and returned in x's dtype. The ops' ReRoPE (``rerope=``) uses the same
     rotation (``ops/common/rotary.py``).
     """
+    return apply_rotary_at(x, torch.arange(offset, offset + x.shape[-2], device=x.device), base, scaling)
+
+
+def apply_rotary_at(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0,
+                    scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """``apply_rotary`` with the position of each of the ``T`` rows of ``x [..., T, D]`` given
+    by ``positions [T]`` (integers): the rows of a serving engine's flat batch belong to
+    several sequences, each at its own position."""
     D = x.shape[-1]
     if D % 2:
         raise ValueError(f"rotary embedding needs an even head dimension, got {D}")
     dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    positions = torch.arange(offset, offset + x.shape[-2], device=x.device, dtype=dtype)
     return rotate(x.to(dtype), *rotation(positions, D, base, dtype, scaling)).to(x.dtype)

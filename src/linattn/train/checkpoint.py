@@ -446,7 +446,8 @@ def load_model(path: str | Path, device: torch.device | str = "cpu"):
         model = LM(LMConfig.from_saved(checkpoint.meta["model_config"]))
         adapted = holds_adapters(checkpoint.model)
         load_adapted(model, checkpoint.model, checkpoint.meta["train_config"].get("lora_rank") if adapted else None)
-        merge_adapters(model)
+        if adapted:  # PEFT is imported only for a checkpoint that holds adapters
+            merge_adapters(model)
     except (KeyError, RuntimeError) as error:
         raise CheckpointError(f"{checkpoint.path}: the stored model does not match its config ({error})") from None
     return model.to(device).eval(), checkpoint
