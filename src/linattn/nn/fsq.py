@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .._checks import check_batch, check_positive_int
+from ..ops.common.versions import tensor_version
 
 
 def check_levels(levels) -> tuple[int, ...]:
@@ -91,7 +92,11 @@ class FSQuantizer(nn.Module):
         serving engines run models): it outlives the call, and decoding reads its version."""
         if torch.is_grad_enabled():
             return self._codebook()
-        key = (self.w_out.data_ptr(), self.w_out._version, self.w_out.dtype)
+        version = tensor_version(self.w_out)
+        if version is None:  # an inference tensor: a write to it could not be seen
+            with torch.inference_mode(False):
+                return self._codebook()
+        key = (self.w_out.data_ptr(), version, self.w_out.dtype)
         cached = self.__dict__.get("_cached_codebook")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False):

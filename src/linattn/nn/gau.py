@@ -9,6 +9,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 
 from .._checks import (check_choice, check_layer_input, check_positive_number, check_state_batch, check_state_tensor,
                        is_number)
+from ..ops.common.versions import tensor_version
 from ..ops.softmax import entropy_scale, kv_cache
 from ..ops.vq import GRAD_SCOPES, check_vq_rerope, soft_vq_attention, vq_attention, windowed_softmax
 from ..state import KVCacheState, VQAttentionState
@@ -362,7 +363,10 @@ class GAU(nn.Module):
         tensors it ``depends`` on changes (storage or version: the optimizer and
         ``load_state_dict`` write in place and bump the version) or ``extra`` differs.
         Writes through ``.data`` bump no version: they are seen after ``train()``/``eval()``."""
-        key = (*extra, *((t.data_ptr(), t._version) for t in depends))
+        versions = [tensor_version(t) for t in depends]
+        if None in versions:  # an inference tensor: a write to it could not be seen
+            return compute()
+        key = (*extra, *((t.data_ptr(), version) for t, version in zip(depends, versions)))
         cache = self.__dict__.setdefault("_no_grad_cache", {})
         if name not in cache or cache[name][0] != key:
             cache[name] = (key, compute())

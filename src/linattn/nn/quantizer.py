@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_batch, check_choice, check_non_negative_number, compute_dtype
+from ..ops.common.versions import tensor_version
 from ..ops.vq import codebook_scores
 from .codebook import Codebook, SyncHook
 
@@ -138,7 +139,10 @@ class VectorQuantizer(Codebook):
         storage or version), so decoding one token does not pay for all S norms each step."""
         if torch.compiler.is_compiling():  # storage and version are not traceable; the graph recomputes
             return self.codebook.float().pow(2).sum(-1)
-        key = (self.codebook.data_ptr(), self.codebook._version)
+        version = tensor_version(self.codebook)
+        if version is None:  # an inference tensor: a write to it could not be seen
+            return self.codebook.float().pow(2).sum(-1)
+        key = (self.codebook.data_ptr(), version)
         if getattr(self, "_norms_key", None) != key:
             self._norms, self._norms_key = self.codebook.float().pow(2).sum(-1), key
         return self._norms

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ..nn.hedgehog import HEDGEHOG
+from ..ops.common.versions import tensor_version
 from ..state import KVCacheState, VQAttentionState, _State
 
 # Layer kinds whose computation does not depend on the absolute position (no rotary angle, no
@@ -198,8 +199,9 @@ class StateLayout:
         hard_codes = isinstance(state, VQAttentionState) and not state.partial_codes.is_floating_point()
         if hard_codes and self._keys_from is not None:
             codebook = self._keys_from(unit or 0)
-            if codebook is not None:  # every stored key is a row of this codebook as it is now
-                state._keys_from = (codebook, codebook._version)
+            version = None if codebook is None else tensor_version(codebook)
+            if version is not None:  # every stored key is a row of this codebook as it is now
+                state._keys_from = (codebook, version)
         return state
 
 

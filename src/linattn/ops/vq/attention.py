@@ -49,6 +49,7 @@ from .decode import decode_form
 from .reference import noncausal, windowed_softmax
 from .relative import relative_inputs, relative_terms, reversed_terms
 from .rerope import check_vq_rerope
+from ..common.versions import tensor_version
 from .schedule import SCHEDULES, auto_schedule
 from .tensors import as_dtype
 
@@ -207,7 +208,8 @@ def _keys_record(codes, codebook, initial_state):
         return None
     if initial_state is not None and not resident.keys_are_rows_of(initial_state._keys_from, codebook):
         return None
-    return codebook, codebook._version
+    version = tensor_version(codebook)
+    return None if version is None else (codebook, version)
 
 
 def _result(out, pieces, out_dtype, initial_state, output_final_state, block_size: int, keys_from=None):

@@ -35,6 +35,7 @@ from ...state import VQAttentionState
 from ..._checks import compute_dtype
 from ..common.bias import offset_rows
 from ..common.rotary import far_queries, rerope_scores
+from ..common.versions import tensor_version
 from . import native
 from .cache import fold_block, log_counts
 from .relative import relative_inputs, relative_terms, reversed_terms
@@ -95,7 +96,8 @@ class ResidentWindow:
 def keys_are_rows_of(record, codebook: torch.Tensor) -> bool:
     """Whether ``record`` (``(codebook, version)`` or None) names ``codebook`` as it is now
     (the same tensor, not written since)."""
-    return record is not None and record[0] is codebook and record[1] == codebook._version
+    return (record is not None and record[0] is codebook and record[1] is not None
+            and record[1] == tensor_version(codebook))
 
 
 def _holds(window: ResidentWindow, codebook: torch.Tensor) -> bool:
@@ -137,7 +139,7 @@ def window_for(state: VQAttentionState | None, L: int, codebook: torch.Tensor, s
             state is None or keys_are_rows_of(state._keys_from, codebook))
     window.mask[:, :, L + p : 2 * L] = float("-inf")
     window.keys[:, :, 2 * L :] = codebook.to(dtype)
-    window.codebook, window.written, window.scoring = (codebook, codebook._version), p, None
+    window.codebook, window.written, window.scoring = (codebook, tensor_version(codebook)), p, None
     return window
 
 
