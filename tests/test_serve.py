@@ -32,13 +32,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SERVE_PYTHON = ROOT / ".venv-serve" / "bin" / "python"
 DRIVER = Path(__file__).with_name("_serve_driver.py")
 
-# one model per registered layer kind (two layers of it), and a hybrid of state and paged layers
+# every registered layer kind, a few to a model (each engine start costs seconds), and a hybrid of
+# state and paged layers in the order of a real one
 MODELS = {
-    "vq": ["vq"], "vq-fsq": ["vq-fsq"], "soft-vq": ["soft-vq"], "gau-softmax": ["gau-softmax"],
-    "softmax": ["softmax"], "linear": ["linear:elu"], "favor": ["favor"], "delta": ["delta"], "retnet": ["retnet"],
-    "gla": ["gla"], "gated-delta": ["gated-delta"], "local": ["local:32"],
-    "vq-rerope": ["vq:rerope=4"], "local-rerope": ["local:32:rerope=5"], "hedgehog": ["linear:hedgehog"],
-    "vq-attn-rerope": ["vq-attn:rerope=4"], "vq-attn-bias": ["vq-attn:bias"],
+    "gau": ["vq", "vq-fsq", "soft-vq", "gau-softmax"],
+    "vq-rerope": ["vq:rerope=4", "vq-attn:rerope=4", "vq-attn:bias"],
+    "kernel": ["linear:elu", "favor", "linear:hedgehog", "delta"],
+    "gated": ["retnet", "gla", "gated-delta"],
+    "softmax": ["softmax", "local:32", "local:32:rerope=5"],
     "hybrid": ["vq", "softmax", "gated-delta", "local:8:entropy", "softmax:entropy"],
 }
 PROMPT_LENGTHS = (1, 5, 40, 77, 13, 8)  # 40 and 77 arrive in chunks of at most 16 tokens
@@ -97,7 +98,7 @@ def served(exports, serve_python, tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("driver")
     jobs = [{"name": name, "model": model["path"], "engine": ENGINE,
              "requests": _requests(model["prompts"], NEW_TOKENS)} for name, model in exports.items()]
-    recurrent = exports["gated-delta"]
+    recurrent = exports["gated"]
     jobs.append({"name": "slot-reuse", "model": recurrent["path"],  # 2 state slots for 14 requests
                  "engine": {**ENGINE, "num_gpu_blocks_override": 3},
                  "requests": _requests(_prompts([1, 2, 3, 4, 5, 6, 1, 6, 2, 5, 3, 4, 1, 2], seed=2), 4)})
@@ -116,9 +117,10 @@ def served(exports, serve_python, tmp_path_factory) -> dict:
 
 def _serve_env() -> dict:
     """The environment of the serving processes: one torch thread's worth of work each, no
-    download attempts."""
+    download attempts; the native VQ decoding step or an error (never the torch form after a
+    warning: vLLM runs the model under ``torch.inference_mode``, which the step must survive)."""
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1"}
+            "DO_NOT_TRACK": "1", "LINATTN_VQ_STEP_IMPL": "native"}
 
 
 def _tokens(served: dict, name: str) -> list:
@@ -130,14 +132,14 @@ def _tokens(served: dict, name: str) -> list:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_served_greedy_tokens_equal_generate(served, exports, name):
     """Mixed prompt lengths, chunked prefill (16 tokens a step) and 2 sequences at a time: the
-    tokens vLLM generates equal ``LM.generate``'s, for every layer kind and a hybrid."""
+    tokens vLLM generates equal ``LM.generate``'s, for models holding every layer kind and a hybrid."""
     assert _tokens(served, name) == exports[name]["expected"]
 
 
 def test_state_slots_are_reused_safely(served, exports):
     """14 short requests through 2 state slots (3 blocks, one of them vLLM's null block): every
     new sequence starts from no state, whatever its slot held before."""
-    lm = exports["gated-delta"]["lm"]
+    lm = exports["gated"]["lm"]
     prompts = _prompts([1, 2, 3, 4, 5, 6, 1, 6, 2, 5, 3, 4, 1, 2], seed=2)
     assert _tokens(served, "slot-reuse") == _greedy(lm, prompts, 4)
 
@@ -247,7 +249,7 @@ def test_another_vllm_version_is_refused_by_name(exports, serve_python):
         "os.environ['VLLM_ENABLE_V1_MULTIPROCESSING'] = '0'\n"
         "from vllm import LLM\n"
         "try:\n"
-        f"    LLM(model={exports['vq']['path']!r}, dtype='float32', enforce_eager=True, max_model_len=64,\n"
+        f"    LLM(model={exports['gau']['path']!r}, dtype='float32', enforce_eager=True, max_model_len=64,\n"
         "        enable_prefix_caching=False, kv_cache_memory_bytes=1 << 24)\n"
         "except Exception as error:\n"
         "    print('REFUSED', error)\n")
@@ -256,7 +258,7 @@ def test_another_vllm_version_is_refused_by_name(exports, serve_python):
     assert "REFUSED" in run.stdout, run.stderr[-3000:]
     assert "written against vLLM 0.32.0" in run.stdout and "vLLM 0.31.0 is installed" in run.stdout
     cli = subprocess.run([str(serve_python), "-c", _FAKE_VERSION + "import sys; from linattn.cli import main; "
-                          f"sys.exit(main(['serve', {exports['vq']['path']!r}]))"],
+                          f"sys.exit(main(['serve', {exports['gau']['path']!r}]))"],
                          capture_output=True, text=True, timeout=300, env=_serve_env())
     assert cli.returncode == 2
     assert cli.stderr.startswith("linattn: error: linattn's vLLM plugin is written against vLLM 0.32.0")
@@ -265,7 +267,7 @@ def test_another_vllm_version_is_refused_by_name(exports, serve_python):
 
 def test_serve_without_vllm_says_how_to_get_it(exports):
     """In the project's environment (no vLLM) ``linattn serve`` points to the serving one."""
-    run = subprocess.run([sys.executable, "-m", "linattn.cli", "serve", exports["vq"]["path"]],
+    run = subprocess.run([sys.executable, "-m", "linattn.cli", "serve", exports["gau"]["path"]],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
     assert "vLLM is not installed in this Python" in run.stderr and "make serve-env" in run.stderr
