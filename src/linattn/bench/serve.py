@@ -114,9 +114,12 @@ def _export(spec: str, config: ServeBenchConfig, folder: Path) -> dict:
     lm = LM(config.sizes.model_config(spec)).eval()
     save_pretrained_lm(lm, folder)
     paged = sum(s.kind in PAGED_KINDS for s in lm.specs)
-    head_dim = lm.config.head_dim or lm.config.d_model // lm.config.n_heads
+    kv_bytes = 0
+    if paged:  # a model without paged layers may have no heads at all (GAU pairs)
+        head_dim = lm.config.head_dim or lm.config.d_model // lm.config.n_heads
+        kv_bytes = 2 * (lm.config.n_kv_heads or lm.config.n_heads) * head_dim * 4
     return {"parameters": lm.num_parameters(), "paged_layers": paged, "state_layers": len(lm.specs) - paged,
-            "kv_bytes_per_token": 2 * (lm.config.n_kv_heads or lm.config.n_heads) * head_dim * 4}
+            "kv_bytes_per_token": kv_bytes}
 
 
 def serve_case(folder: str, prompt_length: int, config: ServeBenchConfig) -> dict:
@@ -199,15 +202,20 @@ def run(config: ServeBenchConfig, models: list[str], out_dir: Path, command: str
 
 
 def _targets(rows: list[dict]) -> dict:
-    """Each model's output tokens/s over the Llama's at every prompt length both ran."""
+    """Each model's output tokens/s over the Llama's at every prompt length both ran:
+    ``{"speed_over_llama": {model: {prompt length: ratio}}}``."""
     llama = {r["prompt_length"]: r["output_tokens_per_s"] for r in rows if r["case"] == LLAMA}
-    return {"speed_over_llama": {f"{r['case']} P={r['prompt_length']}": r["output_tokens_per_s"]
-                                 / llama[r["prompt_length"]]
-                                 for r in rows if r["case"] != LLAMA and r["prompt_length"] in llama}}
+    ratios: dict = {}
+    for r in rows:
+        if r["case"] != LLAMA and r["prompt_length"] in llama:
+            ratios.setdefault(r["case"], {})[str(r["prompt_length"])] = (r["output_tokens_per_s"]
+                                                                         / llama[r["prompt_length"]])
+    return {"speed_over_llama": ratios}
 
 
 def page(results: dict) -> str:
-    """``results.md`` from ``results.json``'s contents."""
+    """``results.md`` from ``results.json``'s contents: the measurements, then each model's output
+    tokens/s over the Llama's per prompt length."""
     metadata, rows, shapes = results["metadata"], results["rows"], results["metadata"]["shapes"]
     header = ["model", "parameters", "prompt", "requests/s", "output tokens/s", "TTFT (median)",
               "memory per sequence"]
@@ -219,7 +227,12 @@ def page(results: dict) -> str:
             + "\n".join(reporting.markdown_table_lines(header, cells)) + "\n")
     ratios = results["summary"].get("speed_over_llama", {})
     if ratios:
-        text += "\noutput tokens/s over the Llama's: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + "\n"
+        lengths = [str(length) for length in shapes["prompt_lengths"]]
+        cells = [[model, *(f"{by_length[n]:.2f}x" if n in by_length else "—" for n in lengths)]
+                 for model, by_length in ratios.items()]
+        text += ("\n## Output tokens/s over the Llama's\n\n"
+                 + "\n".join(reporting.markdown_table_lines(["model", *(f"prompt {n}" for n in lengths)], cells))
+                 + "\n")
     return text
 
 
