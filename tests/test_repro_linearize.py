@@ -116,6 +116,30 @@ def test_a_second_invocation_reuses_the_cached_teacher(experiment, monkeypatch, 
     assert [run["case"] for run in runs] == ["teacher", "converted", "scratch"]
 
 
+def test_decoding_is_timed_by_a_later_resume_after_no_decode(experiment, monkeypatch, tmp_path):
+    """``--no-decode`` leaves the timings out; ``--resume`` without it times them, training nothing again."""
+    root, _ = experiment
+    for name in ("teachers", "data-bpe300"):
+        shutil.copytree(root / "out" / name, tmp_path / "out" / name)
+    write_plays(tmp_path / "cache")
+    argv = quick(tmp_path, "--students", "gated-delta", "--fractions", "0.2", "--decode-contexts", "16")
+    assert main([*argv, "--no-decode"]) == 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert [run["case"] for run in runs] == ["teacher", "converted", "scratch"]
+    assert not any("decode_ms" in run for run in runs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a run was trained again")
+
+    monkeypatch.setattr(linearize, "train", refuse)
+    monkeypatch.setattr(linearize, "convert_linear", refuse)
+    assert main([*argv, "--resume"]) == 0
+    runs = json.loads((tmp_path / "out" / "results.json").read_text())["runs"]
+    assert [run["case"] for run in runs] == ["teacher", "converted", "scratch"]
+    assert [set(run.get("decode_ms", ())) for run in runs] == [{"16"}, {"16"}, set()]
+    page = (tmp_path / "out" / "results.md").read_text()
+    assert "decoding" in page.lower()
+
 def _row(case, student, fraction, bpb, seeds=(0, 1), converted=None, share=None):
     return [{"case": case, "student": student, "fraction": fraction, "spec": student, "parameters": 1, "tokens": 1,
              "token_share": share if share is not None else fraction, "seed": seed, "validation_bpb": value,

@@ -15,7 +15,9 @@ survey's proposal), ``vq-bias`` (``vq-attn:bias``: with Transformer-VQ's windowe
 alternating with the teacher's layers as sliding-window attention). Measured: validation bpb of each
 (right after conversion and after fine-tuning) and its gap to the teacher's; decoding milliseconds
 per token after ``--decode-contexts`` tokens (transformers' ``generate`` with its KV cache for the
-teacher). At ``--seeds`` seeds (default 3), each with its own teacher.
+teacher), timed by runs of their own after every training run (``--no-decode`` leaves them out, so
+that the training can run on a busy machine and a later ``--resume`` times them on a quiet one).
+At ``--seeds`` seeds (default 3), each with its own teacher.
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ def _decode_times(model, args: argparse.Namespace, shards) -> dict[str, float]:
 
 def run_case(case: str, name: str | None, fraction: float | None, args: argparse.Namespace, out_dir: Path) -> dict:
     """One row at ``args.seed``: ``"teacher"``, ``"converted"`` (student ``name`` with ``fraction`` of the
-    teacher's tokens) or ``"scratch"`` (student ``name``'s architecture with all of them); ``seconds``:
-    its wall time (the teacher's row: its training included when it trained it)."""
+    teacher's tokens), ``"scratch"`` (student ``name``'s architecture with all of them) or ``"decode"``
+    (the decoding times of the teacher, ``name`` None, or of the converted student ``name`` at
+    ``fraction``); ``seconds``: its wall time (the teacher's row: its training included when it
+    trained it)."""
     started = time.perf_counter()
     row = _case(case, name, fraction, args, out_dir)
     return {**row, "seconds": time.perf_counter() - started}
@@ -95,8 +99,12 @@ def _case(case: str, name: str | None, fraction: float | None, args: argparse.Na
         return {"case": case, "student": "teacher", "spec": "LlamaForCausalLM", "fraction": None, "tokens": total,
                 "parameters": model.num_parameters(), "validation_bpb": validation_bpb(model, shards, context,
                                                                                         args.eval_tokens),
-                "decode_ms": _decode_times(load_teacher(folder), args, shards),
                 "train_seconds": teacher_record(folder)["seconds"]}
+    if case == "decode":
+        model = load_teacher(folder) if name is None else load_model(
+            framework.run_folder(out_dir, f"{name}-{fraction:g}", args.seed))[0]
+        return {"case": case, "student": name or "teacher", "fraction": fraction,
+                "decode_ms": _decode_times(model, args, shards)}
     spec = student_spec(name, args)
     if case == "scratch":
         return _scratch(name, spec, args, out_dir, shards, folder, settings)
@@ -126,8 +134,6 @@ def _case(case: str, name: str | None, fraction: float | None, args: argparse.Na
                                                                                 args.eval_tokens),
            "transfer_loss_before": None if transfer is None else sum(transfer["loss_before"].values()),
            "transfer_loss_after": None if transfer is None else sum(transfer["loss_after"].values())}
-    if fraction == max(args.fractions):  # the decoding speed of the architecture, once per student
-        row["decode_ms"] = _decode_times(model, args, shards)
     return row
 
 
@@ -202,6 +208,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt lengths before the timed decoding (default %(default)s)")
     parser.add_argument("--decode-tokens", type=positive, default=d["decode_tokens"],
                         help="tokens generated per timing (default %(default)s)")
+    parser.add_argument("--no-decode", dest="decode", action="store_false",
+                        help="leave the decoding timings out (a later --resume without it runs them)")
 
 
 _SETTINGS = ("data", "teacher_config", "quick", "hybrid", "finetune_lr", "lora_rank", "calibration_tokens",
@@ -217,6 +225,8 @@ def _run_key(run: tuple) -> dict:
 
 
 def _describe(row: dict) -> str:
+    if row["case"] == "decode":
+        return f"{row['student']} decoding " + ", ".join(f"{ms:.2f} ms at {c}" for c, ms in row["decode_ms"].items())
     return f"{row['student']} {row['case']} {row['validation_bpb']:.3f} bpb"
 
 
@@ -248,12 +258,16 @@ def _run(args: argparse.Namespace) -> int:
         for name in args.students:
             runs += [("converted", name, fraction, seeded, out_dir) for fraction in sorted(args.fractions)]
             runs.append(("scratch", name, None, seeded, out_dir))
+    for seed in seeds if args.decode else ():  # timed after every training run: --no-decode, then --resume
+        seeded = framework.with_seed(args, seed)
+        runs.append(("decode", None, None, seeded, out_dir))
+        runs += [("decode", name, max(args.fractions), seeded, out_dir) for name in args.students]
     grid = Grid(train=run_case, runs=runs, run_key=_run_key, seed_of=lambda run: run[3].seed, describe=_describe,
                 label="repro linearize", unit="run")
     outcome = grids.run_journaled(grid, out_dir, spec=SPEC, **options)
     metadata.update(seconds=outcome.seconds, reused_runs=outcome.reused, grid_runs=outcome.total,
                     report_only=args.report_only)
-    runs = linearize_report.with_gaps(outcome.rows)
+    runs = linearize_report.with_gaps(linearize_report.with_decode_times(outcome.rows))
     rows = linearize_report.aggregate(runs)
     summary = linearize_report.summarize(rows)
     text = linearize_report.page({"metadata": metadata, "rows": rows, "runs": runs, "summary": summary})

@@ -26,6 +26,21 @@ ROW_IDENTITY = ("case", "student", "fraction")
 ROW_CONSTANTS = ("spec", "parameters", "tokens", "token_share", "finetune_steps")
 
 
+def with_decode_times(runs: list[dict]) -> list[dict]:
+    """The runs without the ``"decode"`` ones, their ``decode_ms`` put on the row they timed (the
+    teacher's, or the converted student's at that fraction, of the same seed)."""
+    timed = {(run["seed"], run["student"], run["fraction"]): run["decode_ms"] for run in runs
+             if run["case"] == "decode"}
+    rows = []
+    for run in runs:
+        if run["case"] in ("teacher", "converted"):
+            key = (run["seed"], run["student"], run["fraction"])
+            run = {**run, "decode_ms": timed[key]} if key in timed else run
+        if run["case"] != "decode":
+            rows.append(run)
+    return rows
+
+
 def with_gaps(runs: list[dict]) -> list[dict]:
     """The per-seed rows with ``gap`` (validation bpb minus the teacher's of the same seed) and, for the
     converted students, ``gap_converted`` (the same right after conversion)."""
