@@ -55,7 +55,9 @@ test-gpu: $(STAMP)
 	fi
 
 # The documentation site (mkdocs.yml; docs/, README.md as the home page, the API reference from
-# the docstrings) into site/; --strict: a broken link, anchor or reference is an error.
+# the docstrings) into site/; --strict: a broken link, anchor or reference is an error. The math is
+# typeset by MathJax from requirements.lock's django-static-mathjax, copied into the site: it
+# reads offline.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -119,3 +120,46 @@ def test_readme_is_a_front_page():
         "make demo   # creates .venv, installs, fetches Shakespeare, trains a small Transformer-VQ LM, samples from it",
         "make test   # creates .venv, installs, runs the whole test suite",
     ]
+
+
+def _nav_pages() -> list[str]:
+    """The source files of mkdocs.yml's navigation, e.g. ``guide/models.md``."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+
+    def walk(entries):
+        for entry in entries:
+            value = entry if isinstance(entry, str) else next(iter(entry.values()))
+            yield from [value] if isinstance(value, str) else walk(value)
+
+    return list(walk(config["nav"]))
+
+
+def _url(source: str) -> str:
+    """The site URL of a page's source file: ``guide/models.md`` -> ``guide/models/``; a folder's
+    ``index.md`` or ``README.md`` is the folder's page."""
+    folder, _, name = source.removesuffix(".md").rpartition("/")
+    folder = folder + "/" if folder else ""
+    return folder if name in ("index", "README") else f"{folder}{name}/"
+
+
+def test_search_covers_the_manual_and_not_the_result_pages(site):
+    docs = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))["docs"]
+    searched = {doc["location"].split("#")[0] for doc in docs}
+    manual = {_url(source) for source in _nav_pages()}
+    assert manual - searched == set(), "a page of the navigation is missing from the search index"
+    outputs = [page for folder in ("mutation", "results", "benchmarks")
+               for page in (ROOT / "docs" / folder).rglob("*.md")]
+    assert len(outputs) > 20  # the committed reports and result tables
+    for page in outputs:
+        url = _url(page.relative_to(ROOT / "docs").as_posix())
+        assert (site / url / "index.html").is_file(), url  # still built, reached through links
+        assert url not in searched, url
+
+
+def test_a_missing_mathjax_is_named_with_its_package(monkeypatch):
+    hooks = _hooks()
+    monkeypatch.setattr(hooks.importlib.util, "find_spec", lambda name: None)
+    from mkdocs.exceptions import PluginError
+
+    with pytest.raises(PluginError, match="django-static-mathjax==3.2.2.1"):
+        hooks.mathjax_script()
