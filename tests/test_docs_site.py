@@ -63,6 +63,16 @@ def test_every_public_name_has_an_api_reference_entry(site):
         assert f'id="linattn.{name}"' in html, name  # rendered, not only listed
 
 
+def test_api_pages_show_signatures_and_no_private_names(site):
+    html = {page.parent.name: page.read_text(encoding="utf-8") for page in (site / "api").glob("*/index.html")}
+    # a class is rendered with its constructor's signature and a table of its parameters
+    gau = html["nn"].split('id="linattn.nn.GAU"')[1].split('class="doc doc-object doc-class"')[0]
+    assert 'class="doc-signature' in gau and "rotary_base" in gau and "Parameters:" in gau
+    for page, text in html.items():
+        leaked = re.findall(r'id="(linattn[\w.]*\._\w*)"', text)  # _private and __dunder__ members
+        assert leaked == [], page
+
+
 def _tiny_site(tmp_path: Path, page_b: str) -> Path:
     """A two-page site under the validation settings of the project's mkdocs.yml."""
     ours = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
@@ -117,7 +127,8 @@ def test_readme_is_a_front_page():
         "# linattn",
         "",
         "```bash",
-        "make demo   # creates .venv, installs, fetches Shakespeare, trains a small Transformer-VQ LM, samples from it",
+        "make demo   # creates .venv, installs, fetches Shakespeare, trains a small Transformer-VQ LM into runs/demo "
+        "(replaced), samples from it",
         "make test   # creates .venv, installs, runs the whole test suite",
     ]
 
