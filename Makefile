@@ -33,6 +33,7 @@ $(SERVE_STAMP): $(SERVE_VENV)/bin/python pyproject.toml requirements-serve.lock
 serve-env: $(SERVE_STAMP)
 
 demo: $(STAMP)
+	@if [ -e runs/demo ]; then echo "make demo: deleting the previous runs/demo"; fi
 	rm -rf runs/demo
 	$(BIN)/linattn train --config configs/demo.toml --out runs/demo
 	$(BIN)/linattn generate --ckpt runs/demo --prompt "ROMEO." --max-new-tokens 300 --seed 0
