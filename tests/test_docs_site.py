@@ -174,3 +174,17 @@ def test_a_missing_mathjax_is_named_with_its_package(monkeypatch):
 
     with pytest.raises(PluginError, match="django-static-mathjax==3.2.2.1"):
         hooks.mathjax_script()
+
+
+def test_math_is_typeset_by_a_mathjax_served_with_the_site(site):
+    script = "assets/mathjax/tex-svg.js"
+    assert (site / script).stat().st_size > 1_000_000  # MathJax itself, fonts included
+    math_pages = ["mechanisms/kernel", "mechanisms/delta", "mechanisms/gated", "mechanisms/vq", "mechanisms/softmax"]
+    for page in math_pages:
+        html = (site / page / "index.html").read_text(encoding="utf-8")
+        assert html.count('<span class="arithmatex">') + html.count('<div class="arithmatex">') >= 3, page
+        # the settings first, then MathJax, from the site itself
+        settings, mathjax = html.find('javascripts/mathjax.js"'), html.find(script + '"')
+        assert 0 < settings < mathjax, page
+    for page in site.rglob("*.html"):
+        assert not re.search(r'<script[^>]+src="(https?:)?//', page.read_text(encoding="utf-8")), page
