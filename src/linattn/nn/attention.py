@@ -27,14 +27,15 @@ class Attention(nn.Module):
     ``qkv_bias``: ``W_q x + b_q`` and likewise for k and v, as Qwen2 has; ``out_bias``: ``W_o o + b_o``).
 
     ``mechanism``:
-      - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``
-        (preallocated without gradients, ``ops/softmax/kv_cache.py``).
-      - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
-        ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
-        ``feature_map="hedgehog"``: Hedgehog's learned map (``nn/hedgehog.py``), one per query
-        head (``query_map``) and per key/value head (``key_map``), identity weights at first.
-      - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
-        positions; constant-size ``KVCacheState``.
+
+    - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``
+      (preallocated without gradients, ``ops/softmax/kv_cache.py``).
+    - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
+      ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
+      ``feature_map="hedgehog"``: Hedgehog's learned map (``nn/hedgehog.py``), one per query
+      head (``query_map``) and per key/value head (``key_map``), identity weights at first.
+    - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
+      positions; constant-size ``KVCacheState``.
 
     Rotary position embeddings are applied to q and k for the softmax mechanisms
     (``rotary=None`` = on for softmax/local, off for linear: causal kernel attention has
