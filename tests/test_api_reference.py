@@ -34,9 +34,9 @@ def package() -> griffe.Module:
 
 def _public() -> list[tuple[str, str]]:
     """``(module, name)`` for every name in the ``__all__`` of ``MODULES`` (``__version__``, a
-    string, is named on docs/api/index.md)."""
-    return [(module, name) for module in MODULES for name in importlib.import_module(module).__all__
-            if name != "__version__"]
+    string, is named on docs/api/index.md); ``(module, "__all__")`` for a module without one."""
+    return [(module, name) for module in MODULES
+            for name in getattr(importlib.import_module(module), "__all__", ["__all__"]) if name != "__version__"]
 
 
 def _target(package: griffe.Module, path: str) -> griffe.Object:
@@ -113,6 +113,7 @@ def _undocumented_parameters(obj: griffe.Object, value: object) -> list[str]:
 
 @pytest.mark.parametrize("module, name", [pytest.param(*entry, id=".".join(entry)) for entry in _public()])
 def test_every_public_name_is_documented_on_an_api_page(package, module, name):
+    assert name != "__all__", f"{module} has no __all__: its public names are undeclared"
     obj = _target(package, f"{module}.{name}")
     assert obj.path in _documented_paths(package), f"no '::: {module}.{name}' (or its module) on a docs/api page"
     assert obj.docstring is not None and obj.docstring.value.strip(), f"{module}.{name} has no docstring"
