@@ -33,6 +33,7 @@ $(SERVE_STAMP): $(SERVE_VENV)/bin/python pyproject.toml requirements-serve.lock
 serve-env: $(SERVE_STAMP)
 
 demo: $(STAMP)
+	@if [ -e runs/demo ]; then echo "make demo: deleting the previous runs/demo"; fi
 	rm -rf runs/demo
 	$(BIN)/linattn train --config configs/demo.toml --out runs/demo
 	$(BIN)/linattn generate --ckpt runs/demo --prompt "ROMEO." --max-new-tokens 300 --seed 0
@@ -55,7 +56,9 @@ test-gpu: $(STAMP)
 	fi
 
 # The documentation site (mkdocs.yml; docs/, README.md as the home page, the API reference from
-# the docstrings) into site/; --strict: a broken link, anchor or reference is an error.
+# the docstrings) into site/; --strict: a broken link, anchor or reference is an error. The math is
+# typeset by MathJax from requirements.lock's django-static-mathjax, copied into the site: it
+# reads offline.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections import Counter
 
 import torch
@@ -17,6 +18,9 @@ from linattn.models import uses_heads
 from linattn.models.config import HEAD_FIELDS
 
 F64 = torch.float64
+# The project's internal shorthand, which user-facing text must not use: source-document numbers
+# ("seed 003") and issue numbers ("issue 21").
+SHORTHAND = re.compile(r"\bseeds? 0\d\d\b|\bissues? #?\d+\b", re.IGNORECASE)
 
 
 def head_fields(attention, /, **fields) -> dict:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -62,6 +63,28 @@ def test_every_public_name_has_an_api_reference_entry(site):
         assert f'id="linattn.{name}"' in html, name  # rendered, not only listed
 
 
+def test_no_list_of_the_manual_renders_as_one_paragraph(site):
+    """A Markdown or docstring list needs a blank line before it (and a loose item's blocks four
+    spaces), or its items run into the paragraph above."""
+    for page in site.rglob("index.html"):
+        url = page.parent.relative_to(site).as_posix() + "/"
+        if url.startswith(("mutation/", "results/", "benchmarks/")) and url.count("/") > 1:
+            continue  # the committed outputs of runs
+        text = page.read_text(encoding="utf-8")
+        flattened = [p[:80] for p in re.findall(r"<p>(.*?)</p>", text, re.S) if re.search(r"\n\s*- ", p)]
+        assert flattened == [], url
+
+
+def test_api_pages_show_signatures_and_no_private_names(site):
+    html = {page.parent.name: page.read_text(encoding="utf-8") for page in (site / "api").glob("*/index.html")}
+    # a class is rendered with its constructor's signature and a table of its parameters
+    gau = html["nn"].split('id="linattn.nn.GAU"')[1].split('class="doc doc-object doc-class"')[0]
+    assert 'class="doc-signature' in gau and "rotary_base" in gau and "Parameters:" in gau
+    for page, text in html.items():
+        leaked = re.findall(r'id="(linattn[\w.]*\._\w*)"', text)  # _private and __dunder__ members
+        assert leaked == [], page
+
+
 def _tiny_site(tmp_path: Path, page_b: str) -> Path:
     """A two-page site under the validation settings of the project's mkdocs.yml."""
     ours = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
@@ -116,6 +139,64 @@ def test_readme_is_a_front_page():
         "# linattn",
         "",
         "```bash",
-        "make demo   # creates .venv, installs, fetches Shakespeare, trains a small Transformer-VQ LM, samples from it",
+        "make demo   # creates .venv, installs, fetches Shakespeare, trains a small Transformer-VQ LM into runs/demo "
+        "(replaced), samples from it",
         "make test   # creates .venv, installs, runs the whole test suite",
     ]
+
+
+def _nav_pages() -> list[str]:
+    """The source files of mkdocs.yml's navigation, e.g. ``guide/models.md``."""
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+
+    def walk(entries):
+        for entry in entries:
+            value = entry if isinstance(entry, str) else next(iter(entry.values()))
+            yield from [value] if isinstance(value, str) else walk(value)
+
+    return list(walk(config["nav"]))
+
+
+def _url(source: str) -> str:
+    """The site URL of a page's source file: ``guide/models.md`` -> ``guide/models/``; a folder's
+    ``index.md`` or ``README.md`` is the folder's page."""
+    folder, _, name = source.removesuffix(".md").rpartition("/")
+    folder = folder + "/" if folder else ""
+    return folder if name in ("index", "README") else f"{folder}{name}/"
+
+
+def test_search_covers_the_manual_and_not_the_result_pages(site):
+    docs = json.loads((site / "search" / "search_index.json").read_text(encoding="utf-8"))["docs"]
+    searched = {doc["location"].split("#")[0] for doc in docs}
+    manual = {_url(source) for source in _nav_pages()}
+    assert manual - searched == set(), "a page of the navigation is missing from the search index"
+    outputs = [page for folder in ("mutation", "results", "benchmarks")
+               for page in (ROOT / "docs" / folder).rglob("*.md")]
+    assert len(outputs) > 20  # the committed reports and result tables
+    for page in outputs:
+        url = _url(page.relative_to(ROOT / "docs").as_posix())
+        assert (site / url / "index.html").is_file(), url  # still built, reached through links
+        assert url not in searched, url
+
+
+def test_a_missing_mathjax_is_named_with_its_package(monkeypatch):
+    hooks = _hooks()
+    monkeypatch.setattr(hooks.importlib.util, "find_spec", lambda name: None)
+    from mkdocs.exceptions import PluginError
+
+    with pytest.raises(PluginError, match="django-static-mathjax==3.2.2.1"):
+        hooks.mathjax_script()
+
+
+def test_math_is_typeset_by_a_mathjax_served_with_the_site(site):
+    script = "assets/mathjax/tex-svg.js"
+    assert (site / script).stat().st_size > 1_000_000  # MathJax itself, fonts included
+    math_pages = ["mechanisms/kernel", "mechanisms/delta", "mechanisms/gated", "mechanisms/vq", "mechanisms/softmax"]
+    for page in math_pages:
+        html = (site / page / "index.html").read_text(encoding="utf-8")
+        assert html.count('<span class="arithmatex">') + html.count('<div class="arithmatex">') >= 3, page
+        # the settings first, then MathJax, from the site itself
+        settings, mathjax = html.find('javascripts/mathjax.js"'), html.find(script + '"')
+        assert 0 < settings < mathjax, page
+    for page in site.rglob("*.html"):
+        assert not re.search(r'<script[^>]+src="(https?:)?//', page.read_text(encoding="utf-8")), page

@@ -94,20 +94,22 @@ def _batch_of(value) -> int | None:
 class LinearAttentionState(_State):
     """State of kernel (linear) attention, per key/value head.
 
-    ``kv``: ``[B, Hkv, F, Dv]`` = ``sum_j phi(k_j) v_j^T`` (``F`` = feature dimension).
-    ``normalizer``: ``[B, Hkv, F]`` = ``sum_j phi(k_j)``; only for ``normalize="attention"``.
-    ``key_shift``: ``[B, Hkv]`` log-scale of the stored keys for exponential feature maps
-    (FAVOR+, exp) under ``normalize="attention"``: the stored sums are
-    ``exp(-key_shift)`` times the true ones; the factor cancels in the output.
-    ``steps``: number of positions consumed.
     Sums are kept in float32 (float64 for float64 inputs). With log decays ``g`` they are
     the decayed sums (each term times ``exp`` of the decays since it was written); the
-    shapes are the same, and a continuation may use decays or not.
+    shapes are the same, and a continuation may use decays or not. The last two fields
+    record what made it (None: unknown, only shapes are checked).
 
-    What made it (None: unknown, only shapes are checked): ``feature_map``, the map's
-    identity (``FeatureMap.describe()``: its name and every parameter that changes phi's
-    values, e.g. ``"elu"``, ``"dpfp:2"``, ``"favor:128:seed=3"``); ``normalize``, the
-    normalisation (``"attention"``, ``"sum"`` or ``"none"``).
+    Attributes:
+        kv: ``[B, Hkv, F, Dv]`` = ``sum_j phi(k_j) v_j^T`` (``F`` = feature dimension).
+        normalizer: ``[B, Hkv, F]`` = ``sum_j phi(k_j)``; only for ``normalize="attention"``.
+        key_shift: ``[B, Hkv]`` log-scale of the stored keys for exponential feature maps
+            (FAVOR+, exp) under ``normalize="attention"``: the stored sums are
+            ``exp(-key_shift)`` times the true ones; the factor cancels in the output.
+        steps: number of positions consumed.
+        feature_map: the map's identity (``FeatureMap.describe()``: its name and every
+            parameter that changes phi's values, e.g. ``"elu"``, ``"dpfp:2"``,
+            ``"favor:128:seed=3"``).
+        normalize: the normalisation (``"attention"``, ``"sum"`` or ``"none"``).
     """
 
     kv: torch.Tensor
@@ -122,13 +124,15 @@ class LinearAttentionState(_State):
 class DeltaRuleState(_State):
     """State of the delta rule (fast weight memory), per key/value head.
 
-    ``memory``: ``[B, Hkv, F, Dv]``, the fast weights ``S`` read as ``S^T phi(q)`` (decayed
-    by ``g`` for the gated delta rule: same shape).
-    ``steps``: number of positions consumed. Kept in float32 (float64 for float64 inputs).
+    Kept in float32 (float64 for float64 inputs). The last two fields record what made it
+    (None: unknown, only shapes are checked).
 
-    What made it (None: unknown, only shapes are checked): ``feature_map``, the identity of
-    the map applied to q and k (``FeatureMap.describe()``); ``normalize``, their
-    normalisation (``"l2"``, ``"sum"`` or ``"none"``).
+    Attributes:
+        memory: ``[B, Hkv, F, Dv]``, the fast weights ``S`` read as ``S^T phi(q)`` (decayed
+            by ``g`` for the gated delta rule: same shape).
+        steps: number of positions consumed.
+        feature_map: the identity of the map applied to q and k (``FeatureMap.describe()``).
+        normalize: their normalisation (``"l2"``, ``"sum"`` or ``"none"``).
     """
 
     memory: torch.Tensor
@@ -141,10 +145,13 @@ class DeltaRuleState(_State):
 class DeltaNetState(_State):
     """Decode state of the ``linattn.nn.DeltaNet`` layer.
 
-    ``rule``: the delta-rule memory. ``conv``: ``[B, C, kernel_size - 1]`` last inputs of
-    the short causal convolution over the q/k/v channels (None without one).
-    ``short_conv``: the kernel size of that convolution, 0 for a layer without one (None:
-    unknown, only shapes are checked).
+    Attributes:
+        rule: the delta-rule memory.
+        conv: ``[B, C, kernel_size - 1]`` last inputs of the short causal convolution over
+            the q/k/v channels (None without one).
+        steps: positions consumed.
+        short_conv: the kernel size of that convolution, 0 for a layer without one (None:
+            unknown, only shapes are checked).
     """
 
     rule: DeltaRuleState
@@ -157,10 +164,12 @@ class DeltaNetState(_State):
 class RetentionState(_State):
     """Decode state of the ``linattn.nn.MultiScaleRetention`` layer (RetNet).
 
-    ``attention``: the decayed sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
-    features, no normaliser; it records those). ``steps``: positions consumed, the rotary
-    position of the next one. ``rotary_base``: the base of the rotary positions the stored
-    keys were turned by (None: unknown, only shapes are checked).
+    Attributes:
+        attention: the decayed sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
+            features, no normaliser; it records those).
+        steps: positions consumed, the rotary position of the next one.
+        rotary_base: the base of the rotary positions the stored keys were turned by (None:
+            unknown, only shapes are checked).
     """
 
     attention: LinearAttentionState
@@ -172,9 +181,12 @@ class RetentionState(_State):
 class GatedLinearAttentionState(_State):
     """Decode state of the ``linattn.nn.GatedLinearAttention`` layer (GLA).
 
-    ``attention``: the gated sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
-    features, no normaliser; it records those). ``steps``: positions consumed. The gate has
-    no setting a continuation must share beyond the shapes.
+    The gate has no setting a continuation must share beyond the shapes.
+
+    Attributes:
+        attention: the gated sums ``S [B, Hkv, Dk, Dv]`` of ``linear_attention`` (identity
+            features, no normaliser; it records those).
+        steps: positions consumed.
     """
 
     attention: LinearAttentionState
@@ -185,10 +197,13 @@ class GatedLinearAttentionState(_State):
 class GatedDeltaNetState(_State):
     """Decode state of the ``linattn.nn.GatedDeltaNet`` layer.
 
-    ``rule``: the gated delta-rule memory. ``conv``: ``[B, C, kernel_size - 1]`` last inputs
-    of the short causal convolution over the q/k/v channels (None without one).
-    ``short_conv``: the kernel size of that convolution, 0 for a layer without one (None:
-    unknown, only shapes are checked).
+    Attributes:
+        rule: the gated delta-rule memory.
+        conv: ``[B, C, kernel_size - 1]`` last inputs of the short causal convolution over
+            the q/k/v channels (None without one).
+        steps: positions consumed.
+        short_conv: the kernel size of that convolution, 0 for a layer without one (None:
+            unknown, only shapes are checked).
     """
 
     rule: DeltaRuleState
@@ -201,20 +216,24 @@ class GatedDeltaNetState(_State):
 class VQAttentionState(_State):
     """Decode state of Transformer-VQ attention (``vq_attention``), per key/value head.
 
-    Positions are grouped in blocks of ``L`` from the start of the sequence. With the
-    current block holding the last ``p < L`` positions:
+    Positions are grouped in blocks of ``L`` from the start of the sequence, the current
+    block holding the last ``p < L`` positions. Memory is constant in the sequence length.
+    The last two fields record what made it (None: unknown, only shapes are checked).
 
-    ``partial_keys [B, Hkv, p, Dk]``, ``partial_values [B, Hkv, p, Dv]``,
-    ``partial_codes [B, Hkv, p]``: the current, incomplete block.
-    ``prev_keys [B, Hkv, L, Dk]``, ``prev_values``, ``prev_codes``: the last complete block
-    (None before the first block is complete).
-    ``cache_counts [B, Hkv, S]`` and ``cache_means [B, Hkv, S, Dv]``: for every code, how many
-    older positions (blocks before the previous one) were quantized to it and the mean of
-    their values (float32, float64 for float64 inputs).
-    ``steps``: positions consumed. Memory is constant in the sequence length.
-
-    What made it (None: unknown, only shapes are checked): ``block_size`` (L) and
-    ``codebook_size`` (S).
+    Attributes:
+        partial_keys: ``[B, Hkv, p, Dk]``, the keys of the current, incomplete block.
+        partial_values: ``[B, Hkv, p, Dv]``, its values.
+        partial_codes: ``[B, Hkv, p]``, its codes.
+        cache_counts: ``[B, Hkv, S]``: for every code, how many older positions (blocks
+            before the previous one) were quantized to it (float32, float64 for float64 inputs).
+        cache_means: ``[B, Hkv, S, Dv]``: the mean of those positions' values, per code.
+        prev_keys: ``[B, Hkv, L, Dk]``, the keys of the last complete block (None before the
+            first block is complete).
+        prev_values: ``[B, Hkv, L, Dv]``, its values.
+        prev_codes: ``[B, Hkv, L]``, its codes.
+        steps: positions consumed.
+        block_size: L.
+        codebook_size: S.
     """
 
     partial_keys: torch.Tensor
@@ -240,15 +259,18 @@ class VQAttentionState(_State):
 class KVCacheState(_State):
     """Decode state of exact (quadratic) attention: every key and value so far.
 
-    ``keys [B, Hkv, t, Dk]``, ``values [B, Hkv, t, Dv]``; grows with the sequence (the point
-    of comparison for the constant-size states above). Without gradients an unbounded
-    cache's tensors are views of buffers with room for later positions, which the next steps
-    fill in place (``ops/softmax/kv_cache.py``).
+    It grows with the sequence (the point of comparison for the constant-size states above).
+    Without gradients an unbounded cache's tensors are views of buffers with room for later
+    positions, which the next steps fill in place (``ops/softmax/kv_cache.py``).
 
-    ``window``: the keys a query sees in sliding-window attention (``local_attention``'s
-    ``window * look_backward``), whose cache keeps the last ``window - 1`` of them; None
-    for an unbounded softmax cache, or unknown (a state built by hand or read from an older
-    checkpoint): a local consumer then checks only the shapes.
+    Attributes:
+        keys: ``[B, Hkv, t, Dk]``, the keys so far.
+        values: ``[B, Hkv, t, Dv]``, the values so far.
+        steps: positions consumed.
+        window: the keys a query sees in sliding-window attention (``local_attention``'s
+            ``window * look_backward``), whose cache keeps the last ``window - 1`` of them;
+            None for an unbounded softmax cache, or unknown (a state built by hand or read
+            from an older checkpoint): a local consumer then checks only the shapes.
     """
 
     keys: torch.Tensor
@@ -264,14 +286,15 @@ class KVCacheState(_State):
 class LMState(_State):
     """Decode state of ``linattn.models.LM``: one entry per layer, in order.
 
-    ``layers[i]`` is that layer's state (a tuple of two states for a GAU layer, which
-    holds two gated attention units). ``steps``: tokens consumed.
-
-    ``model``: the model that made it, as ``(name, value)`` pairs of the ``LMConfig``
-    settings that decide its layers' states (layer specs, widths, heads, windows, block and
-    codebook sizes, feature maps, ...; ``LM.state_settings``); an ``LM`` continues only a
-    state of the same settings and names those that differ. None: unknown, only the
-    layers' own checks apply.
+    Attributes:
+        layers: ``layers[i]`` is layer i's state (a tuple of two states for a GAU layer,
+            which holds two gated attention units).
+        steps: tokens consumed.
+        model: the model that made it, as ``(name, value)`` pairs of the ``LMConfig``
+            settings that decide its layers' states (layer specs, widths, heads, windows,
+            block and codebook sizes, feature maps, ...; ``LM.state_settings``); an ``LM``
+            continues only a state of the same settings and names those that differ. None:
+            unknown, only the layers' own checks apply.
     """
 
     layers: tuple = ()

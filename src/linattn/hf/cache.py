@@ -13,8 +13,12 @@ from ..state import LMState
 @dataclass
 class RowGroup:
     """Batch rows that have consumed the same number of real (unpadded) tokens, and so
-    share one ``LMState`` (``rows [n]`` int64, the state's batch order)."""
+    share one ``LMState``.
 
+    Attributes:
+        rows: ``[n]`` int64, the batch rows, in the state's batch order.
+        state: their ``LMState``.
+    """
     rows: torch.Tensor
     state: LMState
 
@@ -30,6 +34,11 @@ class LinattnCache(Cache):
     reorder it through ``reorder_cache`` / ``batch_repeat_interleave`` /
     ``batch_select_indices``; it cannot be cropped (a recurrent state cannot forget its
     last tokens), so assisted/speculative decoding is not available.
+
+    Args:
+        batch_size: the rows of the batch.
+        groups: the ``RowGroup`` s so far (None: none, nothing seen yet).
+        seen: ``seen`` above.
     """
 
     def __init__(self, batch_size: int, groups: list[RowGroup] | None = None, seen: int = 0):

@@ -77,9 +77,13 @@ class LinattnConfig(PretrainedConfig):
     init_std: float = 0.02
     extra: dict | None = None
     bos_token_id: int | None = None
+    """The token documents start after (an export's: the newline token); None: none."""
     eos_token_id: int | list[int] | None = None
+    """The token(s) that end generation; None: none (the byte vocabulary has no EOS)."""
     pad_token_id: int | None = None
+    """None by default: a pad id would make ``generate`` read that byte in a prompt as padding."""
     use_cache: bool = True
+    """``generate`` carries a ``LinattnCache`` of recurrent states (constant memory)."""
 
     def __post_init__(self, **kwargs: Any) -> None:
         if self.extra is None:

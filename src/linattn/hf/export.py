@@ -65,11 +65,17 @@ def save_pretrained_lm(lm: LM, out: str | Path, tokenizer: ByteTokenizer | HFTok
     linattn's classes). ``config.bos_token_id`` is the newline token (when the tokenizer has
     one): the token documents start after, ``linattn lm-eval``'s default prefix token.
 
-    ``tokenizer``: None or a ``ByteTokenizer`` writes the byte tokenizer (the model's
-    vocabulary must be 256); an ``HFTokenizer`` (a run's ``tokenizer.json``) is written as a
-    ``PreTrainedTokenizerFast`` that ``AutoTokenizer`` loads, left padding, and must have
-    at most the model's vocabulary size (a model imported from a Hugging Face checkpoint may
-    have rows past its tokenizer's, as Qwen2's has).
+    Args:
+        lm: the model to save.
+        out: the directory to write.
+        tokenizer: None or a ``ByteTokenizer`` writes the byte tokenizer (the model's
+            vocabulary must be 256); an ``HFTokenizer`` (a run's ``tokenizer.json``) is written
+            as a ``PreTrainedTokenizerFast`` that ``AutoTokenizer`` loads, left padding, and
+            must have at most the model's vocabulary size (a model imported from a Hugging
+            Face checkpoint may have rows past its tokenizer's, as Qwen2's has).
+
+    Returns:
+        ``out`` as a Path.
     """
     if not isinstance(lm, LM):
         raise TypeError(f"lm must be a linattn LM, got {type(lm).__name__}")
@@ -101,9 +107,17 @@ def _start_token(tokenizer: PreTrainedTokenizerFast) -> dict:
 
 
 def export_run(ckpt: str | Path, out: str | Path, *, device: str = "cpu") -> Path:
-    """``linattn export``: the model of a training run (a run directory or one checkpoint
-    folder, its latest complete checkpoint) with the run's tokenizer -> a Hugging Face
-    directory at ``out`` (the model is loaded and converted on ``device``)."""
+    """``linattn export``: the model of a training run with the run's tokenizer -> a Hugging
+    Face directory (``save_pretrained_lm``).
+
+    Args:
+        ckpt: a run directory (its latest complete checkpoint) or one checkpoint folder.
+        out: the directory to write; not a training run's folder.
+        device: where the model is loaded and converted.
+
+    Returns:
+        ``out`` as a Path.
+    """
     from ..train.checkpoint import load_model
     from ..train.run_folder import check_free_output
     from ..train.run_tokenizer import load_run_tokenizer

@@ -176,6 +176,9 @@ class LinattnModel(LinattnPreTrainedModel):
     left-padded row computes exactly what it computes alone. Rows of different real
     lengths run as separate groups (one model call per distinct length per step); their
     hidden states at padded positions are zero.
+
+    Args:
+        config: the model's settings (``LinattnConfig``).
     """
 
     def __init__(self, config: LinattnConfig):
@@ -387,6 +390,9 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     work. In training mode VQ layers gather codebook statistics: call
     ``update_codebooks()`` after each optimizer step (``CodebookUpdateCallback`` does it for
     the HF ``Trainer``).
+
+    Args:
+        config: the model's settings (``LinattnConfig``).
     """
 
     def __init__(self, config: LinattnConfig):
@@ -449,9 +455,16 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
-    """Next-token cross-entropy of ``logits [B, T, V]`` against ``labels [B, T]`` shifted by
-    one (``labels[:, t + 1]`` is the target of position ``t``; -100 is ignored): the mean
-    over counted targets, or their sum divided by ``num_items_in_batch``."""
+    """Next-token cross-entropy of ``logits`` against ``labels`` shifted by one: the mean over
+    counted targets, or their sum divided by ``num_items_in_batch``.
+
+    Args:
+        logits: ``[B, T, V]``.
+        labels: ``[B, T]`` token ids; ``labels[:, t + 1]`` is the target of position ``t``,
+            and -100 is ignored.
+        num_items_in_batch: the counted targets of the whole optimizer step (the HF
+            ``Trainer`` under gradient accumulation); None: this batch's.
+    """
     if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
         raise ValueError(f"labels must have shape [batch, length] = {list(logits.shape[:2])} (logits_to_keep=0), "
                          f"got {list(getattr(labels, 'shape', []))}")
@@ -474,7 +487,12 @@ def _share_of_targets(labels: torch.Tensor, num_items_in_batch: Any, like: torch
 
 def lm_state_of(cache: LinattnCache) -> LMState:
     """The ``LMState`` of a cache whose rows share one group (no padding): hand it to
-    ``LM.forward``/``LM.generate`` to continue with linattn's own API."""
+    ``LM.forward``/``LM.generate`` to continue with linattn's own API.
+
+    Args:
+        cache: the ``LinattnCache`` that ``generate`` or ``forward`` returned; a cache of
+            left-padded rows of different lengths is refused (take its groups' states).
+    """
     if len(cache.groups) != 1 or cache.groups[0].rows.numel() != cache.batch_size:
         raise ValueError("the cache holds rows of different lengths (left padding); take group states from "
                          "cache.groups")

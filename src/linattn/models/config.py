@@ -74,47 +74,93 @@ class LMConfig:
     """
 
     vocab_size: int = 256
+    """Tokens the model reads and predicts (256: bytes)."""
     d_model: int = 256
+    """The width of the residual stream."""
     n_layers: int = 4
+    """The number of layers (a ``vq`` layer is one GAU pair)."""
     attention: str | list[str] = "vq"
-    # multi-head attention blocks (not the GAU pairs); n_heads None = 4 where a layer has heads
+    """The layer specs: one for every layer, a comma-separated pattern, or a list; a pattern
+    shorter than ``n_layers`` repeats (docs/guide/models.md lists every kind)."""
     n_heads: int | None = None
+    """Query heads of the layers with heads (every kind but the GAU pairs); None: 4 there."""
     n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention; must divide ``n_heads``); None: ``n_heads``."""
     head_dim: int | None = None
-    ffn_hidden: int | None = None  # SwiGLU width; None = 8/3 d_model rounded up to 32
+    """The width of a head; None: ``d_model // n_heads``."""
+    ffn_hidden: int | None = None
+    """The hidden width of the SwiGLU feed-forward of the blocks; None: 8/3 ``d_model`` rounded up to 32."""
     rotary_base: float = 10000.0
-    rotary_scaling: dict | None = None  # rotary frequencies as a checkpoint's rope type changes them (nn/rotary.py)
-    qkv_bias: bool = False  # attention layers: biases on the q, k and v projections (Qwen2)
-    out_bias: bool = False  # attention layers: a bias on the output projection (Llama's attention_bias)
-    norm_eps: float | None = None  # eps of the blocks' and the final RMSNorm; None: nn.RMSNorm's (the dtype's eps)
+    """The base of the rotary position frequencies ``base^(-2i/head_dim)`` (a number > 1)."""
+    rotary_scaling: dict | None = None
+    """The rotary frequencies as an imported checkpoint's rope type changes them (Llama 3's
+    ``rope_scaling``, ``linattn.nn.rotary``); None: plain rotary."""
+    qkv_bias: bool = False
+    """Attention layers: biases on the q, k and v projections (Qwen2)."""
+    out_bias: bool = False
+    """Attention layers: a bias on the output projection (Llama's ``attention_bias``)."""
+    norm_eps: float | None = None
+    """The eps of the blocks' and the final RMSNorm; None: ``nn.RMSNorm``'s (the dtype's eps)."""
     local_window: int = 256
+    """The window W of ``local`` layers (``local:W`` overrides it per layer)."""
     chunk_size: int = 64
+    """The chunk length of the chunked forms (kernel attention, the delta rule, the gated layers)."""
     favor_features: int = 128
+    """Random features M of ``favor`` layers (``favor:M`` overrides it per layer)."""
     feature_seed: int = 0
+    """The seed of the FAVOR+ projections: layer i draws from ``feature_seed + i``."""
     delta_short_conv: int | None = 4
-    softmax_memory: int = 0  # keys a softmax layer keeps across training windows (XL memory)
-    attention_scale: str = "default"  # exact softmax layers (softmax, local, gau-softmax): "default" | "entropy"
-    # Transformer-VQ GAU layers
+    """The kernel of the short causal convolution on q, k and v of ``delta`` and ``gated-delta``
+    layers; None: no convolution."""
+    softmax_memory: int = 0
+    """Keys an exact softmax layer keeps across training windows (Transformer-XL memory; 0: none)."""
+    attention_scale: str = "default"
+    """The scale of the exact softmax layers (``softmax``, ``local``, ``gau-softmax``):
+    ``"default"`` (``1/sqrt(d)``) or ``"entropy"`` (``log_512(n) / sqrt(d)``, n the keys a query sees)."""
     gau_d_k: int = 128
-    gau_d_v: int | None = None  # None = 2 d_model
+    """The query/key width of the GAU layers (``vq``, ``vq-fsq``, ``soft-vq``, ``gau-softmax``)."""
+    gau_d_v: int | None = None
+    """The value and gate width of the GAU layers; None: 2 ``d_model``."""
     codebook_size: int = 512
+    """S, the codes per codebook of the VQ layers (``vq``, ``soft-vq``, ``vq-attn``)."""
     block_size: int = 128
+    """L, the block length of the VQ layers: exact attention to the own and the previous block,
+    the codebook cache beyond."""
     commitment_weight: float = 1e-4
+    """The weight of the VQ commitment loss in ``aux["commit_loss"]`` (a number >= 0)."""
     ema_decay: float = 0.99
+    """The decay of the codebooks' EMA update (``model.update_codebooks()``), in [0, 1)."""
     kmeans_init: bool = False
+    """Set the codebooks by k-means on the keys of the first training batch."""
     dead_code_threshold: float = 0.0
+    """In ``update_codebooks()``, codes whose EMA count is below this restart on random recent
+    keys (0: never)."""
     soft_vq_temperature: float = 1.0
-    fsq_levels: tuple[int, ...] = (8, 5, 5, 5)  # vq-fsq layers: levels per bounded dimension, S = their product
-    # "paper": the official code's GAU and training (docs/results.md); None below = the variant's choice
+    """The temperature of the soft assignment of ``soft-vq`` layers (a positive number)."""
+    fsq_levels: tuple[int, ...] = (8, 5, 5, 5)
+    """``vq-fsq`` layers: the levels per bounded dimension; the implicit codebook size S is
+    their product."""
     gau_variant: str = "linattn"
-    sinusoid_dropout: float | None = None  # linattn 0, paper 0.2 (its enwik8 setting)
-    sinusoid_wavelength: float | None = None  # linattn 1e4, paper 1e5 (the official pe_lam)
-    vq_grad_scope: str | None = None  # linattn "cache", paper "state" (vq_attention's grad_scope)
-    commitment_reduction: str | None = None  # linattn "mean", paper "paper"
-    # embeddings and init
+    """``"linattn"`` or ``"paper"`` (the official Transformer-VQ code's GAU and training,
+    docs/results.md); the four fields below left None take the variant's choice."""
+    sinusoid_dropout: float | None = None
+    """Dropout on the GAU's relative-position sinusoids; None: the variant's (linattn 0, paper
+    0.2, its enwik8 setting)."""
+    sinusoid_wavelength: float | None = None
+    """The wavelength of those sinusoids; None: the variant's (linattn 1e4, paper 1e5, the
+    official ``pe_lam``)."""
+    vq_grad_scope: str | None = None
+    """``vq_attention``'s ``grad_scope`` in the VQ layers; None: the variant's (linattn
+    ``"cache"``, paper ``"state"``)."""
+    commitment_reduction: str | None = None
+    """How the quantizer reduces the commitment loss; None: the variant's (linattn ``"mean"``,
+    paper ``"paper"``)."""
     tie_embeddings: bool = True
+    """The output projection shares the token embedding's weights."""
     init_std: float = 0.02
-    extra: dict = field(default_factory=dict)  # free-form notes carried into checkpoints
+    """The standard deviation of the initial weights (output projections scaled by ``1/sqrt(2 n_layers)``)."""
+    extra: dict = field(default_factory=dict)
+    """Free-form notes carried into checkpoints (str keys, JSON values)."""
 
     def __post_init__(self) -> None:
         """Check every field, naming it: ValueError for a value out of range, TypeError for a

@@ -156,22 +156,25 @@ def _unchanged(state: Any, config: LMConfig) -> Any:
 
 @dataclass(frozen=True)
 class LayerKind:
-    """Everything the model knows about one kind of layer.
+    """Everything the model knows about one kind of layer (``register_layer_kind`` adds one).
 
-    - ``name``: the spec's kind (before the first ``:``).
-    - ``build(config, spec, index) -> nn.Module``: the layer (``index``: its position, for
-      per-layer seeds).
-    - ``usage``: the spec forms, shown in error messages and ``--help``.
-    - ``check_option(option) -> bool``: whether the text after ``:`` (None if absent) is valid.
-    - ``output_projections``: dotted names, inside the built layer, of the linear maps that
-      write into the residual stream; they are initialised with ``init_std / sqrt(2 n_layers)``.
-    - ``carry(state, config) -> state``: the detached state a training window passes to the
-      next (e.g. a softmax cache cut to ``config.softmax_memory`` keys).
-    - ``growing_cache``: the decode state grows with the context (exact softmax's KV cache).
-    - ``check_config(config, spec)``: raises ValueError, at ``LMConfig`` construction, for
-      settings the layer cannot be built with (e.g. an odd head dimension under rotary).
-    - ``uses_heads``: the layer is built with ``n_heads``, ``n_kv_heads`` and ``head_dim``
-      (a model none of whose layers is refuses them set: ``LMConfig``).
+    Attributes:
+        name: the spec's kind (before the first ``:``).
+        build: ``build(config, spec, index) -> nn.Module``, the layer (``index``: its
+            position, for per-layer seeds).
+        usage: the spec forms, shown in error messages and ``--help``.
+        check_option: ``check_option(option) -> bool``, whether the text after ``:`` (None if
+            absent) is valid.
+        output_projections: dotted names, inside the built layer, of the linear maps that
+            write into the residual stream; they are initialised with ``init_std / sqrt(2 n_layers)``.
+        carry: ``carry(state, config) -> state``, the detached state a training window passes
+            to the next (e.g. a softmax cache cut to ``config.softmax_memory`` keys).
+        growing_cache: the decode state grows with the context (exact softmax's KV cache).
+        check_config: ``check_config(config, spec)`` raises ValueError, at ``LMConfig``
+            construction, for settings the layer cannot be built with (e.g. an odd head
+            dimension under rotary).
+        uses_heads: the layer is built with ``n_heads``, ``n_kv_heads`` and ``head_dim`` (a
+            model none of whose layers is refuses them set: ``LMConfig``).
     """
 
     name: str
@@ -189,7 +192,14 @@ _LAYER_KINDS: dict[str, LayerKind] = {}
 
 
 def register_layer_kind(kind: LayerKind) -> LayerKind:
-    """Make ``kind`` available to ``LMConfig.attention`` specs; a name is registered once."""
+    """Make ``kind`` available to ``LMConfig.attention`` specs; a name is registered once.
+
+    Args:
+        kind: the ``LayerKind``; its name (non-empty, without ``:`` or ``,``) must be new.
+
+    Returns:
+        ``kind``.
+    """
     if not isinstance(kind, LayerKind):
         raise TypeError(f"kind must be a LayerKind, got {type(kind).__name__}")
     if kind.name in _LAYER_KINDS:

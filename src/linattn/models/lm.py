@@ -40,6 +40,10 @@ class LM(nn.Module):
     (``torch.utils.checkpoint``, non-reentrant): the same values and gradients, with the
     activations of one layer at a time instead of all. A recomputed quantizer forward adds
     no codebook statistics (``nn/quantizer.py``).
+
+    Args:
+        config: the model's settings (checked when it was built; the layers are built from
+            ``config.layer_specs()``).
     """
 
     def __init__(self, config: LMConfig):

@@ -27,14 +27,15 @@ class Attention(nn.Module):
     ``qkv_bias``: ``W_q x + b_q`` and likewise for k and v, as Qwen2 has; ``out_bias``: ``W_o o + b_o``).
 
     ``mechanism``:
-      - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``
-        (preallocated without gradients, ``ops/softmax/kv_cache.py``).
-      - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
-        ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
-        ``feature_map="hedgehog"``: Hedgehog's learned map (``nn/hedgehog.py``), one per query
-        head (``query_map``) and per key/value head (``key_map``), identity weights at first.
-      - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
-        positions; constant-size ``KVCacheState``.
+
+    - ``"softmax"``: exact attention (torch SDPA); decode state is a growing ``KVCacheState``
+      (preallocated without gradients, ``ops/softmax/kv_cache.py``).
+    - ``"linear"``: kernel attention ``linear_attention`` with ``feature_map`` (e.g. ``"elu"``,
+      ``"dpfp:2"``, ``"favor:128"``), chunk form; constant-size ``LinearAttentionState``.
+      ``feature_map="hedgehog"``: Hedgehog's learned map (``nn/hedgehog.py``), one per query
+      head (``query_map``) and per key/value head (``key_map``), identity weights at first.
+    - ``"local"``: sliding-window softmax ``local_attention`` over the last ``window``
+      positions; constant-size ``KVCacheState``.
 
     Rotary position embeddings are applied to q and k for the softmax mechanisms
     (``rotary=None`` = on for softmax/local, off for linear: causal kernel attention has
@@ -42,7 +43,7 @@ class Attention(nn.Module):
     ``rotary_scaling`` changes their frequencies (``nn/rotary.py``: linear, llama3).
     ``rerope=w`` (softmax/local): ReRoPE instead: the op rotates the unrotated q and k so that
     query i scores key j at the relative position ``min(i - j, w)`` (rotary inside the window,
-    w beyond it; seed 004); the caches keep unrotated keys. Exact softmax runs the tiled form
+    w beyond it); the caches keep unrotated keys. Exact softmax runs the tiled form
     (``softmax_attention(rerope=)``: SDPA has no ReRoPE form). The ops' ReRoPE turns at
     ``rotary_base``'s frequencies, so it does not combine with ``rotary_scaling``.
     ``scale`` (softmax/local): ``"default"`` (``head_dim^-1/2``) or ``"entropy"``: the
@@ -54,6 +55,23 @@ class Attention(nn.Module):
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], state, aux)`` (``aux`` is
     empty: the layer interface of docs/design.md, section 5); passing the state back continues the
     sequence, so token-by-token decoding equals the full pass.
+
+    Args:
+        d_model: the width of the input and output.
+        n_heads: query heads.
+        mechanism: ``"softmax"``, ``"linear"`` or ``"local"`` (above).
+        n_kv_heads: key/value heads, dividing ``n_heads`` (grouped-query attention); None: ``n_heads``.
+        head_dim: the width of a head; None: ``d_model // n_heads``.
+        feature_map: the map of ``mechanism="linear"``: a name or a ``FeatureMap``.
+        window: the window of ``mechanism="local"``.
+        chunk_size: the chunk length of the linear chunk form.
+        rotary: rotary positions on q and k; None: on for softmax and local, off for linear.
+        rotary_base: the base of the rotary frequencies (a number > 1).
+        rotary_scaling: a checkpoint's rope scaling of the frequencies (``nn/rotary.py``); None: plain.
+        scale: ``"default"`` or ``"entropy"`` (softmax and local; above).
+        qkv_bias: biases on the q, k and v projections.
+        out_bias: a bias on the output projection.
+        rerope: ReRoPE's window w (softmax and local; above); None: off.
     """
 
     def __init__(

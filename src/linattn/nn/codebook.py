@@ -58,13 +58,24 @@ def kmeans(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means per head: ``keys [H, N, D]`` -> centers ``[H, n_codes, D]``.
 
-    Seeds: ``"random"``: ``n_codes`` distinct keys drawn at random (with repetition when
-    ``N < n_codes``), the same draw for every head; ``"kmeans++"`` (Arthur & Vassilvitskii
-    2007), per head: the first center a random key, each next one a key drawn with
-    probability proportional to its squared distance to the nearest center so far (uniformly
-    once every key is a center). Each iteration assigns every key to its nearest center
-    (Euclidean) and moves each center to the mean of its keys; a center without keys stays.
-    ``return_assignment``: also the final assignment ``[H, N]`` (nearest center of each key).
+    Each iteration assigns every key to its nearest center (Euclidean) and moves each center
+    to the mean of its keys; a center without keys stays.
+
+    Args:
+        keys: the points, ``[H, N, D]`` (one set per head, N > 0).
+        n_codes: the number of centers per head.
+        iters: Lloyd iterations after seeding.
+        generator: the random generator of the seeding (None: torch's global one).
+        seeding: ``"random"``: ``n_codes`` distinct keys drawn at random (with repetition
+            when ``N < n_codes``), the same draw for every head; ``"kmeans++"`` (Arthur &
+            Vassilvitskii 2007), per head: the first center a random key, each next one a key
+            drawn with probability proportional to its squared distance to the nearest center
+            so far (uniformly once every key is a center).
+        return_assignment: also return the final assignment ``[H, N]`` (the nearest center of
+            each key).
+
+    Returns:
+        The centers ``[H, n_codes, D]``, or ``(centers, assignment)``.
     """
     if keys.dim() != 3 or keys.shape[1] == 0:
         raise ValueError(f"keys must have shape [H, N, D] with N > 0, got {list(keys.shape)}")

@@ -20,6 +20,19 @@ class DeltaNet(_HeadsMixer):
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], DeltaNetState, aux={})``;
     passing the returned state back continues the sequence (token-by-token decoding
     equals the full pass).
+
+    Args:
+        d_model: the width of the input and output.
+        n_heads: query heads.
+        head_dim: the width of a head; None: ``d_model // n_heads``.
+        n_kv_heads: key/value heads, dividing ``n_heads``: the memories, and the beta of each;
+            None: ``n_heads``.
+        feature_map: applied to q and k before ``normalize`` (a name or a ``FeatureMap``).
+        normalize: ``"l2"``, ``"sum"`` or None, as in ``delta_rule``.
+        use_beta: learn the write strength ``beta``; False: ``beta = 1``.
+        short_conv: the kernel of the causal depthwise convolution on q, k and v (its last
+            inputs are part of the state); None: none.
+        chunk_size: the chunk length of ``delta_rule``'s chunk form.
     """
 
     def __init__(

@@ -45,6 +45,15 @@ class GatedDeltaNet(_HeadsMixer):
 
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], GatedDeltaNetState,
     aux={})``; passing the returned state back continues the sequence.
+
+    Args:
+        d_model: the width of the input and output.
+        n_heads: query heads.
+        head_dim: the width of a head; None: ``d_model // n_heads``.
+        n_kv_heads: key/value heads, dividing ``n_heads``: the memories, each with its beta and
+            decay; None: ``n_heads``.
+        short_conv: the kernel of the causal depthwise convolution on q, k and v; None: none.
+        chunk_size: the chunk length of the chunk form (the gated form takes at most 32).
     """
 
     def __init__(

@@ -121,7 +121,7 @@ class GAU(nn.Module):
     the Transformer-XL terms (u, w, W_r and the sinusoids are not built): the score is
     ``(R(min(i - j, w)) q_i).k_j``, R the rotary rotation with ``rotary_base``: rotary positions
     inside the window, every key further back (the cache included) at distance w
-    (``vq_attention(rerope=)``; seed 004: with ReRoPE the bias is not needed). Decoding takes
+    (``vq_attention(rerope=)``; the efficient-attention survey: with ReRoPE the bias is not needed). Decoding takes
     ``vq_attention``'s torch decode form (the one-token fast path and the native step have no
     ReRoPE form).
     ``scale="entropy"`` (``attention="softmax"`` only) multiplies query i's logits by
@@ -131,6 +131,35 @@ class GAU(nn.Module):
     ``forward(x [B, T, d_model], state=None) -> (y, state, aux)``; ``aux`` holds
     ``commit_loss`` (VQ; zero otherwise) and ``codes``. ``state`` continues the sequence:
     constant-size for VQ and soft-VQ, a growing ``KVCacheState`` for the softmax twin.
+
+    The VQ unit's codebook learns by an exponential moving average, not by gradient: call
+    ``unit.quantizer.update()`` (or ``LM.update_codebooks()``) once after each optimizer step,
+    and add ``aux["commit_loss"]`` to the loss.
+
+    Args:
+        d_model: the width of the input and output.
+        d_k: the query/key width (one head).
+        d_v: the value and gate width; None: ``2 d_model``.
+        codebook_size: S, the codes of the quantizer (``"vq"``) or of the soft codebook
+            (``"soft-vq"``).
+        block_size: L, the block length: exact attention to the own and the previous block,
+            the codebook cache beyond; also the relative-position window.
+        attention: ``"vq"``, ``"fsq"``, ``"soft-vq"`` or ``"softmax"`` (above).
+        temperature: the soft assignment's temperature (``"soft-vq"``).
+        ema_decay: the decay of the codebook's EMA update (``"vq"``).
+        commitment_weight: the weight of the commitment loss in ``aux["commit_loss"]`` (``"vq"``).
+        kmeans_init: set the codebook by k-means on the first training batch's keys (``"vq"``).
+        dead_code_threshold: codes whose EMA count falls below this restart on recent keys
+            (``"vq"``; 0: never).
+        variant: ``"linattn"`` or ``"paper"`` (the official code's parameterisation; above).
+        sinusoid_dropout: dropout on the sinusoids R in training (``variant="paper"``: 0.2 on enwik8).
+        sinusoid_wavelength: the ``lam`` of R's frequencies; None: the variant's (above).
+        grad_scope: the VQ unit's ``vq_attention`` gradient scope.
+        commitment_reduction: the VQ unit's quantizer's reduction of the commitment loss.
+        scale: ``"default"`` or ``"entropy"`` (``attention="softmax"`` only; above).
+        fsq_levels: the FSQ grid's levels per dimension (``attention="fsq"``).
+        rerope: ReRoPE's window w (``"vq"`` or ``"fsq"``; above); None: Transformer-XL's terms.
+        rotary_base: the base of the rotary frequencies of ReRoPE.
     """
 
     def __init__(
@@ -153,7 +182,7 @@ class GAU(nn.Module):
         grad_scope: str = "cache",
         commitment_reduction: str = "mean",
         scale: str = "default",
-        fsq_levels=(8, 5, 5, 5),
+        fsq_levels: tuple[int, ...] = (8, 5, 5, 5),
         rerope: int | None = None,
         rotary_base: float = 10000.0,
     ):

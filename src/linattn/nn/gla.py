@@ -30,6 +30,16 @@ class GatedLinearAttention(_HeadsMixer):
 
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], GatedLinearAttentionState,
     aux={})``; passing the returned state back continues the sequence.
+
+    Args:
+        d_model: the width of the input and output.
+        n_heads: query heads.
+        head_dim: the width of a head; None: ``d_model // n_heads``.
+        n_kv_heads: key/value heads, dividing ``n_heads``: the states, each with its gate;
+            None: ``n_heads``.
+        gate_rank: the rank of the low-rank gate ``W_up W_down``.
+        gate_temperature: tau, dividing the log decays (larger: decays nearer 1).
+        chunk_size: the chunk length of the chunk form (per-channel decays take at most 16).
     """
 
     def __init__(

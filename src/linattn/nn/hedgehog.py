@@ -20,6 +20,10 @@ class HedgehogFeatureMap(nn.Module):
 
     ``forward(x [B, n_heads, T, head_dim]) -> [B, n_heads, T, 2 head_dim]``, in x's dtype (the
     softmax in float32, float64 for float64 inputs).
+
+    Args:
+        n_heads: the heads, each with its own map ``W_h``.
+        head_dim: the width of a head's input (the output is twice as wide).
     """
 
     def __init__(self, n_heads: int, head_dim: int):

@@ -15,6 +15,12 @@ class LinformerAttention(nn.Module):
 
     ``forward(x [B, T, d_model], state=None)`` with ``T <= max_len`` -> ``(y [B, T, d_model], None, {})``
     (the common layer interface; there is no state to carry). Non-causal: for encoders only.
+
+    Args:
+        d_model: the width of the input and output.
+        n_heads: heads (``d_model // n_heads`` wide).
+        max_len: the longest sequence: the number of columns of E and F.
+        k: the projected length: the rows of E and F.
     """
 
     def __init__(self, d_model: int, n_heads: int, max_len: int, k: int = 256):

@@ -44,6 +44,15 @@ class MultiScaleRetention(_HeadsMixer):
     ``forward(x [B, T, d_model], state=None) -> (y [B, T, d_model], RetentionState, aux={})``;
     passing the returned state back continues the sequence (token-by-token decoding equals
     the full pass).
+
+    Args:
+        d_model: the width of the input and output.
+        n_heads: query heads.
+        head_dim: the width of a head; None: ``d_model // n_heads``.
+        n_kv_heads: key/value heads, dividing ``n_heads``, each with its decay ``gamma_h``;
+            None: ``n_heads``.
+        rotary_base: the base of the rotary frequencies.
+        chunk_size: the chunk length of the chunk form.
     """
 
     def __init__(

@@ -17,6 +17,10 @@ class ShortConvolution(nn.Module):
     ``forward(x [B, T, C], cache [B, C, K-1] | None) -> (y [B, T, C], cache [B, C, K-1])``:
     the cache holds the last ``K - 1`` inputs, so feeding a sequence in pieces (or one token
     at a time) equals one call. A missing cache means zeros before the first position.
+
+    Args:
+        channels: C, each convolved with its own kernel.
+        kernel_size: K, the positions each output reads (the last K - 1 are the cache).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4):

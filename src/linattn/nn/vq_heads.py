@@ -21,8 +21,8 @@ class MultiHeadVQAttention(nn.Module):
     head_dim]``, learned by EMA), and Transformer-VQ's linear-time attention over them
     (``vq_attention``, blocks of ``block_size``, scale ``head_dim^-1/2``).
 
-    This is the layer the efficient-attention survey's recipe turns a pretrained transformer into
-    (seed 004): keep the projections, quantize the keys with codebooks fitted by k-means on the
+    This is the layer the efficient-attention survey's recipe turns a pretrained transformer
+    into: keep the projections, quantize the keys with codebooks fitted by k-means on the
     keys the model computes, fine-tune. Positions (``positions``):
 
     - ``"rerope"``: ReRoPE with window ``rerope`` (default ``block_size``, at most it) and
@@ -37,6 +37,25 @@ class MultiHeadVQAttention(nn.Module):
     quantizer's ``commit_loss`` (weighted) and ``codes [B, n_kv_heads, T]``, as a GAU's does (the
     trainer's codebook update reaches the quantizer through ``LM.quantizers``). The state has a size
     independent of the sequence length; passing it back continues the sequence.
+
+    Args:
+        d_model: the width of the input and output.
+        n_heads: query heads.
+        n_kv_heads: key/value heads, dividing ``n_heads``, one codebook each; None: ``n_heads``.
+        head_dim: the width of a head; None: ``d_model // n_heads``.
+        codebook_size: S, the codes per codebook.
+        block_size: L, the block length of ``vq_attention``.
+        positions: ``"rerope"`` or ``"bias"`` (above).
+        rerope: ReRoPE's window w (``positions="rerope"``), at most ``block_size``; None: ``block_size``.
+        rotary_base: the base of the rotary frequencies of ReRoPE.
+        qkv_bias: biases on the q, k and v projections.
+        out_bias: a bias on the output projection.
+        ema_decay: the decay of the codebooks' EMA update.
+        commitment_weight: the weight of the commitment loss in ``aux["commit_loss"]``.
+        kmeans_init: set the codebooks by k-means on the first training batch's keys.
+        dead_code_threshold: codes whose EMA count falls below this restart on recent keys (0: never).
+        grad_scope: ``vq_attention``'s gradient scope (``"cache"``, ``"state"`` or ``"none"``).
+        commitment_reduction: how the quantizer reduces the commitment loss (``VectorQuantizer``).
     """
 
     def __init__(

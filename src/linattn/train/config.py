@@ -54,38 +54,73 @@ class TrainConfig:
     """
 
     data: str = "shakespeare"
+    """What to train on: ``"shakespeare"``, a text file, a folder of .txt files, an enwik8-style
+    .zip, or a shard folder written by ``linattn data prepare``."""
     out: str = "runs/latest"
+    """The run folder: checkpoints, metrics, the resolved config."""
     steps: int = 1000
-    decay_steps: int | None = None  # end of the cosine decay (None: steps)
+    """Optimizer steps to train for."""
+    decay_steps: int | None = None
+    """The end of the cosine decay; None: ``steps``."""
     batch_size: int = 16
-    grad_accum_steps: int = 1  # micro-batches per optimizer step (each of batch_size / grad_accum_steps streams)
-    activation_checkpointing: bool = False  # recompute each layer's forward in backward (less memory)
-    parallel: str | None = None  # under torchrun: "ddp" (replicated; None: the same) or "fsdp" (FSDP2, sharded)
+    """Streams per process and optimizer step, each reading one window of ``context`` tokens."""
+    grad_accum_steps: int = 1
+    """Micro-batches per optimizer step, each of ``batch_size / grad_accum_steps`` streams."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's forward in backward (less memory, the same step)."""
+    parallel: str | None = None
+    """Under ``torchrun``: ``"ddp"`` (replicated; None: the same) or ``"fsdp"`` (FSDP2, sharded)."""
     context: int = 256
+    """Tokens per window (the training context)."""
     lr: float = 2e-3
+    """The peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
+    """The learning rate at the end of the cosine decay, as a fraction of ``lr``."""
     warmup_steps: int = 100
+    """Steps of linear warmup to ``lr``."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay, on the weight matrices (not on biases, norm gains,
+    embedding tables or codebooks: ``train/optim.py``)."""
     beta1: float = 0.9
+    """AdamW's first-moment decay."""
     beta2: float = 0.95
+    """AdamW's second-moment decay."""
     grad_clip: float = 1.0
+    """The gradient norm is clipped to this."""
     bf16: bool = False
-    compile: bool = False  # torch.compile the model's forward and backward (evaluation stays eager)
-    max_skipped_steps: int = 0  # consecutive non-finite steps skipped before the run stops (0: stop at the first)
+    """Run the forward and backward under bfloat16 autocast."""
+    compile: bool = False
+    """``torch.compile`` the model's forward and backward (evaluation stays eager)."""
+    max_skipped_steps: int = 0
+    """Consecutive non-finite steps skipped before the run stops (0: stop at the first)."""
     carry_state: bool = True
-    carry_windows: int = 8  # windows per carried sequence (state reset every N windows; 0 = whole pass)
+    """Carry the model's recurrent state (detached) from one window of a stream to the next."""
+    carry_windows: int = 8
+    """Windows per carried sequence: the state is reset every N windows (0: the whole pass)."""
     eval_every: int = 200
-    eval_tokens: int | None = 65536  # validation tokens (bytes for byte data) per evaluation (None = the whole split)
+    """Steps between validation evaluations (0: never)."""
+    eval_tokens: int | None = 65536
+    """Validation tokens (bytes for byte data) per evaluation; None: the whole split."""
     eval_batch_size: int = 8
+    """Streams of an evaluation."""
     log_every: int = 10
+    """Steps between metric lines."""
     checkpoint_every: int = 200
+    """Steps between checkpoints (0: only at the end)."""
     keep_checkpoints: int = 2
+    """Checkpoints kept in the run folder (the oldest are deleted)."""
     seed: int = 0
+    """The seed of the run (``torch.manual_seed`` before the model is built)."""
     device: str = "cpu"
+    """The torch device to train on (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...)."""
     threads: int | None = None
+    """torch's CPU threads; None: torch's default."""
     cache_dir: str | None = None
-    tensorboard: bool = False  # also write the metrics as TensorBoard scalars to <out>/tensorboard/
-    lora_rank: int | None = None  # train LoRA adapters of this rank instead of every parameter (train/lora.py)
+    """The corpus cache folder; None: ``$LINATTN_CACHE`` or ``~/.cache/linattn``."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard scalars to ``<out>/tensorboard/``."""
+    lora_rank: int | None = None
+    """Train LoRA adapters of this rank instead of every parameter (``train/lora.py``)."""
 
     def __post_init__(self) -> None:
         """Check every field, naming it: ValueError for a value out of range (numbers must be

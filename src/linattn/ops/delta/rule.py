@@ -80,7 +80,9 @@ def delta_rule(
     """Causal delta-rule attention (DeltaNet / fast weight programmer with the delta rule).
 
     Args:
-        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+        q: the queries, ``[B, H, T, Dk]``.
+        k: the keys, ``[B, Hkv, T, Dk]``, ``H % Hkv == 0``.
+        v: the values, ``[B, Hkv, T, Dv]``.
         beta: ``[B, Hkv, T]`` write strengths in [0, 1] (one per key/value head: the
             memory being written belongs to the key/value head).
         feature_map: applied to q and k before normalisation (name or ``FeatureMap``).
@@ -95,6 +97,8 @@ def delta_rule(
             the gated form's cost grows with the chunk).
         initial_state: a ``DeltaRuleState`` to continue from.
         output_final_state: also return the final ``DeltaRuleState``.
+        eps: added to the norms of ``normalize="l2"`` and the sums of ``"sum"``.
+
         check_inputs: also check that beta lies in [0, 1] and g is ``<= 0`` and not NaN,
             which reads their values (a host sync on a GPU, a graph break under
             ``torch.compile``). ``False`` for callers whose beta and g are in range by

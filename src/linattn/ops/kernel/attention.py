@@ -65,9 +65,12 @@ def linear_attention(
     """Kernel attention ``out_i = phi(q_i)^T S_i / phi(q_i).z_i`` in linear time.
 
     Args:
-        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
-            With ``causal=False`` the keys may be more or fewer than the queries
-            (``k, v [B, Hkv, T_k, *]``): every query reads the sums over all keys.
+        q: the queries, ``[B, H, T, Dk]``.
+        k: the keys, ``[B, Hkv, T, Dk]``, ``H % Hkv == 0``. With ``causal=False`` the keys
+            may be more or fewer than the queries (``k, v [B, Hkv, T_k, *]``): every query
+            reads the sums over all keys.
+        v: the values, ``[B, Hkv, T, Dv]``.
+
         feature_map: a name (``"elu"``, ``"relu"``, ``"identity"``, ``"exp"``, ``"favor"``,
             ``"dpfp"``, ``"taylor"``, ``"favor:M"``, ``"dpfp:NU"``) or a ``FeatureMap``.
         causal: position i sees keys j <= i (and the carried state); else all keys.

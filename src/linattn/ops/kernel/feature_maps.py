@@ -242,7 +242,7 @@ def _favor_projection(seed: int, d: int, m: int, orthogonal: bool) -> torch.Tens
 
 
 class SoftVQ(FeatureMap):
-    """Performer as a soft Transformer-VQ (seed 000): features indexed by a codebook ``C [S, d]``.
+    """Performer as a soft Transformer-VQ: features indexed by a codebook ``C [S, d]``.
 
     ``phi_q(q)_y = exp(q.c_y - max_y q.c_y)``, ``phi_k(k)_y = softmax_y(-|k - c_y|^2 / 2 tau)``, so
     ``phi_q(q).phi_k(k) -> exp(q.c_z(k) - max)`` as ``tau -> 0``: hard VQ attention's kernel.

@@ -146,8 +146,11 @@ def softmax_attention(
     """Exact softmax attention, ``out = softmax(scale * q k^T + bias [+ causal mask]) v``.
 
     Args:
-        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, S, Dk]``; v: ``[B, Hkv, S, Dv]`` with
-            ``H % Hkv == 0`` (``S == T`` when causal, ``S >= T`` with ``rerope``).
+        q: the queries, ``[B, H, T, Dk]``.
+        k: the keys, ``[B, Hkv, S, Dk]`` with ``H % Hkv == 0`` (``S == T`` when causal,
+            ``S >= T`` with ``rerope``).
+        v: the values, ``[B, Hkv, S, Dv]``.
+
         causal: query i sees keys j <= i.
         scale: ``None`` (``Dk^-1/2``), a positive number, or ``"entropy"``
             (``log(n_i) / log(512) / sqrt(Dk)``, n_i keys visible to query i).

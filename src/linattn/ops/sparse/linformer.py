@@ -25,9 +25,22 @@ def linformer_attention(
     causal: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Low-rank (Linformer) attention. q ``[B, H, T, Dk]``, k ``[B, Hkv, T, Dk]``,
-    v ``[B, Hkv, T, Dv]``; E, F ``[k, max_len]`` (shared by all heads) or ``[Hkv, k, max_len]``.
-    Returns ``[B, H, T, Dv]`` in q's dtype."""
+    """Low-rank (Linformer) attention: ``softmax(scale Q (E K)^T) (F V)`` over k projected positions.
+
+    Args:
+        q: the queries, ``[B, H, T, Dk]``.
+        k: the keys, ``[B, Hkv, T, Dk]``, ``H % Hkv == 0``.
+        v: the values, ``[B, Hkv, T, Dv]``.
+        E: the projection of the keys along the length, ``[k, max_len]`` (shared by all heads)
+            or ``[Hkv, k, max_len]``; its first T columns are used (``T <= max_len``).
+        F: the projection of the values, shaped as ``E``.
+        causal: must be False: every projected key mixes all positions, so there is no causal
+            form (True is refused with an error saying so).
+        scale: score scale, ``None`` = ``Dk^-1/2``.
+
+    Returns:
+        ``[B, H, T, Dv]`` in q's dtype.
+    """
     if causal:
         raise ValueError(
             "linformer_attention has no causal form: each projected key E K mixes every position, "

@@ -56,11 +56,14 @@ def local_attention(
     """Exact softmax attention restricted to a sliding window.
 
     Args:
-        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+        q: the queries, ``[B, H, T, Dk]``.
+        k: the keys, ``[B, Hkv, T, Dk]``, ``H % Hkv == 0``.
+        v: the values, ``[B, Hkv, T, Dv]``.
         window: block length W; query i sees keys j with
             ``-look_forward * W <= i - j < look_backward * W``.
         causal: requires ``look_forward == 0`` (the default).
-        look_backward: how many windows back (>= 1); look_forward: how many ahead.
+        look_backward: how many windows back (>= 1).
+        look_forward: how many windows ahead (>= 0; 0 when causal).
         scale: ``None`` = ``Dk^-1/2``.
         initial_state: (causal only) a ``KVCacheState`` with the last
             ``look_backward * W - 1`` keys and values; it records ``window = look_backward * W``
@@ -71,6 +74,8 @@ def local_attention(
             R the rotary rotation with ``rotary_base`` (a number > 1); positions continue across
             calls through the state (which keeps unrotated keys). ``w >= look_backward * W`` is
             rotary attention in the window.
+        rotary_base: the base of the rotary frequencies with ``rerope`` (a number > 1).
+
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, state or None)``.

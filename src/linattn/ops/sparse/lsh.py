@@ -35,9 +35,21 @@ def lsh_attention(
     causal: bool = True,
     seed: int | None = None,
 ) -> torch.Tensor:
-    """LSH attention. qk ``[B, H, T, D]`` (shared queries and keys), v ``[B, H, T, Dv]``;
-    ``seed`` fixes the random rotations (``None`` draws them from torch's global RNG).
-    Returns ``[B, H, T, Dv]`` in qk's dtype."""
+    """LSH attention (Reformer): shared queries and keys hashed into buckets, attention within chunks.
+
+    Args:
+        qk: the shared queries and keys, ``[B, H, T, D]`` (the keys are ``qk / |qk|``).
+        v: the values, ``[B, H, T, Dv]``.
+        n_hashes: hash rounds, each with its own random rotation; their outputs are combined
+            by their log-sum-exps (more rounds: fewer keys missed, more time).
+        bucket_size: the chunk length C: a query sees the keys of its own chunk and of the
+            previous one in the sorted order (``bucket_size >= T``: exact attention).
+        causal: mask keys after the query (``j > i``).
+        seed: fixes the random rotations; ``None`` draws them from torch's global RNG.
+
+    Returns:
+        ``[B, H, T, Dv]`` in qk's dtype.
+    """
     qk = check_tensor("qk", qk, ndim=4, layout="[batch, heads, length, dim]")
     v = check_tensor("v", v, ndim=4, layout="[batch, heads, length, value_dim]")
     check_same_dtype_device(qk=qk, v=v)

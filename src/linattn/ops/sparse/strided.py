@@ -101,12 +101,17 @@ def strided_attention(
     """Exact softmax attention over a Sparse Transformer pattern (see the module docstring).
 
     Args:
-        q: ``[B, H, T, Dk]``; k: ``[B, Hkv, T, Dk]``; v: ``[B, Hkv, T, Dv]``, ``H % Hkv == 0``.
+        q: the queries, ``[B, H, T, Dk]``.
+        k: the keys, ``[B, Hkv, T, Dk]``, ``H % Hkv == 0``.
+        v: the values, ``[B, Hkv, T, Dv]``.
         pattern: ``"strided"`` (band of ``block`` + every ``stride``-th key) or ``"fixed"``
             (own block + ``summary`` summary columns per block).
-        block: band length / block length. stride: period of the strided keys (default block).
+        block: band length / block length.
+        stride: period of the strided keys (default ``block``).
         summary: summary columns per block for ``"fixed"`` (1 <= summary <= block).
-        causal: only keys ``j <= i``. scale: ``None`` = ``Dk^-1/2``.
+        causal: only keys ``j <= i``.
+        scale: score scale, ``None`` = ``Dk^-1/2``.
+
 
     Returns:
         ``[B, H, T, Dv]`` in q's dtype.

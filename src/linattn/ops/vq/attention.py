@@ -80,10 +80,12 @@ def vq_attention(
     """Softmax attention over vector-quantized keys (Transformer-VQ).
 
     Args:
-        q: ``[B, H, T, Dk]``; k_hat: ``[B, Hkv, T, Dk]`` quantized keys (equal to
-            ``codebook[h, codes]`` in value; ``VectorQuantizer`` gives them with a
-            straight-through gradient); v: ``[B, Hkv, T, Dv]``.
-        codes: ``[B, Hkv, T]`` int64 code indices; codebook: ``[Hkv, S, Dk]``.
+        q: the queries, ``[B, H, T, Dk]``.
+        k_hat: the quantized keys, ``[B, Hkv, T, Dk]`` (equal to ``codebook[h, codes]`` in
+            value; ``VectorQuantizer`` gives them with a straight-through gradient).
+        v: the values, ``[B, Hkv, T, Dv]``.
+        codes: ``[B, Hkv, T]`` int64 code indices.
+        codebook: ``[Hkv, S, Dk]``, S codes per key/value head.
         causal: decoder (True) or encoder (False; no bias, no state).
         scale: score scale, ``None`` = ``Dk^-1/2``.
         block_size: L, the block length and the bias window.
@@ -139,6 +141,8 @@ def vq_attention(
             ``w > block_size`` is refused: the cache keeps no distances. Causal only; bias and
             position keys still add their terms. Every torch form (parallel, block with either
             schedule, decode with and without gradients) computes it exactly.
+        rotary_base: the base of the rotary frequencies with ``rerope`` (a number > 1).
+
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.

@@ -53,6 +53,23 @@ def soft_vq_attention(
     ``causal=False`` is linear attention with the ``SoftVQ`` feature map.
     Shapes as in ``vq_attention``; the state stores soft assignments in its ``*_codes``
     fields (``[B, Hkv, p, S]``).
+
+    Args:
+        q: the queries, ``[B, H, T, Dk]``.
+        k: the keys, ``[B, Hkv, T, Dk]`` (not quantized: the op assigns them softly).
+        v: the values, ``[B, Hkv, T, Dv]``.
+        codebook: ``[Hkv, S, Dk]``, learned by gradient.
+        temperature: tau of the soft assignment, a positive number (smaller: closer to hard VQ).
+        causal: decoder (True) or encoder (False: linear attention with the ``SoftVQ`` map).
+        scale: score scale, ``None`` = ``Dk^-1/2``.
+        block_size: L, the block length and the bias window, as in ``vq_attention``.
+        bias: relative bias for offsets ``0..L``, as in ``vq_attention``.
+        position_keys: relative position keys, as in ``vq_attention``.
+        initial_state: a ``VQAttentionState`` of soft assignments to continue from.
+        output_final_state: also return the final state.
+
+    Returns:
+        ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
     """
     check_positive_number("temperature", temperature)
     shapes = check_qkv(q, k, v)

@@ -42,8 +42,10 @@ def vq_decode_step(
     """Quantize one new key and attend to it and the past (Transformer-VQ decoding).
 
     Args:
-        q: ``[B, H, 1, Dk]``; k: ``[B, Hkv, 1, Dk]`` the key *before* quantization;
-            v: ``[B, Hkv, 1, Dv]``; codebook: ``[Hkv, S, Dk]`` (``VectorQuantizer.codebook``).
+        q: the query, ``[B, H, 1, Dk]``.
+        k: the key *before* quantization, ``[B, Hkv, 1, Dk]``.
+        v: the value, ``[B, Hkv, 1, Dv]``.
+        codebook: ``[Hkv, S, Dk]`` (``VectorQuantizer.codebook``).
         state: the ``VQAttentionState`` of the positions so far (hard codes), or None.
         scale: score scale, ``None`` = ``Dk^-1/2``.
         block_size: L, the block length (the state's).
@@ -60,6 +62,8 @@ def vq_decode_step(
             ``vq_attention``: q and k unrotated. The torch form only (the native step scores the
             window by the codebook scores gathered at the codes, which ReRoPE's rotation by
             distance rules out): ``"auto"`` takes torch, ``"native"`` is refused.
+        rotary_base: the base of the rotary frequencies with ``rerope`` (a number > 1).
+
 
     Returns:
         ``(out [B, H, 1, Dv] in q's dtype, codes [B, Hkv, 1] int64, new state)``, equal to
