@@ -125,6 +125,28 @@ def test_processes_resuming_different_checkpoints_are_refused_naming_them(node0_
     assert [str(outcome) for outcome in outcomes] == [expected, expected]
 
 
+def test_processes_reading_other_data_of_the_same_size_are_refused_naming_the_file(tmp_path, monkeypatch):
+    """Each "node" has its own corpus.txt, as long as the other's but not the same text (the
+    old code trained on both): every process refuses, naming the file by size and SHA-256."""
+    from linattn.data import data_fingerprint, load_corpus
+    from linattn.train import trainer as trainer_module
+
+    corpora = []
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+        corpora.append(tmp_path / f"node{rank}" / "corpus.txt")
+        corpora[-1].write_text(english_like(4000, seed=rank))
+    assert corpora[0].stat().st_size == corpora[1].stat().st_size
+    monkeypatch.setattr(distributed, "barrier", lambda context: None)
+    outcomes = ranks_in_threads(2, tmp_path / "store", lambda context: trainer_module._load_data(
+        TrainConfig(data=str(corpora[context.rank])), context))
+    files = [data_fingerprint(load_corpus(str(path)))["files"]["corpus.txt"] for path in corpora]
+    seen = [f"{f['bytes']} bytes, SHA-256 {f['sha256'][:12]}" for f in files]
+    expected = (f"the 2 processes of this run disagree on its data: data file corpus.txt is {seen[0]} on rank 0, "
+                f"{seen[1]} on rank 1. {START_EVERY}")
+    assert [str(outcome) for outcome in outcomes] == [expected, expected]
+
+
 def test_a_process_that_does_not_arrive_is_named_when_the_exchange_times_out(tmp_path):
     def meet(context):
         if context.rank == 2:
@@ -177,3 +199,39 @@ def test_collective_timeout_is_the_process_group_s_timeout(tmp_path, monkeypatch
     with pytest.raises(ValueError, match=r"^train\.dist_timeout must be finite and a positive number of seconds"):
         TrainConfig(dist_timeout=float("inf"))
     assert json.dumps(TrainConfig().to_dict())  # the timeouts are recorded with the run
+
+
+def test_another_rank_prints_its_own_errors_and_a_relayed_one_as_the_first_process_of_its_node(monkeypatch,
+                                                                                               capsys):
+    """Rank 1's output is silenced, but not its errors: an argument it cannot parse and an error
+    it met are printed, prefixed with its rank; an error it learned from another process only
+    when it is its node's first process (the old code printed none of them)."""
+    from linattn import cli
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(["train", "--lr", "fast"]) == 2
+    assert capsys.readouterr().err == ("linattn: error: rank 1: linattn train: error: argument --lr: expected a "
+                                       "positive number, got 'fast'\n")
+    for local_rank, error, printed in (("1", ValueError("no data here"), True),
+                                       ("1", startup.RelayedError("rank 0 of 2 (on a) stopped"), False),
+                                       ("0", startup.RelayedError("rank 0 of 2 (on a) stopped"), True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+
+        def fails(args, error=error):
+            print("progress and summaries stay silent")
+            raise error
+
+        monkeypatch.setattr(cli, "build_parser", lambda: _parser_running(fails))
+        assert main(["train"]) == 2
+        assert capsys.readouterr() == ("", f"linattn: error: rank 1: {error}\n" if printed else "")
+
+
+def _parser_running(handler):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="linattn")
+    parser.add_argument("command")
+    parser.set_defaults(handler=handler)
+    return parser

@@ -50,7 +50,7 @@ from . import convert, doctor, hf_cli, inspector
 from .repro import cli as repro_cli
 from .serve import cli as serve_cli
 from .train import cli as train_cli
-from .train.distributed import env_rank, env_world_size
+from .train.distributed import env_local_rank, env_rank, env_world_size
 from .train.divergence import TrainingDiverged
 from .train.startup import RelayedError
 
@@ -122,7 +122,7 @@ def _report(error: BaseException | str, errors: TextIO) -> None:
     rank = env_rank()
     if rank == 0:
         print(f"linattn: error: {error}", file=errors)
-    elif not isinstance(error, RelayedError) or os.environ.get("LOCAL_RANK", "0") == "0":
+    elif not isinstance(error, RelayedError) or env_local_rank() == 0:
         print(f"linattn: error: rank {rank}: {error}", file=errors)
 
 

@@ -69,6 +69,11 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def env_local_rank() -> int:
+    """This process's rank on its node (``LOCAL_RANK``; 0 for a plain run)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
 def join(timeout: float) -> Context:
     """Meet the other processes of a ``torchrun`` launch (``RANK``, ``WORLD_SIZE``,
     ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``) -> this process's ``Context``, with the
@@ -81,7 +86,7 @@ def join(timeout: float) -> Context:
     world_size = env_world_size()
     if world_size == 1:
         return Context(timeout=timeout)
-    rank, local_rank = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
+    rank, local_rank = env_rank(), env_local_rank()
     if dist.is_initialized():
         store = dist.distributed_c10d._get_default_store()
     else:
@@ -90,7 +95,7 @@ def join(timeout: float) -> Context:
 
 
 def _rendezvous(rank: int, world_size: int, timeout: float):
-    where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    where = f"{os.environ.get('MASTER_ADDR', '(MASTER_ADDR unset)')}:{os.environ.get('MASTER_PORT', '(unset)')}"
     try:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
                                            timeout=timedelta(seconds=timeout)))
@@ -103,13 +108,20 @@ def _rendezvous(rank: int, world_size: int, timeout: float):
     return store
 
 
+def check_device(device: str) -> None:
+    """A CUDA ``device`` this process cannot use is a ValueError naming it (checked before the
+    start-up exchange, so that the other processes learn it rather than wait for this one)."""
+    if torch.device(device).type == "cuda":
+        check_cuda_available("--device", device)
+
+
 def setup(context: Context, device: str = "cpu", collective_timeout: float | None = None) -> Context:
     """``context`` (from ``join``) on ``device``; with several processes, in the process group
     (created here over the rendezvous store unless the caller made one: gloo on CPU, nccl on
     GPU, every collective waiting at most ``collective_timeout`` seconds, None: torch's default)."""
     target = torch.device(device)
     if target.type == "cuda":
-        check_cuda_available("--device", device)
+        check_device(device)
         target = torch.device("cuda", context.local_rank if context.distributed else (target.index or 0))
         torch.cuda.set_device(target)
     if not context.distributed:

@@ -115,7 +115,8 @@ def _failure(context: Context, posts: list[dict[str, Any]], problem: BaseExcepti
     if not failed:
         return None
     rank, first = failed[0]
-    others = f" (and {len(failed) - 1} more processes)" if len(failed) > 1 else ""
+    more = len(failed) - 1
+    others = f" (and {more} more {'process' if more == 1 else 'processes'})" if more else ""
     return RelayedError(f"rank {rank} of {context.world_size} (on {first['host']}) stopped before training{others}: "
                         f"{first['problem']}")
 

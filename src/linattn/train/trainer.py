@@ -326,6 +326,7 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
                     run_dir, resume_from, steps, strategy, threads, lora_rank, settings, echo)
             else:
                 train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(run_dir)})
+            distributed.check_device(train_config.device)
         except Exception as error:  # under torchrun the others learn it in the exchange below
             if distributed.env_world_size() == 1:
                 raise
@@ -336,7 +337,12 @@ def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resu
         _note_other_threads(checkpoint, train_config, echo)
     wait = train_config.dist_timeout if train_config is not None else (settings or {}).get(
         "dist_timeout", TrainConfig.dist_timeout)
-    context = distributed.join(wait)
+    try:
+        context = distributed.join(wait)
+    except ValueError:
+        if problem is not None:  # the others cannot be told: this process's own error says more
+            raise problem from None
+        raise
     record = None if problem is not None else startup.run_record(model_config, train_config, checkpoint)
     startup.exchange(context, "configuration", problem, record)
     context = distributed.setup(context, train_config.device, train_config.collective_timeout)
