@@ -395,24 +395,21 @@ def ranks_in_threads(world_size: int, store_file, function, timeout: float = 5.0
     return outcomes
 
 
-def run_ranks(args, cwd, world: int = 2, timeout: float = 150) -> list:
-    """``linattn ARGS`` in ``world`` processes with the environment ``torchrun`` gives them
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) -> each rank's
-    ``subprocess.CompletedProcess``: its own stdout, stderr and exit code. ``args`` and ``cwd``
-    may be functions of the rank (a launcher that gives one process other settings; a node that
-    sees other files)."""
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on (for a rendezvous)."""
     import socket
-    import subprocess
-    import sys
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    base = torchrun_env(MASTER_PORT=str(port), WORLD_SIZE=str(world))
-    processes = [subprocess.Popen([sys.executable, "-m", "linattn.cli", *(args(rank) if callable(args) else args)],
-                                  cwd=cwd(rank) if callable(cwd) else cwd, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                 for rank in range(world)]
+        return probe.getsockname()[1]
+
+
+def communicate_all(processes: list, timeout: float) -> list:
+    """Each of ``processes``' ``subprocess.CompletedProcess`` (its stdout, stderr and exit code),
+    in order, each waited for at most ``timeout`` seconds; any still running at the end (a
+    timeout) is killed."""
+    import subprocess
+
     results = []
     try:
         for process in processes:
@@ -424,3 +421,20 @@ def run_ranks(args, cwd, world: int = 2, timeout: float = 150) -> list:
                 process.kill()
                 process.wait()
     return results
+
+
+def run_ranks(args, cwd, world: int = 2, timeout: float = 150) -> list:
+    """``linattn ARGS`` in ``world`` processes with the environment ``torchrun`` gives them
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) -> each rank's
+    ``subprocess.CompletedProcess``: its own stdout, stderr and exit code. ``args`` and ``cwd``
+    may be functions of the rank (a launcher that gives one process other settings; a node that
+    sees other files)."""
+    import subprocess
+    import sys
+
+    base = torchrun_env(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    processes = [subprocess.Popen([sys.executable, "-m", "linattn.cli", *(args(rank) if callable(args) else args)],
+                                  cwd=cwd(rank) if callable(cwd) else cwd, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in range(world)]
+    return communicate_all(processes, timeout)

@@ -39,12 +39,17 @@ def config(root: Path, name: str, batch_size: int):
                       eval_every=2, eval_batch_size=3, checkpoint_every=2, keep_checkpoints=3)
 
 
-def _float64(patch: pytest.MonkeyPatch) -> None:
-    patch.setattr(trainer_module, "LM", lambda config: LM(config).double())
-
-
 def _quiet(*args) -> None:
     pass
+
+
+def _train_in_float64(root: Path, name: str, batch_size: int) -> None:
+    patch = pytest.MonkeyPatch()
+    patch.setattr(trainer_module, "LM", lambda config: LM(config).double())
+    try:
+        train(model_config(), config(root, name, batch_size=batch_size), progress=False, echo=_quiet)
+    finally:
+        patch.undo()
 
 
 def _two_processes(rank: int, root: str) -> None:
@@ -52,12 +57,9 @@ def _two_processes(rank: int, root: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{root / 'init'}", rank=rank, world_size=WORLD)
-    patch = pytest.MonkeyPatch()
-    _float64(patch)
     try:
-        train(model_config(), config(root, "two", batch_size=2), progress=False, echo=_quiet)
+        _train_in_float64(root, "two", batch_size=2)
     finally:
-        patch.undo()
         dist.destroy_process_group()
 
 
@@ -66,12 +68,7 @@ def runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("global")
     (root / "corpus.txt").write_text(english_like(3000, seed=4))
     mp.spawn(_two_processes, args=(str(root),), nprocs=WORLD, join=True)
-    patch = pytest.MonkeyPatch()
-    _float64(patch)
-    try:
-        train(model_config(), config(root, "one", batch_size=4), progress=False, echo=_quiet)
-    finally:
-        patch.undo()
+    _train_in_float64(root, "one", batch_size=4)
     return root
 
 
@@ -109,7 +106,7 @@ def test_a_resume_onto_one_process_may_double_the_accumulation_and_checkpoint_ac
     process that reads all 4 streams as 4 micro-batches of 1, with activation checkpointing:
     the memory of a step stays that of one stream, and the steps follow the uninterrupted
     2-process run's (to the order of sums over processes)."""
-    _float64(monkeypatch)
+    monkeypatch.setattr(trainer_module, "LM", lambda config: LM(config).double())
     code = main(["train", "--resume", "--out", str(resumable), "--from", "2", "--no-progress",
                  "--set", "train.grad_accum_steps=4", "--set", "train.activation_checkpointing=true"])
     out = capsys.readouterr()

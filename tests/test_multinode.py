@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from linattn.train import load_checkpoint
-from _helpers import english_like, torchrun_env
+from _helpers import communicate_all, english_like, free_port, torchrun_env
 from test_train_parallel import TINY_RUN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,25 +55,9 @@ def _local(command: str, port: int, shared: Path) -> list[str]:
 
 
 def _run_nodes(commands: list[list[str]], folders: list[Path]) -> list[subprocess.CompletedProcess]:
-    processes = [subprocess.Popen(command, cwd=folder, env=torchrun_env(), text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE) for command, folder in zip(commands, folders)]
-    results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=150)
-            results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    return communicate_all([subprocess.Popen(command, cwd=folder, env=torchrun_env(), text=True,
+                                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            for command, folder in zip(commands, folders)], timeout=150)
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +78,14 @@ def test_the_page_documents_a_new_run_and_its_resume_on_two_nodes():
 
 def test_the_documented_commands_train_on_two_nodes_and_a_node_without_the_run_folder_stops_both(nodes):
     new0, new1, resume0, resume1 = _documented_commands()
-    port = _free_port()
+    port = free_port()
     node0, node1 = _run_nodes([_local(new0, port, nodes / "shared"), _local(new1, port, nodes / "shared")],
                               [nodes / "node0", nodes / "node1"])
     assert (node0.returncode, node1.returncode) == (0, 0), node0.stderr[-3000:] + node1.stderr[-3000:]
     checkpoint = load_checkpoint(nodes / "shared" / "runs" / "big")
     assert checkpoint.step == 2 and checkpoint.meta["world_size"] == 2 and len(checkpoint.meta["carry"]) == 2
 
-    port = _free_port()
+    port = free_port()
     node0, node1 = _run_nodes([_local(resume0, port, nodes / "shared"), _local(resume1, port, nodes / "elsewhere")],
                               [nodes / "node0", nodes / "node1"])
     assert node0.returncode != 0 and node1.returncode != 0

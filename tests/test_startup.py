@@ -23,7 +23,7 @@ from linattn.models import LMConfig
 from linattn.train import TrainConfig, load_checkpoint, train
 from linattn.train import distributed, startup
 from linattn.train.distributed import Context
-from _helpers import english_like, ranks_in_threads, run_ranks
+from _helpers import english_like, free_port, ranks_in_threads, run_ranks
 from test_train_parallel import TINY_RUN, model_config, run_config
 
 HOST = socket.gethostname()
@@ -166,9 +166,7 @@ def test_a_rendezvous_that_the_other_processes_never_reach_ends_after_dist_timeo
     """Rank 0 of 2 launched alone: ``--dist-timeout 1`` ends its wait at the rendezvous with the
     address, the wait and how many processes came (the old code had no such option: it
     waited torch's 30 minutes)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     for name, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=str(port)).items():
         monkeypatch.setenv(name, value)
