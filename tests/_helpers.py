@@ -361,3 +361,84 @@ def torchrun_env(**extra: str) -> dict[str, str]:
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", **extra)
     return env
+
+
+def mirrored_exchange(context, name, problem, record, timeout=None) -> None:
+    """``startup.exchange`` for rank 0 of processes simulated in one (the others mirror this
+    one: they post the same problem and record): this process's problem is raised, else
+    every process agrees."""
+    if problem is not None:
+        raise problem
+
+
+def ranks_in_threads(world_size: int, store_file, function, timeout: float = 5.0) -> list:
+    """``function(context)`` for each rank of ``world_size`` processes simulated by threads of
+    this process, which meet through a ``FileStore`` at ``store_file`` (as ranks meet through
+    the rendezvous store) -> each rank's result, or the exception it raised."""
+    import threading
+
+    import torch.distributed as dist
+
+    from linattn.train.distributed import Context
+
+    outcomes: list = [None] * world_size
+
+    def run(rank: int) -> None:
+        context = Context(rank=rank, world_size=world_size, store=dist.FileStore(str(store_file), world_size),
+                          timeout=timeout)
+        try:
+            outcomes[rank] = function(context)
+        except Exception as error:  # the outcome a test looks at
+            outcomes[rank] = error
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on (for a rendezvous)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def communicate_all(processes: list, timeout: float) -> list:
+    """Each of ``processes``' ``subprocess.CompletedProcess`` (its stdout, stderr and exit code),
+    in order, each waited for at most ``timeout`` seconds; any still running at the end (a
+    timeout) is killed."""
+    import subprocess
+
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results
+
+
+def run_ranks(args, cwd, world: int = 2, timeout: float = 150) -> list:
+    """``linattn ARGS`` in ``world`` processes with the environment ``torchrun`` gives them
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) -> each rank's
+    ``subprocess.CompletedProcess``: its own stdout, stderr and exit code. ``args`` and ``cwd``
+    may be functions of the rank (a launcher that gives one process other settings; a node that
+    sees other files)."""
+    import subprocess
+    import sys
+
+    base = torchrun_env(MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
+    processes = [subprocess.Popen([sys.executable, "-m", "linattn.cli", *(args(rank) if callable(args) else args)],
+                                  cwd=cwd(rank) if callable(cwd) else cwd, text=True, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in range(world)]
+    return communicate_all(processes, timeout)

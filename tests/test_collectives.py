@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from linattn.models import LMConfig
-from linattn.train import TrainConfig, distributed, evaluate_bpb, parallel, train
+from linattn.train import TrainConfig, distributed, evaluate_bpb, parallel, startup, train
 from linattn.train import trainer as trainer_module
 from linattn.train.distributed import Context
-from _helpers import english_like
+from _helpers import english_like, mirrored_exchange
 
 torch.set_num_threads(1)
 
@@ -93,7 +93,9 @@ def two_mirrored_ranks(monkeypatch):
     device = torch.device("cpu")
     collectives = CheckedCollectives(device)
     collectives.install(monkeypatch)
-    monkeypatch.setattr(distributed, "setup", lambda name="cpu": Context(rank=0, world_size=2, device=device))
+    monkeypatch.setattr(distributed, "setup", lambda context, name="cpu", collective_timeout=None: Context(
+        rank=0, world_size=2, device=device))
+    monkeypatch.setattr(startup, "exchange", mirrored_exchange)
     monkeypatch.setattr(parallel, "wrap", lambda model, strategy, context: model)
     return collectives
 
@@ -118,7 +120,7 @@ def test_training_and_evaluation_reduce_on_the_run_device(tmp_path, monkeypatch,
                             codebook_size=16, block_size=4, chunk_size=4, ffn_hidden=32, kmeans_init=True,
                             dead_code_threshold=1.0)
     run_config = TrainConfig(data=str(data), out=str(tmp_path / "run"), steps=2, batch_size=2, grad_accum_steps=2,
-                             context=16, eval_every=2, eval_tokens=200, eval_batch_size=1, log_every=1,
+                             context=16, eval_every=2, eval_tokens=200, eval_batch_size=2, log_every=1,
                              checkpoint_every=2, threads=1)
     # the model is built before the policy applies (its buffers are made on the default device
     # and then moved, as on a GPU run)
@@ -129,12 +131,12 @@ def test_training_and_evaluation_reduce_on_the_run_device(tmp_path, monkeypatch,
         summary = train(model_config, run_config, progress=False, echo=lambda *a: None)
     assert summary["step"] == 2 and summary["final_bpb"] is not None
     calls = two_mirrored_ranks.calls
-    # each kind of call site was exercised: the verdict on the run folder, the loss log, the code
-    # histogram, the divergence guard, the stop flag, the evaluation, the codebook EMA sums, k-means
-    # and dead-code restarts: the verdict once, then at each (logged) step the guard's verdict on
-    # the step, the code histogram, the losses, the guard's check and the stop flag, and 2
-    # evaluations (the verdict on the data gathers objects, no tensor)
-    assert calls[("all_reduce", "linattn.train.distributed")] == 1 + 2 + 2 + 2 + 2 + 2 + 2
+    # each kind of call site was exercised: the loss log, the code histogram, the divergence guard,
+    # the stop flag, the evaluation, the codebook EMA sums, k-means and dead-code restarts: at each
+    # (logged) step the guard's verdict on the step, the code histogram, the losses, the guard's
+    # check and the stop flag, and 2 evaluations (the start-up verdicts on the run folder, the
+    # settings and the data go through the rendezvous store, no tensor)
+    assert calls[("all_reduce", "linattn.train.distributed")] == 2 + 2 + 2 + 2 + 2 + 2
     assert calls[("all_reduce", "linattn.nn.codebook")] == 2 * 2 * 2  # 2 quantizers x 2 tensors x 2 steps
     assert calls[("broadcast", "linattn.nn.codebook")] >= 2 * 2  # k-means: values and mask per quantizer
 
@@ -145,8 +147,8 @@ def test_evaluate_bpb_alone_reduces_on_the_run_device(two_mirrored_ranks):
     tokens = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(1))
     context = Context(rank=0, world_size=2, device=torch.device("cpu"))
     with UnplacedToMeta():
-        result = evaluate_bpb(model, tokens, context=16, dist_context=context)
-    alone = evaluate_bpb(model, tokens[:60], context=16)  # rank 0's half: its stream
+        result = evaluate_bpb(model, tokens, context=16, batch_size=2, dist_context=context)
+    alone = evaluate_bpb(model, tokens[:60], context=16)  # rank 0's share: the first of the 2 streams
     assert result["tokens"] == 2 * alone["tokens"]  # the mirrored rank doubles the count...
     assert result["bpb"] == pytest.approx(alone["bpb"], rel=1e-12)  # ...and the sum: the same mean
     assert two_mirrored_ranks.calls[("all_reduce", "linattn.train.distributed")] == 1

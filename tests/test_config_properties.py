@@ -135,6 +135,8 @@ TRAIN_FIELDS = {
     "threads": (optional(st.integers(1, 8)), bad(0, -1, 1.5)),
     "tensorboard": (st.booleans(), BAD_BOOLS),
     "lora_rank": (optional(st.integers(1, 64)), bad(0, -1, 1.5, "4")),
+    "dist_timeout": (floats(0.1, 3600), bad(0, -1.0, NAN, INF, None, "120")),
+    "collective_timeout": (optional(floats(1, 3600)), bad(0, -5.0, NAN, INF, "60")),
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -19,9 +20,10 @@ from linattn.cli import main
 from linattn.data import fingerprint_changes
 from linattn.train import CheckpointError, TrainConfig, load_checkpoint
 from linattn.train import distributed
+from linattn.train.startup import RelayedError
 from linattn.train import trainer as trainer_module
 from linattn.train.checkpoint import Checkpoint
-from _helpers import english_like
+from _helpers import english_like, ranks_in_threads
 from test_train_cli import run_captured, train_argv
 
 torch.set_num_threads(1)
@@ -539,33 +541,21 @@ def _checkpoint_of(data: Path) -> Checkpoint:
 
 
 def test_a_rank_with_good_data_stops_when_another_rank_refuses_and_names_its_problem(tmp_path, monkeypatch):
-    """Rank 0 has good data, rank 1 refused: rank 0 stops too, with rank 1's message (only
-    rank 0 prints under torchrun)."""
+    """Rank 0's data is what its checkpoint recorded, rank 1's checkpoint recorded other data:
+    rank 1 stops with its own refusal, and rank 0 stops too, naming rank 1 and its problem."""
     data = tmp_path / "data.txt"
     data.write_text(english_like(4000))
-    shared = []
-
-    def another_rank_refuses(message, context):
-        shared.append(message)
-        return (1, "the data moved")
-
-    monkeypatch.setattr(distributed, "first_problem", another_rank_refuses)
-    monkeypatch.setattr(distributed, "barrier", lambda context: None)
-    context = distributed.Context(rank=0, world_size=2)
-    with pytest.raises(ValueError, match=r"data\.txt, on rank 1: the data moved$"):
-        trainer_module._load_data(TrainConfig(data=str(data)), context, _checkpoint_of(data))
-    assert shared == [None]  # this rank's own verdict: the data is fine
-
-
-def test_a_rank_that_refuses_shares_its_verdict_before_it_stops(tmp_path, monkeypatch):
-    data = tmp_path / "data.txt"
-    data.write_text(english_like(4000))
-    checkpoint = _checkpoint_of(data)
+    recorded_before = _checkpoint_of(data)
     data.write_text(english_like(4000, seed=3))
-    shared = []
-    monkeypatch.setattr(distributed, "first_problem",
-                        lambda message, context: shared.append(message) or (context.rank, message))
+    recorded_now = _checkpoint_of(data)
     monkeypatch.setattr(distributed, "barrier", lambda context: None)
-    with pytest.raises(ValueError, match="data.txt changed"):
-        trainer_module._load_data(TrainConfig(data=str(data)), distributed.Context(rank=0, world_size=2), checkpoint)
-    assert len(shared) == 1 and "data.txt changed" in shared[0]
+
+    def load(context):
+        checkpoint = recorded_now if context.rank == 0 else recorded_before
+        return trainer_module._load_data(TrainConfig(data=str(data)), context, checkpoint)
+
+    rank0, rank1 = ranks_in_threads(2, tmp_path / "store", load)
+    assert isinstance(rank1, ValueError) and "data.txt changed" in str(rank1)
+    assert isinstance(rank0, RelayedError)
+    assert re.fullmatch(r"rank 1 of 2 \(on .+\) stopped before training: --resume: the data .*data\.txt is not "
+                        r"what .* was trained on: data\.txt changed: .*", str(rank0))

@@ -248,7 +248,10 @@ def test_resume_with_steps(trained, capsys):
     assert code == 0, stderr
     _fails(capsys, ["train", "--resume", "--out", str(out), "--steps", "12", "--no-progress"], "--steps must be larger")
     _fails(capsys, ["train", "--resume", "--out", str(out), "--lr", "1.0", "--no-progress"], "--lr")
-    _fails(capsys, ["train", "--resume", "--out", str(out), "--set", "train.lr=1.0", "--no-progress"], "--set")
+    _fails(capsys, ["train", "--resume", "--out", str(out), "--set", "train.lr=1.0", "--no-progress"],
+           "train.lr cannot change")
+    _fails(capsys, ["train", "--resume", "--out", str(out), "--set", "model.d_model=8", "--no-progress"],
+           "--set model.d_model=8 cannot change it")
     assert load_checkpoint(out).step == 12  # untouched
 
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -26,7 +24,7 @@ from linattn.models import LM, LMConfig
 from linattn.train import TrainConfig, evaluate_bpb, load_checkpoint, load_model, train
 from linattn.train import trainer as trainer_module
 from linattn.train.microbatch import join_states
-from _helpers import F64, assert_close_rel, english_like, torchrun_env
+from _helpers import F64, assert_close_rel, english_like, run_ranks
 from test_grad_accum import assert_states_close
 
 WORLD = 2
@@ -203,26 +201,6 @@ def test_parallel_names_a_known_strategy():
 # ----------------------------------------------------------------------------- the linattn command in 2 processes
 
 
-def run_ranks(args: list[str], cwd: Path, world: int = WORLD, timeout: float = 150
-              ) -> list[subprocess.CompletedProcess]:
-    """``linattn ARGS`` in ``world`` processes with the environment ``torchrun`` gives them
-    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``) -> each rank's result,
-    its own stdout, stderr and exit code."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    base = torchrun_env(MASTER_PORT=str(port), WORLD_SIZE=str(world))
-    processes = [subprocess.Popen([sys.executable, "-m", "linattn.cli", *args], cwd=cwd, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  env={**base, "RANK": str(rank), "LOCAL_RANK": str(rank)})
-                 for rank in range(world)]
-    results = []
-    for process in processes:
-        stdout, stderr = process.communicate(timeout=timeout)
-        results.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
-    return results
-
-
 TINY_RUN = ["--d-model", "16", "--n-layers", "2", "--batch-size", "2", "--context", "16",
             "--threads", "1", "--set", "model.codebook_size=8", "--set", "model.block_size=4",
             "--set", "model.gau_d_k=8"]
@@ -241,11 +219,14 @@ def test_only_rank_0_prints_a_run_s_progress_and_summary(tmp_path):
     assert (rank1.stdout, rank1.stderr) == ("", "")
 
 
-def test_an_error_is_printed_by_rank_0_alone_and_every_rank_exits_with_its_code(tmp_path):
+def test_an_error_is_printed_by_each_rank_that_meets_it_and_every_rank_exits_with_its_code(tmp_path):
+    """Both processes miss the data: each says so in one line (rank 1's prefixed with its rank,
+    as on another node it would be the only word of that node's log); nothing else is printed."""
     rank0, rank1 = run_ranks(["train", "--data", "missing.txt", "--out", "run", "--steps", "2", *TINY_RUN], tmp_path)
     assert (rank0.returncode, rank1.returncode) == (2, 2)
     assert rank0.stderr.startswith("linattn: error: ") and "missing.txt" in rank0.stderr
-    assert (rank1.stdout, rank1.stderr) == ("", "")
+    assert rank1.stderr.startswith("linattn: error: rank 1: ") and "missing.txt" in rank1.stderr
+    assert len([line for line in rank1.stderr.splitlines() if "linattn" in line]) == 1 and rank1.stdout == ""
 
 
 def test_a_rank_of_a_multi_process_run_leaves_without_the_interpreter_s_shutdown(monkeypatch, capsys):

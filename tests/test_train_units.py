@@ -28,12 +28,13 @@ from linattn.models import LM, LMConfig
 from linattn.train import (CheckpointError, TrainConfig, distributed, evaluate_bpb, load_checkpoint, load_model,
                            parallel, train)
 from linattn.train import evaluate as evaluate_module
+from linattn.train import resharding, startup
 from linattn.train import trainer as trainer_module
 from linattn.train.checkpoint import find_resume_checkpoint, save_checkpoint
 from linattn.train.config import parse_override
 from linattn.train.distributed import Context
 from linattn.train.metrics import MetricsLog
-from _helpers import english_like, head_fields, record_state_resets
+from _helpers import english_like, head_fields, mirrored_exchange, record_state_resets
 
 torch.set_num_threads(1)
 
@@ -320,7 +321,7 @@ def test_restoring_the_rng_touches_cuda_only_on_a_cuda_device(monkeypatch):
     (0, 1, ["load"]), (0, 2, ["load", "barrier"]), (1, 2, ["barrier", "load"]), (2, 3, ["barrier", "load"])])
 def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, tmp_path, rank, world_size, expected):
     """Rank 0 may download the corpus: the others wait at a barrier until it has it. Then every
-    rank shares its verdict on the data (``first_problem``), so all go on or all stop."""
+    rank shares its verdict on the data (``startup.exchange``), so all go on or all stop."""
     events = []
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: events.append("barrier"))
 
@@ -330,12 +331,13 @@ def test_rank_zero_loads_the_corpus_before_the_other_ranks(monkeypatch, tmp_path
 
     monkeypatch.setattr(trainer_module, "load_corpus", load_corpus)
     monkeypatch.setattr(trainer_module, "data_fingerprint", lambda data: {"kind": "fake"})
-    monkeypatch.setattr(distributed, "first_problem", lambda message, context: events.append("verdict") or None)
+    monkeypatch.setattr(startup, "exchange", lambda context, name, problem, record, timeout=None: events.append(
+        f"{name} verdict"))
     corpus = str(tmp_path.resolve() / "some-corpus")
     config = TrainConfig(data=corpus, cache_dir="some-cache")
     assert trainer_module._load_data(config, Context(rank=rank, world_size=world_size)) == \
         ((corpus, "some-cache"), corpus, {"kind": "fake"})
-    assert events == expected + ["verdict"]
+    assert events == expected + ["data verdict"]
 
 
 # ----------------------------------------------------------------------------- trainer: runs
@@ -363,12 +365,14 @@ def logged_run(tmp_path_factory):
 
 def test_checkpoints_record_the_data_position_and_tokens_seen(logged_run):
     run, summary, _ = logged_run
+    config = load_checkpoint(run).meta["train_config"]
     windows = (900 // 4 - 1) // 16
     assert windows == 14 and summary["step"] == 17
     for step in (5, 10, 15, 17):
         meta = json.loads((run / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text())
         assert meta["step"] == step
-        assert meta["data"] == {"window": step % windows, "pass": step // windows, "streams": 4}
+        assert meta["data"] == {"window": step % windows, "pass": step // windows, "streams": 4,
+                                "eval_streams": config["eval_batch_size"]}
         assert type(meta["data"]["pass"]) is int
         assert meta["tokens_seen"] == step * 4 * 16 and meta["world_size"] == 1
 
@@ -452,16 +456,15 @@ def test_each_step_descends_the_cross_entropy_plus_the_commitment_loss(tmp_path,
 def mirrored_second_rank(monkeypatch) -> list[dict]:
     """Rank 0 of two ranks simulated in one process: the other rank mirrors this one (every sum
     over ranks doubles); DDP is recorded, not applied. Returns the DDP keyword arguments seen."""
-    monkeypatch.setattr(distributed, "setup", lambda device="cpu": Context(rank=0, world_size=2,
-                                                                          device=torch.device(device)))
+    monkeypatch.setattr(distributed, "setup", lambda context, device="cpu", collective_timeout=None: Context(
+        rank=0, world_size=2, device=torch.device(device)))
     def mirrored_sum(values, context):
         return values.mul_(context.world_size)
 
     monkeypatch.setattr(distributed, "all_reduce_sum", mirrored_sum)
     monkeypatch.setattr(evaluate_module, "all_reduce_sum", mirrored_sum)  # imported by name there
     monkeypatch.setattr(distributed, "broadcast_flag", lambda flag, context: flag)
-    monkeypatch.setattr(distributed, "first_problem",
-                        lambda message, context: None if message is None else (0, message))
+    monkeypatch.setattr(startup, "exchange", mirrored_exchange)
     monkeypatch.setattr(distributed, "gather_objects",  # each rank's object arrives as its own copy
                         lambda value, context: [copy.deepcopy(value) for _ in range(context.world_size)])
     monkeypatch.setattr(torch.distributed, "barrier", lambda *args, **kwargs: None)
@@ -781,7 +784,7 @@ def test_resume_refuses_a_checkpoint_whose_tensors_do_not_fit_the_model(tmp_path
     run = tmp_path / "run"
     train(linear_config(), run_config(write_corpus(tmp_path), run, steps=3, checkpoint_every=2), progress=False,
           echo=quiet)
-    real_find = trainer_module.find_resume_checkpoint
+    real_find = resharding.find_resume_checkpoint
     names = []
 
     def tampered(*args, **kwargs):
@@ -794,7 +797,7 @@ def test_resume_refuses_a_checkpoint_whose_tensors_do_not_fit_the_model(tmp_path
             checkpoint.model["extra.weight"] = torch.zeros(2)
         return checkpoint
 
-    monkeypatch.setattr(trainer_module, "find_resume_checkpoint", tampered)
+    monkeypatch.setattr(resharding, "find_resume_checkpoint", tampered)
     kind = "Missing" if change == "missing" else "Unexpected"
     with pytest.raises(RuntimeError, match=rf"{kind} key\(s\) in state_dict") as info:
         train(None, None, resume=True, resume_from=2, out=run, progress=False, echo=quiet)
@@ -975,7 +978,7 @@ def test_a_signal_stops_the_run_after_its_step_with_a_checkpoint_and_says_how_to
 
 def test_validation_bits_per_byte_on_tokenized_data_count_the_bytes_of_every_ranks_streams(
         tmp_path, mirrored_second_rank):
-    """BPE shards, two ranks of 2 evaluation streams each: the validation record's ``bytes``
+    """BPE shards, two ranks sharing 4 evaluation streams: the validation record's ``bytes``
     are the text bytes of the targets of all 4 streams of the split (``bpb`` then divides the
     nats by them), counted here by decoding each stream with the tokenizer itself."""
     from tokenizers import Tokenizer
@@ -988,7 +991,7 @@ def test_validation_bits_per_byte_on_tokenized_data_count_the_bytes_of_every_ran
         (texts / f"{name}.txt").write_text(english_like(3000, seed=seed))
     shards = prepare_shards(texts, "bpe:300", tmp_path / "shards", echo=quiet)
     run = tmp_path / "run"
-    train(linear_config(vocab_size=300), run_config(shards, run, steps=1, eval_every=1, eval_batch_size=2),
+    train(linear_config(vocab_size=300), run_config(shards, run, steps=1, eval_every=1, eval_batch_size=4),
           progress=False, echo=quiet)
     record = [r for r in metrics(run) if r.get("split") == "validation"][-1]
     reference = Tokenizer.from_file(str(shards / "tokenizer.json"))

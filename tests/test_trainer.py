@@ -279,7 +279,8 @@ def test_resume_continues_the_data_position(resume_runs):
     """The corpus gives 14 windows per pass; the runs cross a pass boundary at step 14."""
     _, run, _ = resume_runs
     meta = load_checkpoint(run).meta
-    assert meta["data"] == {"window": RESUME_STEPS % 14, "pass": RESUME_STEPS // 14, "streams": 4}
+    assert meta["data"] == {"window": RESUME_STEPS % 14, "pass": RESUME_STEPS // 14, "streams": 4,
+                            "eval_streams": meta["train_config"]["eval_batch_size"]}
     assert meta["tokens_seen"] == RESUME_STEPS * 4 * 32
     assert meta["world_size"] == 1
 
@@ -597,9 +598,10 @@ def test_two_process_training_learns_and_only_rank0_writes(two_process_run):
 
 
 def test_a_two_process_checkpoint_resumes_in_one_process_but_not_in_three(two_process_run, tmp_path, monkeypatch):
-    """The run's global batch is 2 streams x 2 processes (evaluation: 1 x 2): 3 processes cannot
-    share it (refused before anything is said or written, naming the counts that can), one
-    process continues with both ranks' 4 streams and their carried states."""
+    """The run's global batch is 2 streams x 2 processes (evaluation: 1 stream in all): 3
+    processes cannot share it (refused before anything is said or written, naming the counts
+    that can), one process continues with both ranks' 4 streams and their carried states, and
+    the same evaluation stream."""
     out, result = two_process_run
     assert result.returncode == 0, result.stderr[-4000:]
     run = tmp_path / "run"
@@ -609,7 +611,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process_but_not_in_three(two_pr
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"^--resume with 3 processes: its global batch of 4 streams \(train\.batch_"
                                          r"size=2 per process x 2 processes\) cannot be shared evenly by 3 processes; "
-                                         r".* one of these process counts: 1, 2$"):
+                                         r".* one of these process counts: 1, 2, 4$"):
         train(None, None, resume=True, steps=13, out=run, progress=False, echo=lines.append)
     assert lines == [] and (run / "metrics.jsonl").read_text() == before
     monkeypatch.delenv("WORLD_SIZE")
@@ -619,7 +621,7 @@ def test_a_two_process_checkpoint_resumes_in_one_process_but_not_in_three(two_pr
                              "batch of 4 streams)")
     meta = load_checkpoint(run).meta
     recorded = meta["train_config"]
-    assert (meta["world_size"], recorded["batch_size"], recorded["eval_batch_size"]) == (1, 4, 2)
+    assert (meta["world_size"], recorded["batch_size"], recorded["eval_batch_size"]) == (1, 4, 1)
     assert meta["tokens_seen"] == 13 * 4 * 32
 
 

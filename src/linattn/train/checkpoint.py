@@ -305,6 +305,13 @@ class Checkpoint:
     def rng(self) -> dict[str, torch.Tensor]:
         return {name: self.training[f"rng.{name}"] for name in self.meta["rng"]}
 
+    def identity(self) -> str:
+        """The folder's name and the SHA-256 its ``meta.json`` records (of itself; a version-1
+        checkpoint: of ``model.safetensors``), which covers every file: what tells two copies
+        of a run's checkpoint apart without reading them again."""
+        digest = self.meta.get(META_HASH) or self.meta["files"]["model.safetensors"]["sha256"]
+        return f"{self.path.name} (SHA-256 {digest[:16]})"
+
     def carry(self, rank: int, device: torch.device | str = "cpu") -> Any:
         structures = self.meta["carry"]
         if rank >= len(structures):

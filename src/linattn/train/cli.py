@@ -4,7 +4,11 @@ Configuration precedence for ``train``: defaults < ``--config FILE.toml`` ([mode
 [train] tables) < the named flags < ``--set table.key=value``; ``--out`` names the run folder
 (``train.out``), and a ``--set train.out`` that names another is refused. ``--resume`` takes the
 configuration from the run's latest checkpoint. With a shard folder as ``--data``,
-``model.vocab_size`` is the tokenizer's (an explicit different value is an error).
+``model.vocab_size`` is the tokenizer's (an explicit different value is an error). With
+``--resume``, only ``--steps``, ``--parallel``, ``--lora-rank``, ``--threads``,
+``--dist-timeout``, ``--batch-size`` (keeping the run's global batch) and ``--set`` of
+``train/resharding.py``'s ``RESUME_SETTINGS`` (accumulation, activation checkpointing, the
+timeouts) may change the run.
 
 ``train --resume`` and ``eval`` without ``--data`` read the data the run trained on (its
 absolute path in the checkpoint) and compare it with the checkpoint's fingerprint of it:
@@ -45,9 +49,11 @@ _TRAIN_FLAGS = {
     "checkpoint_every": ("train", "checkpoint_every"), "log_every": ("train", "log_every"),
     "device": ("train", "device"), "cache_dir": ("train", "cache_dir"), "bf16": ("train", "bf16"),
     "compile": ("train", "compile"), "parallel": ("train", "parallel"), "lora_rank": ("train", "lora_rank"),
+    "dist_timeout": ("train", "dist_timeout"),
 }
-# the flags --resume takes (the rest of the configuration is the checkpoint's)
-_RESUME_FLAGS = ("steps", "parallel", "lora_rank")
+# the flags --resume takes (the rest of the configuration is the checkpoint's; --batch-size only
+# with the run's global batch, and --set only for resharding.RESUME_SETTINGS)
+_RESUME_FLAGS = ("steps", "parallel", "lora_rank", "batch_size", "dist_timeout")
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser, *, device: str | None = "cpu", progress: bool = True) -> None:
@@ -78,8 +84,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         epilog="Multi-process: torchrun --nproc_per_node N $(which linattn) train ... (gloo on CPU, nccl on GPU; "
                "DistributedDataParallel, or FSDP2 with --parallel fsdp). --resume continues a run at any number of "
                "processes that divides its global batch (batch size x processes), under either strategy. Less "
-               "memory per step: "
-               "--set train.grad_accum_steps=N, --set train.activation_checkpointing=true.")
+               "memory per step (also with --resume): "
+               "--set train.grad_accum_steps=N, --set train.activation_checkpointing=true. Every process must be "
+               "given the same settings and see the same run folder and data (compared before the first step).")
     p.add_argument("--config", metavar="FILE.toml", help="run file with [model] and [train] tables")
     p.add_argument("--attention", metavar="SPEC", help="layer attention spec or comma-separated pattern")
     p.add_argument("--d-model", dest="d_model", type=_positive_int)
@@ -107,6 +114,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--parallel", choices=("ddp", "fsdp"),
                    help="under torchrun: DistributedDataParallel (the default there) or FSDP2 (sharded); refused "
                         "without torchrun. With --resume: the strategy to continue under (default: the run's)")
+    p.add_argument("--dist-timeout", dest="dist_timeout", type=_positive_float, metavar="SECONDS",
+                   help="under torchrun: how long the processes wait for each other at start-up, where they meet "
+                        "and compare their settings, checkpoint and data (default 120; train.collective_timeout: "
+                        "the wait of every collective after that)")
     p.add_argument("--lora-rank", dest="lora_rank", type=_positive_int, metavar="R",
                    help="train LoRA adapters of rank R on the layers' linear maps instead of every parameter "
                         "(with --resume: from the checkpoint on, e.g. to fine-tune a converted run); eval, generate "
@@ -200,19 +211,19 @@ def run_train(args: argparse.Namespace) -> int:
         given = [f"--{flag.replace('_', '-')}" for flag in _TRAIN_FLAGS
                  if flag not in _RESUME_FLAGS and getattr(args, flag) is not None]
         given += ["--config"] if args.config else []
-        given += ["--set"] if args.overrides else []
         if not args.out:
             raise ValueError("--resume needs --out DIR, the run folder to continue")
         if given:
-            raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps, --parallel and "
-                             f"--lora-rank may change); "
-                             f"drop {', '.join(given)}")
+            raise ValueError(f"--resume takes the configuration from the checkpoint (only --steps, --parallel, "
+                             f"--lora-rank, --threads, --dist-timeout, --batch-size keeping the global batch and --set "
+                             f"of the settings a resume may change may be given); drop {', '.join(given)}")
         if args.overwrite:
             raise ValueError("--overwrite starts a new run in place of the old one; drop it to --resume the run")
         resume_from = int(args.resume_from) if args.resume_from and args.resume_from.isdigit() else args.resume_from
         summary = train(None, None, resume=True, resume_from=resume_from, steps=args.steps, out=args.out,
                         progress=progress, command=args.command_line, accept_new_data=args.accept_new_data,
-                        parallel=args.parallel, threads=args.threads, lora_rank=args.lora_rank)
+                        parallel=args.parallel, threads=args.threads, lora_rank=args.lora_rank,
+                        settings=_resume_settings(args))
     else:
         if args.resume_from is not None:
             raise ValueError("--from selects the checkpoint of --resume; add --resume")
@@ -237,6 +248,19 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"last training loss: {loss:.4f} ({loss / math.log(2):.3f} {unit}) at step {summary['step']} "
               f"({trained}; no validation: --eval-every 0)")
     return 0
+
+
+def _resume_settings(args: argparse.Namespace) -> dict:
+    """What a ``--resume`` changes (``train(..., settings=...)``): ``--batch-size``,
+    ``--dist-timeout`` and each ``--set train.KEY=VALUE`` (a ``model.*`` key is refused here,
+    a ``train.*`` key a resume cannot change by ``resharding.resumed_train_values``)."""
+    settings = {key: getattr(args, key) for key in ("batch_size", "dist_timeout") if getattr(args, key) is not None}
+    for text in args.overrides:
+        table, key, value = parse_override(text)
+        if table == "model":
+            raise ValueError(f"--resume takes the model from the checkpoint: --set {text} cannot change it")
+        settings[key] = value
+    return settings
 
 
 def _vocab_from_data(model_values: dict, data: str) -> None:
@@ -293,7 +317,7 @@ def run_eval(args: argparse.Namespace) -> int:
     check_vocabulary(data, (args.split,), model.config.vocab_size, spec=args.data or train_config["data"])
     tokens = data.tokens(args.split)
     context = args.context or train_config["context"]
-    check_evaluation_fits(tokens.numel(), args.max_tokens, batch_size=args.batch_size, world_size=1, context=context,
+    check_evaluation_fits(tokens.numel(), args.max_tokens, batch_size=args.batch_size, context=context,
                           split=args.split, batch_name="--batch-size", budget_name="--max-tokens")
     total = (tokens.numel() if args.max_tokens is None else min(args.max_tokens, tokens.numel())) - 1
     n_bytes = evaluated_bytes(data, tokens[:args.max_tokens], context=context, n_streams=args.batch_size)

@@ -48,6 +48,18 @@ class TrainConfig:
     ``max_skipped_steps = N > 0``, skips such steps (counted in the metrics) until more than
     ``N`` come in a row (``train/divergence.py``).
 
+    Evaluation during training reads ``eval_batch_size`` streams in all, whatever the number of
+    processes: the processes share them (rank ``r`` of ``W`` evaluates streams
+    ``[r E / W, (r + 1) E / W)``, rounded down) and the per-stream sums are reduced, so the
+    validation bits per byte do not depend on the number of processes.
+
+    Under ``torchrun``, ``dist_timeout`` (seconds) bounds each start-up exchange, in which the
+    processes meet and compare their settings, checkpoint and data before the first step
+    (``train/startup.py``): a process that has not arrived by then is named in the error.
+    ``collective_timeout`` (seconds; None: torch's default, 30 minutes under gloo, 10 under
+    NCCL) is the process group's timeout (``init_process_group(timeout=...)``): the longest any
+    collective of the run waits for the other processes.
+
     ``lora_rank = r`` trains LoRA adapters of rank r on the layers' linear maps instead of every
     parameter (``train/lora.py``; ``linattn train --resume --lora-rank r`` fine-tunes a converted
     or imported run so); the checkpoints' readers merge them.
@@ -102,7 +114,7 @@ class TrainConfig:
     eval_tokens: int | None = 65536
     """Validation tokens (bytes for byte data) per evaluation; None: the whole split."""
     eval_batch_size: int = 8
-    """Streams of an evaluation."""
+    """Validation streams in all, shared by the processes (the result does not depend on their number)."""
     log_every: int = 10
     """Steps between metric lines."""
     checkpoint_every: int = 200
@@ -121,6 +133,11 @@ class TrainConfig:
     """Also write the metrics as TensorBoard scalars to ``<out>/tensorboard/``."""
     lora_rank: int | None = None
     """Train LoRA adapters of this rank instead of every parameter (``train/lora.py``)."""
+    dist_timeout: float = 120.0
+    """Seconds a start-up exchange under ``torchrun`` (the rendezvous, the configuration) waits for
+    every process (``--dist-timeout``)."""
+    collective_timeout: float | None = None
+    """Seconds any collective waits (``init_process_group``'s timeout); None: torch's default."""
 
     def __post_init__(self) -> None:
         """Check every field, naming it: ValueError for a value out of range (numbers must be
@@ -140,6 +157,8 @@ class TrainConfig:
         check_number_fields(self, "train", ("min_lr_ratio",), low=0, high=1, wanted="in [0, 1]")
         check_number_fields(self, "train", ("beta1", "beta2"), low=0, high=1, high_inclusive=False, wanted="in [0, 1)")
         check_number_fields(self, "train", ("weight_decay",), low=0, wanted="a number >= 0")
+        timeouts = ("dist_timeout",) + (("collective_timeout",) if self.collective_timeout is not None else ())
+        check_number_fields(self, "train", timeouts, low=0, low_inclusive=False, wanted="a positive number of seconds")
         check_device("train.device", self.device)
         check_bool_fields(self, "train", ("bf16", "compile", "carry_state", "activation_checkpointing", "tensorboard"))
         if self.parallel is not None:

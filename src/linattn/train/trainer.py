@@ -18,12 +18,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from .. import __version__
-from .._checks import is_int
 from ..data import (TokenStreams, bits_per_byte, check_vocabulary, data_fingerprint, evaluated_bytes,
-                    fingerprint_changes, load_corpus, open_shards)
+                    fingerprint_changes, fingerprint_fields, load_corpus, open_shards)
 from ..models import LM, LMConfig
-from . import distributed, lora, parallel, resharding
-from .checkpoint import Checkpoint, NoCheckpointError, find_resume_checkpoint, nonfinite_tensors, save_checkpoint
+from . import distributed, lora, parallel, resharding, startup
+from .checkpoint import Checkpoint, nonfinite_tensors, save_checkpoint
 from .compiling import CompiledLayers
 from .config import TrainConfig
 from .divergence import NonFiniteGuard, TrainingDiverged, diverged_message, skipped_last_message
@@ -32,7 +31,7 @@ from .metrics import MetricsLog
 from .microbatch import join_states, split_rows, split_state
 from .optim import as_fused_state, trainer_adamw
 from .parallel import check_launched
-from .run_folder import METRICS_FILE, RunFolderError, claim_run_folder, start_instead
+from .run_folder import METRICS_FILE, claim_run_folder
 from .run_tokenizer import check_run_tokenizer, copy_tokenizer
 from .schedule import learning_rate
 
@@ -94,8 +93,10 @@ def _load_data(train_config: TrainConfig, context: distributed.Context, checkpoi
     what changed, unless ``accept_new_data`` (then ``echo`` says so once and the later
     checkpoints record the new fingerprint); a checkpoint without a fingerprint (an older
     linattn's) is resumed with a note that the data could not be checked. Every process
-    opens and checks the data itself and the verdicts are shared (``first_problem``), so a
-    refusal stops every process, none trains alone, and rank 0 names another rank's problem.
+    opens and checks the data itself, then the processes compare their verdicts and
+    fingerprints (``startup.exchange``: as long as any collective may wait, since the others
+    read and hash the data meanwhile): a refusal stops every process, none trains alone, and
+    data that differs between processes is an error naming its files and the ranks.
     """
     spec = _absolute_data(train_config.data)
     problem: Exception | None = None
@@ -114,11 +115,9 @@ def _load_data(train_config: TrainConfig, context: distributed.Context, checkpoi
         problem = error
     if context.is_main:
         distributed.barrier(context)
-    shared = distributed.first_problem(None if problem is None else str(problem), context)
-    if shared is not None:
-        if problem is not None:
-            raise problem
-        raise ValueError(f"data {spec}, on rank {shared[0]}: {shared[1]}")
+    record = None if problem is not None else fingerprint_fields(fingerprint)
+    startup.exchange(context, "data", problem, record,
+                     timeout=train_config.collective_timeout or distributed.DEFAULT_COLLECTIVE_TIMEOUT)
     if note is not None and context.is_main:
         echo(note)
     return data, spec, fingerprint
@@ -225,6 +224,7 @@ def train(
     parallel: str | None = None,
     threads: int | None = None,
     lora_rank: int | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Train (or with ``resume=True`` continue) a language model; returns a summary dict
     (``initial_bpb``, ``final_bpb``, ``step``, ``interrupted``, ``elapsed``, ... and the
@@ -253,8 +253,19 @@ def train(
     ``resume`` continues at any number of processes that shares the checkpoint's global
     batch evenly, and under either strategy (``parallel``: ``"ddp"`` or ``"fsdp"``, default
     the checkpoint's): the per-process batch and the carried states are re-cut, the streams
-    stay those of the global batch (``train/resharding.py``). ``lora_rank`` (with ``resume``)
-    fine-tunes with LoRA adapters of that rank from the checkpoint on (``train/lora.py``).
+    stay those of the global batch (``train/resharding.py``). ``settings`` (with ``resume``)
+    changes what fits a step into the memory of fewer, fuller processes, or how long they wait
+    for each other: ``{"grad_accum_steps": ..., "activation_checkpointing": ...,
+    "batch_size": ..., "dist_timeout": ..., "collective_timeout": ...}``
+    (``resharding.RESUME_SETTINGS``; a ``batch_size`` that changes the global batch, or another
+    setting, is refused by name). ``lora_rank`` (with ``resume``) fine-tunes with LoRA
+    adapters of that rank from the checkpoint on (``train/lora.py``).
+
+    Under ``torchrun`` the processes compare, before the first step, the errors each met on
+    its own, their settings (both configs as the run records them), the checkpoint they
+    resume and their data (``train/startup.py``): every process stops with the same error
+    when one could not start or when they disagree, naming the settings, values and ranks,
+    and a process that does not arrive within ``train.dist_timeout`` seconds is named.
 
     ``threads`` (with ``resume``): the torch CPU threads to continue with (default: the run's
     ``train.threads``). Each checkpoint records the thread count it was trained at; a resume
@@ -269,8 +280,9 @@ def train(
     if overwrite and resume:
         raise ValueError("--overwrite starts a new run in place of the old one; it cannot be combined with --resume")
     if not resume:
-        if parallel is not None or lora_rank is not None:
-            name = "parallel= picks the strategy" if parallel is not None else "lora_rank= sets the LoRA rank"
+        if parallel is not None or lora_rank is not None or settings:
+            name = ("parallel= picks the strategy" if parallel is not None else "lora_rank= sets the LoRA rank"
+                    if lora_rank is not None else "settings= changes the settings")
             raise ValueError(f"{name} of a resumed run; for a new run set it in the TrainConfig")
         check_launched("train.parallel", train_config.parallel, distributed.env_world_size())
     elif parallel is not None:
@@ -282,15 +294,15 @@ def train(
     if distributed.env_rank() == 0:
         try:
             claim = claim_run_folder(run_dir, fresh=not resume, overwrite=overwrite, command=command, echo=echo)
-        except RunFolderError as error:
+        except Exception as error:
             if distributed.env_world_size() == 1:
                 raise
-            refusal = error  # the other ranks learn it once the process group is up
+            refusal = error  # the other ranks learn it in the start-up exchange
     try:
         return _claimed_train(model_config, train_config, run_dir, refusal, resume=resume, resume_from=resume_from,
                               steps=steps, progress=progress, command=command, echo=echo,
                               accept_new_data=accept_new_data, strategy=parallel, threads=threads,
-                              lora_rank=lora_rank)
+                              lora_rank=lora_rank, settings=settings)
     except BaseException:
         if claim is not None:
             claim.release(discard=True)  # removes the lock's files if nothing else was written
@@ -301,45 +313,40 @@ def train(
 
 
 def _claimed_train(model_config, train_config, run_dir, refusal, *, resume, resume_from, steps, progress, command,
-                   echo, accept_new_data, strategy=None, threads=None,
-                   lora_rank=None) -> dict[str, Any]:
-    """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not)."""
-    out = run_dir
-    if resume:
+                   echo, accept_new_data, strategy=None, threads=None, lora_rank=None,
+                   settings=None) -> dict[str, Any]:
+    """``train`` once rank 0 holds the run folder (``refusal``: rank 0's error if it does not):
+    resolve the run (its checkpoint and configs), meet the other processes and compare
+    (``startup.exchange``), then join the process group and train."""
+    problem, checkpoint = refusal, None
+    if problem is None:
         try:
-            checkpoint = find_resume_checkpoint(Path(out), resume_from, echo=echo)
-        except NoCheckpointError as error:
-            raise NoCheckpointError(f"{error}; {start_instead(out)}") from None
-        model_config = LMConfig.from_saved(checkpoint.meta["model_config"])
-        written_by, world_size = resharding.written_world_size(checkpoint), distributed.env_world_size()
-        train_values = resharding.resharded_train_values({**checkpoint.meta["train_config"], "out": str(out)},
-                                                         written_by, world_size)
-        if strategy is not None:
-            train_values["parallel"] = strategy
-        if threads is not None:
-            train_values["threads"] = threads
-        train_values["lora_rank"] = lora.resumed_rank(train_values.get("lora_rank"), lora_rank)
-        if steps is not None:
-            if not is_int(steps) or steps <= checkpoint.step:
-                raise ValueError(f"--steps must be larger than the checkpoint's step {checkpoint.step} to train "
-                                 f"further, got {steps!r}")
-            train_values.update(decay_steps=train_values.get("decay_steps") or train_values["steps"], steps=steps)
-        train_config = TrainConfig.from_dict(train_values)
-        if checkpoint.step < train_config.steps:
-            echo(f"resuming {out} at step {checkpoint.step} of {train_config.steps} from {checkpoint.path}"
-                 + resharding.resume_note(written_by, world_size, train_config.batch_size))
-    else:
-        checkpoint = None
-        train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(out)})
-
-    if train_config.threads is not None:
+            if resume:
+                checkpoint, model_config, train_config = resharding.resumed_run(
+                    run_dir, resume_from, steps, strategy, threads, lora_rank, settings, echo)
+            else:
+                train_config = TrainConfig.from_dict({**train_config.to_dict(), "out": str(run_dir)})
+            distributed.check_device(train_config.device)
+        except Exception as error:  # under torchrun the others learn it in the exchange below
+            if distributed.env_world_size() == 1:
+                raise
+            problem = error
+    if train_config is not None and train_config.threads is not None:
         torch.set_num_threads(train_config.threads)
-    if checkpoint is not None and checkpoint.step < train_config.steps:
+    if problem is None and checkpoint is not None and checkpoint.step < train_config.steps:
         _note_other_threads(checkpoint, train_config, echo)
-    context = distributed.setup(train_config.device)
+    wait = train_config.dist_timeout if train_config is not None else (settings or {}).get(
+        "dist_timeout", TrainConfig.dist_timeout)
     try:
-        if distributed.broadcast_flag(refusal is not None, context):
-            raise refusal or RunFolderError(f"rank 0 could not claim the run folder {run_dir}; see its error")
+        context = distributed.join(wait)
+    except ValueError:
+        if problem is not None:  # the others cannot be told: this process's own error says more
+            raise problem from None
+        raise
+    record = None if problem is not None else startup.run_record(model_config, train_config, checkpoint)
+    startup.exchange(context, "configuration", problem, record)
+    context = distributed.setup(context, train_config.device, train_config.collective_timeout)
+    try:
         with parallel.view_warnings_silenced():
             return _train(model_config, train_config, checkpoint, context, progress, command, echo,
                           accept_new_data)
@@ -399,10 +406,10 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
     validation, validation_bytes = data.tokens("validation"), None
     if cfg.eval_every:
         check_evaluation_fits(validation.numel(), cfg.eval_tokens, batch_size=cfg.eval_batch_size,
-                              world_size=context.world_size, context=cfg.context, split="validation",
-                              batch_name="train.eval_batch_size", budget_name="train.eval_tokens")
+                              context=cfg.context, split="validation", batch_name="train.eval_batch_size",
+                              budget_name="train.eval_tokens")
         validation_bytes = evaluated_bytes(data, validation[:cfg.eval_tokens], context=cfg.context,
-                                           n_streams=cfg.eval_batch_size * context.world_size)
+                                           n_streams=cfg.eval_batch_size)
     tokens_per_step = cfg.batch_size * cfg.context * context.world_size
     if context.is_main and checkpoint is None:  # the inputs are checked: the run's first files
         copy_tokenizer(data, run_dir)
@@ -457,7 +464,7 @@ def _train(model_config, train_config, checkpoint, context, progress, command, e
             "model_config": model_config.to_dict(), "train_config": {**cfg.to_dict(), "data": data_spec},
             "world_size": context.world_size,
             "data": {"window": step % len(streams), "pass": step // len(streams),
-                     "streams": cfg.batch_size * context.world_size},
+                     "streams": cfg.batch_size * context.world_size, "eval_streams": cfg.eval_batch_size},
             "data_fingerprint": fingerprint,
             "tokens_seen": step * tokens_per_step, "tokenizer": tokenizer, "linattn_version": __version__,
             "torch_version": torch.__version__, "command": command, "threads": torch.get_num_threads(),
