@@ -157,14 +157,43 @@ class LinattnPreTrainedModel(PreTrainedModel):
                     module._apply(lambda t: t)  # codes and EMA statistics back to float32
         return model
 
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Called by ``post_init``/``from_pretrained`` for each module whose tensors were not
-        all loaded: non-persistent buffers are recomputed, weights a checkpoint lacks get
-        ``LM``'s initialisation rule (HF's init guard leaves loaded tensors untouched)."""
-        if hasattr(module, "_reset_buffers"):
+        """Initialise ``module``'s own tensors (parameters and buffers, not its submodules') as a
+        freshly built ``LM`` has them; HF calls it for every module not yet initialised (on
+        construction, in ``init_weights()``, and in ``from_pretrained`` for whatever a checkpoint
+        lacks). Its ``reset_parameters()`` (every linattn module's, torch's for ``nn.Linear``,
+        ``nn.Embedding`` and the norms) writes them, then linear and embedding weights get the
+        ``LM``'s normal draw (``LM.weight_std``); only non-persistent buffers missing (a loaded
+        checkpoint) are recomputed by ``_reset_buffers()``, drawing nothing. Tensors a checkpoint
+        loaded (HF marks them ``_is_hf_initialized``) are kept. A module with tensors of its own
+        and no ``reset_parameters`` is a TypeError naming its class."""
+        own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+        pending = {name for name, tensor in own.items() if not getattr(tensor, "_is_hf_initialized", False)}
+        if not pending:
+            return
+        if pending <= module._non_persistent_buffers_set and hasattr(module, "_reset_buffers"):
             module._reset_buffers()
-        if isinstance(module, LM):
-            module._init_weights()
+            return
+        if not hasattr(module, "reset_parameters"):
+            raise TypeError(f"{type(module).__qualname__} holds tensors ({', '.join(sorted(own))}) but has no "
+                            "reset_parameters() to initialise them with")
+        loaded = {name: tensor.clone() for name, tensor in own.items() if name not in pending}
+        module.reset_parameters()
+        for name, tensor in loaded.items():
+            getattr(module, name).copy_(tensor)
+        if isinstance(module, (nn.Linear, nn.Embedding)) and "weight" in pending:
+            nn.init.normal_(module.weight, mean=0.0, std=self.lm.weight_std(module))
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> "LinattnPreTrainedModel":
+        """``nn.Module.to_empty``: every tensor becomes uninitialised memory on ``device``; so every
+        module is marked not initialised, and ``init_weights()`` initialises them all (HF marks the
+        modules of a model built under accelerate's ``init_empty_weights`` as initialised, though
+        their weights were on the meta device)."""
+        super().to_empty(device=device, recurse=recurse)
+        for submodule in self.modules():
+            submodule.__dict__.pop("_is_hf_initialized", None)
+        return self
 
 
 class LinattnModel(LinattnPreTrainedModel):

@@ -64,13 +64,22 @@ class GatedDeltaNet(_HeadsMixer):
         self._build_short_conv(short_conv)
         self.beta_proj = nn.Linear(d_model, n_kv_heads, bias=False)
         self.decay_proj = nn.Linear(d_model, n_kv_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(n_kv_heads).uniform_(*_A_RANGE).log())
-        low, high = math.log(_DT_RANGE[0]), math.log(_DT_RANGE[1])
-        dt = torch.exp(torch.empty(n_kv_heads).uniform_(low, high)).clamp_min(_DT_FLOOR)
-        self.dt_bias = nn.Parameter(_inverse_softplus(dt))
+        self.A_log = nn.Parameter(torch.empty(n_kv_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_kv_heads))
+        self.reset_parameters()
         self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.norm = nn.RMSNorm(head_dim, eps=_NORM_EPS)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The decay's own parameters (the projections are ``nn.Linear``s): ``A_log = log A`` with
+        A uniform in ``_A_RANGE``, ``dt_bias`` the inverse softplus of a log-uniform dt."""
+        like = dict(dtype=self.A_log.dtype, device=self.A_log.device)
+        self.A_log.copy_(torch.empty(self.A_log.shape, **like).uniform_(*_A_RANGE).log())
+        low, high = math.log(_DT_RANGE[0]), math.log(_DT_RANGE[1])
+        dt = torch.exp(torch.empty(self.dt_bias.shape, **like).uniform_(low, high)).clamp_min(_DT_FLOOR)
+        self.dt_bias.copy_(_inverse_softplus(dt))
 
     def forward(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
                 ) -> tuple[torch.Tensor, GatedDeltaNetState, dict]:

@@ -51,10 +51,15 @@ class GatedLinearAttention(_HeadsMixer):
         self.chunk_size = chunk_size
         self.decay_down = nn.Linear(d_model, gate_rank, bias=False)
         self.decay_up = nn.Linear(gate_rank, n_kv_heads * head_dim, bias=False)
-        self.decay_bias = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
+        self.decay_bias = nn.Parameter(torch.empty(n_kv_heads * head_dim))
+        self.reset_parameters()
         self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.norm = nn.RMSNorm(head_dim, eps=_NORM_EPS)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        """The decay's bias zero (its own parameter; the projections are ``nn.Linear``s)."""
+        nn.init.zeros_(self.decay_bias)
 
     def forward(self, x: torch.Tensor, state: GatedLinearAttentionState | None = None
                 ) -> tuple[torch.Tensor, GatedLinearAttentionState, dict]:

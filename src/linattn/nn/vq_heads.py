@@ -75,12 +75,18 @@ class MultiHeadVQAttention(nn.Module):
         self.block_size, self.positions, self.grad_scope = block_size, positions, grad_scope
         self.rotary_base = float(rotary_base)
         add_attention_projections(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias=qkv_bias, out_bias=out_bias)
-        self.relative_bias = nn.Parameter(torch.zeros(n_heads, block_size + 1)) if positions == "bias" else None
+        self.relative_bias = nn.Parameter(torch.empty(n_heads, block_size + 1)) if positions == "bias" else None
+        self.reset_parameters()
         self.quantizer = VectorQuantizer(
             n_kv_heads, head_dim, codebook_size, ema_decay=ema_decay, commitment_weight=commitment_weight,
             kmeans_init=kmeans_init, dead_code_threshold=dead_code_threshold, commitment_reduction=commitment_reduction,
         )
         self.codebook_size = codebook_size
+
+    def reset_parameters(self) -> None:
+        """The windowed bias (``positions="bias"``) zero; the projections and the quantizer reset their own."""
+        if self.relative_bias is not None:
+            nn.init.zeros_(self.relative_bias)
 
     def forward(self, x: torch.Tensor, state: VQAttentionState | None = None
                 ) -> tuple[torch.Tensor, VQAttentionState, dict]:
