@@ -108,3 +108,21 @@ def test_a_module_without_reset_parameters_is_named():
     model.lm.extra = Scale()
     with pytest.raises(TypeError, match=r"Scale holds tensors \(gain\) but has no reset_parameters"):
         model._init_weights(model.lm.extra)
+
+
+def test_loading_an_export_keeps_its_tensors_and_draws_nothing(tmp_path):
+    """``from_pretrained`` recomputes only the non-persistent buffers a checkpoint lacks (pending
+    statistics, sinusoids, the FSQ radix): every saved tensor arrives as saved, and the global
+    random state is where it was."""
+    torch.manual_seed(3)
+    model = H.LinattnForCausalLM(tiny_config("vq,local:4,gla,gated-delta,vq-fsq", fsq_levels=[3, 3]))
+    with torch.no_grad():
+        for quantizer in model.lm.quantizers():
+            quantizer.codebook.add_(1.0)
+    model.save_pretrained(tmp_path)
+    state = torch.get_rng_state()
+    loaded = H.LinattnForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(torch.get_rng_state(), state)
+    expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for name, tensor in [*loaded.named_parameters(), *loaded.named_buffers()]:
+        assert torch.equal(tensor, expected[name]), name
