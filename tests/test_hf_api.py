@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -235,6 +236,56 @@ def test_micro_batch_losses_add_up_to_the_full_batchs_loss():
     (parts[0] + parts[1]).backward()
     for name, p in model.named_parameters():
         assert torch.allclose(p.grad, grads[name], rtol=0, atol=1e-12), name
+
+
+def test_shift_labels_are_each_positions_target_and_replace_labels():
+    """transformers 5's loss contract: ``shift_labels [B, T]`` are the targets already aligned with
+    the logits (position t predicts ``shift_labels[:, t]``), and replace ``labels``. The loss is the
+    cross-entropy written out here plus the commitment loss; ``labels[:, 1:]`` followed by -100 as
+    ``shift_labels`` give the loss of ``labels``, also as a micro-batch's share
+    (``num_items_in_batch``); changing ``labels`` alongside them changes nothing."""
+    lm = tiny_lm("vq,delta", commitment_weight=0.5)
+    model = H.LinattnForCausalLM.from_lm(lm).train()
+    ids = random_ids(2, 10, seed=45)
+    labels = ids.clone()
+    labels[0, 6:] = -100
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    with torch.no_grad():
+        logits, _, aux = lm(ids)
+    assert float(aux["commit_loss"]) > 1e-3
+    for num_items in (None, 11):
+        options = {} if num_items is None else {"num_items_in_batch": num_items}
+        assert torch.equal(model(ids, shift_labels=shifted, **options).loss,
+                           model(ids, labels=labels, **options).loss)
+    targets = random_ids(2, 10, seed=46)  # the last position has a target too
+    kept = targets != -100
+    expected = torch.nn.functional.cross_entropy(logits[kept], targets[kept]) + aux["commit_loss"]
+    loss = model(ids, shift_labels=targets).loss
+    assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
+    assert torch.equal(model(ids, labels=random_ids(2, 10, seed=47), shift_labels=targets).loss, loss)
+    assert not torch.equal(model(ids, shift_labels=shifted).loss, loss)
+    with pytest.raises(ValueError, match=r"shift_labels must have shape \[batch, length\] = \[2, 10\]"):
+        model(ids, shift_labels=targets[:, 1:])
+
+
+def test_from_pretrained_returns_the_loading_info_when_asked(exported, tmp_path):
+    """``output_loading_info=True`` gives ``(model, loading info)`` as for any transformers model: the
+    model is the saved one, and a tensor the folder lacks is listed as missing."""
+    from safetensors.torch import load_file, save_file
+
+    lm, out = exported
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(model) is H.LinattnForCausalLM
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = random_ids(2, 9, seed=48)
+    assert torch.equal(model(ids).logits, lm(ids)[0])
+    lacking = tmp_path / "lacking"
+    shutil.copytree(out, lacking)
+    tensors = load_file(lacking / "model.safetensors")
+    del tensors["model.lm.norm.weight"]
+    save_file(tensors, lacking / "model.safetensors", metadata={"format": "pt"})
+    _, info = H.LinattnForCausalLM.from_pretrained(lacking, output_loading_info=True)
+    assert set(info["missing_keys"]) == {"model.lm.norm.weight"}
 
 
 def _train_one_step(tmp_path, lm, rows, batch: int, accumulation: int):

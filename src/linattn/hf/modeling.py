@@ -147,15 +147,17 @@ class LinattnPreTrainedModel(PreTrainedModel):
         other vector paths and float results differ in the last bit from the saved model's;
         an aligned one may still lie in the file's memory map, and change when the file is
         rewritten in place) and the codebooks' buffers returned to float32 (their invariant;
-        the loader casts every buffer to the requested dtype)."""
-        model = super().from_pretrained(*args, **kwargs)
+        the loader casts every buffer to the requested dtype). With ``output_loading_info=True``
+        it returns ``(model, loading_info)``, as transformers does."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if kwargs.get("output_loading_info") else loaded
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 tensor.data = tensor.data.clone()
             for module in model.modules():
                 if isinstance(module, Codebook):  # the loader casts buffers to the model dtype
                     module._apply(lambda t: t)  # codes and EMA statistics back to float32
-        return model
+        return loaded
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -403,8 +405,11 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     ``CausalLMOutputWithPast``; with ``labels [B, T]`` (-100 = ignored) the loss is
     ``cross_entropy(logits[:, :-1], labels[:, 1:])`` (mean over counted tokens) plus the VQ
     commitment loss of the forward -- the number linattn's trainer computes on that batch.
-    With ``num_items_in_batch`` (the HF ``Trainer`` under gradient accumulation: the counted
-    targets of the whole optimizer step) the loss is this micro-batch's share of the step's:
+    ``shift_labels [B, T]`` (targets already aligned with the logits, transformers 5's contract
+    for sequence- and context-parallel training) replace ``labels``: ``cross_entropy(logits,
+    shift_labels)`` (``causal_lm_loss``). With ``num_items_in_batch`` (the HF ``Trainer`` under
+    gradient accumulation: the counted targets of the whole optimizer step) the loss is this
+    micro-batch's share of the step's:
     the summed cross-entropy over ``num_items_in_batch``, plus the commitment loss times this
     micro-batch's counted targets over ``num_items_in_batch``. The micro-batches' losses then
     add up to the step's: exactly the full batch's when the micro-batches hold counted
@@ -462,42 +467,60 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
         num_items = kwargs.get("num_items_in_batch")
+        shift_labels = kwargs.pop("shift_labels", None)
         h, new_cache, hidden, commit = self.model._forward(
             input_ids, attention_mask, cache if cache is not None else past_key_values, inputs_embeds,
             use_cache, output_hidden_states, output_attentions, kwargs)
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         logits = self.lm.logits(h[:, keep])
         loss = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             commit = commit.to(logits.dtype)
             if num_items is not None:
-                commit = commit * _share_of_targets(labels, num_items, logits)
-            loss = causal_lm_loss(logits, labels, num_items) + commit
+                _, targets = _aligned_targets(logits, labels, shift_labels)
+                commit = commit * _share_of_targets(targets, num_items, logits)
+            loss = causal_lm_loss(logits, labels, num_items, shift_labels=shift_labels) + commit
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache, hidden_states=hidden)
         return output if self.model._return_dict(return_dict) else output.to_tuple()
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: Any = None, *,
+                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy of ``logits [B, T, V]`` against ``labels [B, T]`` shifted by
     one (``labels[:, t + 1]`` is the target of position ``t``; -100 is ignored): the mean
-    over counted targets, or their sum divided by ``num_items_in_batch``."""
-    if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
-        raise ValueError(f"labels must have shape [batch, length] = {list(logits.shape[:2])} (logits_to_keep=0), "
-                         f"got {list(getattr(labels, 'shape', []))}")
-    check_token_ids("labels", labels, logits.shape[-1], values=False)  # .long() would truncate float labels
-    predictions = logits[:, :-1].float() if logits.dtype != torch.float64 else logits[:, :-1]
-    targets = labels[:, 1:].to(logits.device).long()
+    over counted targets, or their sum divided by ``num_items_in_batch``.
+
+    ``shift_labels [B, T]``, transformers 5's loss contract, are targets already aligned with
+    the logits (``shift_labels[:, t]`` is the target of position ``t``: what sequence- and
+    context-parallel training pass, shifted before the sequence was split); given, they replace
+    ``labels`` (which may be passed alongside and are then not read). ``shift_labels`` equal to
+    ``labels[:, 1:]`` followed by -100 give the same loss as ``labels``."""
+    predictions, targets = _aligned_targets(logits, labels, shift_labels)
+    predictions = predictions.float() if predictions.dtype != torch.float64 else predictions
+    targets = targets.to(logits.device).long()
     if num_items_in_batch is None:
         return F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100)
     total = F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     return total / torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
 
 
-def _share_of_targets(labels: torch.Tensor, num_items_in_batch: Any, like: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's counted targets (``labels[:, 1:] != -100``, what the HF ``Trainer``
-    counts for a causal LM) over ``num_items_in_batch``, the step's: the weight of its
+def _aligned_targets(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(predictions, targets)``: ``logits[:, :-1]`` and ``labels[:, 1:]``, or all of ``logits``
+    and ``shift_labels`` when given; each checked to be ``[batch, length]`` token ids (-100 allowed)."""
+    name, given = ("shift_labels", shift_labels) if shift_labels is not None else ("labels", labels)
+    if not isinstance(given, torch.Tensor) or given.shape != logits.shape[:2]:
+        raise ValueError(f"{name} must have shape [batch, length] = {list(logits.shape[:2])} (logits_to_keep=0), "
+                         f"got {list(getattr(given, 'shape', []))}")
+    check_token_ids(name, given, logits.shape[-1], values=False)  # .long() would truncate float labels
+    return (logits, shift_labels) if shift_labels is not None else (logits[:, :-1], labels[:, 1:])
+
+
+def _share_of_targets(targets: torch.Tensor, num_items_in_batch: Any, like: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's counted targets (``targets != -100``, the aligned targets: what the HF
+    ``Trainer`` counts for a causal LM) over ``num_items_in_batch``, the step's: the weight of its
     commitment loss, so the micro-batches of one optimizer step add up to the step's loss."""
-    counted = (labels[:, 1:] != -100).sum().to(device=like.device, dtype=like.dtype)
+    counted = (targets != -100).sum().to(device=like.device, dtype=like.dtype)
     return counted / torch.as_tensor(num_items_in_batch, device=like.device).to(like.dtype)
 
 
