@@ -334,7 +334,7 @@ def test_a_config_naming_an_unknown_layer_kind_fails_clearly(saved, tmp_path):
 def test_byte_tokenizer_is_lossless_and_pads_with_zero(saved):
     _, out = saved
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert isinstance(tokenizer, H.LinattnByteTokenizer)
+    assert type(tokenizer).__name__ == "TokenizersBackend"  # what tokenizer_config.json names
     text = "héllo, Āwörld\x00 ☃ \t end "
     ids = tokenizer(text).input_ids
     assert ids == list(text.encode("utf-8"))

@@ -22,7 +22,7 @@ from .cache import LinattnCache, RowGroup
 from .config import LinattnConfig
 from .export import export_run, save_pretrained_lm
 from .modeling import LinattnForCausalLM, LinattnModel, causal_lm_loss, lm_state_of
-from .tokenizer import LinattnByteTokenizer, byte_tokenizer
+from .tokenizer import LinattnByteTokenizer, LinattnTokenizer, byte_tokenizer
 
 
 class CodebookUpdateCallback(TrainerCallback):
@@ -92,6 +92,7 @@ __all__ = [
     "RowGroup",
     "CodebookUpdateCallback",
     "LinattnByteTokenizer",
+    "LinattnTokenizer",
     "byte_tokenizer",
     "causal_lm_loss",
     "export_run",

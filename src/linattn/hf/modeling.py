@@ -7,6 +7,8 @@ padding masks, the ``LinattnCache`` that ``generate`` carries, HF outputs and th
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from ..nn.codebook import Codebook
 from ..state import LMState
 from .cache import LinattnCache, RowGroup
 from .config import LinattnConfig
+from .remote_code import REMOTE_CODE_FILE, auto_map_modules, write_remote_code
 
 
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -158,6 +161,21 @@ class LinattnPreTrainedModel(PreTrainedModel):
                 if isinstance(module, Codebook):  # the loader casts buffers to the model dtype
                     module._apply(lambda t: t)  # codes and EMA statistics back to float32
         return loaded
+
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained``, with the module ``config.auto_map`` names: when it
+        names ``modeling_linattn`` (an export, or a model loaded from one, with or without
+        ``import linattn.hf``), that file is written too, so the saved folder loads with
+        ``trust_remote_code=True``. A module of another name that the folder then lacks is a
+        ValueError naming it."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        modules = auto_map_modules(getattr(self.config, "auto_map", None))
+        if REMOTE_CODE_FILE.removesuffix(".py") in modules:
+            write_remote_code(save_directory)
+        missing = sorted(name for name in modules if not (Path(save_directory) / f"{name}.py").is_file())
+        if missing:
+            raise ValueError(f"config.auto_map names the modules {missing}, which {save_directory} lacks: "
+                             "trust_remote_code=True could not load it; remove config.auto_map or add the files")
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
