@@ -12,6 +12,7 @@ from .._checks import check_layer_input, check_state_batch, check_state_setting,
 from ..ops.delta import delta_rule
 from ..state import DeltaRuleState, GatedDeltaNetState
 from ._heads import _NORM_EPS, _HeadsMixer
+from ._precision import outside_autocast
 
 # Mamba-2's initial decay rates A = exp(A_log) ~ U(1, 16) and step sizes dt in [1e-3, 1e-1]
 # (log-uniform, at least 1e-4), per head.
@@ -100,7 +101,7 @@ class GatedDeltaNet(_HeadsMixer):
         logits = self.decay_proj(x).to(dtype).transpose(1, 2).contiguous() + self.dt_bias.to(dtype).unsqueeze(-1)
         g = -torch.exp(self.A_log.to(dtype)).unsqueeze(-1) * F.softplus(logits)
         q, k, v = self._split_heads(q, k.to(q.dtype), v.to(q.dtype))
-        with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
+        with outside_autocast(x.device.type):  # the op keeps its own float32 precision
             out, rule = delta_rule(
                 q, k, v, beta.to(q.dtype), feature_map="identity", normalize="l2", g=g, chunk_size=self.chunk_size,
                 initial_state=state.rule if state is not None else None, output_final_state=True,

@@ -16,6 +16,7 @@ from ._gau_decode import can_decode_token, decode_token, inverse_rms
 from .attention import ATTENTION_SCALES
 from .fsq import FSQuantizer
 from .quantizer import VectorQuantizer
+from ._precision import outside_autocast
 
 _ATTENTIONS = ("vq", "fsq", "soft-vq", "softmax")
 GAU_VARIANTS = ("linattn", "paper")
@@ -272,7 +273,7 @@ class GAU(nn.Module):
             v, bias, position_keys = v.to(dtype), bias.to(dtype), position_keys.to(dtype)
         else:  # ReRoPE: the op rotates q
             queries, v, bias, position_keys = q.to(dtype), v.to(dtype), None, None
-        with torch.autocast(x.device.type, enabled=False):
+        with outside_autocast(x.device.type):
             out, state, aux = self._attend(queries, k, v, bias, position_keys, state, x.new_zeros(()))
         gated = out.squeeze(1) * gate if torch.is_grad_enabled() else out.squeeze(1).mul_(gate)  # out: a fresh tensor
         y = self.w_o(gated)
@@ -380,6 +381,8 @@ class GAU(nn.Module):
         tensors it ``depends`` on changes (storage or version: the optimizer and
         ``load_state_dict`` write in place and bump the version) or ``extra`` differs.
         Writes through ``.data`` bump no version: they are seen after ``train()``/``eval()``."""
+        if torch.compiler.is_compiling():  # storage and version are not traceable; the graph computes it
+            return compute()
         key = (*extra, *((t.data_ptr(), t._version) for t in depends))
         cache = self.__dict__.setdefault("_no_grad_cache", {})
         if name not in cache or cache[name][0] != key:

@@ -10,6 +10,7 @@ from .._checks import check_layer_input, check_positive_int, check_positive_numb
 from ..ops.kernel import linear_attention
 from ..state import GatedLinearAttentionState, LinearAttentionState
 from ._heads import _NORM_EPS, _HeadsMixer
+from ._precision import outside_autocast
 
 
 class GatedLinearAttention(_HeadsMixer):
@@ -71,7 +72,7 @@ class GatedLinearAttention(_HeadsMixer):
         dtype = compute_dtype(q.dtype)
         logits = self.decay_up(self.decay_down(x)).to(dtype) + self.decay_bias.to(dtype)
         g = self._heads(F.logsigmoid(logits) / self.gate_temperature, self.n_kv_heads)
-        with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
+        with outside_autocast(x.device.type):  # the op keeps its own float32 precision
             out, attention = linear_attention(
                 q, k.to(q.dtype), v.to(q.dtype), feature_map="identity", normalize=None, g=g,
                 scale=self.head_dim ** -0.5, chunk_size=self.chunk_size,

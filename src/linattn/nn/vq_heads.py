@@ -10,6 +10,7 @@ from ..ops.vq import GRAD_SCOPES, check_vq_rerope, check_vq_state, vq_attention
 from ..state import VQAttentionState
 from ._heads import add_attention_projections, attention_heads
 from .quantizer import VectorQuantizer
+from ._precision import outside_autocast
 
 VQ_POSITIONS = ("rerope", "bias")
 
@@ -96,7 +97,7 @@ class MultiHeadVQAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = attention_heads(self, x)
         # the op keeps its own precision (float32 sums and softmax); under autocast it runs on q's dtype
-        with torch.autocast(x.device.type, enabled=False):
+        with outside_autocast(x.device.type):
             k_hat, codes, commit = self.quantizer(k)
             dtype = q.dtype
             bias = None if self.relative_bias is None else self.relative_bias.to(dtype)
