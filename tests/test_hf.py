@@ -18,7 +18,7 @@ import linattn.hf as H
 from linattn import LM, LMConfig
 from linattn.cli import main
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
-from _helpers import codebook_trainer, head_fields, lm_eval_task
+from _helpers import codebook_trainer, head_fields, lm_eval_perplexity, lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -385,14 +385,7 @@ def test_lm_eval_scores_an_exported_model_on_a_local_task(saved, tmp_path, monke
     assert code == 0
     [result_file] = list(results.rglob("results*.json"))
     scored = json.loads(result_file.read_text())["results"]["linattn_lines"]
-    total = 0.0
-    for doc in docs:
-        context, target = list(doc["context"].encode()), list(doc["continuation"].encode())
-        with torch.no_grad():
-            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
-        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
-    expected = math.exp(-total / len(docs))
-    assert scored["perplexity,none"] == pytest.approx(expected, rel=1e-6)
+    assert scored["perplexity,none"] == pytest.approx(lm_eval_perplexity(lm, docs), rel=1e-6)
 
 
 def test_hf_module_registers_without_remote_code():

@@ -21,7 +21,7 @@ import torch
 import linattn.hf as H
 from test_hf import greedy_ours, random_ids, tiny_lm
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from _helpers import lm_eval_task
+from _helpers import lm_eval_perplexity, lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -481,7 +481,6 @@ def test_lm_eval_needs_no_prefix_token_and_knows_the_model_is_causal(exported, t
     the model's own log-probabilities, and lm_eval does not warn that the model type is
     neither causal nor seq2seq."""
     import logging
-    import math
 
     from linattn.cli import main
 
@@ -499,14 +498,7 @@ def test_lm_eval_needs_no_prefix_token_and_knows_the_model_is_causal(exported, t
     assert "neither marked as CausalLM" not in printed
     [result_file] = list(results.rglob("results*.json"))
     scored = json.loads(result_file.read_text())["results"]["linattn_api_lines"]
-    total = 0.0
-    for doc in docs:
-        context = list(doc["context"].encode()) or [10]  # an empty context: the newline
-        target = list(doc["continuation"].encode())
-        with torch.no_grad():
-            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
-        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
-    assert scored["perplexity,none"] == pytest.approx(math.exp(-total / len(docs)), rel=1e-6)
+    assert scored["perplexity,none"] == pytest.approx(lm_eval_perplexity(lm, docs), rel=1e-6)
 
 
 def test_an_older_exports_tokenizer_loads_as_the_byte_tokenizer(tmp_path):

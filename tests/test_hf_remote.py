@@ -7,7 +7,6 @@ for remote code, whose ``bos_token_id`` is the start token), plain ``lm_eval`` w
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import linattn
 import linattn.hf as H
 from linattn.hf.tokenizer import _byte_core
 from test_hf import random_ids, tiny_lm
-from _helpers import lm_eval_task
+from _helpers import lm_eval_perplexity, lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -52,10 +51,9 @@ def fresh_python(script: str, *args: str, cwd: Path, linattn_installed: bool = T
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    lm = tiny_lm("local:4,vq,delta", n_layers=3)
-    out = tmp_path_factory.mktemp("remote") / "model"
-    H.save_pretrained_lm(lm, out)
-    return lm, out
+    """A saved model of a VQ GAU pair and a Gated DeltaNet, with the byte tokenizer."""
+    lm = tiny_lm("vq,gated-delta")
+    return lm, H.save_pretrained_lm(lm, tmp_path_factory.mktemp("remote") / "model")
 
 
 # -- save_pretrained writes the module its auto_map names -------------------------------------------
@@ -175,14 +173,7 @@ def test_plain_lm_eval_with_trust_remote_code_needs_no_prefix_token(exported, tm
     cli_evaluate()
     [result_file] = list(results.rglob("results*.json"))
     scored = json.loads(result_file.read_text())["results"]["linattn_plain_lines"]
-    total = 0.0
-    for doc in docs:
-        context = list(doc["context"].encode()) or [10]
-        target = list(doc["continuation"].encode())
-        with torch.no_grad():
-            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
-        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
-    assert scored["perplexity,none"] == pytest.approx(math.exp(-total / len(docs)), rel=1e-6)
+    assert scored["perplexity,none"] == pytest.approx(lm_eval_perplexity(lm, docs), rel=1e-6)
 
 
 # -- a tokenizer's EOS in the exported config -----------------------------------------------------------
