@@ -512,7 +512,7 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, num_items_
     the logits (``shift_labels[:, t]`` is the target of position ``t``: what sequence- and
     context-parallel training pass, shifted before the sequence was split); given, they replace
     ``labels`` (which may be passed alongside and are then not read). ``shift_labels`` equal to
-    ``labels[:, 1:]`` followed by -100 give the same loss as ``labels``."""
+    ``labels[:, 1:]`` followed by -100 give the loss of ``labels`` (to rounding)."""
     predictions, targets = _aligned_targets(logits, labels, shift_labels)
     predictions = predictions.float() if predictions.dtype != torch.float64 else predictions
     targets = targets.to(logits.device).long()
