@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench docs generated mutate clean serve-env
+.PHONY: demo test test-gpu bench docs generated mutate clean serve-env transformers-tests
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,29 @@ $(SERVE_STAMP): $(SERVE_VENV)/bin/python pyproject.toml requirements-serve.lock
 
 serve-env: $(SERVE_STAMP)
 
+# transformers' own model tests (tests/test_hf_conformance.py runs its ModelTesterMixin on linattn's classes):
+# the tests/ folder of the pinned transformers' source distribution, and parameterized, which they import,
+# downloaded by version and hash (requirements-hf-tests.lock, pip --require-hashes) into $(HF_TESTS).
+HF_TESTS := $(VENV)/transformers-tests
+HF_TESTS_STAMP := $(HF_TESTS)/.fetched
+HF_TESTS_VERSION = $(shell sed -n 's/^transformers==\([^ ]*\) .*/\1/p' requirements-hf-tests.lock)
+
+$(HF_TESTS_STAMP): $(STAMP) requirements-hf-tests.lock
+	@grep -qx 'transformers==$(HF_TESTS_VERSION)' requirements.lock || \
+		{ echo "requirements-hf-tests.lock: transformers $(HF_TESTS_VERSION) is not the version requirements.lock pins"; exit 2; }
+	rm -rf $(HF_TESTS) $(HF_TESTS).tmp
+	$(BIN)/pip download --quiet --disable-pip-version-check --no-deps --require-hashes --no-binary transformers \
+		-r requirements-hf-tests.lock -d $(HF_TESTS).tmp/dist
+	tar xzf $(HF_TESTS).tmp/dist/transformers-$(HF_TESTS_VERSION).tar.gz -C $(HF_TESTS).tmp --strip-components 1 \
+		transformers-$(HF_TESTS_VERSION)/tests transformers-$(HF_TESTS_VERSION)/PKG-INFO
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps --no-index --target $(HF_TESTS).tmp/site \
+		$(HF_TESTS).tmp/dist/parameterized-*.whl
+	rm -rf $(HF_TESTS).tmp/dist
+	mv $(HF_TESTS).tmp $(HF_TESTS)
+	touch $(HF_TESTS_STAMP)
+
+transformers-tests: $(HF_TESTS_STAMP)
+
 demo: $(STAMP)
 	@if [ -e runs/demo ]; then echo "make demo: deleting the previous runs/demo"; fi
 	rm -rf runs/demo
@@ -40,7 +63,7 @@ demo: $(STAMP)
 	@$(BIN)/python -c "import json; m = json.load(open('docs/results/repro-demo/results.json'))['rows'][0]['metrics']['validation_bpb']; \
 		print(f\"\nmeasured over seeds 0-2 (linattn repro demo, docs/results/repro-demo): final validation bpb {m['min']:.3f}-{m['max']:.3f}, mean {m['mean']:.3f}\")"
 
-test: $(STAMP) $(SERVE_STAMP)
+test: $(STAMP) $(SERVE_STAMP) $(HF_TESTS_STAMP)
 	$(BIN)/ruff check src tests tools
 	$(BIN)/python -m pytest -q
 

@@ -338,6 +338,22 @@ def lm_eval_task(tmp_path, monkeypatch, name: str, docs: list[dict], *, target_d
     return tasks
 
 
+def lm_eval_perplexity(lm, docs: list[dict]) -> float:
+    """The perplexity lm-evaluation-harness reports for ``lm_eval_task``'s ``docs``, computed from
+    ``lm``'s own logits: exp of minus the mean over docs of each continuation's log-probability
+    after its context (an empty context: after the newline, the start token)."""
+    import math
+
+    total = 0.0
+    for doc in docs:
+        context = list(doc["context"].encode()) or [10]
+        target = list(doc["continuation"].encode())
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
+        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
+    return math.exp(-total / len(docs))
+
+
 def codebook_trainer(model, tmp_path, steps: int, rows: torch.Tensor):
     """An HF ``Trainer`` on the CPU over ``rows`` (each its own labels), batches of 4, ``steps``
     steps at lr 1e-2, with ``CodebookUpdateCallback``."""

@@ -18,7 +18,7 @@ import linattn.hf as H
 from linattn import LM, LMConfig
 from linattn.cli import main
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, pipeline
-from _helpers import codebook_trainer, head_fields, lm_eval_task
+from _helpers import codebook_trainer, head_fields, lm_eval_perplexity, lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -334,7 +334,7 @@ def test_a_config_naming_an_unknown_layer_kind_fails_clearly(saved, tmp_path):
 def test_byte_tokenizer_is_lossless_and_pads_with_zero(saved):
     _, out = saved
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert isinstance(tokenizer, H.LinattnByteTokenizer)
+    assert type(tokenizer).__name__ == "TokenizersBackend"  # what tokenizer_config.json names
     text = "héllo, Āwörld\x00 ☃ \t end "
     ids = tokenizer(text).input_ids
     assert ids == list(text.encode("utf-8"))
@@ -385,14 +385,7 @@ def test_lm_eval_scores_an_exported_model_on_a_local_task(saved, tmp_path, monke
     assert code == 0
     [result_file] = list(results.rglob("results*.json"))
     scored = json.loads(result_file.read_text())["results"]["linattn_lines"]
-    total = 0.0
-    for doc in docs:
-        context, target = list(doc["context"].encode()), list(doc["continuation"].encode())
-        with torch.no_grad():
-            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
-        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
-    expected = math.exp(-total / len(docs))
-    assert scored["perplexity,none"] == pytest.approx(expected, rel=1e-6)
+    assert scored["perplexity,none"] == pytest.approx(lm_eval_perplexity(lm, docs), rel=1e-6)
 
 
 def test_hf_module_registers_without_remote_code():

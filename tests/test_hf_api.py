@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 import linattn.hf as H
 from test_hf import greedy_ours, random_ids, tiny_lm
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from _helpers import lm_eval_task
+from _helpers import lm_eval_perplexity, lm_eval_task
 
 torch.set_num_threads(1)
 
@@ -237,6 +238,56 @@ def test_micro_batch_losses_add_up_to_the_full_batchs_loss():
         assert torch.allclose(p.grad, grads[name], rtol=0, atol=1e-12), name
 
 
+def test_shift_labels_are_each_positions_target_and_replace_labels():
+    """transformers 5's loss contract: ``shift_labels [B, T]`` are the targets already aligned with
+    the logits (position t predicts ``shift_labels[:, t]``), and replace ``labels``. The loss is the
+    cross-entropy written out here plus the commitment loss; ``labels[:, 1:]`` followed by -100 as
+    ``shift_labels`` give the loss of ``labels``, also as a micro-batch's share
+    (``num_items_in_batch``); changing ``labels`` alongside them changes nothing."""
+    lm = tiny_lm("vq,delta", commitment_weight=0.5)
+    model = H.LinattnForCausalLM.from_lm(lm).train()
+    ids = random_ids(2, 10, seed=45)
+    labels = ids.clone()
+    labels[0, 6:] = -100
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    with torch.no_grad():
+        logits, _, aux = lm(ids)
+    assert float(aux["commit_loss"]) > 1e-3
+    for num_items in (None, 11):  # the same sum, over one more (ignored) position: equal to rounding
+        options = {} if num_items is None else {"num_items_in_batch": num_items}
+        assert torch.allclose(model(ids, shift_labels=shifted, **options).loss,
+                              model(ids, labels=labels, **options).loss, rtol=1e-14, atol=0)
+    targets = random_ids(2, 10, seed=46)  # the last position has a target too
+    kept = targets != -100
+    expected = torch.nn.functional.cross_entropy(logits[kept], targets[kept]) + aux["commit_loss"]
+    loss = model(ids, shift_labels=targets).loss
+    assert torch.allclose(loss, expected, rtol=1e-12, atol=0)
+    assert torch.equal(model(ids, labels=random_ids(2, 10, seed=47), shift_labels=targets).loss, loss)
+    assert not torch.equal(model(ids, shift_labels=shifted).loss, loss)
+    with pytest.raises(ValueError, match=r"shift_labels must have shape \[batch, length\] = \[2, 10\]"):
+        model(ids, shift_labels=targets[:, 1:])
+
+
+def test_from_pretrained_returns_the_loading_info_when_asked(exported, tmp_path):
+    """``output_loading_info=True`` gives ``(model, loading info)`` as for any transformers model: the
+    model is the saved one, and a tensor the folder lacks is listed as missing."""
+    from safetensors.torch import load_file, save_file
+
+    lm, out = exported
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(model) is H.LinattnForCausalLM
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = random_ids(2, 9, seed=48)
+    assert torch.equal(model(ids).logits, lm(ids)[0])
+    lacking = tmp_path / "lacking"
+    shutil.copytree(out, lacking)
+    tensors = load_file(lacking / "model.safetensors")
+    del tensors["model.lm.norm.weight"]
+    save_file(tensors, lacking / "model.safetensors", metadata={"format": "pt"})
+    _, info = H.LinattnForCausalLM.from_pretrained(lacking, output_loading_info=True)
+    assert set(info["missing_keys"]) == {"model.lm.norm.weight"}
+
+
 def _train_one_step(tmp_path, lm, rows, batch: int, accumulation: int):
     """One SGD step of the HF ``Trainer`` on ``rows`` -> (the step's loss: the sum of the losses
     the Trainer backpropagated, in float64, and the trained model)."""
@@ -329,17 +380,18 @@ def _run_python(script: str, *args: str, cwd=None, **env_vars: str) -> str:
 
 
 def test_auto_tokenizer_gives_the_same_ids_with_and_without_import_linattn_hf(exported):
-    """The saved byte tokenizer needs no linattn code: a process that never imports
-    ``linattn.hf`` gets the same ids, padding and decoding as ``LinattnByteTokenizer``, and
-    they are the UTF-8 bytes ("Ā" is the bytes C4 80, never the pad token)."""
+    """The saved byte tokenizer needs no linattn code: its class is the standard
+    ``TokenizersBackend`` with and without ``import linattn.hf``, and a process that never imports
+    ``linattn.hf`` gets the same ids, padding and decoding as ``LinattnByteTokenizer``; they are
+    the UTF-8 bytes ("Ā" is the bytes C4 80, never the pad token)."""
     _, out = exported
     alone = json.loads(_run_python(_TOKENIZE_ALONE, str(out), json.dumps([TEXTS, BATCH])))
     assert alone.pop("linattn.hf imported") is False
     assert alone.pop("class") == "TokenizersBackend"
     tokenizer = AutoTokenizer.from_pretrained(out)
-    assert isinstance(tokenizer, H.LinattnByteTokenizer)
-    here = json.loads(json.dumps(_tokenized(tokenizer, TEXTS, BATCH)))
-    assert alone == here
+    assert type(tokenizer).__name__ == "TokenizersBackend"
+    here = json.loads(json.dumps(_tokenized(H.byte_tokenizer(), TEXTS, BATCH)))
+    assert alone == here == json.loads(json.dumps(_tokenized(tokenizer, TEXTS, BATCH)))
     assert here["ids"] == [list(text.encode("utf-8")) for text in TEXTS]
     width = max(len(text.encode()) for text in BATCH)
     assert here["padded"] == [[0] * (width - len(t.encode())) + list(t.encode()) for t in BATCH]
@@ -429,7 +481,6 @@ def test_lm_eval_needs_no_prefix_token_and_knows_the_model_is_causal(exported, t
     the model's own log-probabilities, and lm_eval does not warn that the model type is
     neither causal nor seq2seq."""
     import logging
-    import math
 
     from linattn.cli import main
 
@@ -447,14 +498,7 @@ def test_lm_eval_needs_no_prefix_token_and_knows_the_model_is_causal(exported, t
     assert "neither marked as CausalLM" not in printed
     [result_file] = list(results.rglob("results*.json"))
     scored = json.loads(result_file.read_text())["results"]["linattn_api_lines"]
-    total = 0.0
-    for doc in docs:
-        context = list(doc["context"].encode()) or [10]  # an empty context: the newline
-        target = list(doc["continuation"].encode())
-        with torch.no_grad():
-            logp = torch.log_softmax(lm(torch.tensor([context + target]))[0][0].double(), -1)
-        total += sum(float(logp[len(context) - 1 + i, t]) for i, t in enumerate(target))
-    assert scored["perplexity,none"] == pytest.approx(math.exp(-total / len(docs)), rel=1e-6)
+    assert scored["perplexity,none"] == pytest.approx(lm_eval_perplexity(lm, docs), rel=1e-6)
 
 
 def test_an_older_exports_tokenizer_loads_as_the_byte_tokenizer(tmp_path):

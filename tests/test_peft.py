@@ -14,8 +14,9 @@ import torch
 import linattn.hf as H
 import linattn.nn.gau as gau_module
 from linattn import LM, LMConfig
+from linattn.nn import VectorQuantizer
 from peft import LoraConfig, PeftModel, get_peft_model
-from _helpers import codebook_trainer, head_fields
+from _helpers import head_fields
 
 torch.set_num_threads(1)
 
@@ -144,25 +145,88 @@ def test_saved_adapter_loads_into_a_fresh_base_model_with_the_same_logits(tmp_pa
     assert_differs(expected, logits(base_model(attention), ids, False))
 
 
-def test_codebook_callback_updates_the_codebooks_of_a_peft_model_in_the_hf_trainer(tmp_path):
-    model = with_lora(H.LinattnForCausalLM.from_lm(tiny_lm("vq,local:4").float())).train()
-    quantizers = model.get_base_model().lm.quantizers()
-    before = [q.codebook.clone() for q in quantizers]
-    result = codebook_trainer(model, tmp_path, 2, random_ids(8, 12, seed=12)).train()
+# -- the codebooks under an adapter: saved with it (modules_to_save), the base model's left as they are --------
+
+
+def _adapter_trainer(model, tmp_path, rows: torch.Tensor):
+    """The HF ``Trainer`` over ``rows``: 2 optimizer steps of 2 accumulated micro-batches of 2 rows, with
+    ``CodebookUpdateCallback``."""
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2, report_to=[],
+                             use_cpu=True, save_strategy="no")
+    return Trainer(model=model, args=args, train_dataset=[{"input_ids": row, "labels": row} for row in rows],
+                   callbacks=[H.CodebookUpdateCallback()])
+
+
+def _codebook_state(quantizers) -> list[torch.Tensor]:
+    return [tensor.clone() for q in quantizers for tensor in (q.codebook, q.ema_counts, q.ema_sums)]
+
+
+def test_an_adapter_trained_with_the_codebook_callback_carries_its_codebooks_to_a_fresh_base_model(tmp_path):
+    """The documented rule: the adapter keeps its own copy of the codebooks (``modules_to_save=["quantizer"]``).
+    Two HF ``Trainer`` steps under gradient accumulation move every copy by the EMA update, the base model's
+    codebooks stay as they were (switched off, the adapter leaves the base model's logits), and the adapter
+    saved and loaded on a fresh base model gives the trained model's logits exactly."""
+    attention = "vq,local:4"
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, modules_to_save=["quantizer"])
+    model = get_peft_model(base_model(attention), config).train()
+    untouched = base_model(attention)
+    result = _adapter_trainer(model, tmp_path, random_ids(8, 12, seed=12)).train()
     assert math.isfinite(result.training_loss)
-    assert all(not torch.equal(q.codebook, b) for q, b in zip(quantizers, before))
-    with torch.no_grad():
-        pending = [float(q._pending_counts.sum()) for q in quantizers]
-    assert pending == [0.0] * len(pending)  # every batch's statistics went into an update
+    model.eval()
+    quantizers = {name: module for name, module in model.named_modules() if isinstance(module, VectorQuantizer)}
+    copies = [q for name, q in quantizers.items() if ".modules_to_save.default" in name]
+    originals = [q for name, q in quantizers.items() if name.endswith(".original_module")]
+    assert len(copies) == len(originals) == len(untouched.lm.quantizers()) == 2
+    for copy_, original, base in zip(copies, originals, untouched.lm.quantizers()):
+        assert not torch.equal(copy_.codebook, base.codebook)  # trained: the EMA update reached the copy
+        assert all(torch.equal(a, b) for a, b in zip(_codebook_state([original]), _codebook_state([base])))
+        assert float(copy_.pending_counts.sum()) == 0.0  # every micro-batch's statistics went into an update
+    ids = random_ids(2, 11)
+    trained = logits(model, ids, False)
+    with model.disable_adapter():  # the base model's fast paths read weights, the adapted ones call them
+        assert_same(logits(model, ids, False), logits(untouched, ids, False))
+    model.save_pretrained(tmp_path / "adapter")
+    loaded = PeftModel.from_pretrained(base_model(attention), tmp_path / "adapter").eval()
+    assert torch.equal(logits(loaded, ids, False), trained)
+    assert_differs(trained, logits(untouched, ids, False))
 
 
-def test_codebook_callback_reaches_the_model_inside_a_peft_model():
-    model = with_lora(base_model("vq")).train()
-    quantizers = model.get_base_model().lm.quantizers()
-    before = [q.codebook.clone() for q in quantizers]
+def test_the_codebook_callback_refuses_an_adapter_without_its_own_codebooks_before_any_step(tmp_path):
+    """An adapter that does not carry the codebooks would have the callback change the frozen base model in
+    place (and a saved adapter would not reproduce the trained model): the ``Trainer`` stops at its start with
+    a ValueError naming each quantizer and the ``LoraConfig`` argument that fixes it; nothing has changed."""
+    model = with_lora(base_model("vq,local:4")).train()
+    before = _codebook_state(model.get_base_model().lm.quantizers())
+    adapters = {name: p.clone() for name, p in model.named_parameters() if "lora_" in name}
+    with pytest.raises(ValueError, match=r'modules_to_save=\["quantizer"\]') as refusal:
+        _adapter_trainer(model, tmp_path, random_ids(8, 12, seed=12)).train()
+    for name in ("layers.0.units.0.quantizer", "layers.0.units.1.quantizer"):
+        assert name in str(refusal.value)
+    after = _codebook_state(model.get_base_model().lm.quantizers())
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert all(torch.equal(p, adapters[name]) for name, p in model.named_parameters() if "lora_" in name)
+    with pytest.raises(ValueError, match="does not carry the VQ codebooks"):  # called directly too
+        H.CodebookUpdateCallback().on_step_end(None, None, None, model=model)
+
+
+def test_the_codebook_callback_updates_a_plain_model_and_finds_the_copies_inside_a_peft_model():
+    """Without an adapter the callback updates the model's own codebooks; with one, it reaches the adapter's
+    copies inside the ``PeftModel``."""
+    plain = base_model("vq").train()
+    before = _codebook_state(plain.lm.quantizers())
+    plain(random_ids(2, 9))
+    H.CodebookUpdateCallback().on_step_end(None, None, None, model=plain)
+    assert not any(torch.equal(a, b) for a, b in zip(_codebook_state(plain.lm.quantizers())[::3], before[::3]))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["w_q"], modules_to_save=["quantizer"])
+    model = get_peft_model(base_model("vq"), config).train()
+    copies = [m for name, m in model.named_modules() if isinstance(m, VectorQuantizer) and "modules_to_save" in name]
+    before = _codebook_state(copies)
     model(random_ids(2, 9))
     H.CodebookUpdateCallback().on_step_end(None, None, None, model=model)
-    assert all(not torch.equal(q.codebook, b) for q, b in zip(quantizers, before))
+    assert not any(torch.equal(a, b) for a, b in zip(_codebook_state(copies)[::3], before[::3]))
 
 
 def _count_calls(monkeypatch, module, name: str) -> list:

@@ -3,107 +3,94 @@ and a small module that lets ``trust_remote_code=True`` load it without ``import
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase
 
+from .._files import write_text_atomic
 from ..data import ByteTokenizer, HFTokenizer
 from ..models.lm import LM
 from .modeling import LinattnForCausalLM
-from .tokenizer import byte_tokenizer
-
-REMOTE_CODE_FILE = "modeling_linattn.py"
-
-# The module an export ships for ``trust_remote_code=True``: no model code of its own, only the
-# installed linattn's classes under the names config.json's ``auto_map`` gives. Subclasses, so
-# that what transformers records on a remotely loaded class (``_auto_class``, which makes
-# ``save_pretrained`` copy this file along) stays on them and never reaches linattn's own.
-_REMOTE_CODE = '''"""linattn model classes for `trust_remote_code=True`.
-
-This folder is a linattn language model. This module holds
-no model code: it imports the classes of the installed linattn package (`pip install
-"linattn[hf]"`). `import linattn.hf` before loading does the same without remote code:
-
-    import linattn.hf
-    model = AutoModelForCausalLM.from_pretrained(folder)
-"""
-
-from linattn.hf import LinattnConfig as _LinattnConfig
-from linattn.hf import LinattnForCausalLM as _LinattnForCausalLM
-from linattn.hf import LinattnModel as _LinattnModel
+from .remote_code import MODEL_AUTO_MAP, TOKENIZER_AUTO_MAP
+from .tokenizer import LinattnTokenizer, byte_tokenizer, newline_token_id
 
 
-class LinattnConfig(_LinattnConfig):
-    """linattn.hf.LinattnConfig."""
-
-
-class LinattnModel(_LinattnModel):
-    """linattn.hf.LinattnModel."""
-
-    config_class = LinattnConfig
-
-
-class LinattnForCausalLM(_LinattnForCausalLM):
-    """linattn.hf.LinattnForCausalLM."""
-
-    config_class = LinattnConfig
-'''
-
-_AUTO_MAP = {
-    "AutoConfig": "modeling_linattn.LinattnConfig",
-    "AutoModel": "modeling_linattn.LinattnModel",
-    "AutoModelForCausalLM": "modeling_linattn.LinattnForCausalLM",
-}
-
-
-def save_pretrained_lm(lm: LM, out: str | Path, tokenizer: ByteTokenizer | HFTokenizer | None = None) -> Path:
+def save_pretrained_lm(lm: LM, out: str | Path,
+                       tokenizer: ByteTokenizer | HFTokenizer | PreTrainedTokenizerBase | None = None) -> Path:
     """Save ``lm`` (weights, codebooks and every buffer) with its tokenizer as a
     ``save_pretrained`` directory that ``AutoModelForCausalLM.from_pretrained(out)`` (after
     ``import linattn.hf``) and ``pipeline("text-generation", model=out)`` load; with
     ``trust_remote_code=True`` they load it without the import (``config.json``'s
     ``auto_map`` names the shipped ``modeling_linattn.py``, which imports the installed
-    linattn's classes). ``config.bos_token_id`` is the newline token (when the tokenizer has
-    one): the token documents start after, ``linattn lm-eval``'s default prefix token.
+    linattn's classes, or names the version to install where linattn is missing).
 
     Args:
         lm: the model to save.
         out: the directory to write.
         tokenizer: None or a ``ByteTokenizer`` writes the byte tokenizer (the model's
             vocabulary must be 256); an ``HFTokenizer`` (a run's ``tokenizer.json``) is written
-            as a ``PreTrainedTokenizerFast`` that ``AutoTokenizer`` loads, left padding, and
-            must have at most the model's vocabulary size (a model imported from a Hugging
-            Face checkpoint may have rows past its tokenizer's, as Qwen2's has).
+            as a ``LinattnTokenizer``, left padding; a transformers tokenizer (e.g. the one a
+            converted checkpoint came with) is written as it is. It must have at most the
+            model's vocabulary size (a model imported from a Hugging Face checkpoint may have
+            rows past its tokenizer's, as Qwen2's has). ``tokenizer_config.json`` names the
+            standard ``TokenizersBackend`` class, which any transformers loads without linattn,
+            and ``LinattnTokenizer`` for ``trust_remote_code=True`` (its ``auto_map``).
+            ``config.json`` gets the tokenizer's token ids: ``bos_token_id`` its BOS or, without
+            one, the newline token (``LinattnTokenizer.bos_token_id``: the token documents start
+            after, ``lm_eval``'s prefix token) and ``eos_token_id`` where it has them.
 
     Returns:
         ``out`` as a Path.
     """
     if not isinstance(lm, LM):
         raise TypeError(f"lm must be a linattn LM, got {type(lm).__name__}")
-    if isinstance(tokenizer, HFTokenizer):
-        if tokenizer.vocab_size > lm.config.vocab_size:
-            raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens, more than the model's vocab_size="
-                             f"{lm.config.vocab_size}")
-        hf_tokenizer = PreTrainedTokenizerFast(tokenizer_object=tokenizer.core, padding_side="left")
-    elif tokenizer is None or isinstance(tokenizer, ByteTokenizer):
-        if lm.config.vocab_size != 256:
-            raise ValueError(f"only byte-vocabulary models (vocab_size=256) can be exported with the byte "
-                             f"tokenizer; this model has vocab_size={lm.config.vocab_size}: pass its tokenizer")
-        hf_tokenizer = byte_tokenizer()
-    else:
-        raise TypeError(f"tokenizer must be a ByteTokenizer, an HFTokenizer or None, got {type(tokenizer).__name__}")
+    hf_tokenizer = _hf_tokenizer(tokenizer, lm.config.vocab_size)
     out = Path(out)
-    model = LinattnForCausalLM.from_lm(lm, **_start_token(hf_tokenizer))
-    model.config.auto_map = dict(_AUTO_MAP)
-    model.save_pretrained(out)
-    (out / REMOTE_CODE_FILE).write_text(_REMOTE_CODE, encoding="utf-8")
+    model = LinattnForCausalLM.from_lm(lm, **_token_ids(hf_tokenizer))
+    model.config.auto_map = dict(MODEL_AUTO_MAP)
+    model.save_pretrained(out)  # with modeling_linattn.py, which the auto_map names
     hf_tokenizer.save_pretrained(out)
+    _name_standard_tokenizer_class(out / "tokenizer_config.json")
     return out
 
 
-def _start_token(tokenizer: PreTrainedTokenizerFast) -> dict:
-    """``{"bos_token_id": id}`` of the newline when it is one token of ``tokenizer``, else ``{}``."""
-    ids = tokenizer("\n", add_special_tokens=False).input_ids
-    return {"bos_token_id": ids[0]} if len(ids) == 1 else {}
+def _hf_tokenizer(tokenizer, vocab_size: int) -> PreTrainedTokenizerBase:
+    """The transformers tokenizer an export writes for ``tokenizer`` (see ``save_pretrained_lm``)."""
+    if isinstance(tokenizer, (HFTokenizer, PreTrainedTokenizerBase)):
+        size = tokenizer.vocab_size if isinstance(tokenizer, HFTokenizer) else len(tokenizer)
+        if size > vocab_size:
+            raise ValueError(f"tokenizer: {size} tokens, more than the model's vocab_size={vocab_size}")
+        if isinstance(tokenizer, PreTrainedTokenizerBase):
+            return tokenizer
+        return LinattnTokenizer(tokenizer_object=tokenizer.core, padding_side="left")
+    if tokenizer is None or isinstance(tokenizer, ByteTokenizer):
+        if vocab_size != 256:
+            raise ValueError(f"only byte-vocabulary models (vocab_size=256) can be exported with the byte "
+                             f"tokenizer; this model has vocab_size={vocab_size}: pass its tokenizer")
+        return byte_tokenizer()
+    raise TypeError(f"tokenizer must be a ByteTokenizer, an HFTokenizer, a transformers tokenizer or None, got "
+                    f"{type(tokenizer).__name__}")
+
+
+def _token_ids(tokenizer: PreTrainedTokenizerBase) -> dict:
+    """The config's ``bos_token_id`` and ``eos_token_id`` the tokenizer has (``bos``: its BOS, else the
+    newline when it is one token, see ``LinattnTokenizer``). No pad id: ``generate`` would read that
+    token in a prompt as padding; pass ``attention_mask``."""
+    bos = tokenizer.bos_token_id
+    if bos is None and tokenizer.is_fast:
+        bos = newline_token_id(tokenizer)
+    ids = {"bos_token_id": bos, "eos_token_id": tokenizer.eos_token_id}
+    return {name: value for name, value in ids.items() if value is not None}
+
+
+def _name_standard_tokenizer_class(path: Path) -> None:
+    """Make ``tokenizer_config.json`` name ``TokenizersBackend`` as its class (loaded by any
+    transformers from ``tokenizer.json``, no linattn, no remote code) and ``LinattnTokenizer`` for
+    ``trust_remote_code=True``, whatever class wrote it."""
+    settings = json.loads(path.read_text(encoding="utf-8"))
+    settings.update(tokenizer_class="TokenizersBackend", auto_map=TOKENIZER_AUTO_MAP)
+    write_text_atomic(path, json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def export_run(ckpt: str | Path, out: str | Path, *, device: str = "cpu") -> Path:

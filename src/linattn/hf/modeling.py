@@ -7,6 +7,8 @@ padding masks, the ``LinattnCache`` that ``generate`` carries, HF outputs and th
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from ..nn.codebook import Codebook
 from ..state import LMState
 from .cache import LinattnCache, RowGroup
 from .config import LinattnConfig
+from .remote_code import REMOTE_CODE_FILE, auto_map_modules, write_remote_code
 
 
 _ATTN_IMPLEMENTATIONS = ("eager", "sdpa")
@@ -147,24 +150,70 @@ class LinattnPreTrainedModel(PreTrainedModel):
         other vector paths and float results differ in the last bit from the saved model's;
         an aligned one may still lie in the file's memory map, and change when the file is
         rewritten in place) and the codebooks' buffers returned to float32 (their invariant;
-        the loader casts every buffer to the requested dtype)."""
-        model = super().from_pretrained(*args, **kwargs)
+        the loader casts every buffer to the requested dtype). With ``output_loading_info=True``
+        it returns ``(model, loading_info)``, as transformers does."""
+        loaded = super().from_pretrained(*args, **kwargs)
+        model = loaded[0] if kwargs.get("output_loading_info") else loaded
         with torch.no_grad():
             for tensor in [*model.parameters(), *model.buffers()]:
                 tensor.data = tensor.data.clone()
             for module in model.modules():
                 if isinstance(module, Codebook):  # the loader casts buffers to the model dtype
                     module._apply(lambda t: t)  # codes and EMA statistics back to float32
-        return model
+        return loaded
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained``, with the module ``config.auto_map`` names: when it
+        names ``modeling_linattn`` (an export, or a model loaded from one, with or without
+        ``import linattn.hf``), that file is written too, so the saved folder loads with
+        ``trust_remote_code=True``. A module of another name that the folder then lacks is a
+        ValueError naming it."""
+        super().save_pretrained(save_directory, *args, **kwargs)
+        modules = auto_map_modules(getattr(self.config, "auto_map", None))
+        if REMOTE_CODE_FILE.removesuffix(".py") in modules:
+            write_remote_code(save_directory)
+        missing = sorted(name for name in modules if not (Path(save_directory) / f"{name}.py").is_file())
+        if missing:
+            raise ValueError(f"config.auto_map names the modules {missing}, which {save_directory} lacks: "
+                             "trust_remote_code=True could not load it; remove config.auto_map or add the files")
+
+    @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        """Called by ``post_init``/``from_pretrained`` for each module whose tensors were not
-        all loaded: non-persistent buffers are recomputed, weights a checkpoint lacks get
-        ``LM``'s initialisation rule (HF's init guard leaves loaded tensors untouched)."""
-        if hasattr(module, "_reset_buffers"):
+        """Initialise ``module``'s own tensors (parameters and buffers, not its submodules') as a
+        freshly built ``LM`` has them; HF calls it for every module not yet initialised (on
+        construction, in ``init_weights()``, and in ``from_pretrained`` for whatever a checkpoint
+        lacks). Its ``reset_parameters()`` (every linattn module's, torch's for ``nn.Linear``,
+        ``nn.Embedding`` and the norms) writes them, then linear and embedding weights get the
+        ``LM``'s normal draw (``LM.weight_std``); only non-persistent buffers missing (a loaded
+        checkpoint) are recomputed by ``_reset_buffers()``, drawing nothing. Tensors a checkpoint
+        loaded (HF marks them ``_is_hf_initialized``) are kept. A module with tensors of its own
+        and no ``reset_parameters`` is a TypeError naming its class."""
+        own = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+        pending = {name for name, tensor in own.items() if not getattr(tensor, "_is_hf_initialized", False)}
+        if not pending:
+            return
+        if pending <= module._non_persistent_buffers_set and hasattr(module, "_reset_buffers"):
             module._reset_buffers()
-        if isinstance(module, LM):
-            module._init_weights()
+            return
+        if not hasattr(module, "reset_parameters"):
+            raise TypeError(f"{type(module).__qualname__} holds tensors ({', '.join(sorted(own))}) but has no "
+                            "reset_parameters() to initialise them with")
+        loaded = {name: tensor.clone() for name, tensor in own.items() if name not in pending}
+        module.reset_parameters()
+        for name, tensor in loaded.items():
+            getattr(module, name).copy_(tensor)
+        if isinstance(module, (nn.Linear, nn.Embedding)) and "weight" in pending:
+            nn.init.normal_(module.weight, mean=0.0, std=self.lm.weight_std(module))
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> "LinattnPreTrainedModel":
+        """``nn.Module.to_empty``: every tensor becomes uninitialised memory on ``device``; so every
+        module is marked not initialised, and ``init_weights()`` initialises them all (HF marks the
+        modules of a model built under accelerate's ``init_empty_weights`` as initialised, though
+        their weights were on the meta device)."""
+        super().to_empty(device=device, recurse=recurse)
+        for submodule in self.modules():
+            submodule.__dict__.pop("_is_hf_initialized", None)
+        return self
 
 
 class LinattnModel(LinattnPreTrainedModel):
@@ -377,8 +426,11 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     ``CausalLMOutputWithPast``; with ``labels [B, T]`` (-100 = ignored) the loss is
     ``cross_entropy(logits[:, :-1], labels[:, 1:])`` (mean over counted tokens) plus the VQ
     commitment loss of the forward -- the number linattn's trainer computes on that batch.
-    With ``num_items_in_batch`` (the HF ``Trainer`` under gradient accumulation: the counted
-    targets of the whole optimizer step) the loss is this micro-batch's share of the step's:
+    ``shift_labels [B, T]`` (targets already aligned with the logits, transformers 5's contract
+    for sequence- and context-parallel training) replace ``labels``: ``cross_entropy(logits,
+    shift_labels)`` (``causal_lm_loss``). With ``num_items_in_batch`` (the HF ``Trainer`` under
+    gradient accumulation: the counted targets of the whole optimizer step) the loss is this
+    micro-batch's share of the step's:
     the summed cross-entropy over ``num_items_in_batch``, plus the commitment loss times this
     micro-batch's counted targets over ``num_items_in_batch``. The micro-batches' losses then
     add up to the step's: exactly the full batch's when the micro-batches hold counted
@@ -439,49 +491,66 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
         **kwargs: Any,
     ) -> CausalLMOutputWithPast | tuple:
         num_items = kwargs.get("num_items_in_batch")
+        shift_labels = kwargs.pop("shift_labels", None)
         h, new_cache, hidden, commit = self.model._forward(
             input_ids, attention_mask, cache if cache is not None else past_key_values, inputs_embeds,
             use_cache, output_hidden_states, output_attentions, kwargs)
         keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
         logits = self.lm.logits(h[:, keep])
         loss = None
-        if labels is not None:
+        if labels is not None or shift_labels is not None:
             commit = commit.to(logits.dtype)
             if num_items is not None:
-                commit = commit * _share_of_targets(labels, num_items, logits)
-            loss = causal_lm_loss(logits, labels, num_items) + commit
+                _, targets = _aligned_targets(logits, labels, shift_labels)
+                commit = commit * _share_of_targets(targets, num_items, logits)
+            loss = causal_lm_loss(logits, labels, num_items, shift_labels=shift_labels) + commit
         output = CausalLMOutputWithPast(loss=loss, logits=logits, cache=new_cache, hidden_states=hidden)
         return output if self.model._return_dict(return_dict) else output.to_tuple()
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: Any = None) -> torch.Tensor:
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, num_items_in_batch: Any = None, *,
+                   shift_labels: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross-entropy of ``logits`` against ``labels`` shifted by one: the mean over
     counted targets, or their sum divided by ``num_items_in_batch``.
 
     Args:
         logits: ``[B, T, V]``.
         labels: ``[B, T]`` token ids; ``labels[:, t + 1]`` is the target of position ``t``,
-            and -100 is ignored.
+            and -100 is ignored. Not read when ``shift_labels`` is given.
         num_items_in_batch: the counted targets of the whole optimizer step (the HF
             ``Trainer`` under gradient accumulation); None: this batch's.
+        shift_labels: ``[B, T]``, transformers 5's loss contract: targets already aligned with
+            the logits (``shift_labels[:, t]`` is the target of position ``t``: what sequence-
+            and context-parallel training pass, shifted before the sequence was split); given,
+            they replace ``labels``. ``shift_labels`` equal to ``labels[:, 1:]`` followed by
+            -100 give the loss of ``labels`` (to rounding).
     """
-    if not isinstance(labels, torch.Tensor) or labels.shape != logits.shape[:2]:
-        raise ValueError(f"labels must have shape [batch, length] = {list(logits.shape[:2])} (logits_to_keep=0), "
-                         f"got {list(getattr(labels, 'shape', []))}")
-    check_token_ids("labels", labels, logits.shape[-1], values=False)  # .long() would truncate float labels
-    predictions = logits[:, :-1].float() if logits.dtype != torch.float64 else logits[:, :-1]
-    targets = labels[:, 1:].to(logits.device).long()
+    predictions, targets = _aligned_targets(logits, labels, shift_labels)
+    predictions = predictions.float() if predictions.dtype != torch.float64 else predictions
+    targets = targets.to(logits.device).long()
     if num_items_in_batch is None:
         return F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100)
     total = F.cross_entropy(predictions.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
     return total / torch.as_tensor(num_items_in_batch, device=total.device).to(total.dtype)
 
 
-def _share_of_targets(labels: torch.Tensor, num_items_in_batch: Any, like: torch.Tensor) -> torch.Tensor:
-    """This micro-batch's counted targets (``labels[:, 1:] != -100``, what the HF ``Trainer``
-    counts for a causal LM) over ``num_items_in_batch``, the step's: the weight of its
+def _aligned_targets(logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(predictions, targets)``: ``logits[:, :-1]`` and ``labels[:, 1:]``, or all of ``logits``
+    and ``shift_labels`` when given; each checked to be ``[batch, length]`` token ids (-100 allowed)."""
+    name, given = ("shift_labels", shift_labels) if shift_labels is not None else ("labels", labels)
+    if not isinstance(given, torch.Tensor) or given.shape != logits.shape[:2]:
+        raise ValueError(f"{name} must have shape [batch, length] = {list(logits.shape[:2])} (logits_to_keep=0), "
+                         f"got {list(getattr(given, 'shape', []))}")
+    check_token_ids(name, given, logits.shape[-1], values=False)  # .long() would truncate float labels
+    return (logits, shift_labels) if shift_labels is not None else (logits[:, :-1], labels[:, 1:])
+
+
+def _share_of_targets(targets: torch.Tensor, num_items_in_batch: Any, like: torch.Tensor) -> torch.Tensor:
+    """This micro-batch's counted targets (``targets != -100``, the aligned targets: what the HF
+    ``Trainer`` counts for a causal LM) over ``num_items_in_batch``, the step's: the weight of its
     commitment loss, so the micro-batches of one optimizer step add up to the step's loss."""
-    counted = (labels[:, 1:] != -100).sum().to(device=like.device, dtype=like.dtype)
+    counted = (targets != -100).sum().to(device=like.device, dtype=like.dtype)
     return counted / torch.as_tensor(num_items_in_batch, device=like.device).to(like.dtype)
 
 

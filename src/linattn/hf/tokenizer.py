@@ -41,15 +41,41 @@ def _byte_symbols() -> list[str]:
     return [symbols[byte] for byte in range(256)]
 
 
-class LinattnByteTokenizer(PreTrainedTokenizerFast):
+class LinattnTokenizer(PreTrainedTokenizerFast):
+    """The tokenizer of a linattn model (any ``tokenizer.json``), whose ``bos_token_id`` is, when
+    it declares no BOS token, the token documents start after: the newline, when ``"\\n"`` is one
+    token (linattn's corpora join documents with blank lines). That id is no special token: it is
+    never added to a text nor dropped by ``skip_special_tokens``, and ``bos_token`` stays None;
+    it is what lm-evaluation-harness conditions an empty context on (its prefix token) and what an
+    export's ``config.bos_token_id`` names. An export's ``tokenizer_config.json`` names the
+    standard ``TokenizersBackend`` as its class (it loads with any transformers, no linattn
+    needed) and this class for ``trust_remote_code=True`` (``auto_map``)."""
+
+    @property
+    def bos_token_id(self) -> int | None:
+        declared = self.__dict__.get("_special_tokens_map", {}).get("bos_token")
+        if declared is not None:
+            return self.convert_tokens_to_ids(str(declared))
+        if "_document_start" not in self.__dict__:
+            self.__dict__["_document_start"] = newline_token_id(self)
+        return self.__dict__["_document_start"]
+
+
+def newline_token_id(tokenizer: PreTrainedTokenizerFast) -> int | None:
+    """The id of ``"\\n"`` when it is one token of ``tokenizer``, else None."""
+    ids = tokenizer.backend_tokenizer.encode("\n", add_special_tokens=False).ids
+    return ids[0] if len(ids) == 1 else None
+
+
+class LinattnByteTokenizer(LinattnTokenizer):
     """Text <-> UTF-8 bytes (id = byte value, 256 ids), linattn's byte vocabulary.
 
     The pad token is the NUL byte (id 0), the only special token: its string is the NUL
     character, which in a text is that byte anyway, so no text encodes differently because
     of it, and ``decode(..., skip_special_tokens=True)`` drops padding (and NUL bytes).
     ``padding_side`` is left (what ``generate`` needs; linattn models accept left padding
-    only). The tokenizer has no BOS/EOS: ``config.bos_token_id`` of an export names the
-    newline byte as the token documents start after (``linattn lm-eval``'s prefix token).
+    only). The tokenizer has no BOS/EOS token; its ``bos_token_id`` is the newline byte, the
+    token documents start after (``LinattnTokenizer``), as ``config.bos_token_id`` of an export.
 
     The pipeline is fixed, so loading always builds it afresh (a ``tokenizer.json`` written
     by an older linattn, whose pad token was the string "Ā", loads as this one); added

@@ -84,16 +84,26 @@ class LM(nn.Module):
         return model.eval()
 
     def _init_weights(self) -> None:
-        """Normal init of every linear and embedding weight with ``init_std``; the output
-        projections of each layer (as its ``LayerKind`` names them) with
-        ``init_std / sqrt(2 n_layers)`` (GPT-2's residual scaling)."""
-        output_std = self.config.init_std / math.sqrt(2 * self.config.n_layers)
-        outputs = {f"layers.{i}.{name}" for i, spec in enumerate(self.specs)
-                   for name in layer_kind(spec).output_projections}
-        for name, module in self.named_modules():
+        """Normal init of every linear and embedding weight with ``weight_std``'s deviation."""
+        outputs = self._output_projections()
+        for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = output_std if name in outputs else self.config.init_std
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.normal_(module.weight, mean=0.0, std=self.weight_std(module, outputs))
+
+    def weight_std(self, module: nn.Module, outputs: set[int] | None = None) -> float:
+        """The standard deviation a linear or embedding weight is drawn with: ``init_std``, or
+        ``init_std / sqrt(2 n_layers)`` (GPT-2's residual scaling) for the output projections of
+        each layer (as its ``LayerKind`` names them). ``outputs``: ``_output_projections()``, when
+        the caller has it."""
+        outputs = self._output_projections() if outputs is None else outputs
+        if id(module) in outputs:
+            return self.config.init_std / math.sqrt(2 * self.config.n_layers)
+        return self.config.init_std
+
+    def _output_projections(self) -> set[int]:
+        """The ids of the modules each layer's ``LayerKind`` names as its output projections."""
+        return {id(self.get_submodule(f"layers.{i}.{name}")) for i, spec in enumerate(self.specs)
+                for name in layer_kind(spec).output_projections}
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

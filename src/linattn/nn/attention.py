@@ -17,6 +17,7 @@ from ..state import KVCacheState, LinearAttentionState
 from ._heads import add_attention_projections, attention_heads
 from .hedgehog import HEDGEHOG, HedgehogFeatureMap, LearnedFeatures
 from .rotary import apply_rotary, check_rotary_scaling
+from ._precision import outside_autocast
 
 _MECHANISMS = ("softmax", "linear", "local")
 ATTENTION_SCALES = ("default", "entropy")
@@ -141,7 +142,7 @@ class Attention(nn.Module):
             q = q * self._entropy_scale(T, state, q)
         # The ops keep their own precision (float32 sums/softmax); under autocast they run
         # outside it, on the projections' dtype.
-        with torch.autocast(x.device.type, enabled=False):
+        with outside_autocast(x.device.type):
             out, state = self._attend(q, k.to(q.dtype), v.to(q.dtype), state)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1)), state, {}
 

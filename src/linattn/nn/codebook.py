@@ -189,16 +189,29 @@ class Codebook(nn.Module):
         self.ema_decay, self.dead_code_threshold = ema_decay, dead_code_threshold
         self.kmeans_init, self.kmeans_iters = kmeans_init, kmeans_iters
         self.sync: SyncHook = distributed_sync if sync is None else sync
-        initial = torch.randn(n_heads, codebook_size, head_dim) * init_scale
-        self.register_buffer("codebook", initial.clone())
-        self.register_buffer("ema_counts", torch.ones(n_heads, codebook_size))
-        self.register_buffer("ema_sums", initial.clone())
-        self.register_buffer("initialized", torch.tensor(not kmeans_init))
-        self.register_buffer("_pending_counts", torch.zeros(n_heads, codebook_size), persistent=False)
-        self.register_buffer("_pending_sums", torch.zeros(n_heads, codebook_size, head_dim), persistent=False)
-        self._recent_keys: list[torch.Tensor] = []  # [H, N_i, Dk] each, restart candidates
-        self._recent_complete = True  # the next batch with real tokens starts a new candidate list
-        self._init_pending: bool | None = kmeans_init  # not initialized, as last read (None: read it next time)
+        self.init_scale = init_scale
+        self.register_buffer("codebook", torch.empty(n_heads, codebook_size, head_dim))
+        self.register_buffer("ema_counts", torch.empty(n_heads, codebook_size))
+        self.register_buffer("ema_sums", torch.empty(n_heads, codebook_size, head_dim))
+        self.register_buffer("initialized", torch.empty((), dtype=torch.bool))
+        self.register_buffer("_pending_counts", torch.empty(n_heads, codebook_size), persistent=False)
+        self.register_buffer("_pending_sums", torch.empty(n_heads, codebook_size, head_dim), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Every buffer as a new codebook has it: random codes ``N(0, init_scale^2)``, ``ema_counts``
+        1, ``ema_sums`` the codes, ``initialized`` unless ``kmeans_init``, nothing pending (the
+        constructor's initialisation; also a codebook's on the meta device, materialised by
+        ``to_empty()``, gets its values here)."""
+        initial = torch.randn(self.codebook.shape, dtype=self.codebook.dtype, device=self.codebook.device)
+        initial = initial * self.init_scale
+        self.codebook.copy_(initial)
+        self.ema_sums.copy_(initial)
+        self.ema_counts.fill_(1.0)
+        self.initialized.fill_(not self.kmeans_init)
+        self._reset_buffers()
+        self._init_pending = self.kmeans_init  # not initialized, as last read (None: read it next time)
 
     @torch.no_grad()
     def _reset_buffers(self) -> None:
@@ -206,8 +219,9 @@ class Codebook(nn.Module):
         materialised without them (Hugging Face ``from_pretrained``)."""
         self._pending_counts.zero_()
         self._pending_sums.zero_()
-        self._recent_keys, self._recent_complete = [], True
-        self._init_pending = None
+        self._recent_keys: list[torch.Tensor] = []  # [H, N_i, Dk] each, restart candidates
+        self._recent_complete = True  # the next batch with real tokens starts a new candidate list
+        self._init_pending: bool | None = None
 
     @property
     def pending_counts(self) -> torch.Tensor:

@@ -10,6 +10,7 @@ from ..ops.delta import delta_rule
 from ..ops.kernel import FeatureMap, get_feature_map
 from ..state import DeltaNetState
 from ._heads import _HeadsMixer
+from ._precision import outside_autocast
 
 
 class DeltaNet(_HeadsMixer):
@@ -71,7 +72,7 @@ class DeltaNet(_HeadsMixer):
         else:
             beta = x.new_ones(B, self.n_kv_heads, T)
         q, k, v = self._split_heads(q, k.to(q.dtype), v.to(q.dtype))
-        with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
+        with outside_autocast(x.device.type):  # the op keeps its own float32 precision
             out, rule_state = delta_rule(
                 q, k, v, beta.to(q.dtype),
                 feature_map=self.feature_map,

@@ -58,11 +58,26 @@ class FSQuantizer(nn.Module):
         self.levels = check_levels(levels)
         d = len(self.levels)
         self.codebook_size = math.prod(self.levels)
-        key_norm = init_scale * math.sqrt(head_dim)
-        self.w_in = nn.Parameter(torch.randn(n_heads, d, head_dim) / key_norm)
-        self.w_out = nn.Parameter(torch.randn(n_heads, head_dim, d) * (init_scale / math.sqrt(d)))
-        radix = torch.cumprod(torch.tensor((1, *self.levels[:-1])), 0)
-        self.register_buffer("_radix", radix, persistent=False)
+        self.init_scale = init_scale
+        self.w_in = nn.Parameter(torch.empty(n_heads, d, head_dim))
+        self.w_out = nn.Parameter(torch.empty(n_heads, head_dim, d))
+        self.register_buffer("_radix", torch.empty(d, dtype=torch.int64), persistent=False)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The projections drawn as the class docstring's ``init_scale`` says (``z`` O(1), ``k^``
+        as large as k), and the code radix."""
+        d = len(self.levels)
+        like = dict(dtype=self.w_in.dtype, device=self.w_in.device)
+        self.w_in.copy_(torch.randn(self.w_in.shape, **like) / (self.init_scale * math.sqrt(self.head_dim)))
+        self.w_out.copy_(torch.randn(self.w_out.shape, **like) * (self.init_scale / math.sqrt(d)))
+        self._reset_buffers()
+
+    @torch.no_grad()
+    def _reset_buffers(self) -> None:
+        """The non-persistent code radix (the mixed-radix place value of each grid dimension)."""
+        self._radix.copy_(torch.cumprod(torch.tensor((1, *self.levels[:-1])), 0))
 
     def _constants(self, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
         """``(h, o, s, floor(L / 2))`` per dimension in ``dtype`` (derived in float64, kept per dtype)."""

@@ -12,6 +12,7 @@ from .._checks import check_layer_input, check_state_batch, check_state_setting,
 from ..ops.delta import delta_rule
 from ..state import DeltaRuleState, GatedDeltaNetState
 from ._heads import _NORM_EPS, _HeadsMixer
+from ._precision import outside_autocast
 
 # Mamba-2's initial decay rates A = exp(A_log) ~ U(1, 16) and step sizes dt in [1e-3, 1e-1]
 # (log-uniform, at least 1e-4), per head.
@@ -73,13 +74,22 @@ class GatedDeltaNet(_HeadsMixer):
         self._build_short_conv(short_conv)
         self.beta_proj = nn.Linear(d_model, n_kv_heads, bias=False)
         self.decay_proj = nn.Linear(d_model, n_kv_heads, bias=False)
-        self.A_log = nn.Parameter(torch.empty(n_kv_heads).uniform_(*_A_RANGE).log())
-        low, high = math.log(_DT_RANGE[0]), math.log(_DT_RANGE[1])
-        dt = torch.exp(torch.empty(n_kv_heads).uniform_(low, high)).clamp_min(_DT_FLOOR)
-        self.dt_bias = nn.Parameter(_inverse_softplus(dt))
+        self.A_log = nn.Parameter(torch.empty(n_kv_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_kv_heads))
+        self.reset_parameters()
         self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.norm = nn.RMSNorm(head_dim, eps=_NORM_EPS)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The decay's own parameters (the projections are ``nn.Linear``s): ``A_log = log A`` with
+        A uniform in ``_A_RANGE``, ``dt_bias`` the inverse softplus of a log-uniform dt."""
+        like = dict(dtype=self.A_log.dtype, device=self.A_log.device)
+        self.A_log.copy_(torch.empty(self.A_log.shape, **like).uniform_(*_A_RANGE).log())
+        low, high = math.log(_DT_RANGE[0]), math.log(_DT_RANGE[1])
+        dt = torch.exp(torch.empty(self.dt_bias.shape, **like).uniform_(low, high)).clamp_min(_DT_FLOOR)
+        self.dt_bias.copy_(_inverse_softplus(dt))
 
     def forward(self, x: torch.Tensor, state: GatedDeltaNetState | None = None
                 ) -> tuple[torch.Tensor, GatedDeltaNetState, dict]:
@@ -100,7 +110,7 @@ class GatedDeltaNet(_HeadsMixer):
         logits = self.decay_proj(x).to(dtype).transpose(1, 2).contiguous() + self.dt_bias.to(dtype).unsqueeze(-1)
         g = -torch.exp(self.A_log.to(dtype)).unsqueeze(-1) * F.softplus(logits)
         q, k, v = self._split_heads(q, k.to(q.dtype), v.to(q.dtype))
-        with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
+        with outside_autocast(x.device.type):  # the op keeps its own float32 precision
             out, rule = delta_rule(
                 q, k, v, beta.to(q.dtype), feature_map="identity", normalize="l2", g=g, chunk_size=self.chunk_size,
                 initial_state=state.rule if state is not None else None, output_final_state=True,

@@ -17,6 +17,7 @@ from ._gau_decode import can_decode_token, decode_token, inverse_rms
 from .attention import ATTENTION_SCALES
 from .fsq import FSQuantizer
 from .quantizer import VectorQuantizer
+from ._precision import outside_autocast
 
 _ATTENTIONS = ("vq", "fsq", "soft-vq", "softmax")
 GAU_VARIANTS = ("linattn", "paper")
@@ -77,8 +78,14 @@ class _BiasedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Gain 1, bias 0."""
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps) + self.bias
@@ -221,10 +228,9 @@ class GAU(nn.Module):
         self._sinusoid_width = d_model if paper else d_k
         if self.rerope is None:  # Transformer-XL's relative terms (ReRoPE replaces them)
             self.w_r = nn.Linear(self._sinusoid_width, d_k, bias=False)
-            self.content_bias = nn.Parameter(torch.zeros(d_k))  # u
-            self.position_bias = nn.Parameter(torch.zeros(d_k))  # w
-            self.register_buffer("sinusoids", _sinusoids(block_size + 1, self._sinusoid_width,
-                                                         self.sinusoid_wavelength), persistent=False)
+            self.content_bias = nn.Parameter(torch.empty(d_k))  # u
+            self.position_bias = nn.Parameter(torch.empty(d_k))  # w
+            self.register_buffer("sinusoids", torch.empty(block_size + 1, self._sinusoid_width), persistent=False)
         self.quantizer = None
         self.codebook = None
         if attention == "vq":
@@ -236,20 +242,33 @@ class GAU(nn.Module):
         elif attention == "fsq":
             self.quantizer = FSQuantizer(1, d_k, fsq_levels, init_scale=d_k ** -0.25)
         elif attention == "soft-vq":
-            self.codebook = nn.Parameter(torch.randn(1, codebook_size, d_k) * d_k ** -0.25)
+            self.codebook = nn.Parameter(torch.empty(1, codebook_size, d_k))
         # the number of codes S of this unit's states (the FSQ grid's size for "fsq"; None for softmax)
         self.codebook_size = (self.quantizer.codebook_size if self.quantizer is not None
                               else codebook_size if attention == "soft-vq" else None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The unit's own tensors as a new unit has them (its maps, norm and quantizer reset their
+        own): the relative biases u and w zero, the sinusoids, and a soft-VQ codebook drawn from
+        ``N(0, d_k^-1/2)``."""
+        if self.rerope is None:
+            nn.init.zeros_(self.content_bias)
+            nn.init.zeros_(self.position_bias)
+        self._reset_buffers()
+        if self.codebook is not None:
+            codes = torch.randn(self.codebook.shape, dtype=self.codebook.dtype, device=self.codebook.device)
+            self.codebook.copy_(codes * self.d_k ** -0.25)
 
     @torch.no_grad()
     def _reset_buffers(self) -> None:
         """Recompute the non-persistent ``sinusoids`` (a function of the block size, width and
-        wavelength, in the dtype of the weights), for models materialised without them (Hugging
-        Face ``from_pretrained``)."""
-        if self.rerope is not None:
-            return
-        self.sinusoids = _sinusoids(self.block_size + 1, self._sinusoid_width,
-                                    self.sinusoid_wavelength).to(self.w_r.weight.dtype)
+        wavelength, in the dtype of the weights, where the buffer is), for models materialised
+        without them (Hugging Face ``from_pretrained``)."""
+        if self.rerope is None:
+            self.sinusoids = _sinusoids(self.block_size + 1, self._sinusoid_width, self.sinusoid_wavelength).to(
+                dtype=self.w_r.weight.dtype, device=self.sinusoids.device)
 
     def forward(
         self, x: torch.Tensor, state: VQAttentionState | KVCacheState | None = None
@@ -284,7 +303,7 @@ class GAU(nn.Module):
             v, bias, position_keys = v.to(dtype), bias.to(dtype), position_keys.to(dtype)
         else:  # ReRoPE: the op rotates q
             queries, v, bias, position_keys = q.to(dtype), v.to(dtype), None, None
-        with torch.autocast(x.device.type, enabled=False):
+        with outside_autocast(x.device.type):
             out, state, aux = self._attend(queries, k, v, bias, position_keys, state, x.new_zeros(()))
         gated = out.squeeze(1) * gate if torch.is_grad_enabled() else out.squeeze(1).mul_(gate)  # out: a fresh tensor
         y = self.w_o(gated)
@@ -392,6 +411,8 @@ class GAU(nn.Module):
         tensors it ``depends`` on changes (storage or version: the optimizer and
         ``load_state_dict`` write in place and bump the version) or ``extra`` differs.
         Writes through ``.data`` bump no version: they are seen after ``train()``/``eval()``."""
+        if torch.compiler.is_compiling():  # storage and version are not traceable; the graph computes it
+            return compute()
         versions = [tensor_version(t) for t in depends]
         if None in versions:  # an inference tensor: a write to it could not be seen
             return compute()

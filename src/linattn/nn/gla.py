@@ -10,6 +10,7 @@ from .._checks import check_layer_input, check_positive_int, check_positive_numb
 from ..ops.kernel import linear_attention
 from ..state import GatedLinearAttentionState, LinearAttentionState
 from ._heads import _NORM_EPS, _HeadsMixer
+from ._precision import outside_autocast
 
 
 class GatedLinearAttention(_HeadsMixer):
@@ -61,10 +62,15 @@ class GatedLinearAttention(_HeadsMixer):
         self.chunk_size = chunk_size
         self.decay_down = nn.Linear(d_model, gate_rank, bias=False)
         self.decay_up = nn.Linear(gate_rank, n_kv_heads * head_dim, bias=False)
-        self.decay_bias = nn.Parameter(torch.zeros(n_kv_heads * head_dim))
+        self.decay_bias = nn.Parameter(torch.empty(n_kv_heads * head_dim))
+        self.reset_parameters()
         self.gate_proj = nn.Linear(d_model, n_heads * head_dim, bias=False)
         self.norm = nn.RMSNorm(head_dim, eps=_NORM_EPS)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        """The decay's bias zero (its own parameter; the projections are ``nn.Linear``s)."""
+        nn.init.zeros_(self.decay_bias)
 
     def forward(self, x: torch.Tensor, state: GatedLinearAttentionState | None = None
                 ) -> tuple[torch.Tensor, GatedLinearAttentionState, dict]:
@@ -76,7 +82,7 @@ class GatedLinearAttention(_HeadsMixer):
         dtype = compute_dtype(q.dtype)
         logits = self.decay_up(self.decay_down(x)).to(dtype) + self.decay_bias.to(dtype)
         g = self._heads(F.logsigmoid(logits) / self.gate_temperature, self.n_kv_heads)
-        with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
+        with outside_autocast(x.device.type):  # the op keeps its own float32 precision
             out, attention = linear_attention(
                 q, k.to(q.dtype), v.to(q.dtype), feature_map="identity", normalize=None, g=g,
                 scale=self.head_dim ** -0.5, chunk_size=self.chunk_size,

@@ -31,7 +31,13 @@ class HedgehogFeatureMap(nn.Module):
         check_positive_int("n_heads", n_heads)
         check_positive_int("head_dim", head_dim)
         self.n_heads, self.head_dim = n_heads, head_dim
-        self.weight = nn.Parameter(torch.eye(head_dim).repeat(n_heads, 1, 1))
+        self.weight = nn.Parameter(torch.empty(n_heads, head_dim, head_dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Every head's map the identity."""
+        self.weight.copy_(torch.eye(self.head_dim, dtype=self.weight.dtype, device=self.weight.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 4 or x.shape[1] != self.n_heads or x.shape[3] != self.head_dim:

@@ -10,6 +10,7 @@ from ..ops.kernel import linear_attention
 from ..state import LinearAttentionState, RetentionState
 from ._heads import _HeadsMixer
 from .rotary import apply_rotary
+from ._precision import outside_autocast
 
 
 def retention_log_decays(n_heads: int, *, device: torch.device | str | None = None,
@@ -85,7 +86,7 @@ class MultiScaleRetention(_HeadsMixer):
         q, k, v = self._split_heads(*self._project(x))
         past = 0 if state is None else state.steps
         q, k = apply_rotary(q, past, self.rotary_base), apply_rotary(k, past, self.rotary_base)
-        with torch.autocast(x.device.type, enabled=False):  # the op keeps its own float32 precision
+        with outside_autocast(x.device.type):  # the op keeps its own float32 precision
             log_decays = retention_log_decays(self.n_kv_heads, device=x.device, dtype=compute_dtype(q.dtype))
             out, attention = linear_attention(
                 q, k.to(q.dtype), v.to(q.dtype),

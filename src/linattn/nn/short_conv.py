@@ -30,7 +30,11 @@ class ShortConvolution(nn.Module):
         self.channels, self.kernel_size = channels, kernel_size
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel_size))
         self.bias = nn.Parameter(torch.empty(channels))
-        bound = 1.0 / math.sqrt(kernel_size)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weights and biases uniform in ``[-1/sqrt(K), 1/sqrt(K)]`` (a depthwise ``nn.Conv1d``'s bound)."""
+        bound = 1.0 / math.sqrt(self.kernel_size)
         nn.init.uniform_(self.weight, -bound, bound)
         nn.init.uniform_(self.bias, -bound, bound)
 

@@ -10,6 +10,7 @@ from ..ops.vq import GRAD_SCOPES, check_vq_rerope, check_vq_state, vq_attention
 from ..state import VQAttentionState
 from ._heads import add_attention_projections, attention_heads
 from .quantizer import VectorQuantizer
+from ._precision import outside_autocast
 
 VQ_POSITIONS = ("rerope", "bias")
 
@@ -94,12 +95,18 @@ class MultiHeadVQAttention(nn.Module):
         self.block_size, self.positions, self.grad_scope = block_size, positions, grad_scope
         self.rotary_base = float(rotary_base)
         add_attention_projections(self, d_model, n_heads, n_kv_heads, head_dim, qkv_bias=qkv_bias, out_bias=out_bias)
-        self.relative_bias = nn.Parameter(torch.zeros(n_heads, block_size + 1)) if positions == "bias" else None
+        self.relative_bias = nn.Parameter(torch.empty(n_heads, block_size + 1)) if positions == "bias" else None
+        self.reset_parameters()
         self.quantizer = VectorQuantizer(
             n_kv_heads, head_dim, codebook_size, ema_decay=ema_decay, commitment_weight=commitment_weight,
             kmeans_init=kmeans_init, dead_code_threshold=dead_code_threshold, commitment_reduction=commitment_reduction,
         )
         self.codebook_size = codebook_size
+
+    def reset_parameters(self) -> None:
+        """The windowed bias (``positions="bias"``) zero; the projections and the quantizer reset their own."""
+        if self.relative_bias is not None:
+            nn.init.zeros_(self.relative_bias)
 
     def forward(self, x: torch.Tensor, state: VQAttentionState | None = None
                 ) -> tuple[torch.Tensor, VQAttentionState, dict]:
@@ -109,7 +116,7 @@ class MultiHeadVQAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = attention_heads(self, x)
         # the op keeps its own precision (float32 sums and softmax); under autocast it runs on q's dtype
-        with torch.autocast(x.device.type, enabled=False):
+        with outside_autocast(x.device.type):
             k_hat, codes, commit = self.quantizer(k)
             dtype = q.dtype
             bias = None if self.relative_bias is None else self.relative_bias.to(dtype)

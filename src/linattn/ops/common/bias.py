@@ -71,16 +71,23 @@ def window_position_keys(position_keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([zeros, position_keys.flip(-2)], dim=-2)
 
 
+def _add_band(scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
+    """``add_window_band``'s sum, in place on ``scores`` (autograd differentiates it through the
+    strided view when called outside ``_WindowBand``)."""
+    L = band.shape[-2]
+    window = scores[..., : 2 * L]
+    # row a of the view starts L - 1 - a entries into band's row a: a stride of 2L - 1 from
+    # entry L - 1 (as_strided without an offset keeps that of the narrowed view)
+    start = band.flatten(-2).narrow(-1, L - 1, 1)
+    view = start.as_strided(band.shape, (*band.stride()[:-2], 2 * L - 1, 1))
+    window.add_(view)
+    return scores
+
+
 class _WindowBand(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
-        L = band.shape[-2]
-        window = scores[..., : 2 * L]
-        # row a of the view starts L - 1 - a entries into band's row a: a stride of 2L - 1 from
-        # entry L - 1 (as_strided without an offset keeps that of the narrowed view)
-        start = band.flatten(-2).narrow(-1, L - 1, 1)
-        view = start.as_strided(band.shape, (*band.stride()[:-2], 2 * L - 1, 1))
-        window.add_(view)
+        _add_band(scores, band)
         ctx.mark_dirty(scores)
         ctx.band_shape = band.shape
         return scores
@@ -107,5 +114,9 @@ def add_window_band(scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
     ``a (2L - 1) + c + L - 1``: row a's offsets for ``a <= c <= a + L``, its zero columns for
     ``c < a`` and the next row's zero columns for ``c > a + L``, so one strided view adds it
     all without a copy. The backward reads the band's gradient along the diagonals (each entry
-    once: deterministic) and forms none for the zero columns (constant keys). Returns ``scores``."""
+    once: deterministic) and forms none for the zero columns (constant keys). Returns ``scores``.
+    Under ``torch.export`` the sum is traced as plain ops (an autograd Function that marks its
+    input dirty would leave tensors outside the exported graph)."""
+    if torch.compiler.is_exporting():
+        return _add_band(scores, band)
     return _WindowBand.apply(scores, band)

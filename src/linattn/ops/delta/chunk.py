@@ -10,6 +10,54 @@ from ..._checks import check_first_order_backward
 from ..common.decay import pad_time
 
 
+def _forward(q, k, v, beta, memory, chunk_size, scale, *, in_place: bool):
+    """``ChunkDeltaRule``'s forward -> ``(out, final memory, the tensors its backward keeps)``. The
+    state recurrence writes into chunk-major buffers: ``in_place`` through ``out=`` (no autograd:
+    inside the Function), else through ``copy_``, which autograd differentiates (traced as plain ops
+    under ``torch.export``)."""
+    N, G, T, Fd = q.shape
+    E = v.shape[-1]
+    C = chunk_size
+    n_chunks = -(-T // C)
+    pad = n_chunks * C - T
+    q, k, v, beta = pad_time(q, pad, 2), pad_time(k, pad, 1), pad_time(v, pad, 1), pad_time(beta, pad, 1)
+    M = N * n_chunks
+    keys = k.reshape(M, C, Fd)
+    vals = v.reshape(M, C, E)
+    betas = beta.reshape(M, C, 1)
+    gram = torch.bmm(keys, keys.transpose(1, 2))
+    strict_lower = gram.tril(-1).mul_(betas)
+    identity = torch.eye(C, dtype=q.dtype, device=q.device).expand(M, C, C)
+    inverse = torch.linalg.solve_triangular(strict_lower, identity, upper=False, unitriangular=True)
+    transform = inverse * betas.transpose(1, 2)
+    w = torch.bmm(transform, keys)
+    u = torch.bmm(transform, vals)
+    # Chunk-major buffers written by the loop (states[c] is S_c), then put in the [N, n_chunks]
+    # order of the batched reads.
+    states = q.new_empty(n_chunks + 1, N, Fd, E)
+    states[0].copy_(memory)
+    corrected = q.new_empty(n_chunks, N, C, E)
+    w_chunks, u_chunks = w.view(N, n_chunks, C, Fd), u.view(N, n_chunks, C, E)
+    key_chunks = keys.view(N, n_chunks, C, Fd)
+    for c in range(n_chunks):
+        if in_place:
+            torch.baddbmm(u_chunks[:, c], w_chunks[:, c], states[c], alpha=-1.0, out=corrected[c])
+            torch.baddbmm(states[c], key_chunks[:, c].transpose(1, 2), corrected[c], out=states[c + 1])
+        else:
+            corrected[c].copy_(torch.baddbmm(u_chunks[:, c], w_chunks[:, c], states[c], alpha=-1.0))
+            states[c + 1].copy_(torch.baddbmm(states[c], key_chunks[:, c].transpose(1, 2), corrected[c]))
+    memory = states[n_chunks].clone()
+    states = states[:n_chunks].transpose(0, 1).reshape(M, Fd, E)
+    corrected = corrected.transpose(0, 1).reshape(M, C, E)
+    rows = q.reshape(N, G, n_chunks, C, Fd).transpose(1, 2).reshape(M, G * C, Fd)
+    scores = torch.bmm(rows, keys.transpose(1, 2))
+    scores.view(-1, G, C, C).tril_()
+    out = torch.baddbmm(rows.new_empty(M, G * C, E), rows, states, beta=0.0, alpha=scale)
+    out.baddbmm_(scores, corrected, alpha=scale)
+    out = out.view(N, n_chunks, G, C, E).transpose(1, 2).reshape(N, G, n_chunks * C, E)
+    return out[:, :, :T], memory, (rows, keys, vals, betas, inverse, w, states, corrected, scores, gram)
+
+
 class ChunkDeltaRule(torch.autograd.Function):
     """Chunkwise WY/UT form with a hand-written backward.
 
@@ -33,45 +81,10 @@ class ChunkDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, memory, chunk_size, scale):
-        N, G, T, Fd = q.shape
-        E = v.shape[-1]
-        C = chunk_size
-        n_chunks = -(-T // C)
-        pad = n_chunks * C - T
-        q, k, v, beta = pad_time(q, pad, 2), pad_time(k, pad, 1), pad_time(v, pad, 1), pad_time(beta, pad, 1)
-        M = N * n_chunks
-        keys = k.reshape(M, C, Fd)
-        vals = v.reshape(M, C, E)
-        betas = beta.reshape(M, C, 1)
-        gram = torch.bmm(keys, keys.transpose(1, 2))
-        strict_lower = gram.tril(-1).mul_(betas)
-        identity = torch.eye(C, dtype=q.dtype, device=q.device).expand(M, C, C)
-        inverse = torch.linalg.solve_triangular(strict_lower, identity, upper=False, unitriangular=True)
-        transform = inverse * betas.transpose(1, 2)
-        w = torch.bmm(transform, keys)
-        u = torch.bmm(transform, vals)
-        # Chunk-major buffers written in place by the loop (states[c] is S_c), then put in
-        # the [N, n_chunks] order of the batched reads.
-        states = q.new_empty(n_chunks + 1, N, Fd, E)
-        states[0].copy_(memory)
-        corrected = q.new_empty(n_chunks, N, C, E)
-        w_chunks, u_chunks = w.view(N, n_chunks, C, Fd), u.view(N, n_chunks, C, E)
-        key_chunks = keys.view(N, n_chunks, C, Fd)
-        for c in range(n_chunks):
-            torch.baddbmm(u_chunks[:, c], w_chunks[:, c], states[c], alpha=-1.0, out=corrected[c])
-            torch.baddbmm(states[c], key_chunks[:, c].transpose(1, 2), corrected[c], out=states[c + 1])
-        memory = states[n_chunks].clone()
-        states = states[:n_chunks].transpose(0, 1).reshape(M, Fd, E)
-        corrected = corrected.transpose(0, 1).reshape(M, C, E)
-        rows = q.reshape(N, G, n_chunks, C, Fd).transpose(1, 2).reshape(M, G * C, Fd)
-        scores = torch.bmm(rows, keys.transpose(1, 2))
-        scores.view(-1, G, C, C).tril_()
-        out = torch.baddbmm(rows.new_empty(M, G * C, E), rows, states, beta=0.0, alpha=scale)
-        out.baddbmm_(scores, corrected, alpha=scale)
-        out = out.view(N, n_chunks, G, C, E).transpose(1, 2).reshape(N, G, n_chunks * C, E)
-        ctx.save_for_backward(rows, keys, vals, betas, inverse, w, states, corrected, scores, gram)
-        ctx.shape = (N, G, T, Fd, E, C, n_chunks, scale)
-        return out[:, :, :T], memory
+        out, memory, saved = _forward(q, k, v, beta, memory, chunk_size, scale, in_place=True)
+        ctx.save_for_backward(*saved)
+        ctx.shape = (*q.shape, v.shape[-1], chunk_size, -(-q.shape[2] // chunk_size), scale)
+        return out, memory
 
     @staticmethod
     def backward(ctx, grad_out, grad_memory):
@@ -126,5 +139,10 @@ class ChunkDeltaRule(torch.autograd.Function):
 
 
 def chunk(q, k, v, beta, memory, chunk_size, scale):
-    """Chunkwise WY/UT form (``ChunkDeltaRule``): ``(scale * out [N, G, T, E], final memory)``."""
+    """Chunkwise WY/UT form (``ChunkDeltaRule``): ``(scale * out [N, G, T, E], final memory)``.
+    Under ``torch.export`` the forward is traced as plain ops, which autograd differentiates (an
+    autograd Function's ``out=`` writes would fail it)."""
+    if torch.compiler.is_exporting():
+        out, memory, _ = _forward(q, k, v, beta, memory, chunk_size, scale, in_place=False)
+        return out, memory
     return ChunkDeltaRule.apply(q, k, v, beta, memory, chunk_size, scale)

@@ -225,19 +225,21 @@ class FAVOR(FeatureMap):
 
 
 def _favor_projection(seed: int, d: int, m: int, orthogonal: bool) -> torch.Tensor:
-    """FAVOR+'s ``[m, d]`` float64 projection drawn from ``seed`` (see ``FAVOR``)."""
+    """FAVOR+'s ``[m, d]`` float64 projection drawn from ``seed`` (see ``FAVOR``), on the CPU
+    whatever the default device (a model built on the meta device draws real values)."""
     gen = torch.Generator().manual_seed(seed)
+    cpu = dict(generator=gen, dtype=torch.float64, device="cpu")
     if not orthogonal:
-        return torch.randn(m, d, generator=gen, dtype=torch.float64)
+        return torch.randn(m, d, **cpu)
     blocks = []
     for _ in range(math.ceil(m / d)):
-        gaussian = torch.randn(d, d, generator=gen, dtype=torch.float64)
+        gaussian = torch.randn(d, d, **cpu)
         q, r = torch.linalg.qr(gaussian)
         # Fix QR's sign convention so the directions are Haar-distributed (unbiased).
         q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
         blocks.append(q.T)
     directions = torch.cat(blocks, dim=0)[:m]
-    norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=-1, keepdim=True)
+    norms = torch.randn(m, d, **cpu).norm(dim=-1, keepdim=True)
     return directions * norms
 
 

@@ -120,7 +120,7 @@ def _block_loop(blocks, codebook, window, band_keys, run, has_prev, full_blocks,
             scores = rerope.block_scores(q_r, keys.unsqueeze(2))
         scores[..., : 2 * L] += window
         if not with_prev:  # the first block has no previous block
-            scores[..., :L] = float("-inf")
+            scores[..., :L].fill_(float("-inf"))
         if band_keys is not None:
             add_window_band(scores, q_r @ band_keys.transpose(-1, -2))
         scores[..., 2 * L :] += log_counts(run_counts)[:, :, None, None, :]

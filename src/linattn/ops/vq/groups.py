@@ -69,7 +69,7 @@ def group_scores(q_g, keys_g, scoring, counts, first_without_prev: bool):
         scores_c = far_q @ codebook_t
     scores_w += window
     if first_without_prev:
-        scores_w[:, :, :, 0, :, :L] = float("-inf")
+        scores_w[:, :, :, 0, :, :L].fill_(float("-inf"))
     if band_keys_t is not None:
         add_window_band(scores_w, q_g @ band_keys_t)
     scores_c += log_counts(counts)[:, :, None, :, None, :]

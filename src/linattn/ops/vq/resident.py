@@ -137,7 +137,7 @@ def window_for(state: VQAttentionState | None, L: int, codebook: torch.Tensor, s
         window = _filled(state, L, S, shape, code_like, dtype, codebook.device)
         window.keys_are_codes = not code_like.is_floating_point() and (
             state is None or keys_are_rows_of(state._keys_from, codebook))
-    window.mask[:, :, L + p : 2 * L] = float("-inf")
+    window.mask[:, :, L + p : 2 * L].fill_(float("-inf"))
     window.keys[:, :, 2 * L :] = codebook.to(dtype)
     window.codebook, window.written, window.scoring = (codebook, tensor_version(codebook)), p, None
     return window
@@ -164,7 +164,7 @@ def _filled(state, L, S, shape, code_like, dtype, device) -> ResidentWindow:
                 buffer[:, :, :L] = prev
         window.cache_means.copy_(state.cache_means)
     if state is None or state.prev_keys is None:
-        window.mask[:, :, :L] = float("-inf")
+        window.mask[:, :, :L].fill_(float("-inf"))
     window.mask[:, :, 2 * L :] = log_counts(window.counts)
     return window
 
@@ -403,6 +403,8 @@ def _next_block(window: ResidentWindow, has_prev: bool) -> ResidentWindow:
     keys[:, :, :L], keys[:, :, 2 * L :] = window.keys[:, :, L : 2 * L], window.keys[:, :, 2 * L :]
     values[:, :, :L], values[:, :, 2 * L :] = window.values[:, :, L : 2 * L], means
     codes[:, :, :L], codes[:, :, 2 * L :] = window.codes[:, :, L : 2 * L], window.codes[:, :, 2 * L :]
-    mask[:, :, :L], mask[:, :, L : 2 * L], mask[:, :, 2 * L :] = 0.0, float("-inf"), log_counts(counts)
+    mask[:, :, :L].fill_(0.0)
+    mask[:, :, L : 2 * L].fill_(float("-inf"))
+    mask[:, :, 2 * L :].copy_(log_counts(counts))
     return ResidentWindow(keys, values, codes, mask, counts, L, window.codebook, 0, window.scoring,
                           window.keys_are_codes)

@@ -76,7 +76,7 @@ def _running_group(pieces, scorings, codes, counts_now, skip_first, out, S):
     n, g, _ = codes.shape
     added = counts_now.new_zeros(n, g, S).scatter_add_(2, codes, torch.ones_like(codes, dtype=counts_now.dtype))
     if skip_first:
-        added[:, 0] = 0.0
+        added[:, 0].fill_(0.0)
     after = added.cumsum_(1).add_(counts_now.unsqueeze(1))  # the counts after each block's previous block entered
     counts = torch.cat([counts_now.unsqueeze(1), after[:, :-1]], dim=1)  # [n, g, S]: before each block
     per_count = nonzero_counts(counts).unsqueeze(2)  # [n, g, 1, S]
