@@ -15,9 +15,9 @@ def _row(case: str, prompt_length: int, tokens_per_s: float) -> dict:
 
 
 def test_models_without_softmax_layers_are_charged_no_kv_cache(tmp_path):
-    vq = bench_serve._export("vq", QUICK, tmp_path / "vq")
+    vq = bench_serve.export_model("vq", QUICK, tmp_path / "vq")
     assert vq["paged_layers"] == 0 and vq["kv_bytes_per_token"] == 0
-    hybrid = bench_serve._export("gated-delta,softmax", QUICK, tmp_path / "hybrid")
+    hybrid = bench_serve.export_model("gated-delta,softmax", QUICK, tmp_path / "hybrid")
     config = QUICK.sizes.model_config("gated-delta,softmax")
     head_dim = config.head_dim or config.d_model // config.n_heads
     assert hybrid["paged_layers"] == 1 and hybrid["state_layers"] == 1

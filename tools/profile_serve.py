@@ -15,7 +15,7 @@ from pathlib import Path
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
-from linattn.bench.serve import ServeBenchConfig, _export, serve_case  # noqa: E402
+from linattn.bench.serve import ServeBenchConfig, export_model, serve_case  # noqa: E402
 
 
 def _stat(stats: pstats.Stats, file_suffix: str, function: str) -> tuple[int, float]:
@@ -31,7 +31,7 @@ def main() -> None:
     prompt_length = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
     config = ServeBenchConfig()
     with tempfile.TemporaryDirectory() as folder:
-        _export(spec, config, Path(folder))
+        export_model(spec, config, Path(folder))
         profile = cProfile.Profile()
         profile.enable()
         measured = serve_case(folder, prompt_length, config)

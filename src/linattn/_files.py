@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def fsync_file(path: Path) -> None:
@@ -25,6 +28,12 @@ def write_text_atomic(path: Path, text: str) -> None:
     except BaseException:
         temporary.unlink(missing_ok=True)
         raise
+
+
+def sha256_json(value: Any, default: Callable[[Any], Any] | None = None) -> str:
+    """The SHA-256 (hex) of ``json.dumps(value, sort_keys=True)`` in UTF-8 (``default``: as
+    ``json.dumps`` takes it, for values JSON has no form of)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=default).encode("utf-8")).hexdigest()
 
 
 def sha256_file(path: Path) -> str:

@@ -88,7 +88,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
     return dataclasses.replace(config, **given)
 
 
-def _export(spec: str, config: ServeBenchConfig, folder: Path) -> dict:
+def export_model(spec: str, config: ServeBenchConfig, folder: Path) -> dict:
     """Write the model ``spec`` to ``folder``; its parameter count and what its cache holds per
     layer: ``{"parameters", "paged_layers", "state_layers", "kv_bytes_per_token"}``."""
     from ..hf import save_pretrained_lm
@@ -179,7 +179,7 @@ def run(config: ServeBenchConfig, models: list[str], out_dir: Path, command: str
     with tempfile.TemporaryDirectory(prefix="linattn-bench-serve-") as scratch:
         for spec in models:
             folder = Path(scratch) / f"model-{len(rows)}"
-            model = _export(spec, config, folder)
+            model = export_model(spec, config, folder)
             for prompt_length in config.prompt_lengths:
                 measured = in_fresh_process(serve_case, str(folder), prompt_length, config, threads=None)
                 tokens = prompt_length + config.new_tokens

@@ -43,7 +43,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import state as state_module
 from .._checks import is_int
-from .._files import fsync_file, write_text_atomic
+from .._files import fsync_file, sha256_json, write_text_atomic
 
 FORMAT = "linattn-checkpoint"
 VERSION = 2
@@ -131,7 +131,7 @@ def _meta_hash(document: dict[str, Any]) -> str:
     document as JSON reads it back (tuples as lists, keys as strings)."""
     body = json.loads(json.dumps(document))
     body.pop(META_HASH, None)
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode("utf-8")).hexdigest()
+    return sha256_json(body)
 
 
 def step_name(step: int) -> str:

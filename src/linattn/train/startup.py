@@ -36,12 +36,12 @@ process group (and of one launch restarted by ``torchrun``, which makes a new st
 
 from __future__ import annotations
 
-import hashlib
 import json
 import socket
 from datetime import timedelta
 from typing import Any
 
+from .._files import sha256_json
 from .distributed import Context
 
 PER_PROCESS_FIELDS = ("threads", "cache_dir")  # TrainConfig fields each process may set for its own host
@@ -72,7 +72,7 @@ def run_record(model_config, train_config, checkpoint=None) -> dict[str, Any]:
 
 def record_hash(record: dict[str, Any] | None) -> str:
     """The SHA-256 of ``record`` as sorted JSON."""
-    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+    return sha256_json(record, default=str)
 
 
 def exchange(context: Context, name: str, problem: BaseException | None, record: dict[str, Any] | None,
