@@ -93,9 +93,10 @@ print("decoded")
 
 
 def test_doctor_build_compiles_ahead_so_a_first_decode_compiles_nothing(monkeypatch, tmp_path):
-    """``linattn doctor --build`` builds the native VQ decoding step (into a build root of the
-    test's own here: a real build, about a minute) and checks it in float32 and float64; a
-    later process's first decoding step loads that build and compiles nothing."""
+    """``linattn doctor --build`` builds the native VQ kernels (into a build root of the
+    test's own here: a real build, about a minute) and checks the decoding step and the block
+    form in float32 and float64; a later process's first decoding step loads that build and
+    compiles nothing."""
     from linattn.ops.vq import native, native_choice
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
@@ -103,9 +104,10 @@ def test_doctor_build_compiles_ahead_so_a_first_decode_compiles_nothing(monkeypa
     doctor_run = subprocess.run([sys.executable, "-m", "linattn.cli", "doctor", "--build"], capture_output=True,
                                 text=True, timeout=600)
     assert doctor_run.returncode == 0, doctor_run.stdout + doctor_run.stderr
-    assert "compiling the native VQ decoding step" in doctor_run.stderr
-    assert doctor_run.stdout.splitlines() == [f"native VQ decoding step: built in {native.build_directory()}"] + [
-        f"  ok    {dtype}: agrees with the torch form" for dtype in ("float32", "float64")]
+    assert "compiling the native VQ kernels" in doctor_run.stderr
+    assert doctor_run.stdout.splitlines() == [f"native VQ kernels: built in {native.build_directory()}"] + [
+        f"  ok    {kernel}, {dtype}: agrees with the torch form" for kernel in ("decoding step", "block form")
+        for dtype in ("float32", "float64")]
     later = subprocess.run([sys.executable, "-c", _FIRST_DECODE], capture_output=True, text=True, timeout=300)
     assert later.returncode == 0 and later.stdout == "decoded\n", later.stderr
     assert "compiling" not in later.stderr
@@ -115,10 +117,10 @@ def test_doctor_build_exits_1_naming_a_build_that_fails(monkeypatch, capsys):
     from linattn.ops.vq import native
 
     def no_compiler():
-        raise RuntimeError("the native VQ decoding step could not be built: no compiler here")
+        raise RuntimeError("the native VQ kernels could not be built: no compiler here")
 
     monkeypatch.setattr(native, "extension", no_compiler)
     assert main(["doctor", "--build"]) == 1
     out = capsys.readouterr().out
-    assert out.splitlines() == ["  FAIL  native VQ decoding step: the native VQ decoding step could not be "
-                                        "built: no compiler here"]
+    assert out.splitlines() == ["  FAIL  native VQ kernels: the native VQ kernels could not be built: no compiler "
+                                "here"]

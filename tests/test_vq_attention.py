@@ -1031,7 +1031,7 @@ def test_schedule_runs_the_walk_it_names(monkeypatch, schedule, expected):
 @pytest.mark.parametrize("grad", [False, True])
 @pytest.mark.parametrize("winner", ["loop", "batched"])
 def test_auto_schedule_runs_the_grid_winner(monkeypatch, grad, winner):
-    """``schedule="auto"`` on a CPU walks the blocks the way ``AUTO_SCHEDULE`` names for the
+    """``schedule="auto"`` of the torch form on a CPU walks the blocks the way ``AUTO_SCHEDULE`` names for the
     call's gradient mode and its (batch x heads, L, S, blocks), and the same call with
     gradients switched the other way reads the other half of the grid."""
     q, k_hat, v, codes, codebook = make_vq(B=2, H=2, T=9, S=5)
@@ -1039,9 +1039,9 @@ def test_auto_schedule_runs_the_grid_winner(monkeypatch, grad, winner):
     monkeypatch.setattr(vq_schedule, "AUTO_SCHEDULE", {(grad, 4, 4, 5, 3): winner, (not grad, 4, 4, 5, 3): other})
     ran = _record_walks(monkeypatch)
     with torch.set_grad_enabled(grad):
-        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto")
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto", impl="torch")
     with torch.set_grad_enabled(not grad):
-        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto")
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, schedule="auto", impl="torch")
     walks = {"loop": "_block_loop", "batched": "all_blocks"}
     assert ran == [walks[winner], walks[other]]
 

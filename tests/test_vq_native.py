@@ -161,7 +161,7 @@ def test_doctor_names_the_choice():
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert native.build_directory() == tmp_path / "linattn" / native.extension_name()
-    assert native.extension_name().startswith("linattn_vq_step_")
+    assert native.extension_name().startswith("linattn_vq_native_")
 
 
 def test_the_pinned_ninja_is_found_without_one_on_path(monkeypatch):
@@ -279,9 +279,11 @@ def test_the_build_folder_name_changes_with_every_build_input(monkeypatch, tmp_p
     assert native.extension_name() == name
     compiler = tmp_path / "bin" / "c++"
     compiler.parent.mkdir()
-    copy = tmp_path / "install" / native.SOURCE.name
-    copy.parent.mkdir()
-    copy.write_bytes(native.SOURCE.read_bytes())
+    copies = []
+    for source in native.SOURCES:
+        copies.append(tmp_path / "install" / source.name)
+        copies[-1].parent.mkdir(exist_ok=True)
+        copies[-1].write_bytes(source.read_bytes())
 
     def fake_compiler(version):
         def change(mp):
@@ -291,8 +293,9 @@ def test_the_build_folder_name_changes_with_every_build_input(monkeypatch, tmp_p
         return change
 
     changes = {
-        "source text": lambda mp: mp.setattr(native, "SOURCE", _edited(native.SOURCE, tmp_path)),
-        "installation path": lambda mp: mp.setattr(native, "SOURCE", copy),
+        **{f"source text of {source.name}": (lambda mp, i=i: mp.setattr(native, "SOURCES", _edited(i, tmp_path)))
+           for i, source in enumerate(native.SOURCES)},
+        "installation path": lambda mp: mp.setattr(native, "SOURCES", tuple(copies)),
         "compile flags": lambda mp: mp.setattr(native, "FLAGS", (*native.FLAGS, "-g")),
         "link flags": lambda mp: mp.setattr(native, "LDFLAGS", (*native.LDFLAGS, "-lm")),
         "compiler": lambda mp: mp.setenv("CXX", "clang++"),
@@ -315,32 +318,36 @@ def test_the_build_folder_name_changes_with_every_build_input(monkeypatch, tmp_p
     assert len(set(names.values())) == len(names), names
 
 
-def _edited(source, tmp_path):
-    edited = tmp_path / "edited" / source.name
+def _edited(index, tmp_path):
+    """``native.SOURCES`` with a comment added to source ``index`` (in a copy)."""
+    source = native.SOURCES[index]
+    edited = tmp_path / f"edited-{index}" / source.name
     edited.parent.mkdir()
     edited.write_text(source.read_text() + "\n// edited\n")
-    return edited
+    return tuple(edited if i == index else other for i, other in enumerate(native.SOURCES))
 
 
 def test_every_path_and_flag_torch_writes_into_the_build_file_enters_the_name(tmp_path):
     """What torch's builder writes into ``build.ninja`` (the compiler, the include and library
-    folders of this torch and this Python, the source's path, our flags) is what ninja
+    folders of this torch and this Python, the sources' paths, our flags) is what ninja
     rebuilds on: each of it is among the inputs the folder's name hashes."""
     from torch.utils import cpp_extension
 
     build_file = tmp_path / "build.ninja"
     ldflags = cpp_extension._prepare_ldflags(list(native.LDFLAGS), False, False, False, False)
     cpp_extension._write_ninja_file_to_build_library(
-        path=str(build_file), name="NAME", sources=[str(native.SOURCE)], extra_cflags=list(native.FLAGS),
+        path=str(build_file), name="NAME", sources=[str(source) for source in native.SOURCES],
+        extra_cflags=list(native.FLAGS),
         extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=ldflags, extra_include_paths=[], with_cuda=False,
         with_sycl=False, is_standalone=False)
     inputs = "\n".join(native.build_inputs().values())
     lines = [line for line in build_file.read_text().splitlines()
-             if line.startswith(("cxx =", "cflags =", "ldflags =", "build vq_decode_step.o"))]
-    assert len(lines) == 4, lines
+             if line.startswith(("cxx =", "cflags =", "ldflags =", "build module.o", "build vq_decode_step.o",
+                                 "build vq_block_forward.o", "build vq_nearest_codes.o"))]
+    assert len(lines) == 7, lines
     tokens = [token for line in lines for token in line.partition(" = " if " = " in line else ": compile ")[2].split()]
     checked = [token for token in tokens if "/" in token or token in native.FLAGS + native.LDFLAGS]
-    assert str(native.SOURCE) in checked and cpp_extension.get_cxx_compiler() in tokens
+    assert all(str(source) in checked for source in native.SOURCES) and cpp_extension.get_cxx_compiler() in tokens
     missing = [token for token in checked + [cpp_extension.get_cxx_compiler()]
                if token.removeprefix("-L").removeprefix("-I") not in inputs]
     assert not missing, missing

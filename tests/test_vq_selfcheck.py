@@ -146,7 +146,7 @@ def test_the_environment_variable_forces_the_choice(monkeypatch, fresh_verdicts)
     calls = count_kernel_calls(monkeypatch)
     args = inputs()
     monkeypatch.setenv("LINATTN_VQ_IMPL", "cuda")
-    with pytest.raises(ValueError, match=r"LINATTN_VQ_IMPL must be 'torch' or 'triton' \(or unset.*got 'cuda'"):
+    with pytest.raises(ValueError, match=r"LINATTN_VQ_IMPL must be 'torch' or 'triton' or 'native' \(or unset.*got 'cuda'"):
         linattn.vq_attention(*args, block_size=L)
     monkeypatch.setenv("LINATTN_VQ_IMPL", "torch")
     assert torch.equal(linattn.vq_attention(*args, block_size=L)[0], torch_form(args))
@@ -198,10 +198,13 @@ def test_choice_says_what_auto_takes_and_why(monkeypatch, fresh_verdicts):
     self-check where it would take the kernels."""
     device = torch.device(DEVICE)
     assert triton_choice.choice(device, torch.float32) == ("triton", "CUDA, triton imports, the self-check passed")
-    assert triton_choice.choice(device, torch.float64)[0] == "torch"
+    # where the Triton kernels do not run: the native block form on a CPU, else torch
+    assert triton_choice.choice(device, torch.float64)[0] == ("native" if device.type == "cpu" else "torch")
     monkeypatch.setattr(triton_choice, "AUTO_DEVICE_TYPES", ())
-    assert triton_choice.choice(device, torch.float32) == (
-        "torch", f"the kernels are taken automatically on CUDA only, this is {device.type}")
+    assert triton_choice.choice(device, torch.float32) == (("native", (
+        "compiled for this CPU and agrees with the torch form: calls without gradients with hard codes, no ReRoPE; "
+        "torch for the others")) if device.type == "cpu" else (
+        "torch", f"the kernels are taken automatically on CUDA only, this is {device.type}"))
     monkeypatch.setenv("LINATTN_VQ_IMPL", "torch")
     assert triton_choice.choice(device, torch.float32) == ("torch", "LINATTN_VQ_IMPL=torch")
     monkeypatch.setenv("LINATTN_VQ_IMPL", "triton")

@@ -10,9 +10,9 @@ CUDA). Exit code 0 when every check agrees, 1 when one does not (each named on a
 line and in the last line), 2 for bad arguments. ``--json`` prints the same as one JSON
 object instead.
 
-``--build`` does one thing instead: it builds (or loads) the native VQ decoding step for
-this machine and checks it in each dtype it computes in (``build_native``), so that a
-first decoding step compiles nothing (an installation step).
+``--build`` does one thing instead: it builds (or loads) the native VQ kernels (the decoding
+step and the block form without gradients) for this machine and checks them in each dtype they
+compute in (``build_native``), so that a first call compiles nothing (an installation step).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, _selftest
 from ._checks import available_device_name
-from .ops.vq import native, native_choice, schedule, triton_choice
+from .ops.vq import native, native_block_check, native_choice, schedule, triton_choice
 from .reporting import device_name
 
 _PACKAGES = ("triton", "transformers", "peft", "numpy")
@@ -199,21 +199,24 @@ def run(selected: list[str] | None = None, as_json: bool = False) -> int:
 
 
 def build_native() -> int:
-    """Build (or load) the native VQ decoding step and run its self-check in float32 and
-    float64 (``ops/vq/native_choice.py``), one line each; 0 when it builds and agrees with
-    the torch form, 1 otherwise (each failure on a ``FAIL`` line)."""
+    """Build (or load) the native VQ kernels and run their self-checks in float32 and float64
+    (the decoding step's, ``ops/vq/native_choice.py``, and the block form's,
+    ``ops/vq/native_block_check.py``), one line each; 0 when they build and agree with the
+    torch forms, 1 otherwise (each failure on a ``FAIL`` line)."""
     try:
         native.extension()
     except RuntimeError as error:
-        print(f"  FAIL  native VQ decoding step: {error}")
+        print(f"  FAIL  native VQ kernels: {error}")
         return 1
-    print(f"native VQ decoding step: built in {native.build_directory()}")
+    print(f"native VQ kernels: built in {native.build_directory()}")
     failed = False
-    for dtype in native_choice.DTYPES:
-        failure = native_choice.verdict(dtype)
-        name = str(dtype).replace("torch.", "")
-        print(f"  ok    {name}: agrees with the torch form" if failure is None else f"  FAIL  {name}: {failure}")
-        failed = failed or failure is not None
+    for kernel, check in (("decoding step", native_choice.verdict), ("block form", native_block_check.verdict)):
+        for dtype in native_choice.DTYPES:
+            failure = check(dtype)
+            name = str(dtype).replace("torch.", "")
+            print(f"  ok    {kernel}, {name}: agrees with the torch form" if failure is None
+                  else f"  FAIL  {kernel}, {name}: {failure}")
+            failed = failed or failure is not None
     sys.stdout.flush()
     return 1 if failed else 0
 
@@ -237,7 +240,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="a device to report and test (repeatable; default: the CPU and every CUDA device)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--build", action="store_true",
-                        help="only build (or load) the native VQ decoding step for this machine and check it, so "
-                             "that a first decoding step compiles nothing (an installation step); exit 0 when it "
-                             "builds and agrees with the torch form")
+                        help="only build (or load) the native VQ kernels for this machine and check them, so "
+                             "that a first call compiles nothing (an installation step); exit 0 when they "
+                             "build and agree with the torch forms")
     parser.set_defaults(handler=_handle)

@@ -27,7 +27,7 @@ import torch
 
 from .._checks import check_batch, check_choice, check_non_negative_number, compute_dtype
 from ..ops.common.versions import tensor_version
-from ..ops.vq import codebook_scores
+from ..ops.vq import codebook_scores, native_nearest
 from .codebook import Codebook, SyncHook
 
 
@@ -118,11 +118,14 @@ class VectorQuantizer(Codebook):
     def nearest_codes(self, k: torch.Tensor) -> torch.Tensor:
         """``[B, H, T]`` index of the nearest code by squared L2 distance, computed in float32.
 
-        ``argmin_s |k - c_s|^2 = argmin_s (|c_s|^2 - 2 k.c_s)``, evaluated over as many positions
-        at a time as hold ``_DISTANCE_ENTRIES`` distances (``B x H x positions x S``).
+        ``argmin_s |k - c_s|^2 = argmin_s (|c_s|^2 - 2 k.c_s)``: on a CPU by the native kernel
+        (``ops/vq/nearest.py``), else evaluated over as many positions at a time as hold
+        ``_DISTANCE_ENTRIES`` distances (``B x H x positions x S``).
         """
         keys = k.detach().float()
         codebook, code_norms = self.codebook.float(), self._code_norms()
+        if native_nearest.applies(keys):  # CPUs: one C++ call (ops/vq/nearest.py)
+            return native_nearest.nearest_codes(keys, codebook, code_norms)
         B, H, T, D = keys.shape
         if H == 1:  # the keys as rows [B T, Dk] (a view of a projection's slice), chunked as rows
             rows = keys.reshape(B * T, D)

@@ -42,7 +42,7 @@ import torch
 
 from ...state import VQAttentionState
 from ..._checks import check_bool, check_choice, compute_dtype, resolve_scale
-from . import fused, resident, selfcheck, triton_choice
+from . import fused, native_block_check, resident, selfcheck, triton_choice
 from .block import block_form
 from .checks import check_arguments, resolve_grad_scope
 from .decode import decode_form
@@ -124,12 +124,17 @@ def vq_attention(
         impl: ``"torch"`` (the forms above), ``"triton"`` (the causal block form as fused
             Triton kernels, ``ops/vq/fused.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
-            Triton interpreter, ``TRITON_INTERPRET=1``) or ``"auto"`` (triton for CUDA inputs
-            of those dtypes when ``triton`` imports, torch otherwise; ``LINATTN_VQ_IMPL=torch``
-            or ``triton`` replaces this choice). Before the kernels first run on a device in a
+            Triton interpreter, ``TRITON_INTERPRET=1``), ``"native"`` (the causal block form
+            without gradients as one C++ call, ``ops/vq/native_block.py``: CPU tensors computed
+            in float32 or float64, hard codes, no ReRoPE; any other call is a
+            ValueError naming what it lacks) or ``"auto"`` (triton for CUDA inputs of those
+            dtypes when ``triton`` imports; on a CPU native for every call it computes when
+            ``schedule="auto"``; torch otherwise; ``LINATTN_VQ_IMPL=torch``, ``triton`` or
+            ``native`` replaces this choice). Before the kernels first run on a device in a
             dtype they check themselves against the torch form on a small call
             (``ops/vq/selfcheck.py``): after a failed check ``"auto"`` warns once and uses
-            torch there, ``"triton"`` raises ``RuntimeError``. Calls whose new positions
+            torch there, ``"triton"`` raises ``RuntimeError`` (the native kernel likewise,
+            ``ops/vq/native_block_check.py``). Calls whose new positions
             stay inside the current block (decoding steps) use the torch decode form either way;
             ``mode="parallel"``, ``causal=False`` and ``rerope`` are torch only (``"triton"`` with
             ``rerope`` is refused).
@@ -195,7 +200,10 @@ def vq_attention(
     if filled + T <= L:
         out, pieces = decode_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, rope)
     else:
-        if schedule == "auto":
+        if impl == "native" and (schedule == "auto" or requested == "native") and native_block_check.use_native(
+                requested == "native" or selfcheck.forced_impl() == "native", q, dtype, codes, rope):
+            schedule = "native"
+        elif schedule == "auto":
             blocks = -(-(filled + T) // L)
             schedule = auto_schedule(torch.is_grad_enabled(), B * H, L, cb.shape[1], blocks, q.device)
         out, pieces = block_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule,

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from ..common.bias import add_window_band, window_position_keys
+from . import native_block
 from .batched import all_blocks
 from .cache import entering, log_counts, mean_values
 from .relative import offset_bias
@@ -18,7 +19,8 @@ from .tensors import detached_if, owned, shared_matrix
 
 def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dtype, schedule="loop", rerope=None):
     """Linear-time causal form. q ``[B, Hkv, G, T, D]`` (scaled); returns (out, pieces of the final state).
-    ``schedule``: ``"loop"`` (one block after another) or ``"batched"`` (all blocks at once, in groups).
+    ``schedule``: ``"loop"`` (one block after another), ``"batched"`` (all blocks at once, in groups) or
+    ``"native"`` (the native kernel, ``native_block.py``: no gradients, hard codes, no ReRoPE).
     ``rerope``: ``(w, rotary_base)`` with ``w <= L``, or None (``rerope.py``)."""
     B, Hkv, G, T, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
@@ -74,7 +76,10 @@ def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dt
     blocks = (q_blocks, k_blocks, v_blocks, first_prev[0], first_prev[1], prev_codes)
     run = (run_counts, run_sums)
     rotations = None if rerope is None else WindowReRoPE(*rerope, L, D, q.device, dtype)
-    if schedule == "batched":
+    if schedule == "native":
+        outs, final_cache = native_block.running_blocks(blocks, codebook, window, positions_k, run, has_prev,
+                                                                full_blocks)
+    elif schedule == "batched":
         outs, final_cache = all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S,
                                        rotations)
     else:

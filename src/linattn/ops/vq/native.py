@@ -1,5 +1,6 @@
-"""The native VQ decoding step on CPUs, compiled at first use (``native_choice.py`` checks it
-before it is trusted).
+"""The native VQ kernels on CPUs, compiled at first use: the decoding step, the block form
+without gradients and the nearest-code search (``native_choice.py``, ``native_block_check.py``
+and ``nearest.py`` check each before it is trusted).
 
 ``vq_decode_step`` spends almost nothing on arithmetic (one key and a few queries against
 S codes, one softmax over 2L + S columns) and most of its time in the ~30 operator calls of
@@ -7,13 +8,18 @@ the torch form (``resident.quantize_and_decode``). ``_native/vq_decode_step.cpp`
 the same step as one C++ function: the nearest code, the buffer writes, the scores, the
 softmax and the weighted sum for every (batch, kv head) row, rows spread over the intra-op
 threads (a row is one thread's, so results do not depend on the thread count).
+``_native/vq_block_forward.cpp`` is the block form without gradients for hard codes
+(``running.py``'s schedule) with a block's window, cache and softmax in one pass per block:
+two matrix products per block and query group and no per-block intermediates.
+``_native/vq_nearest_codes.cpp`` is the quantizer's nearest-code search (``nearest.py``).
+``_native/module.cpp`` is the Python module of the three.
 
-**Build.** ``torch.utils.cpp_extension.load`` with ``-O3 -march=native -fopenmp`` (the
+**Build.** ``torch.utils.cpp_extension.load`` with ``-O3 -march=native -mprefer-vector-width=512 -fopenmp`` (the
 vector width of the machine; OpenMP is torch's own runtime, so ``torch.set_num_threads``
 governs it; ``ninja``, pinned in requirements.lock, drives the compiler), into
 ``<torch extensions root>/linattn/<name>`` (``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``). The name hashes every input of the build
-(``build_inputs``: the source's text and path, the compiler and its version, the flags, the
+(``build_inputs``: the sources' texts and paths, the compiler and its version, the flags, the
 CPU, the include and library folders of this torch and this Python, their versions), so
 installations, compilers and machines never share a folder and ninja never rebuilds in one
 (a change of any input builds anew, in a folder of its own). The first build takes about a
@@ -49,8 +55,10 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "_native" / "vq_decode_step.cpp"
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp")
+_FOLDER = Path(__file__).parent / "_native"
+SOURCES = (_FOLDER / "module.cpp", _FOLDER / "vq_decode_step.cpp", _FOLDER / "vq_block_forward.cpp",
+           _FOLDER / "vq_nearest_codes.cpp")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)
 _LOCK_NAME = "linattn.lock"
@@ -92,13 +100,13 @@ def _compiler_identity() -> str:
 def build_inputs() -> dict[str, str]:
     """Everything the build's result depends on, by name: what torch's builder writes into
     ``build.ninja`` (the compiler, the flags, the include and library folders of this torch
-    and this Python, the source's path) and what those do not show (the source's text, the
+    and this Python, the sources' paths) and what those do not show (the sources' texts, the
     compiler's version, the CPU behind ``-march=native``, the versions of torch and Python)."""
     from torch.utils import cpp_extension
 
     return {
-        "source": hashlib.sha256(SOURCE.read_bytes()).hexdigest(),
-        "source path": os.path.abspath(SOURCE),
+        "sources": " ".join(hashlib.sha256(source.read_bytes()).hexdigest() for source in SOURCES),
+        "source paths": " ".join(os.path.abspath(source) for source in SOURCES),
         "compiler": _compiler_identity(),
         "flags": " ".join(FLAGS),
         "link flags": " ".join(LDFLAGS),
@@ -113,7 +121,7 @@ def build_inputs() -> dict[str, str]:
 def extension_name() -> str:
     """The build's name: one per set of ``build_inputs``."""
     digest = hashlib.sha256(json.dumps(build_inputs(), sort_keys=True).encode())
-    return f"linattn_vq_step_{digest.hexdigest()[:16]}"
+    return f"linattn_vq_native_{digest.hexdigest()[:16]}"
 
 
 def build_directory() -> Path:
@@ -174,7 +182,7 @@ def _take(handle, fcntl, path: Path, wait_seconds: float) -> None:
         if remaining <= 0:
             raise BuildLocked(f"{path} is held by {_holder(path)}, still building after {wait_seconds:g} s")
         if not waiting:
-            print(f"linattn: waiting for {_holder(path)} to build the native VQ decoding step (lock {path}; at most "
+            print(f"linattn: waiting for {_holder(path)} to build the native VQ kernels (lock {path}; at most "
                   f"{wait_seconds:g} s)", file=sys.stderr, flush=True)
             waiting = True
         time.sleep(min(_POLL_SECONDS, remaining))
@@ -202,10 +210,10 @@ def _build():
     with build_lock(directory):
         fresh = not (directory / f"{name}.so").exists()
         if fresh:
-            print(f"linattn: compiling the native VQ decoding step for this CPU (once; about a minute), into "
+            print(f"linattn: compiling the native VQ kernels for this CPU (once; about a minute), into "
                   f"{directory}", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        module = load(name, [str(SOURCE)], extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
+        module = load(name, [str(source) for source in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
                       build_directory=str(directory), verbose=False)
     if fresh:
         print(f"linattn: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
@@ -223,5 +231,5 @@ def extension():
             text = " ".join(str(error).split())
             _build_error = f"{type(error).__name__}: {text[:500]}"
     if _module is None:
-        raise RuntimeError(f"the native VQ decoding step could not be built: {_build_error}")
+        raise RuntimeError(f"the native VQ kernels could not be built: {_build_error}")
     return _module

@@ -21,8 +21,8 @@ warns once, naming what failed, the device and the dtype, and runs the torch blo
 from then on; an explicit ``impl="triton"`` (or ``LINATTN_VQ_IMPL=triton``) raises
 ``RuntimeError`` with the same text instead, at every call.
 
-``LINATTN_VQ_IMPL``: ``torch`` or ``triton`` replaces what ``impl="auto"`` chooses for the
-causal block form (an explicit ``impl=`` argument wins; the other forms are torch only);
+``LINATTN_VQ_IMPL``: ``torch``, ``triton`` or ``native`` (``native_block_check.py``) replaces what
+``impl="auto"`` chooses for the causal block form (an explicit ``impl=`` argument wins; the other forms are torch only);
 ``triton`` where the kernels cannot run is a ``ValueError`` naming the variable. Unset (or
 empty): the automatic choice.
 """
@@ -39,7 +39,7 @@ from .block import block_form
 from .relative import relative_inputs
 
 ENV = "LINATTN_VQ_IMPL"
-ENV_VALUES = ("torch", "triton")
+ENV_VALUES = ("torch", "triton", "native")
 OUT_RTOL = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
 GRAD_RTOL = {torch.float32: 1e-3, torch.bfloat16: 1.2e-1, torch.float16: 2e-2}
 _SHAPE = dict(B=1, H=2, Hkv=1, T=20, L=8, S=8, D=16)
@@ -49,7 +49,7 @@ _warned: set[tuple[str, torch.dtype]] = set()
 
 
 def forced_impl() -> str | None:
-    """``LINATTN_VQ_IMPL`` (``"torch"`` or ``"triton"``), None when unset or empty."""
+    """``LINATTN_VQ_IMPL`` (``"torch"``, ``"triton"`` or ``"native"``), None when unset or empty."""
     return env_choice(ENV, ENV_VALUES)
 
 

@@ -1,6 +1,7 @@
 """Which form ``vq_attention`` runs the causal block form with: the fused Triton kernels
 (``fused.py``, ``triton_kernels.py``) where they can run and have passed their self-check
-(``selfcheck.py``), else torch (``block.py``); ``impl=`` and ``LINATTN_VQ_IMPL`` decide."""
+(``selfcheck.py``), the native kernel on CPUs (``native_block.py``, for the calls
+``native_block_check.py`` names), else torch (``block.py``); ``impl=`` and ``LINATTN_VQ_IMPL`` decide."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ import os
 
 import torch
 
-from ..._checks import check_choice
-from . import fused
+from ..._checks import check_choice, compute_dtype
+from . import fused, native_block_check
 from .selfcheck import ENV, forced_impl, verdict
 
-IMPLS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "triton", "native")
 AUTO_DEVICE_TYPES = ("cuda",)  # where impl="auto" takes the kernels (after their self-check)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,28 +44,39 @@ def unavailable_reason(q: torch.Tensor, v: torch.Tensor) -> str | None:
 
 
 def resolve_impl(impl: str, q: torch.Tensor, v: torch.Tensor, causal: bool, mode: str, rerope: bool = False) -> str:
-    """``"torch"`` or ``"triton"`` for ``vq_attention``'s ``impl`` argument (see its docstring);
-    ``impl="auto"`` follows ``LINATTN_VQ_IMPL`` when it is set (``selfcheck.py``). The kernels
-    have no ReRoPE form: with ``rerope`` ``"auto"`` takes torch and ``"triton"`` is refused."""
+    """``"torch"``, ``"triton"`` or ``"native"`` for ``vq_attention``'s ``impl`` argument (see its
+    docstring); ``impl="auto"`` follows ``LINATTN_VQ_IMPL`` when it is set (``selfcheck.py``) and
+    takes ``"native"`` for the causal block form on a CPU (``native_block_check.py`` then decides
+    per call). The Triton kernels have no ReRoPE form: with ``rerope`` ``"auto"`` takes torch and
+    ``"triton"`` is refused."""
     check_choice("impl", impl, IMPLS)
     if impl == "torch":
         return impl
+    block_form = causal and mode == "block"
+    if impl == "native":
+        if not block_form:
+            raise ValueError(f"impl='native' runs the causal block form; causal={causal}, mode={mode!r} is torch only "
+                             "(pass impl='torch' or 'auto')")
+        return "native"
     if rerope:
         if impl == "triton":
             raise ValueError("impl='triton': the fused VQ kernels have no ReRoPE form (rerope=); pass impl='torch' or "
                              "'auto' (the torch block form computes it)")
         return "torch"
-    block_form = causal and mode == "block"
     if impl == "auto":
         forced = forced_impl()
         if forced == "torch" or not block_form:
             return "torch"
+        if forced == "native":
+            return "native"
         if forced == "triton":
             reason = unavailable_reason(q, v)
             if reason is not None:
                 raise ValueError(f"{ENV}=triton, but impl='triton' {reason}; unset {ENV} or set it to torch")
             return "triton"
-        return "triton" if q.device.type in AUTO_DEVICE_TYPES and unavailable_reason(q, v) is None else "torch"
+        if q.device.type in AUTO_DEVICE_TYPES and unavailable_reason(q, v) is None:
+            return "triton"
+        return "native" if q.device.type == "cpu" and block_form else "torch"
     if not block_form:
         raise ValueError(f"impl='triton' runs the causal block form; causal={causal}, mode={mode!r} is torch only "
                          "(pass impl='torch' or 'auto')")
@@ -87,11 +99,19 @@ def choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
     reason = unavailable_reason(probe, probe)
     if forced == "triton":
         return ("error", f"{ENV}=triton, but impl='triton' {reason}") if reason else ("triton", f"{ENV}=triton")
+    if forced is None and device.type in AUTO_DEVICE_TYPES and reason is None:
+        failure = verdict(device, dtype)
+        if failure is not None:
+            return "torch", f"the kernels failed their self-check: {failure}"
+        return "triton", "CUDA, triton imports, the self-check passed"
+    if device.type == "cpu":
+        failure = native_block_check.verdict(compute_dtype(dtype))
+        if failure is not None:
+            return ("error" if forced else "torch"), f"the native block form failed: {failure}"
+        return "native", ((f"{ENV}=native" if forced else "compiled for this CPU and agrees with the torch form")
+                          + ": calls without gradients with hard codes, no ReRoPE; torch for the others")
+    if forced == "native":
+        return "error", f"{ENV}=native, but the native block form runs on CPU tensors, this is {device.type}"
     if device.type not in AUTO_DEVICE_TYPES:
         return "torch", f"the kernels are taken automatically on CUDA only, this is {device.type}"
-    if reason is not None:
-        return "torch", f"impl='triton' {reason}"
-    failure = verdict(device, dtype)
-    if failure is not None:
-        return "torch", f"the kernels failed their self-check: {failure}"
-    return "triton", "CUDA, triton imports, the self-check passed"
+    return "torch", f"impl='triton' {reason}"

@@ -12,7 +12,7 @@
 // where q.key_j = (q.c_s at s = codes_j) when every key of the buffer is a code (the query
 // is scored against the codebook once), else read from the buffer's keys. Columns whose
 // weight is exactly 0 (empty rows, mask -inf) are skipped in the output sum.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
 
@@ -165,6 +165,10 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   });
 }
 
+}  // namespace
+
+namespace linattn {
+
 void vq_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
                     const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
                     at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, double scale,
@@ -176,9 +180,4 @@ void vq_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   });
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("vq_decode_step", &vq_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "One Transformer-VQ decoding step over the resident buffer (see the source's header).");
-}
+}  // namespace linattn

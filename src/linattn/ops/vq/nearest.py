@@ -1,0 +1,90 @@
+"""The nearest code of every key on CPUs by the native kernel (``_native/vq_nearest_codes.cpp``,
+built by ``native.py``): ``VectorQuantizer.nearest_codes``' search as one C++ call, a matrix
+product per chunk of keys and one pass over each key's distances (the torch form spends more
+on ``argmin`` and the distances' elementwise passes than on the product).
+
+It runs for CPU float32 keys (the quantizer searches in float32) outside ``torch.compile``,
+after a self-check per process (``_run_check``: codes equal to the torch form's on random
+keys, a NaN key and tied codes included); a failure warns once and the torch form runs from
+then on. ``LINATTN_VQ_IMPL=torch`` skips it, ``=native`` makes its failure an error.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import native
+from .selfcheck import forced_impl
+
+_verdict: list[str | None] = []  # [] before the check; [None]: passed; [what failed]
+_warned: list[bool] = []
+
+
+def reset() -> None:
+    """Forget the self-check's verdict and warning (tests)."""
+    _verdict.clear()
+    _warned.clear()
+
+
+def applies(keys: torch.Tensor) -> bool:
+    """Whether the native search runs for ``keys`` (module docstring)."""
+    if keys.device.type != "cpu" or keys.dtype != torch.float32 or torch.compiler.is_compiling():
+        return False
+    forced = forced_impl()
+    if forced == "torch":
+        return False
+    failure = verdict()
+    if failure is None:
+        return True
+    message = f"the native VQ nearest-code search failed: {failure}"
+    if forced == "native":
+        raise RuntimeError(f"{message}. Unset LINATTN_VQ_IMPL or set it to torch")
+    if not _warned:
+        _warned.append(True)
+        warnings.warn(f"{message}; the quantizers search with torch from now on (LINATTN_VQ_IMPL=torch chooses it "
+                      "without trying the kernel)", RuntimeWarning, stacklevel=3)
+    return False
+
+
+def nearest_codes(keys: torch.Tensor, codebook: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    """``argmin_s (|c_s|^2 - 2 k.c_s)`` ``[B, H, T]`` of float32 keys ``[B, H, T, D]``, codebook
+    ``[H, S, D]`` and its squared norms ``[H, S]`` (the first minimum; a NaN distance wins)."""
+    B, H, T, _ = keys.shape
+    codes = torch.empty(B, H, T, dtype=torch.long)
+    native.extension().vq_nearest_codes(keys.contiguous(), codebook.contiguous(), norms.contiguous(), codes)
+    return codes
+
+
+def verdict() -> str | None:
+    """None when the kernel builds and agrees with the torch form, else what failed (checked once)."""
+    if not _verdict:
+        try:
+            native.extension()
+            _verdict.append(_run_check())
+        except Exception as error:  # the build's RuntimeError, or the kernel raising on the check
+            _verdict.append(" ".join(str(error).split())[:500])
+    return _verdict[0]
+
+
+def _torch_codes(keys: torch.Tensor, codebook: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+    scores = torch.einsum("bhtd,hsd->bhts", keys, codebook)
+    return scores.mul_(-2.0).add_(norms[None, :, None, :]).argmin(-1)
+
+
+def _run_check() -> str | None:
+    """Codes of random keys (300 per row: two chunks; one key NaN; two equal codes, so ties)
+    by the kernel and by the torch form: None when equal, else the first difference."""
+    g = torch.Generator().manual_seed(0)
+    codebook = torch.randn(3, 16, 8, generator=g)
+    codebook[1, 9] = codebook[1, 3]
+    keys = torch.randn(2, 3, 300, 8, generator=g)
+    keys[1, 2, 7] = float("nan")
+    keys[0, 1, 5] = codebook[1, 3]
+    norms = codebook.pow(2).sum(-1)
+    got, want = nearest_codes(keys, codebook, norms), _torch_codes(keys, codebook, norms)
+    if not torch.equal(got, want):
+        index = (got != want).nonzero()[0].tolist()
+        return f"key {index}: code {int(got[tuple(index)])}, the torch form's {int(want[tuple(index)])}"
+    return None
