@@ -194,7 +194,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the teacher's configuration (default %(default)s)")
     parser.add_argument("--data", default="shakespeare")
     parser.add_argument("--cache-dir", default=None)
-    parser.add_argument("--finetune-lr", type=positive_float, default=1e-3)
+    parser.add_argument("--finetune-lr", type=positive_float, default=3e-4,
+                        help="peak learning rate of the fine-tuning (default %(default)s: the teacher's last one)")
     parser.add_argument("--lora-rank", type=positive, default=None,
                         help="fine-tune LoRA adapters of this rank instead of every parameter")
     parser.add_argument("--calibration-tokens", type=positive, default=d["calibration_tokens"])
