@@ -36,12 +36,14 @@ from test_vq_decode import (  # noqa: F401
 @pytest.fixture(autouse=True, params=["loop", "batched-in-pairs"])
 def schedule(request, monkeypatch):
     """Every block form in this module runs on the loop, or batched in groups of two blocks
-    (so the carry from group to group is exercised)."""
+    (so the carry from group to group is exercised): the torch forms (``LINATTN_VQ_IMPL=torch``:
+    never the native block form)."""
     block = attention.block_form
     name = request.param.split("-")[0]
+    monkeypatch.setenv("LINATTN_VQ_IMPL", "torch")
 
     def forced(*args):
-        return block(*args[:11], name)
+        return block(*args[:11], name, *args[12:])
 
     monkeypatch.setattr(attention, "block_form", forced)
     monkeypatch.setattr(vq_schedule, "blocks_per_group", lambda device, scores_per_block: 2)

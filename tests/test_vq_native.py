@@ -343,7 +343,7 @@ def test_every_path_and_flag_torch_writes_into_the_build_file_enters_the_name(tm
     inputs = "\n".join(native.build_inputs().values())
     lines = [line for line in build_file.read_text().splitlines()
              if line.startswith(("cxx =", "cflags =", "ldflags =", "build module.o", "build vq_decode_step.o",
-                                 "build vq_block_forward.o", "build vq_nearest_codes.o"))]
+                                 "build vq_block_forward.o", "build vq_codes.o"))]
     assert len(lines) == 7, lines
     tokens = [token for line in lines for token in line.partition(" = " if " = " in line else ": compile ")[2].split()]
     checked = [token for token in tokens if "/" in token or token in native.FLAGS + native.LDFLAGS]

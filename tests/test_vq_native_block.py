@@ -219,8 +219,8 @@ def test_the_self_check_fails_a_kernel_that_differs(monkeypatch, fresh_verdicts)
     """The check itself, on a kernel made wrong: block 0 always seen without its previous block."""
     real = native_block.running_blocks
 
-    def forgetting(blocks, codebook, window, position_keys, run, has_prev, full_blocks):
-        return real(blocks, codebook, window, position_keys, run, False, full_blocks)
+    def forgetting(blocks, codebook, window, position_keys, run, has_prev, full_blocks, scale):
+        return real(blocks, codebook, window, position_keys, run, False, full_blocks, scale)
 
     assert native_block_check.verdict(F64) is None
     native_block_check.reset()
@@ -235,3 +235,18 @@ def test_the_kernel_checks_what_it_is_given():
     bad[0, 0, 0] = 8  # beyond the codebook: unchecked by check_inputs=False, caught by the kernel
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"code 8 outside \[0, 8\)"):
         linattn.vq_attention(q, k_hat, v, bad, codebook, block_size=4, impl="native", check_inputs=False)
+
+
+def test_an_empty_cache_slot_takes_no_weight_however_high_its_score():
+    """A code no key has used (its cache slot empty) scores far above everything else: it gets
+    weight exactly 0, as ``log n = -inf`` gives it in the torch form (no inf times an empty sum)."""
+    q, k_hat, v, codes, codebook = make_vq(T=20, S=8, unused=2)
+    codebook = codebook.clone()
+    codebook[:, -1] = 1e3 * q[0, 0, 0] / q[0, 0, 0].norm()  # the last code is never used
+    q = q.clone()
+    q[:, :, 8:] = 50.0 * q[0, 0, 0]  # queries after the first blocks point at it
+    args = (q, codebook[torch.arange(2)[None, :, None], codes], v, codes, codebook)
+    out, _ = _run(args, 4, "native")
+    want, _ = _run(args, 4, "torch")
+    assert bool(torch.isfinite(out).all())
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)

@@ -1,4 +1,4 @@
-"""The native nearest-code search (``ops/vq/nearest.py``, ``_native/vq_nearest_codes.cpp``) that
+"""The native nearest-code search (``ops/vq/nearest.py``, ``_native/vq_codes.cpp``) that
 ``VectorQuantizer.nearest_codes`` runs on CPUs: the torch form's codes (ties and NaN keys
 included), the same at 1 and 2 threads, ``LINATTN_VQ_IMPL``, and its self-check made to fail."""
 
@@ -120,3 +120,42 @@ def test_the_kernel_checks_what_it_is_given():
                                      torch.randn(1, 5))
     with pytest.raises(RuntimeError, match=r"codebook \[2, 5, 4\] and norms \[2, 5\] for keys \[1, 1, 3, 4\]"):
         native_nearest.nearest_codes(torch.randn(1, 1, 3, 4), torch.randn(2, 5, 4), torch.randn(2, 5))
+
+
+def test_the_key_check_compares_as_torch_equal_does():
+    g = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.float64):
+        codebook = torch.randn(2, 6, 4, generator=g, dtype=dtype)
+        codebook[0, 1, 2] = 0.0
+        codes = torch.randint(0, 6, (3, 2, 7), generator=g)
+        codes[0, 0, 0] = 1
+        k_hat = codebook[torch.arange(2)[None, :, None], codes]
+        assert native_nearest.keys_are_codes(k_hat, codes, codebook) is True
+        signed = k_hat.clone()
+        signed[0, 0, 0, 2] = -0.0  # equal by value
+        assert native_nearest.keys_are_codes(signed, codes, codebook) is True
+        for change in ("nan", "next float"):
+            changed = k_hat.clone()
+            x = changed[2, 1, 6, 3]
+            changed[2, 1, 6, 3] = float("nan") if change == "nan" else torch.nextafter(x, x + 1)
+            assert native_nearest.keys_are_codes(changed, codes, codebook) is False, change
+    assert native_nearest.keys_are_codes(k_hat.half(), codes, codebook.half()) is None  # not computed here
+
+
+@pytest.mark.parametrize("reduction", ["paper", "mean"])
+def test_the_one_call_forward_gives_the_torch_forward(monkeypatch, reduction):
+    """Without gradients a quantizer takes codes, rows and the squared error from one native
+    call: the same codes and keys as the torch form, the commitment loss within float32 rounding."""
+    quantizer = VectorQuantizer(3, 8, 16, commitment_reduction=reduction).eval()
+    k = torch.randn(2, 3, 700, 8, generator=torch.Generator().manual_seed(5))
+    calls = []
+    real = native_nearest.quantize
+    monkeypatch.setattr(native_nearest, "quantize", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        k_hat, codes, commit = quantizer(k)
+        with monkeypatch.context() as patch:
+            patch.setenv("LINATTN_VQ_IMPL", "torch")
+            want_k_hat, want_codes, want_commit = quantizer(k)
+    assert calls == [1]
+    assert torch.equal(codes, want_codes) and torch.equal(k_hat, want_k_hat)
+    torch.testing.assert_close(commit, want_commit, rtol=1e-5, atol=0)

@@ -182,12 +182,18 @@ class VectorQuantizer(Codebook):
             # are then those of a forward without it, as activation checkpointing recomputes them
             with torch.random.fork_rng(devices=[k.device] if k.device.type == "cuda" else []):
                 self.initialize(k, mask)
-        codes = self.nearest_codes(k)
-        chosen = self.lookup(codes).to(k.dtype)
+        one_call = (mask is None and not torch.is_grad_enabled() and k.dtype == torch.float32
+                    and self.codebook.dtype == torch.float32 and native_nearest.applies(k))
+        if one_call:  # CPUs without gradients: codes, rows and the squared error by one native call
+            codes, chosen, total = native_nearest.quantize(k, self.codebook, self._code_norms())
+        else:
+            codes = self.nearest_codes(k)
+            chosen = self.lookup(codes).to(k.dtype)
         k_hat = chosen + (k - k.detach()) if k.requires_grad else chosen
         wide = compute_dtype(k.dtype)  # float32, float64 for float64 keys
         if mask is None and not torch.is_grad_enabled():  # a sum over every entry, in one reduction
-            total = torch.linalg.vector_norm(k.to(wide) - chosen.to(wide)).square()
+            if not one_call:
+                total = torch.linalg.vector_norm(k.to(wide) - chosen.to(wide)).square()
             commit = total / (k.shape[0] * k.shape[2] * (1 if self.commitment_reduction == "paper" else self.n_heads))
         else:
             squared = (k.to(wide) - chosen.to(wide)).pow(2).sum(-1)  # [B, H, T]

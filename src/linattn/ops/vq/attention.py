@@ -178,8 +178,12 @@ def vq_attention(
         out, pieces = fused.block_form(q, k_hat, v, codes, codebook, table, positions_k, L, scope, initial_state, scale)
         return _result(out, pieces, q.dtype, initial_state, output_final_state, L, _keys_record(codes, codebook,
                                                                                                 initial_state))
+    # the native block form (CPUs, without gradients) scales the products itself
+    native_form = impl == "native" and causal and mode == "block" and filled + T > L and (
+        schedule == "auto" or requested == "native") and native_block_check.use_native(
+        requested == "native" or selfcheck.forced_impl() == "native", q, dtype, codes, rope)
     qf = as_dtype(q, dtype).reshape(B, Hkv, G, T, Dk)
-    qf = qf * scale if scale != 1.0 else qf
+    qf = qf * scale if scale != 1.0 and not native_form else qf
     kf, vf, cb = as_dtype(k_hat, dtype), as_dtype(v, dtype), as_dtype(codebook, dtype)
 
     if not causal:
@@ -200,14 +204,13 @@ def vq_attention(
     if filled + T <= L:
         out, pieces = decode_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, rope)
     else:
-        if impl == "native" and (schedule == "auto" or requested == "native") and native_block_check.use_native(
-                requested == "native" or selfcheck.forced_impl() == "native", q, dtype, codes, rope):
+        if native_form:
             schedule = "native"
         elif schedule == "auto":
             blocks = -(-(filled + T) // L)
             schedule = auto_schedule(torch.is_grad_enabled(), B * H, L, cb.shape[1], blocks, q.device)
         out, pieces = block_form(qf, kf, vf, codes, cb, table, positions_k, L, scope, initial_state, dtype, schedule,
-                                 rope)
+                                 rope, scale if native_form else 1.0)
     return _result(out, pieces, q.dtype, initial_state, output_final_state, L,
                    _keys_record(codes, codebook, initial_state))
 

@@ -11,7 +11,8 @@ threads (a row is one thread's, so results do not depend on the thread count).
 ``_native/vq_block_forward.cpp`` is the block form without gradients for hard codes
 (``running.py``'s schedule) with a block's window, cache and softmax in one pass per block:
 two matrix products per block and query group and no per-block intermediates.
-``_native/vq_nearest_codes.cpp`` is the quantizer's nearest-code search (``nearest.py``).
+``_native/vq_codes.cpp`` is the quantizer's nearest-code search and the check that keys are their
+codes (``nearest.py``).
 ``_native/module.cpp`` is the Python module of the three.
 
 **Build.** ``torch.utils.cpp_extension.load`` with ``-O3 -march=native -mprefer-vector-width=512 -fopenmp`` (the
@@ -57,7 +58,7 @@ import torch
 
 _FOLDER = Path(__file__).parent / "_native"
 SOURCES = (_FOLDER / "module.cpp", _FOLDER / "vq_decode_step.cpp", _FOLDER / "vq_block_forward.cpp",
-           _FOLDER / "vq_nearest_codes.cpp")
+           _FOLDER / "vq_codes.cpp")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)

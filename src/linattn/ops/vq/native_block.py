@@ -20,14 +20,16 @@ def window_matrix(window: torch.Tensor) -> torch.Tensor:
     return window.contiguous()
 
 
-def running_blocks(blocks, codebook, window, position_keys, run, has_prev: bool, full_blocks: int):
+def running_blocks(blocks, codebook, window, position_keys, run, has_prev: bool, full_blocks: int,
+                   scale: float = 1.0):
     """The outputs of every block ``[B, Hkv, G, R, L, E]`` and the cache before block
     ``full_blocks`` (counts ``[B, Hkv, S]``, sums ``[B, Hkv, S, E]``), as ``block._block_loop``
     returns them: ``blocks`` = (queries ``[B, Hkv, G, R, L, D]``, keys ``[B, Hkv, R, L, D]``,
     values ``[B, Hkv, R, L, E]``, block 0's previous keys ``[B, Hkv, L, D]`` and values
     ``[B, Hkv, L, E]``, each block's previous codes ``[B, Hkv, R, L]``), the codebook
     ``[Hkv, S, D]``, the window's bias, the position keys ``[Hkv|1, G|1, L + 1, D]`` (``P_delta``
-    for offsets delta = 0..L, or None), ``run`` = (counts, sums) of the cache before block 0."""
+    for offsets delta = 0..L, or None), ``run`` = (counts, sums) of the cache before block 0;
+    ``scale`` multiplies the products of the queries, which come unscaled."""
     q_blocks, k_blocks, v_blocks, first_k, first_v, prev_codes = (t.contiguous() for t in blocks)
     B, Hkv, G, R, L, _ = q_blocks.shape
     counts, sums = (t.contiguous() for t in run)
@@ -35,7 +37,8 @@ def running_blocks(blocks, codebook, window, position_keys, run, has_prev: bool,
     final_counts, final_sums = torch.empty_like(counts), torch.empty_like(sums)
     native.extension().vq_block_forward(q_blocks, k_blocks, v_blocks, prev_codes, codebook.contiguous(),
                                         window_matrix(window).to(q_blocks.dtype), _keys(position_keys), first_k,
-                                        first_v, has_prev, counts, sums, full_blocks, out, final_counts, final_sums)
+                                        first_v, has_prev, counts, sums, full_blocks, float(scale), out, final_counts,
+                                        final_sums)
     return out, (final_counts, final_sums)
 
 

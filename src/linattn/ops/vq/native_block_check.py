@@ -111,8 +111,9 @@ def _run_check(dtype: torch.dtype) -> str | None:
         for schedule in ("native", "batched"):
             state, outs = None, []
             for q, k, v, codes in calls:
-                out, pieces = block_form(q, k, v, codes, codebook, table, position_keys, s["L"], "cache", state, dtype,
-                                         schedule)
+                scale = 0.5 if schedule == "native" else 1.0  # the native form scales q itself
+                out, pieces = block_form(q * (1.0 / scale), k, v, codes, codebook, table, position_keys, s["L"],
+                                         "cache", state, dtype, schedule, None, scale)
                 outs += [out, *pieces["cache"]]
                 state = _State(pieces)
             results[schedule] = outs

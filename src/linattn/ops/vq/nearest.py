@@ -1,10 +1,12 @@
-"""The nearest code of every key on CPUs by the native kernel (``_native/vq_nearest_codes.cpp``,
-built by ``native.py``): ``VectorQuantizer.nearest_codes``' search as one C++ call, a matrix
-product per chunk of keys and one pass over each key's distances (the torch form spends more
-on ``argmin`` and the distances' elementwise passes than on the product).
+"""Keys and codes on CPUs by the native kernels (``_native/vq_codes.cpp``, built by
+``native.py``): the nearest code of every key (``VectorQuantizer.nearest_codes``' search as one
+C++ call, a matrix product per chunk of keys and one pass over each key's distances: the torch
+form spends more on ``argmin`` and the distances' elementwise passes than on the product), and
+whether keys are the codebook's rows at their codes (``vq_attention``'s check of ``k_hat``, one
+pass without the gathered copy the torch check makes).
 
-It runs for CPU float32 keys (the quantizer searches in float32) outside ``torch.compile``,
-after a self-check per process (``_run_check``: codes equal to the torch form's on random
+The search runs for CPU float32 keys (the quantizer searches in float32) outside
+``torch.compile``, the key check for float32 and float64 ones, after a self-check per process (``_run_check``: codes equal to the torch form's on random
 keys, a NaN key and tied codes included); a failure warns once and the torch form runs from
 then on. ``LINATTN_VQ_IMPL=torch`` skips it, ``=native`` makes its failure an error.
 """
@@ -18,6 +20,7 @@ import torch
 from . import native
 from .selfcheck import forced_impl
 
+_CHUNK = 256  # keys per product in the kernel (kChunk): the error sums come one per chunk
 _verdict: list[str | None] = []  # [] before the check; [None]: passed; [what failed]
 _warned: list[bool] = []
 
@@ -28,9 +31,10 @@ def reset() -> None:
     _warned.clear()
 
 
-def applies(keys: torch.Tensor) -> bool:
-    """Whether the native search runs for ``keys`` (module docstring)."""
-    if keys.device.type != "cpu" or keys.dtype != torch.float32 or torch.compiler.is_compiling():
+def applies(keys: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether the native search (or, with ``dtypes`` float32 and float64, the key check) runs
+    for ``keys`` (module docstring)."""
+    if keys.device.type != "cpu" or keys.dtype not in dtypes or torch.compiler.is_compiling():
         return False
     forced = forced_impl()
     if forced == "torch":
@@ -53,8 +57,32 @@ def nearest_codes(keys: torch.Tensor, codebook: torch.Tensor, norms: torch.Tenso
     ``[H, S, D]`` and its squared norms ``[H, S]`` (the first minimum; a NaN distance wins)."""
     B, H, T, _ = keys.shape
     codes = torch.empty(B, H, T, dtype=torch.long)
-    native.extension().vq_nearest_codes(keys.contiguous(), codebook.contiguous(), norms.contiguous(), codes)
+    native.extension().vq_nearest_codes(keys.contiguous(), codebook.contiguous(), norms.contiguous(), codes, None,
+                                        None)
     return codes
+
+
+def quantize(keys: torch.Tensor, codebook: torch.Tensor, norms: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``nearest_codes``, the chosen codes' rows ``codebook[h, codes]`` ``[B, H, T, D]`` and the sum
+    of the squared errors ``sum |k - c_z|^2`` over every key (float32, summed in float64), in
+    one call; float32 keys and codebook."""
+    B, H, T, D = keys.shape
+    codes = torch.empty(B, H, T, dtype=torch.long)
+    chosen = torch.empty(B, H, T, D, dtype=torch.float32)
+    errors = torch.empty(B * H * -(-T // _CHUNK), dtype=torch.float64)
+    native.extension().vq_nearest_codes(keys.contiguous(), codebook.contiguous(), norms.contiguous(), codes, chosen,
+                                        errors)
+    return codes, chosen, errors.sum().float()
+
+
+def keys_are_codes(k_hat: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor) -> bool | None:
+    """Whether ``k_hat [B, H, T, D] == codebook[h, codes]`` everywhere (``torch.equal``'s
+    comparison; codes already in ``[0, S)``), by the native kernel; None where it does not run."""
+    if not applies(k_hat, (torch.float32, torch.float64)) or codebook.dtype != k_hat.dtype:
+        return None
+    return native.extension().vq_keys_are_codes(k_hat.detach().contiguous(), codes.contiguous(),
+                                                codebook.detach().contiguous())
 
 
 def verdict() -> str | None:
