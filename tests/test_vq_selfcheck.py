@@ -146,7 +146,8 @@ def test_the_environment_variable_forces_the_choice(monkeypatch, fresh_verdicts)
     calls = count_kernel_calls(monkeypatch)
     args = inputs()
     monkeypatch.setenv("LINATTN_VQ_IMPL", "cuda")
-    with pytest.raises(ValueError, match=r"LINATTN_VQ_IMPL must be 'torch' or 'triton' or 'native' \(or unset.*got 'cuda'"):
+    with pytest.raises(ValueError,
+                       match=r"LINATTN_VQ_IMPL must be 'torch' or 'triton' or 'native' \(or unset.*got 'cuda'"):
         linattn.vq_attention(*args, block_size=L)
     monkeypatch.setenv("LINATTN_VQ_IMPL", "torch")
     assert torch.equal(linattn.vq_attention(*args, block_size=L)[0], torch_form(args))

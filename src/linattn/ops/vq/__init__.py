@@ -27,4 +27,4 @@ from .step import vq_decode_step
 
 __all__ = ["vq_attention", "vq_decode_step", "soft_vq_attention", "soft_assignments", "vq_attention_weights",
            "windowed_softmax", "windowed_weights", "codebook_scores", "GRAD_SCOPES", "SCHEDULES", "check_vq_rerope",
-           "check_vq_state"]
+           "check_vq_state", "native_nearest"]

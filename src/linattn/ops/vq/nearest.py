@@ -6,9 +6,10 @@ whether keys are the codebook's rows at their codes (``vq_attention``'s check of
 pass without the gathered copy the torch check makes).
 
 The search runs for CPU float32 keys (the quantizer searches in float32) outside
-``torch.compile``, the key check for float32 and float64 ones, after a self-check per process (``_run_check``: codes equal to the torch form's on random
-keys, a NaN key and tied codes included); a failure warns once and the torch form runs from
-then on. ``LINATTN_VQ_IMPL=torch`` skips it, ``=native`` makes its failure an error.
+``torch.compile``, the key check for float32 and float64 ones, after a self-check per process
+(``_run_check``: codes equal to the torch form's on random keys, a NaN key and tied codes
+included); a failure warns once and the torch form runs from then on. ``LINATTN_VQ_IMPL=torch``
+skips it, ``=native`` makes its failure an error.
 """
 
 from __future__ import annotations
