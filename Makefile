@@ -63,8 +63,12 @@ demo: $(STAMP)
 	@$(BIN)/python -c "import json; m = json.load(open('docs/results/repro-demo/results.json'))['rows'][0]['metrics']['validation_bpb']; \
 		print(f\"\nmeasured over seeds 0-2 (linattn repro demo, docs/results/repro-demo): final validation bpb {m['min']:.3f}-{m['max']:.3f}, mean {m['mean']:.3f}\")"
 
+# The native VQ kernels are built for both environments first (`linattn doctor --build`, an
+# installation step), so that no test's time limit covers a build.
 test: $(STAMP) $(SERVE_STAMP) $(HF_TESTS_STAMP)
 	$(BIN)/ruff check src tests tools
+	$(BIN)/linattn doctor --build
+	$(SERVE_VENV)/bin/linattn doctor --build
 	$(BIN)/python -m pytest -q
 
 # The tests that take a CUDA device when there is one (tests/test_vq_triton.py: the Triton

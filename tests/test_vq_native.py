@@ -28,8 +28,8 @@ L = 4
 def fresh_verdicts(monkeypatch):
     """Forget the process's verdicts for the test, and restore them after it."""
     monkeypatch.delenv(native_choice.ENV, raising=False)
-    monkeypatch.setattr(native_choice, "_verdicts", {})
-    monkeypatch.setattr(native_choice, "_warned", set())
+    monkeypatch.setattr(native_choice._trust, "verdicts", {})
+    monkeypatch.setattr(native_choice._trust, "warned", set())
 
 
 def _decode(impl, dtype=torch.float64, steps=6):

@@ -51,8 +51,10 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -234,3 +236,52 @@ def extension():
     if _module is None:
         raise RuntimeError(f"the native VQ kernels could not be built: {_build_error}")
     return _module
+
+
+def tracing() -> bool:
+    """Whether torch.compile or torch.export is tracing: the native kernels read their tensors'
+    data, which traced (fake) tensors do not hold, so the torch forms run there."""
+    return torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+class Trust:
+    """A native kernel's self-check (``check(key) -> None`` when it agrees with the torch form,
+    else what differs), run after the build at the first ask per ``key`` (a dtype, or None) in a
+    process; a failure (of the build, of the check, or the kernel raising) is the verdict for
+    the rest of the process, and is warned of once per key."""
+
+    def __init__(self, check: Callable[[Any], str | None]):
+        self._check = check
+        self.verdicts: dict[Any, str | None] = {}  # None: passed; else what failed
+        self.warned: set[Any] = set()
+
+    def reset(self) -> None:
+        """Forget the verdicts and warnings (tests); the built library stays loaded."""
+        self.verdicts.clear()
+        self.warned.clear()
+
+    def verdict(self, key: Any = None) -> str | None:
+        """None when the kernel builds and agrees with the torch form for ``key``, else what failed."""
+        if key not in self.verdicts:
+            self.verdicts[key] = None  # the check's own native calls
+            try:
+                extension()
+                self.verdicts[key] = self._check(key)
+            except Exception as error:  # the build's RuntimeError, or the kernel raising on the check
+                self.verdicts[key] = " ".join(str(error).split())[:500]
+        return self.verdicts[key]
+
+    def trusted(self, key: Any, strict: bool, failed: str, strict_hint: str, fallback: str) -> bool:
+        """Whether the kernel may run for ``key``: True when its verdict passed; else, ``strict``
+        (it was asked for), a RuntimeError "``failed``: verdict. ``strict_hint``", otherwise one
+        RuntimeWarning per key, "``failed``: verdict; ``fallback``", and False."""
+        failure = self.verdict(key)
+        if failure is None:
+            return True
+        message = f"{failed}: {failure}"
+        if strict:
+            raise RuntimeError(f"{message}. {strict_hint}")
+        if key not in self.warned:
+            self.warned.add(key)
+            warnings.warn(f"{message}; {fallback}", RuntimeWarning, stacklevel=4)
+        return False

@@ -19,8 +19,6 @@ warns once, naming it, and runs the torch forms from then on; ``impl="native"`` 
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from . import native
@@ -29,14 +27,11 @@ from .block import block_form
 DTYPES = (torch.float32, torch.float64)
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 _SHAPE = dict(B=2, Hkv=2, G=2, L=4, S=8, D=8, E=6, T=(11, 6))
-_verdicts: dict[torch.dtype, str | None] = {}  # None: passed; else what failed
-_warned: set[torch.dtype] = set()
 
 
 def reset() -> None:
     """Forget the self-check's verdicts and warnings (tests); the built library stays loaded."""
-    _verdicts.clear()
-    _warned.clear()
+    _trust.reset()
 
 
 def unsupported(q: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, rerope) -> str | None:
@@ -44,6 +39,8 @@ def unsupported(q: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, rerope
     the dtype the call computes in, ``codes`` its codes, ``rerope`` its ReRoPE window (or None)."""
     if q.device.type != "cpu":
         return f"runs on CPU tensors, got {q.device.type}"
+    if native.tracing():
+        return "does not run under torch.compile or torch.export (it reads the tensors' data)"
     if dtype not in DTYPES:
         return f"computes in float32 or float64, got {dtype}"
     if torch.is_grad_enabled():
@@ -64,29 +61,16 @@ def use_native(strict: bool, q: torch.Tensor, dtype: torch.dtype, codes: torch.T
         if strict:
             raise ValueError(f"impl='native': the native VQ block form {reason}; use impl='torch' or 'auto'")
         return False
-    failure = verdict(dtype)
-    if failure is None:
-        return True
-    message = f"the native VQ block form failed in {dtype}: {failure}"
-    if strict:
-        raise RuntimeError(f"{message}. Use impl='torch' (or impl='auto' without LINATTN_VQ_IMPL=native)")
-    if dtype not in _warned:
-        _warned.add(dtype)
-        warnings.warn(f"{message}; vq_attention uses the torch forms in {dtype} from now on (LINATTN_VQ_IMPL=torch "
-                      "chooses them without trying the kernel)", RuntimeWarning, stacklevel=3)
-    return False
+    return _trust.trusted(dtype, strict, f"the native VQ block form failed in {dtype}",
+                          "Use impl='torch' (or impl='auto' without LINATTN_VQ_IMPL=native)",
+                          f"vq_attention uses the torch forms in {dtype} from now on (LINATTN_VQ_IMPL=torch chooses "
+                          "them without trying the kernel)")
 
 
 def verdict(dtype: torch.dtype) -> str | None:
     """None when the kernel builds and agrees with the torch form in ``dtype``, else what
     failed; the check runs at the first ask per dtype."""
-    if dtype not in _verdicts:
-        try:
-            native.extension()
-            _verdicts[dtype] = _run_check(dtype)
-        except Exception as error:  # the build's RuntimeError, or the kernel raising on the check
-            _verdicts[dtype] = " ".join(str(error).split())[:500]
-    return _verdicts[dtype]
+    return _trust.verdict(dtype)
 
 
 def _run_check(dtype: torch.dtype) -> str | None:
@@ -133,3 +117,6 @@ class _State:
         self.partial_keys, self.partial_values, self.partial_codes = pieces["partial"]
         self.prev_keys, self.prev_values, self.prev_codes = pieces["prev"]
         self.cache_counts, self.cache_means = pieces["cache"]
+
+
+_trust = native.Trust(lambda dtype: _run_check(dtype))

@@ -15,8 +15,6 @@ torch form computes them), so they take the native step too.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..._checks import env_choice, resolve_scale
@@ -28,8 +26,6 @@ IMPLS = ("auto", "torch", "native")
 DTYPES = (torch.float32, torch.float64)
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 _SHAPE = dict(B=2, H=4, Hkv=2, L=4, S=8, Dk=8, Dv=6, steps=11)
-_verdicts: dict[torch.dtype, str | None] = {}  # None: passed; else what failed
-_warned: set[torch.dtype] = set()
 
 
 def forced_impl() -> str | None:
@@ -39,8 +35,7 @@ def forced_impl() -> str | None:
 
 def reset() -> None:
     """Forget the self-check's verdicts and warnings (tests); the built library stays loaded."""
-    _verdicts.clear()
-    _warned.clear()
+    _trust.reset()
 
 
 def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -55,14 +50,7 @@ def unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
 def verdict(dtype: torch.dtype) -> str | None:
     """None when the native step builds and agrees with the torch form in ``dtype``, else
     what failed; the check runs at the first ask per dtype."""
-    if dtype not in _verdicts:
-        _verdicts[dtype] = None  # the check's own native calls
-        try:
-            native.extension()
-            _verdicts[dtype] = _run_check(dtype)
-        except Exception as error:  # the build's RuntimeError, or the kernel raising on the check
-            _verdicts[dtype] = " ".join(str(error).split())[:500]
-    return _verdicts[dtype]
+    return _trust.verdict(dtype)
 
 
 def use_native(impl: str, device: torch.device, dtype: torch.dtype, rerope: bool = False) -> bool:
@@ -82,18 +70,10 @@ def use_native(impl: str, device: torch.device, dtype: torch.dtype, rerope: bool
             source = f"{ENV}=native" if forced else "impl='native'"
             raise ValueError(f"{source}: the native VQ decoding step {reason}; use impl='torch' or 'auto'")
         return False
-    failure = verdict(dtype)
-    if failure is None:
-        return True
-    message = f"the native VQ decoding step failed in {dtype}: {failure}"
-    if strict:
-        raise RuntimeError(f"{message}. Use impl='torch' (or impl='auto' without {ENV}=native)")
-    if dtype not in _warned:
-        _warned.add(dtype)
-        warnings.warn(f"{message}; vq_decode_step uses the torch form in {dtype} from now on ({ENV}=torch chooses "
-                      f"it without trying the native step, {ENV}=native makes this an error)", RuntimeWarning,
-                      stacklevel=3)
-    return False
+    return _trust.trusted(dtype, strict, f"the native VQ decoding step failed in {dtype}",
+                          f"Use impl='torch' (or impl='auto' without {ENV}=native)",
+                          f"vq_decode_step uses the torch form in {dtype} from now on ({ENV}=torch chooses it "
+                          f"without trying the native step, {ENV}=native makes this an error)")
 
 
 def choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
@@ -149,3 +129,6 @@ def _run_check(dtype: torch.dtype) -> str | None:
         if not error <= RTOL[dtype]:
             return f"step {step}: the output differs by {error:.3g} of its largest value (tolerance {RTOL[dtype]:g})"
     return None
+
+
+_trust = native.Trust(lambda dtype: _run_check(dtype))

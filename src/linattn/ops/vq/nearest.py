@@ -6,7 +6,7 @@ whether keys are the codebook's rows at their codes (``vq_attention``'s check of
 pass without the gathered copy the torch check makes).
 
 The search runs for CPU float32 keys (the quantizer searches in float32) outside
-``torch.compile``, the key check for float32 and float64 ones, after a self-check per process
+``torch.compile`` and ``torch.export``, the key check for float32 and float64 ones, after a self-check per process
 (``_run_check``: codes equal to the torch form's on random keys, a NaN key and tied codes
 included); a failure warns once and the torch form runs from then on. ``LINATTN_VQ_IMPL=torch``
 skips it, ``=native`` makes its failure an error.
@@ -14,43 +14,31 @@ skips it, ``=native`` makes its failure an error.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from . import native
 from .selfcheck import forced_impl
 
 _CHUNK = 256  # keys per product in the kernel (kChunk): the error sums come one per chunk
-_verdict: list[str | None] = []  # [] before the check; [None]: passed; [what failed]
-_warned: list[bool] = []
 
 
 def reset() -> None:
     """Forget the self-check's verdict and warning (tests)."""
-    _verdict.clear()
-    _warned.clear()
+    _trust.reset()
 
 
 def applies(keys: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Whether the native search (or, with ``dtypes`` float32 and float64, the key check) runs
     for ``keys`` (module docstring)."""
-    if keys.device.type != "cpu" or keys.dtype not in dtypes or torch.compiler.is_compiling():
+    if keys.device.type != "cpu" or keys.dtype not in dtypes or native.tracing():
         return False
     forced = forced_impl()
     if forced == "torch":
         return False
-    failure = verdict()
-    if failure is None:
-        return True
-    message = f"the native VQ nearest-code search failed: {failure}"
-    if forced == "native":
-        raise RuntimeError(f"{message}. Unset LINATTN_VQ_IMPL or set it to torch")
-    if not _warned:
-        _warned.append(True)
-        warnings.warn(f"{message}; the quantizers search with torch from now on (LINATTN_VQ_IMPL=torch chooses it "
-                      "without trying the kernel)", RuntimeWarning, stacklevel=3)
-    return False
+    return _trust.trusted(None, forced == "native", "the native VQ nearest-code search failed",
+                          "Unset LINATTN_VQ_IMPL or set it to torch",
+                          "the quantizers search with torch from now on (LINATTN_VQ_IMPL=torch chooses it without "
+                          "trying the kernel)")
 
 
 def nearest_codes(keys: torch.Tensor, codebook: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
@@ -88,13 +76,7 @@ def keys_are_codes(k_hat: torch.Tensor, codes: torch.Tensor, codebook: torch.Ten
 
 def verdict() -> str | None:
     """None when the kernel builds and agrees with the torch form, else what failed (checked once)."""
-    if not _verdict:
-        try:
-            native.extension()
-            _verdict.append(_run_check())
-        except Exception as error:  # the build's RuntimeError, or the kernel raising on the check
-            _verdict.append(" ".join(str(error).split())[:500])
-    return _verdict[0]
+    return _trust.verdict(None)
 
 
 def _torch_codes(keys: torch.Tensor, codebook: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
@@ -117,3 +99,6 @@ def _run_check() -> str | None:
         index = (got != want).nonzero()[0].tolist()
         return f"key {index}: code {int(got[tuple(index)])}, the torch form's {int(want[tuple(index)])}"
     return None
+
+
+_trust = native.Trust(lambda key: _run_check())
