@@ -8,6 +8,7 @@ against the references: ``tests/test_vq_decode_step.py`` (every test there runs 
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -351,3 +352,21 @@ def test_every_path_and_flag_torch_writes_into_the_build_file_enters_the_name(tm
     missing = [token for token in checked + [cpp_extension.get_cxx_compiler()]
                if token.removeprefix("-L").removeprefix("-I") not in inputs]
     assert not missing, missing
+
+
+def test_a_built_library_loads_past_a_stale_torch_lock(tmp_path, monkeypatch):
+    """A library already built in its folder is imported without torch's builder: a stale
+    torch lock left beside it (a process killed while torch's builder held it to run ninja on a
+    complete build) does not stop a later process."""
+    native.extension()  # built (or loaded) in the default root
+    built = native.build_directory()
+    copy = tmp_path / "linattn" / built.name
+    copy.mkdir(parents=True)
+    shutil.copy2(built / f"{built.name}.so", copy / f"{built.name}.so")
+    (copy / "lock").touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "_module", None)
+    monkeypatch.setattr(native, "_build_error", None)
+    module = native.extension()
+    assert hasattr(module, "vq_block_forward") and hasattr(module, "vq_decode_step")
+    assert (copy / "lock").exists(), "another process's lock is never deleted"

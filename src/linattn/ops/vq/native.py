@@ -35,7 +35,10 @@ it, torch's own lock (``<folder>/lock``, which torch's builder waits on without 
 can only be one left by a build that was killed (SIGKILL, out of memory): that stale lock
 is named and not waited on. Either way the build fails (``extension`` raises, and
 ``native_choice`` runs the torch form with a warning naming the lock and
-``LINATTN_VQ_STEP_IMPL``); no lock is ever deleted for its holder.
+``LINATTN_VQ_STEP_IMPL``); no lock is ever deleted for its holder. A folder that holds its
+library already is imported from it without torch's builder, which would take its lock and
+run ninja at every process's first use: a process killed in that window (a server's worker
+stopped with SIGKILL) left a stale lock before a library that was complete.
 """
 
 from __future__ import annotations
@@ -150,11 +153,12 @@ def _holder(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def build_lock(directory: Path, wait_seconds: float | None = None) -> Iterator[None]:
+def build_lock(directory: Path, wait_seconds: float | None = None, built: Path | None = None) -> Iterator[None]:
     """Hold ``directory``'s build lock for the block (module docstring), recording this
     process's id and host in it. Another holder is waited for at most ``wait_seconds``
     (default ``BUILD_WAIT_SECONDS``), then ``BuildLocked`` names it; a torch lock found
-    inside (one no build holds: stale) is ``BuildLocked`` at once."""
+    inside (one no build holds: stale) is ``BuildLocked`` at once, unless the library
+    ``built`` exists (then nothing is built and torch's builder is not run)."""
     import fcntl
 
     path = build_lock_path(directory)
@@ -166,7 +170,7 @@ def build_lock(directory: Path, wait_seconds: float | None = None) -> Iterator[N
         handle.write(f"{os.getpid()} {socket.gethostname()}\n")
         handle.flush()
         stale = Path(directory) / _TORCH_LOCK_NAME
-        if stale.exists():
+        if stale.exists() and not (built is not None and built.exists()):
             raise BuildLocked(f"{stale} is stale: no process builds in its folder (the last build there, by {last}, "
                               "did not finish); delete it to build again")
         yield
@@ -210,16 +214,29 @@ def _build():
     directory = build_directory()
     name = directory.name
     directory.mkdir(parents=True, exist_ok=True)
-    with build_lock(directory):
-        fresh = not (directory / f"{name}.so").exists()
-        if fresh:
-            print(f"linattn: compiling the native VQ kernels for this CPU (once; about a minute), into "
-                  f"{directory}", file=sys.stderr, flush=True)
+    library = directory / f"{name}.so"
+    with build_lock(directory, built=library):
+        fresh = not library.exists()
+        if not fresh:  # built: imported as it is (torch's builder would take its lock and run ninja)
+            return _import_library(name, library)
+        print(f"linattn: compiling the native VQ kernels for this CPU (once; about a minute), into "
+              f"{directory}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         module = load(name, [str(source) for source in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
                       build_directory=str(directory), verbose=False)
     if fresh:
         print(f"linattn: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return module
+
+
+def _import_library(name: str, library: Path):
+    """The Python module in the built ``library`` (its folder's name hashes every build input,
+    so a library there was built from these sources, flags and compiler)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     return module
 
 
