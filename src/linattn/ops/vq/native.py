@@ -261,6 +261,11 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``max |got - want| / max |want|``: how a self-check compares a kernel's result with the torch form's."""
+    return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+
+
 class Trust:
     """A native kernel's self-check (``check(key) -> None`` when it agrees with the torch form,
     else what differs), run after the build at the first ask per ``key`` (a dtype, or None) in a

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
+from ...state import VQAttentionState
 from . import native
+from .native import relative_error
 from .block import block_form
 
 DTYPES = (torch.float32, torch.float64)
@@ -93,30 +95,32 @@ def _run_check(dtype: torch.dtype) -> str | None:
     results = {}
     with torch.no_grad():
         for schedule in ("native", "batched"):
-            state, outs = None, []
+            state, outs, steps = None, [], 0
             for q, k, v, codes in calls:
                 scale = 0.5 if schedule == "native" else 1.0  # the native form scales q itself
                 out, pieces = block_form(q * (1.0 / scale), k, v, codes, codebook, table, position_keys, s["L"],
                                          "cache", state, dtype, schedule, None, scale)
                 outs += [out, *pieces["cache"]]
-                state = _State(pieces)
+                steps += q.shape[3]
+                state = _state(pieces, steps, s["L"])
             results[schedule] = outs
     for i, (got, want) in enumerate(zip(results["native"], results["batched"])):
         if not bool(torch.isfinite(got).all()):
             return f"result {i}: non-finite values"
-        error = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+        error = relative_error(got, want)
         if not error <= RTOL[dtype]:
             return f"result {i}: differs by {error:.3g} of its largest value (tolerance {RTOL[dtype]:g})"
     return None
 
 
-class _State:
-    """What ``block_form`` reads of a carried state, from the pieces it returned."""
-
-    def __init__(self, pieces: dict):
-        self.partial_keys, self.partial_values, self.partial_codes = pieces["partial"]
-        self.prev_keys, self.prev_values, self.prev_codes = pieces["prev"]
-        self.cache_counts, self.cache_means = pieces["cache"]
+def _state(pieces: dict, steps: int, block_size: int) -> VQAttentionState:
+    """The state ``block_form``'s pieces make after ``steps`` positions."""
+    partial_keys, partial_values, partial_codes = pieces["partial"]
+    prev_keys, prev_values, prev_codes = pieces["prev"]
+    counts, means = pieces["cache"]
+    return VQAttentionState(partial_keys=partial_keys, partial_values=partial_values, partial_codes=partial_codes,
+                            cache_counts=counts, cache_means=means, prev_keys=prev_keys, prev_values=prev_values,
+                            prev_codes=prev_codes, steps=steps, block_size=block_size, codebook_size=counts.shape[-1])
 
 
 _trust = native.Trust(lambda dtype: _run_check(dtype))

@@ -19,6 +19,7 @@ import torch
 
 from ..._checks import env_choice, resolve_scale
 from . import native
+from .native import relative_error
 from .resident import quantizing_step
 
 ENV = "LINATTN_VQ_STEP_IMPL"
@@ -125,7 +126,7 @@ def _run_check(dtype: torch.dtype) -> str | None:
             return f"step {step}: codes {codes.flatten().tolist()}, the torch form's {want_codes.flatten().tolist()}"
         if not bool(torch.isfinite(out).all()):
             return f"step {step}: the output has non-finite values"
-        error = float((out - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+        error = relative_error(out, want)
         if not error <= RTOL[dtype]:
             return f"step {step}: the output differs by {error:.3g} of its largest value (tolerance {RTOL[dtype]:g})"
     return None

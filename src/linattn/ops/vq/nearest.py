@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import native
+from .codebook import codebook_scores
 from .selfcheck import forced_impl
 
 _CHUNK = 256  # keys per product in the kernel (kChunk): the error sums come one per chunk
@@ -80,8 +81,7 @@ def verdict() -> str | None:
 
 
 def _torch_codes(keys: torch.Tensor, codebook: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
-    scores = torch.einsum("bhtd,hsd->bhts", keys, codebook)
-    return scores.mul_(-2.0).add_(norms[None, :, None, :]).argmin(-1)
+    return codebook_scores(keys, codebook).mul_(-2.0).add_(norms[None, :, None, :]).argmin(-1)
 
 
 def _run_check() -> str | None:
