@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,26 @@ def test_journal_skips_a_torn_last_line_and_keeps_the_rest(tmp_path):
     assert len(resumed) == 2 and resumed.get({"x": 2}) == {"y": 4} and resumed.get({"x": 3}) is None
     assert [json.loads(line)["key"] for line in path.read_text().splitlines()] == [{"x": 1}, {"x": 2}]
     assert len(RunJournal(path, resume=False)) == 0 and path.read_text() == ""
+
+
+def test_processes_sharing_a_journal_never_rewrite_it_from_a_cut_read(tmp_path):
+    """One process per seed, one journal: a process opening it with --resume while another
+    holds its lock (rewriting or appending) waits, then loads everything, the other's rows
+    included, so its own rewrite drops nothing."""
+    path = tmp_path / JOURNAL_NAME
+    first = RunJournal(path, resume=False)
+    first.record({"seed": 0}, {"bpb": 1.0})
+    opened = []
+    with first._locked():  # another process, in the middle of a write
+        thread = threading.Thread(target=lambda: opened.append(RunJournal(path, resume=True)))
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive() and not opened  # waiting for the lock, nothing read or rewritten
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps({"key": {"seed": 1}, "row": {"bpb": 2.0}}) + "\n")
+    thread.join(timeout=30)
+    assert len(opened[0]) == 2
+    assert len(RunJournal(path, resume=True)) == 2
 
 
 def test_map_runs_trains_only_what_the_journal_lacks(tmp_path):

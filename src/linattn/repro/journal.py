@@ -4,15 +4,21 @@ A :class:`RunJournal` (``<out>/runs.jsonl``) records each finished run as one
 JSON line ``{"key": ..., "row": ...}`` the moment it finishes, so an interrupted grid loses
 at most the runs in flight: ``--resume`` reuses every recorded run whose key (the run's
 arguments and configuration) matches, and ``--report-only`` reports the recorded runs
-without training (``repro.grids.run_journaled``). :func:`reuse_note`, :func:`closing_note`,
+without training (``repro.grids.run_journaled``). Several processes may share one journal (one
+seed each, say): each holds an exclusive ``flock`` on ``<journal>.lock`` while it loads and
+rewrites the file and while it appends, so none rewrites the file from a read that another
+process's rewrite had cut short. :func:`reuse_note`, :func:`closing_note`,
 :func:`interim_note` and :func:`metadata_interim_note` are the reports' sentences on the runs
 taken from the journal and on interim (``--report-only``) pages.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,20 +43,39 @@ class RunJournal:
         self.path = Path(path)
         self.read_only = read_only
         self._rows: dict[str, dict] = {}
-        if (resume or read_only) and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                    self._rows[canonical_key(entry["key"])] = entry["row"]
-                except (ValueError, KeyError, TypeError):
-                    continue
         if read_only:  # e.g. an interim report while the grid's own process still appends
+            self._load()
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        # Rewrite what was loaded (drops a torn last line) or start empty.
-        with open(self.path, "w", encoding="utf-8") as handle:
-            for key, row in self._rows.items():
-                handle.write(json.dumps({"key": json.loads(key), "row": row}) + "\n")
+        with self._locked():
+            if resume:
+                self._load()
+            # Rewrite what was loaded (drops a torn last line) or start empty.
+            with open(self.path, "w", encoding="utf-8") as handle:
+                for key, row in self._rows.items():
+                    handle.write(json.dumps({"key": json.loads(key), "row": row}) + "\n")
+
+    def _load(self) -> None:
+        """Read the recorded runs (a line that does not parse is skipped)."""
+        if not self.path.exists():
+            return
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                entry = json.loads(line)
+                self._rows[canonical_key(entry["key"])] = entry["row"]
+            except (ValueError, KeyError, TypeError):
+                continue
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the journal's lock (``<journal>.lock``, an exclusive flock; the kernel releases it
+        when the process dies, so it is never stale)."""
+        with open(self.path.with_name(self.path.name + ".lock"), "a", encoding="utf-8") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -72,7 +97,7 @@ class RunJournal:
         if self.read_only:
             raise RuntimeError(f"{self.path} was opened read-only")
         self._rows[canonical_key(key)] = row
-        with open(self.path, "a", encoding="utf-8") as handle:
+        with self._locked(), open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps({"key": key, "row": row}) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
