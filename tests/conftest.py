@@ -24,3 +24,23 @@ def retained_memory_calls(monkeypatch) -> list:
     calls: list = []
     monkeypatch.setattr(linattn.repro.framework, "retain_freed_memory", lambda: calls.append(True) or {})
     return calls
+
+
+@pytest.fixture(params=[32, 2, 1], ids=lambda n: f"segments-of-{n}")
+def segment_blocks(request, monkeypatch):
+    """The native VQ kernels' blocks per task (``SEGMENT_BLOCKS`` of ``ops/vq/native_block.py``):
+    one segment per row at the tests' shapes, or rows cut into segments of 2 blocks or of 1."""
+    from linattn.ops.vq import native_block
+
+    monkeypatch.setattr(native_block, "SEGMENT_BLOCKS", request.param)
+    return request.param
+
+
+@pytest.fixture
+def fresh_block_verdicts():
+    """The native VQ block form's self-check verdicts forgotten before and after the test."""
+    from linattn.ops.vq import native_block_check
+
+    native_block_check.reset()
+    yield
+    native_block_check.reset()

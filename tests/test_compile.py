@@ -82,12 +82,17 @@ def gradients(model: LM) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("attention", KINDS)
-def test_training_forward_compiles_as_one_graph_and_equals_eager(attention):
+def test_training_forward_compiles_as_one_graph_and_equals_eager(attention, monkeypatch):
     """fullgraph=True: no graph break with and without a carried state (ids unchecked: the
     trainer checks them where they are loaded). Same logits and gradients as eager, after
-    the eager pass has run the one-time k-means initialisation."""
+    the eager pass has run the one-time k-means initialisation. The trace runs the torch
+    forms, and so does the eager pass here (``LINATTN_VQ_IMPL=torch``; by default eager VQ
+    layers on a CPU take the native kernels, equal to the torch forms within rounding:
+    ``test_vq_native_backward.py``)."""
     model = tiny_lm(attention)
-    eager_logits, eager_losses = two_windows(model, model)
+    with monkeypatch.context() as patch:
+        patch.setenv("LINATTN_VQ_IMPL", "torch")
+        eager_logits, eager_losses = two_windows(model, model)
     eager_grads = gradients(model)
     model.zero_grad(set_to_none=True)
     logits, losses = two_windows(torch.compile(model, backend="eager", fullgraph=True), model)

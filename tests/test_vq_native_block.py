@@ -1,5 +1,6 @@
 """The native block form of ``vq_attention`` without gradients (``ops/vq/native_block.py``,
-``_native/vq_block_forward.cpp``; chosen by ``ops/vq/native_block_check.py``): float64
+``_native/vq_block_forward.cpp``; chosen by ``ops/vq/native_block_check.py``; its gradients are
+``test_vq_native_backward.py``'s): float64
 equality with the quadratic reference and the torch block forms on awkward shapes and carried
 states, the same bits at 1 and 2 threads, what it refuses, when ``impl="auto"`` takes it, and
 its self-check made to fail."""
@@ -41,32 +42,36 @@ def _run(args, L, impl, state=None, **options):
                                     **options)
 
 
-def _counted(monkeypatch):
-    """Calls of the native block form, recorded (after its self-check's own calls)."""
+def counted_calls(monkeypatch, owner=native_block, name="running_blocks"):
+    """Calls of ``owner.name`` (the native block form's entry), recorded after the self-check's own."""
     native_block_check.verdict(F64)
     calls = []
-    real = native_block.running_blocks
+    real = getattr(owner, name)
 
-    def counted(*args):
+    def counted(*args, **options):
         calls.append(1)
-        return real(*args)
+        return real(*args, **options)
 
-    monkeypatch.setattr(native_block, "running_blocks", counted)
+    monkeypatch.setattr(owner, name, counted)
     return calls
 
 
-@pytest.mark.parametrize("B, H, Hkv, T, L, S", [
+SHAPES = [  # B, H, Hkv, T, L, S
     (1, 1, 1, 9, 4, 4),      # one row, T not a multiple of L
     (2, 4, 2, 11, 4, 8),     # batch, query groups (Hkv < H), a partial last block
     (2, 2, 2, 16, 4, 6),     # whole blocks only
     (1, 6, 3, 40, 8, 16),    # many blocks
     (3, 2, 1, 5, 4, 8),      # one full block and one position
-])
+]
+
+
+@pytest.mark.parametrize("B, H, Hkv, T, L, S", SHAPES)
 @pytest.mark.parametrize("relative", ["none", "bias", "positions", "both", "shared"])
-def test_equals_the_reference_and_the_torch_forms_in_float64(monkeypatch, B, H, Hkv, T, L, S, relative):
+def test_equals_the_reference_and_the_torch_forms_in_float64(monkeypatch, segment_blocks, B, H, Hkv, T, L, S,
+                                                            relative):
     """Outputs and final states; ``relative``: a bias table per head, position keys per head,
     both, or both shared by the heads."""
-    calls = _counted(monkeypatch)
+    calls = counted_calls(monkeypatch)
     args = make_vq(B=B, H=H, Hkv=Hkv, T=T, S=S)
     g = torch.Generator().manual_seed(5)
     heads = () if relative == "shared" else (H,)
@@ -93,7 +98,7 @@ def test_equals_the_reference_and_the_torch_forms_in_float64(monkeypatch, B, H, 
 
 
 @pytest.mark.parametrize("sizes", [(3, 9, 1, 10), (8, 8, 7), (1, 1, 21), (5, 16, 2)])
-def test_carried_states_give_the_whole_sequence(sizes):
+def test_carried_states_give_the_whole_sequence(segment_blocks, sizes):
     """Calls that continue each other's state (ending inside a block, on a block boundary, one
     position long) give the outputs of one call over the whole sequence and its final cache."""
     L = 4
@@ -134,7 +139,7 @@ def test_causal_a_changed_future_changes_no_earlier_output():
     assert not torch.equal(out[:, :, t:], out_changed[:, :, t:])
 
 
-def test_the_thread_count_does_not_change_a_bit():
+def test_the_thread_count_does_not_change_a_bit(segment_blocks):
     args = make_vq(B=2, H=4, Hkv=4, T=70, Dk=8, Dv=8, S=16, dtype=torch.float32)
     before = torch.get_num_threads()
     try:
@@ -149,13 +154,26 @@ def test_the_thread_count_does_not_change_a_bit():
     assert torch.equal(one_state.cache_means, two_state.cache_means)
 
 
-def test_auto_takes_it_without_gradients_only(monkeypatch):
-    calls = _counted(monkeypatch)
+def test_segments_do_not_change_a_bit(monkeypatch):
+    """The cache at a segment's start is the running cache's additions in the same order: the
+    outputs and the final state are the same bits however a row is cut."""
+    args = make_vq(B=2, H=4, Hkv=2, T=45, Dk=8, Dv=8, S=16, dtype=torch.float32)
+    results = []
+    for blocks in (1, 3, 32):
+        monkeypatch.setattr(native_block, "SEGMENT_BLOCKS", blocks)
+        results.append(_run(args, 4, "native", bias=torch.linspace(-1, 1, 5)))
+    for out, state in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert torch.equal(state.cache_means, results[0][1].cache_means)
+        assert torch.equal(state.cache_counts, results[0][1].cache_counts)
+
+
+def test_auto_takes_it_on_cpus(monkeypatch):
+    calls = counted_calls(monkeypatch)
     args = make_vq()
     with torch.no_grad():
         linattn.vq_attention(*args, block_size=4)
     assert calls == [1]
-    linattn.vq_attention(*args, block_size=4)  # gradients on: the torch form
     with torch.no_grad():
         linattn.vq_attention(*args, block_size=4, schedule="loop")  # a schedule names a torch walk
         linattn.vq_attention(*args, block_size=4, impl="torch")
@@ -168,7 +186,6 @@ def test_auto_takes_it_without_gradients_only(monkeypatch):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("gradients", "computes without gradients"),
     ("soft codes", "takes hard codes"),
     ("rerope", r"has no ReRoPE form \(rerope=\)"),
 ])
@@ -179,9 +196,9 @@ def test_impl_native_refuses_what_it_does_not_compute(case, match):
         codes = torch.nn.functional.one_hot(codes, 8).to(F64)
     if case == "rerope":
         options["rerope"] = 2
-    with torch.set_grad_enabled(case == "gradients"):
-        with pytest.raises(ValueError, match=f"impl='native': the native VQ block form {match}.*; use impl='torch'"):
-            linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, impl="native", **options)
+    with torch.no_grad(), pytest.raises(ValueError,
+                                        match=f"impl='native': the native VQ block form {match}.*; use impl='torch'"):
+        linattn.vq_attention(q, k_hat, v, codes, codebook, block_size=4, impl="native", **options)
 
 
 def test_impl_native_refuses_the_other_modes():
@@ -190,16 +207,9 @@ def test_impl_native_refuses_the_other_modes():
         linattn.vq_attention(*args, block_size=4, causal=False, impl="native")
 
 
-@pytest.fixture
-def fresh_verdicts():
-    native_block_check.reset()
-    yield
-    native_block_check.reset()
-
-
-def test_a_failed_self_check_warns_once_and_auto_runs_torch(monkeypatch, fresh_verdicts):
+def test_a_failed_self_check_warns_once_and_auto_runs_torch(monkeypatch, fresh_block_verdicts):
     monkeypatch.setattr(native_block_check, "_run_check", lambda dtype: "result 0: differs by 1 (on purpose)")
-    calls = _counted(monkeypatch)
+    calls = counted_calls(monkeypatch)
     args = make_vq()
     with pytest.warns(RuntimeWarning, match="the native VQ block form failed in torch.float64: result 0: differs"):
         out, _ = _run(args, 4, "auto")
@@ -215,12 +225,12 @@ def test_a_failed_self_check_warns_once_and_auto_runs_torch(monkeypatch, fresh_v
         _run(args, 4, "auto")
 
 
-def test_the_self_check_fails_a_kernel_that_differs(monkeypatch, fresh_verdicts):
+def test_the_self_check_fails_a_kernel_that_differs(monkeypatch, fresh_block_verdicts):
     """The check itself, on a kernel made wrong: block 0 always seen without its previous block."""
     real = native_block.running_blocks
 
-    def forgetting(blocks, codebook, window, position_keys, run, has_prev, full_blocks, scale):
-        return real(blocks, codebook, window, position_keys, run, False, full_blocks, scale)
+    def forgetting(blocks, codebook, window, position_keys, run, has_prev, full_blocks, scale, prev_grad=True):
+        return real(blocks, codebook, window, position_keys, run, False, full_blocks, scale, prev_grad)
 
     assert native_block_check.verdict(F64) is None
     native_block_check.reset()

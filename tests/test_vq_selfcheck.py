@@ -203,8 +203,8 @@ def test_choice_says_what_auto_takes_and_why(monkeypatch, fresh_verdicts):
     assert triton_choice.choice(device, torch.float64)[0] == ("native" if device.type == "cpu" else "torch")
     monkeypatch.setattr(triton_choice, "AUTO_DEVICE_TYPES", ())
     assert triton_choice.choice(device, torch.float32) == (("native", (
-        "compiled for this CPU and agrees with the torch form: calls without gradients with hard codes, no ReRoPE; "
-        "torch for the others")) if device.type == "cpu" else (
+        "compiled for this CPU and agrees with the torch form: hard codes, no ReRoPE, with gradients grad_scope "
+        "'cache' or 'state'; torch for the others")) if device.type == "cpu" else (
         "torch", f"the kernels are taken automatically on CUDA only, this is {device.type}"))
     monkeypatch.setenv("LINATTN_VQ_IMPL", "torch")
     assert triton_choice.choice(device, torch.float32) == ("torch", "LINATTN_VQ_IMPL=torch")

@@ -11,7 +11,7 @@ line and in the last line), 2 for bad arguments. ``--json`` prints the same as o
 object instead.
 
 ``--build`` does one thing instead: it builds (or loads) the native VQ kernels (the decoding
-step and the block form without gradients) for this machine and checks them in each dtype they
+step, the block form and its gradients, the nearest-code search) for this machine and checks them in each dtype they
 compute in (``build_native``), so that a first call compiles nothing (an installation step).
 """
 

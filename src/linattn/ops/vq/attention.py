@@ -125,9 +125,10 @@ def vq_attention(
             Triton kernels, ``ops/vq/fused.py``: inputs stay in their dtype, float32, bfloat16
             or float16, with float32 accumulation; CUDA tensors, or CPU tensors under the
             Triton interpreter, ``TRITON_INTERPRET=1``), ``"native"`` (the causal block form
-            without gradients as one C++ call, ``ops/vq/native_block.py``: CPU tensors computed
-            in float32 or float64, hard codes, no ReRoPE; any other call is a
-            ValueError naming what it lacks) or ``"auto"`` (triton for CUDA inputs of those
+            as one C++ call and its gradients as another, ``ops/vq/native_block.py``: CPU
+            tensors computed in float32 or float64, hard codes, no ReRoPE, with gradients
+            grad_scope ``"cache"`` or ``"state"``; any other call is a ValueError naming what
+            it lacks) or ``"auto"`` (triton for CUDA inputs of those
             dtypes when ``triton`` imports; on a CPU native for every call it computes when
             ``schedule="auto"``; torch otherwise; ``LINATTN_VQ_IMPL=torch``, ``triton`` or
             ``native`` replaces this choice). Before the kernels first run on a device in a
@@ -178,10 +179,10 @@ def vq_attention(
         out, pieces = fused.block_form(q, k_hat, v, codes, codebook, table, positions_k, L, scope, initial_state, scale)
         return _result(out, pieces, q.dtype, initial_state, output_final_state, L, _keys_record(codes, codebook,
                                                                                                 initial_state))
-    # the native block form (CPUs, without gradients) scales the products itself
+    # the native block form (CPUs) scales the products itself
     native_form = impl == "native" and causal and mode == "block" and filled + T > L and (
         schedule == "auto" or requested == "native") and native_block_check.use_native(
-        requested == "native" or selfcheck.forced_impl() == "native", q, dtype, codes, rope)
+        requested == "native" or selfcheck.forced_impl() == "native", q, dtype, codes, rope, scope, initial_state)
     qf = as_dtype(q, dtype).reshape(B, Hkv, G, T, Dk)
     qf = qf * scale if scale != 1.0 and not native_form else qf
     kf, vf, cb = as_dtype(k_hat, dtype), as_dtype(v, dtype), as_dtype(codebook, dtype)

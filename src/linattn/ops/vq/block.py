@@ -22,7 +22,7 @@ def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dt
     """Linear-time causal form. q ``[B, Hkv, G, T, D]`` (scaled; the native schedule scales it by
     ``scale`` itself); returns (out, pieces of the final state).
     ``schedule``: ``"loop"`` (one block after another), ``"batched"`` (all blocks at once, in groups) or
-    ``"native"`` (the native kernel, ``native_block.py``: no gradients, hard codes, no ReRoPE).
+    ``"native"`` (the native kernels, ``native_block.py``: hard codes, no ReRoPE, grad_scope "cache" or "state").
     ``rerope``: ``(w, rotary_base)`` with ``w <= L``, or None (``rerope.py``)."""
     B, Hkv, G, T, D = q.shape
     E, S = v.shape[-1], codebook.shape[1]
@@ -80,7 +80,7 @@ def block_form(q, k, v, codes, codebook, table, positions_k, L, scope, state, dt
     rotations = None if rerope is None else WindowReRoPE(*rerope, L, D, q.device, dtype)
     if schedule == "native":
         outs, final_cache = native_block.running_blocks(blocks, codebook, window, positions_k, run, has_prev,
-                                                                full_blocks, scale)
+                                                        full_blocks, scale, prev_grad=not cut)
     elif schedule == "batched":
         outs, final_cache = all_blocks(blocks, codebook, window, band_keys, run, has_prev, full_blocks, scope, S,
                                        rotations)

@@ -1,5 +1,5 @@
 """The native VQ kernels on CPUs, compiled at first use: the decoding step, the block form
-without gradients and the nearest-code search (``native_choice.py``, ``native_block_check.py``
+with its gradients and the nearest-code search (``native_choice.py``, ``native_block_check.py``
 and ``nearest.py`` check each before it is trusted).
 
 ``vq_decode_step`` spends almost nothing on arithmetic (one key and a few queries against
@@ -8,12 +8,17 @@ the torch form (``resident.quantize_and_decode``). ``_native/vq_decode_step.cpp`
 the same step as one C++ function: the nearest code, the buffer writes, the scores, the
 softmax and the weighted sum for every (batch, kv head) row, rows spread over the intra-op
 threads (a row is one thread's, so results do not depend on the thread count).
-``_native/vq_block_forward.cpp`` is the block form without gradients for hard codes
+``_native/vq_block_forward.cpp`` is the block form for hard codes
 (``running.py``'s schedule) with a block's window, cache and softmax in one pass per block:
-two matrix products per block and query group and no per-block intermediates.
+two matrix products per block and query group and no per-block intermediates;
+``_native/vq_block_backward.cpp`` its gradients (grad_scope "cache" and "state"), the block's
+softmax recomputed from the forward's row log-sum-exp, five products per block.
 ``_native/vq_codes.cpp`` is the quantizer's nearest-code search and the check that keys are their
 codes (``nearest.py``).
-``_native/module.cpp`` is the Python module of the three.
+``_native/module.cpp`` is the Python module of the four, ``_native/fast_exp.h`` the float32 exp
+of the block form's passes, ``_native/vq_block_inputs.h`` the block form's input checks,
+``_native/vq_cache_scan.h`` the cache at the start of each segment of a row (the block form's
+tasks).
 
 **Build.** ``torch.utils.cpp_extension.load`` with ``-O3 -march=native -mprefer-vector-width=512 -fopenmp`` (the
 vector width of the machine; OpenMP is torch's own runtime, so ``torch.set_num_threads``
@@ -63,7 +68,9 @@ import torch
 
 _FOLDER = Path(__file__).parent / "_native"
 SOURCES = (_FOLDER / "module.cpp", _FOLDER / "vq_decode_step.cpp", _FOLDER / "vq_block_forward.cpp",
-           _FOLDER / "vq_codes.cpp")
+           _FOLDER / "vq_block_backward.cpp", _FOLDER / "vq_codes.cpp")
+# included by the sources: part of the build's inputs
+HEADERS = (_FOLDER / "fast_exp.h", _FOLDER / "vq_block_inputs.h", _FOLDER / "vq_cache_scan.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)
@@ -111,7 +118,7 @@ def build_inputs() -> dict[str, str]:
     from torch.utils import cpp_extension
 
     return {
-        "sources": " ".join(hashlib.sha256(source.read_bytes()).hexdigest() for source in SOURCES),
+        "sources": " ".join(hashlib.sha256(source.read_bytes()).hexdigest() for source in SOURCES + HEADERS),
         "source paths": " ".join(os.path.abspath(source) for source in SOURCES),
         "compiler": _compiler_identity(),
         "flags": " ".join(FLAGS),

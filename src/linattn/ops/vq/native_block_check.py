@@ -1,16 +1,18 @@
-"""When ``vq_attention`` runs its block form by the native kernel (``native_block.py``).
+"""When ``vq_attention`` runs its block form by the native kernels (``native_block.py``).
 
-The kernel computes the causal block form without gradients for hard codes, without
+The kernels compute the causal block form and its gradients for hard codes, without
 ReRoPE, on CPU tensors computed in float32 or float64 (bias tables, position keys, query
-groups, carried states and any T included). ``impl="native"`` asks for it and a call it
-does not compute is a ``ValueError`` naming why; ``impl="auto"`` on a CPU takes it for
-every call it computes and the torch forms for the others (with gradients, soft codes,
-ReRoPE), as ``LINATTN_VQ_IMPL=native`` or ``torch`` may replace.
+groups, carried states and any T included), with gradients for grad_scope ``"cache"`` and
+``"state"`` (not ``"none"``, whose cache carries gradients, nor a carried cache that requires
+them). ``impl="native"`` asks for them and a call they do not compute is a ``ValueError``
+naming why; ``impl="auto"`` on a CPU takes them for every call they compute and the torch
+forms for the others (soft codes, ReRoPE, grad_scope ``"none"``), as ``LINATTN_VQ_IMPL=native``
+or ``torch`` may replace.
 
-**Self-check.** The first time a process would run the kernel in a dtype, it runs two calls
+**Self-check.** The first time a process would run the kernels in a dtype, it runs two calls
 both ways (``_SHAPE``: two kv heads of two queries, a bias table and position keys, T not a
-multiple of L,
-the second call continuing the first's state) and compares the outputs and the final cache
+multiple of L, the second call continuing the first's state), without gradients and with
+them, and compares the outputs, the final caches and the gradients of every input
 (``max |native - torch| <= RTOL * max |torch|``: 1e-12 in float64, 1e-5 in float32). A
 build or a check that fails is the verdict for the rest of the process: ``impl="auto"``
 warns once, naming it, and runs the torch forms from then on; ``impl="native"`` raises
@@ -36,29 +38,36 @@ def reset() -> None:
     _trust.reset()
 
 
-def unsupported(q: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, rerope) -> str | None:
-    """Why the kernel does not compute a call (None when it does): ``q`` the queries, ``dtype``
-    the dtype the call computes in, ``codes`` its codes, ``rerope`` its ReRoPE window (or None)."""
+def unsupported(q: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, rerope, scope: str = "cache",
+                state: VQAttentionState | None = None) -> str | None:
+    """Why the kernels do not compute a call (None when they do): ``q`` the queries, ``dtype``
+    the dtype the call computes in, ``codes`` its codes, ``rerope`` its ReRoPE window (or None),
+    ``scope`` its grad_scope, ``state`` the state it continues (or None)."""
     if q.device.type != "cpu":
         return f"runs on CPU tensors, got {q.device.type}"
     if native.tracing():
         return "does not run under torch.compile or torch.export (it reads the tensors' data)"
     if dtype not in DTYPES:
         return f"computes in float32 or float64, got {dtype}"
-    if torch.is_grad_enabled():
-        return "computes without gradients (under torch.no_grad() or torch.inference_mode())"
     if codes.is_floating_point():
         return "takes hard codes, not soft ones"
     if rerope is not None:
         return "has no ReRoPE form (rerope=)"
+    if torch.is_grad_enabled():
+        if scope == "none":
+            return "computes gradients for grad_scope 'cache' or 'state', not 'none' (the cache's gradient)"
+        if scope == "cache" and state is not None and (
+                state.cache_means.requires_grad or state.cache_counts.requires_grad):
+            return "sends no gradient into a carried cache, and this state's cache requires gradients"
     return None
 
 
-def use_native(strict: bool, q: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, rerope) -> bool:
-    """Whether the block form of this call runs the kernel; ``strict``: it was asked for
-    (``impl="native"`` or ``LINATTN_VQ_IMPL=native``), so a call it cannot compute, or a failed
+def use_native(strict: bool, q: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, rerope, scope: str = "cache",
+               state: VQAttentionState | None = None) -> bool:
+    """Whether the block form of this call runs the kernels; ``strict``: they were asked for
+    (``impl="native"`` or ``LINATTN_VQ_IMPL=native``), so a call they cannot compute, or a failed
     self-check, is an error instead of the torch forms."""
-    reason = unsupported(q, dtype, codes, rerope)
+    reason = unsupported(q, dtype, codes, rerope, scope, state)
     if reason is not None:
         if strict:
             raise ValueError(f"impl='native': the native VQ block form {reason}; use impl='torch' or 'auto'")
@@ -76,41 +85,56 @@ def verdict(dtype: torch.dtype) -> str | None:
 
 
 def _run_check(dtype: torch.dtype) -> str | None:
-    """Two calls (the second continuing the first) by the kernel and by the torch form: None
-    when they agree (module docstring), else the first difference."""
+    """Two calls (the second continuing the first) by the kernels and by the torch form, without
+    gradients and then with them: None when the outputs, the final caches and the gradients of
+    every input agree (module docstring), else the first difference."""
+    for grad in (False, True):
+        results = {schedule: _outcomes(dtype, schedule, grad) for schedule in ("native", "batched")}
+        for name, got in results["native"].items():
+            want = results["batched"][name]
+            what = f"{name}{' (with gradients)' if grad else ''}"
+            if not bool(torch.isfinite(got).all()):
+                return f"{what}: non-finite values"
+            error = relative_error(got, want)
+            if not error <= RTOL[dtype]:
+                return f"{what}: differs by {error:.3g} of its largest value (tolerance {RTOL[dtype]:g})"
+    return None
+
+
+def _outcomes(dtype: torch.dtype, schedule: str, grad: bool) -> dict[str, torch.Tensor]:
+    """The check's two calls by ``schedule``: outputs and final caches by name, with ``grad``
+    also the gradients of a weighted sum of the outputs w.r.t. queries, keys, values,
+    codebook, bias table and position keys."""
     s = _SHAPE
     g = torch.Generator().manual_seed(0)
 
     def draw(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
 
     codebook = draw(s["Hkv"], s["S"], s["D"])
     table = draw(s["Hkv"], s["G"], s["L"] + 1)
-    position_keys = 0.5 * draw(s["Hkv"], s["G"], s["L"] + 1, s["D"])
-    calls = []
-    for T in s["T"]:
-        codes = torch.randint(0, s["S"], (s["B"], s["Hkv"], T), generator=g)
-        keys = codebook[torch.arange(s["Hkv"])[None, :, None], codes]
-        calls.append((draw(s["B"], s["Hkv"], s["G"], T, s["D"]), keys, draw(s["B"], s["Hkv"], T, s["E"]), codes))
-    results = {}
-    with torch.no_grad():
-        for schedule in ("native", "batched"):
-            state, outs, steps = None, [], 0
-            for q, k, v, codes in calls:
-                scale = 0.5 if schedule == "native" else 1.0  # the native form scales q itself
-                out, pieces = block_form(q * (1.0 / scale), k, v, codes, codebook, table, position_keys, s["L"],
-                                         "cache", state, dtype, schedule, None, scale)
-                outs += [out, *pieces["cache"]]
-                steps += q.shape[3]
-                state = _state(pieces, steps, s["L"])
-            results[schedule] = outs
-    for i, (got, want) in enumerate(zip(results["native"], results["batched"])):
-        if not bool(torch.isfinite(got).all()):
-            return f"result {i}: non-finite values"
-        error = relative_error(got, want)
-        if not error <= RTOL[dtype]:
-            return f"result {i}: differs by {error:.3g} of its largest value (tolerance {RTOL[dtype]:g})"
-    return None
+    position_keys = (0.5 * draw(s["Hkv"], s["G"], s["L"] + 1, s["D"])).detach().requires_grad_(grad)
+    leaves = {"codebook": codebook, "table": table, "position keys": position_keys}
+    results, state, steps, loss = {}, None, 0, 0.0
+    scale = 0.5 if schedule == "native" else 1.0  # the native form scales q itself
+    with torch.set_grad_enabled(grad):
+        for call, T in enumerate(s["T"]):
+            codes = torch.randint(0, s["S"], (s["B"], s["Hkv"], T), generator=g)
+            keys = codebook.detach()[torch.arange(s["Hkv"])[None, :, None], codes].requires_grad_(grad)
+            q, v = draw(s["B"], s["Hkv"], s["G"], T, s["D"]), draw(s["B"], s["Hkv"], T, s["E"])
+            leaves.update({f"q {call}": q, f"keys {call}": keys, f"v {call}": v})
+            out, pieces = block_form(q * (1.0 / scale), keys, v, codes, codebook, table, position_keys, s["L"],
+                                     "cache", state, dtype, schedule, None, scale)
+            weights = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+            loss = loss + (out * weights).sum()
+            results.update({f"output {call}": out, f"cache counts {call}": pieces["cache"][0],
+                            f"cache means {call}": pieces["cache"][1]})
+            steps += T
+            state = _state(pieces, steps, s["L"])
+        if grad:
+            grads = torch.autograd.grad(loss, list(leaves.values()))
+            results.update({f"gradient of {name}": grad_ for name, grad_ in zip(leaves, grads)})
+    return {name: value.detach() for name, value in results.items()}
 
 
 def _state(pieces: dict, steps: int, block_size: int) -> VQAttentionState:

@@ -109,7 +109,8 @@ def choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:
         if failure is not None:
             return ("error" if forced else "torch"), f"the native block form failed: {failure}"
         return "native", ((f"{ENV}=native" if forced else "compiled for this CPU and agrees with the torch form")
-                          + ": calls without gradients with hard codes, no ReRoPE; torch for the others")
+                          + ": hard codes, no ReRoPE, with gradients grad_scope 'cache' or 'state'; torch for "
+                          "the others")
     if forced == "native":
         return "error", f"{ENV}=native, but the native block form runs on CPU tensors, this is {device.type}"
     if device.type not in AUTO_DEVICE_TYPES:

@@ -1,5 +1,6 @@
 // The Python module of linattn's native VQ kernels (ops/vq/native.py builds it): the
-// decoding step (vq_decode_step.cpp), the block form without gradients (vq_block_forward.cpp)
+// decoding step (vq_decode_step.cpp), the block form and its gradients (vq_block_forward.cpp,
+// vq_block_backward.cpp)
 // and the nearest-code search with the check that keys are their codes (vq_codes.cpp).
 #include <torch/extension.h>
 
@@ -16,7 +17,17 @@ void vq_block_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor
                       const c10::optional<at::Tensor>& position_keys, const at::Tensor& first_k,
                       const at::Tensor& first_v, bool has_prev, const at::Tensor& counts, const at::Tensor& sums,
                       int64_t full_blocks, double scale, at::Tensor out, at::Tensor final_counts,
-                      at::Tensor final_sums);
+                      at::Tensor final_sums, const c10::optional<at::Tensor>& lse, int64_t segment_blocks);
+
+void vq_block_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& prev_codes,
+                       const at::Tensor& codebook, const at::Tensor& window,
+                       const c10::optional<at::Tensor>& position_keys, const at::Tensor& first_k,
+                       const at::Tensor& first_v, bool has_prev, const at::Tensor& counts, const at::Tensor& sums,
+                       double scale, const at::Tensor& out, const at::Tensor& d_out, const at::Tensor& lse,
+                       bool prev_grad, at::Tensor dq, at::Tensor dk, at::Tensor dv, at::Tensor d_first_k,
+                       at::Tensor d_first_v, const c10::optional<at::Tensor>& d_codebook,
+                       const c10::optional<at::Tensor>& d_window, const c10::optional<at::Tensor>& d_position_keys,
+                       int64_t segment_blocks);
 
 void vq_nearest_codes(const at::Tensor& keys, const at::Tensor& codebook, const at::Tensor& norms, at::Tensor codes,
                       const c10::optional<at::Tensor>& chosen, const c10::optional<at::Tensor>& errors);
@@ -29,7 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vq_decode_step", &linattn::vq_decode_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "One Transformer-VQ decoding step over the resident buffer (vq_decode_step.cpp).");
   m.def("vq_block_forward", &linattn::vq_block_forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "Transformer-VQ's causal block form without gradients, fused per block (vq_block_forward.cpp).");
+        "Transformer-VQ's causal block form, fused per block (vq_block_forward.cpp).");
+  m.def("vq_block_backward", &linattn::vq_block_backward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "The gradients of the causal block form, fused per block (vq_block_backward.cpp).");
   m.def("vq_nearest_codes", &linattn::vq_nearest_codes, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "The nearest code of every key (vq_codes.cpp).");
   m.def("vq_keys_are_codes", &linattn::vq_keys_are_codes, pybind11::call_guard<pybind11::gil_scoped_release>(),
