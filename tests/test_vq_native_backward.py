@@ -12,7 +12,7 @@ import torch
 import linattn
 from linattn.ops.vq import native_block, native_block_check
 
-from test_vq_native_block import SHAPES, counted_calls, make_vq
+from test_vq_native_block import SHAPES, at_one_and_two_threads, counted_calls, make_vq
 
 F64 = torch.float64
 
@@ -126,16 +126,8 @@ def test_causal_no_gradient_reaches_the_past_from_the_future():
 
 def test_the_thread_count_does_not_change_a_bit(segment_blocks):
     args = make_vq(B=2, H=4, Hkv=4, T=70, Dk=8, Dv=8, S=16, dtype=torch.float32)
-    before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            results.append(_gradients(args, 8, "native", _relative(4, 8, 8, "shared", dtype=torch.float32),
-                                      "cache"))
-    finally:
-        torch.set_num_threads(before)
-    (out_one, one), (out_two, two) = results
+    (out_one, one), (out_two, two) = at_one_and_two_threads(
+        lambda: _gradients(args, 8, "native", _relative(4, 8, 8, "shared", dtype=torch.float32), "cache"))
     assert torch.equal(out_one, out_two)
     for a, b in zip(one, two):
         assert torch.equal(a, b)

@@ -139,17 +139,22 @@ def test_causal_a_changed_future_changes_no_earlier_output():
     assert not torch.equal(out[:, :, t:], out_changed[:, :, t:])
 
 
-def test_the_thread_count_does_not_change_a_bit(segment_blocks):
-    args = make_vq(B=2, H=4, Hkv=4, T=70, Dk=8, Dv=8, S=16, dtype=torch.float32)
+def at_one_and_two_threads(call):
+    """``[call() at 1 torch thread, call() at 2]``, the thread count restored after."""
     before = torch.get_num_threads()
     try:
         results = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append(_run(args, 8, "native"))
+            results.append(call())
+        return results
     finally:
         torch.set_num_threads(before)
-    (one, one_state), (two, two_state) = results
+
+
+def test_the_thread_count_does_not_change_a_bit(segment_blocks):
+    args = make_vq(B=2, H=4, Hkv=4, T=70, Dk=8, Dv=8, S=16, dtype=torch.float32)
+    (one, one_state), (two, two_state) = at_one_and_two_threads(lambda: _run(args, 8, "native"))
     assert torch.equal(one, two)
     assert torch.equal(one_state.cache_means, two_state.cache_means)
 
