@@ -47,7 +47,7 @@ def running_blocks(blocks, codebook, window, position_keys, run, has_prev: bool,
     q_blocks, k_blocks, v_blocks, first_k, first_v, prev_codes = blocks
     window = window_matrix(window).to(q_blocks.dtype)
     position_keys = _keys(position_keys)
-    counts, sums = (t.detach().contiguous() for t in run)
+    counts, sums = _kernel_inputs(*run)
     if torch.is_grad_enabled():
         out, final_counts, final_sums = _NativeBlocks.apply(q_blocks, k_blocks, v_blocks, first_k, first_v, codebook,
                                                             window, position_keys, prev_codes, counts, sums,
@@ -61,13 +61,10 @@ def running_blocks(blocks, codebook, window, position_keys, run, has_prev: bool,
 
 def _forward(q, k, v, first_k, first_v, codebook, window, position_keys, prev_codes, counts, sums, has_prev,
              full_blocks, scale, keep_lse):
-    """One call of the forward kernel on contiguous inputs: (out, final counts, final sums,
+    """One call of the forward kernel: (out, final counts, final sums,
     row log-sum-exp ``[B, Hkv, G, R, L]`` or None)."""
-    # detached: the kernel's products run on the intra-op threads, where autograd is not turned off
-    q, k, v, first_k, first_v, codebook, prev_codes = (
-        t.detach().contiguous() for t in (q, k, v, first_k, first_v, codebook, prev_codes))
-    window = window.detach()
-    position_keys = None if position_keys is None else position_keys.detach()
+    q, k, v, first_k, first_v, codebook, prev_codes, window, position_keys = _kernel_inputs(
+        q, k, v, first_k, first_v, codebook, prev_codes, window, position_keys)
     B, Hkv, G, R, L, _ = q.shape
     out = q.new_empty(B, Hkv, G, R, L, v.shape[-1])
     final_counts, final_sums = torch.empty_like(counts), torch.empty_like(sums)
@@ -101,9 +98,8 @@ class _NativeBlocks(torch.autograd.Function):
             ctx.saved_tensors)
         has_prev, scale, prev_grad = ctx.options
         needs = ctx.needs_input_grad
-        q, k, v, first_k, first_v, codebook, prev_codes, window = (
-            t.detach().contiguous() for t in (q, k, v, first_k, first_v, codebook, prev_codes, window))
-        position_keys = None if position_keys is None else position_keys.detach()
+        q, k, v, first_k, first_v, codebook, prev_codes, window, position_keys = _kernel_inputs(
+            q, k, v, first_k, first_v, codebook, prev_codes, window, position_keys)
         B, Hkv, G, R, L, _ = q.shape
         dq = torch.empty_like(q)
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
@@ -128,6 +124,12 @@ class _NativeBlocks(torch.autograd.Function):
         return (dq, dk, dv, d_first_k if needs[3] and prev else None, d_first_v if needs[4] and prev else None,
                 d_codebook, d_window,
                 d_keys, None, None, None, None, None, None, None)
+
+
+def _kernel_inputs(*tensors):
+    """The tensors as the kernels read them: detached (their products run on the intra-op
+    threads, where autograd is not turned off) and contiguous; None stays None."""
+    return tuple(None if t is None else t.detach().contiguous() for t in tensors)
 
 
 def _keys(position_keys: torch.Tensor | None) -> torch.Tensor | None:
