@@ -14,6 +14,7 @@ import torch
 import linattn.hf as H
 import linattn.nn.gau as gau_module
 from linattn import LM, LMConfig
+from linattn.models._vq_generation import VQGeneration
 from linattn.nn import VectorQuantizer
 from peft import LoraConfig, PeftModel, get_peft_model
 from _helpers import head_fields
@@ -242,22 +243,26 @@ def _count_calls(monkeypatch, module, name: str) -> list:
 
 
 def test_fast_paths_are_taken_for_plain_projections_only(monkeypatch):
-    """The fused input matmul (no gradients) and the one-token VQ decode step serve the
-    plain model; a LoRA model takes the general path (calling its projections)."""
+    """The fused input matmul (no gradients), the one-token VQ decode step and the native
+    token loop of ``generate`` serve the plain model; a LoRA model takes the general path
+    (calling its projections)."""
     fused = _count_calls(monkeypatch, gau_module, "_fused_input_weight")
     decoded = _count_calls(monkeypatch, gau_module, "decode_token")
+    native = _count_calls(monkeypatch, VQGeneration, "step_greedy")
     prompt = random_ids(1, 3)
     plain = base_model("vq").lm
     with torch.no_grad():
         plain(prompt)
+        plain(prompt[:, :1], plain(prompt)[1])
     list(plain.generate(prompt, 6, temperature=0))
-    assert fused and decoded
-    fused.clear(), decoded.clear()
+    assert fused and decoded and native
+    fused.clear(), decoded.clear(), native.clear()
     adapted = with_lora(base_model("vq")).get_base_model().lm
     with torch.no_grad():
         adapted(prompt)
+        adapted(prompt[:, :1], adapted(prompt)[1])
     list(adapted.generate(prompt, 6, temperature=0))
-    assert not fused and not decoded
+    assert not fused and not decoded and not native
 
 
 def _scale_by_a_hook(module: torch.nn.Module) -> None:

@@ -19,6 +19,7 @@ from ..state import LMState
 from .config import LMConfig
 from .pretrained import hf_lm_config, read_config_file
 from .pretrained_weights import FLOAT_DTYPES, lm_state_dict, read_hf_tensors
+from ._vq_generation import VQGeneration
 from .layers import layer_kind
 from .sampling import NO_TOKEN, NonFiniteLogits, sample_next
 
@@ -295,7 +296,9 @@ class LM(nn.Module):
         an id). The prompt is read in one pass, then one token per step with the carried
         state, so the memory per step is constant for every recurrent mechanism (VQ, linear,
         FAVOR, delta, local) and grows only for exact softmax's KV cache, which is allocated
-        once after the prompt for all the tokens to come (``ops/softmax/kv_cache.py``). ``temperature=0`` is
+        once after the prompt for all the tokens to come (``ops/softmax/kv_cache.py``). A model
+        of VQ GAU pairs on a CPU steps each token in one native call (``models/_vq_generation.py``,
+        equal to the step through ``forward``). ``temperature=0`` is
         greedy; ``top_k``/``top_p`` filter before sampling; ``seed`` makes it reproducible.
         The model is in eval mode while generating (no codebook statistics). Logits that are
         not finite (a forward pass that overflowed) give no token: a ``[T]`` prompt raises
@@ -333,8 +336,10 @@ class LM(nn.Module):
         try:
             logits, state, _ = self(ids, state, check_inputs=False)  # the ids' range was read in generate
             state = kv_cache.reserve(state, max_new_tokens - 1)  # exact softmax caches: room for every fed token
+            native = VQGeneration.start(self, state, ids.shape[0]) if max_new_tokens > 1 else None
+            greedy = sampling["temperature"] == 0
+            token = sample_next(logits[:, -1], generator=generator, **sampling)
             for produced in range(1, max_new_tokens + 1):
-                token = sample_next(logits[:, -1], generator=generator, **sampling)
                 if not single:
                     yield token
                 elif int(token[0]) == NO_TOKEN:
@@ -342,8 +347,18 @@ class LM(nn.Module):
                                           f"the model's forward pass overflowed")
                 else:
                     yield int(token[0])
-                if produced < max_new_tokens:  # the last token's logits would go unused
-                    logits, state, _ = self._run(token.clamp_min(0).unsqueeze(1), state, with_aux=False)
+                if produced == max_new_tokens:  # the last token's logits would go unused
+                    break
+                if native is not None and not native.current():  # a parameter changed: the general step
+                    state, native = native.state(), None
+                fed = token.clamp_min(0)
+                if native is None:
+                    logits, state, _ = self._run(fed.unsqueeze(1), state, with_aux=False)
+                    token = sample_next(logits[:, -1], generator=generator, **sampling)
+                elif greedy:
+                    token = native.step_greedy(fed)
+                else:
+                    token = sample_next(native.step(fed)[:, -1], generator=generator, **sampling)
         finally:
             self.train(was_training)
 

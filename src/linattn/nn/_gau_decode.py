@@ -6,9 +6,10 @@ pays more for reshapes, dtype checks and broadcast matmuls than for the maths. T
 the same computation written for ``[B, 1, d_model]`` on 2-D/3-D tensors: one input
 matmul, the nearest code, and one softmax over (previous block, current block, S cache
 slots) read from the state's resident buffer (``ops/vq/resident.py``: the new key and
-value are written into it in place, the scores are one matmul). On a CPU the nearest code,
-the writes and the attention are one call of the native VQ decoding step
-(``ops/vq/native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses it). ``GAU.forward`` takes the
+value are written into it in place, the scores are one matmul). On a CPU the whole unit,
+from the input norm to the output matmul, is one call of the native ``vq_gau_step``
+(``ops/vq/native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses the native step;
+``LINATTN_VQ_STEP_IMPL=torch`` takes the torch form). ``GAU.forward`` takes the
 general path for gradients, training mode, half precision and submodules that are not
 plain (a PEFT LoRA layer, a subclass, a forward hook); results equal its.
 """
@@ -36,11 +37,13 @@ class DecodeConstants(NamedTuple):
     codebook32_t: torch.Tensor  # [d_k, S] float32, for the nearest code
     code_norms32: torch.Tensor  # [S] float32
     codebook: torch.Tensor  # [S, d_k] in the model dtype
-    codebook_t: torch.Tensor  # [d_k, S] in the model dtype (codebook32_t itself in float32)
     content_bias: torch.Tensor  # u as it enters the scores
     position_keys_reversed_t: torch.Tensor  # P^T with offsets L .. 0, [d_k, L + 1]
     bias_reversed: torch.Tensor  # (w - u).P_delta for delta = L .. 0
     output_t: torch.Tensor  # W_o^T [d_v, d_model]
+    native_search_t: torch.Tensor  # codebook32_t as [1, d_k, S]: the native step's one kv head
+    native_norms: torch.Tensor  # code_norms32 as [1, S]
+    native_codebook_t: torch.Tensor  # [1, d_k, S] in the model dtype (native_search_t itself in float32)
 
 
 _MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o", "w_r")
@@ -62,16 +65,18 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
         norm_bias = getattr(norm, "bias", None)  # the paper variant's input norm has one
         codebook32 = unit.quantizer.codebook[0].float()
         codebook32_t = codebook32.t().contiguous()
+        code_norms32 = codebook32.pow(2).sum(-1)
         position_keys, bias = unit._relative_terms(dtype)
         return DecodeConstants(
             input_t=(weight * norm.weight.to(dtype)).t().contiguous(),
             input_shift=None if norm_bias is None else weight @ norm_bias.to(dtype),
             eps=norm.eps if norm.eps is not None else torch.finfo(dtype).eps,
-            codebook32_t=codebook32_t, code_norms32=codebook32.pow(2).sum(-1),
-            codebook=codebook32.to(dtype), codebook_t=codebook32_t.to(dtype),
+            codebook32_t=codebook32_t, code_norms32=code_norms32, codebook=codebook32.to(dtype),
             content_bias=(unit._bias_scale() * unit.content_bias).to(dtype),
             position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
             output_t=unit.w_o.weight.to(dtype).t().contiguous(),
+            native_search_t=codebook32_t.unsqueeze(0), native_norms=code_norms32.unsqueeze(0),
+            native_codebook_t=codebook32_t.to(dtype).unsqueeze(0),
         )
 
     return unit._cached("decode", build, depends, dtype)
@@ -103,10 +108,28 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
 
     The buffer's columns are (previous block, current block, S codes); the new token sits at
     column ``L + p``, so columns ``p .. L + p`` have offsets ``L .. 0`` and take the relative
-    terms ``r_delta = b_delta + q.P_delta`` reversed (offsets beyond L get none).
+    terms ``r_delta = b_delta + q.P_delta`` reversed (offsets beyond L get none). On a CPU
+    (``use_native``) the whole unit is one call of the native ``vq_gau_step``; else the torch
+    form below, which is also its reference.
     """
-    B, d_k, d_v, L = x.shape[0], unit.d_k, unit.d_v, unit.block_size
+    B, L = x.shape[0], unit.block_size
     c = decode_constants(unit, x.dtype)
+    p = state.partial_keys.shape[2]
+    codebook = unit._modules["quantizer"]._buffers["codebook"]  # [1, S, d_k]: the buffer's rows 2L.. copy it
+    window = window_for(state, L, codebook, (B, 1, unit.d_k, unit.d_v), HARD_CODES, x.dtype)
+    if use_native("auto", x.device, x.dtype):
+        y, codes, commit = _native_unit(unit, c, x, window, L, p)
+    else:
+        y, codes, commit = _torch_unit(unit, c, x, window, L, p)
+    window.written = p + 1
+    new_state = state_after(window, p + 1, state.prev_keys is not None, state.steps + 1)
+    return y, new_state, {"commit_loss": commit, "codes": codes.view(B, 1, 1)}
+
+
+def _torch_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: int):
+    """``decode_token``'s unit in torch operations: ``(y [B, 1, d_model], codes [B], commit)``,
+    the new position written into ``window``'s row ``L + p``."""
+    B, d_k, d_v = x.shape[0], unit.d_k, unit.d_v
     rows_in = x.view(B, -1)
     projected = torch.mm(rows_in, c.input_t).mul_(inverse_rms(rows_in, c.eps))  # the input norm, after the matmul
     if c.input_shift is not None:
@@ -116,43 +139,31 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
     q, k = qk[:, 0], qk[:, 1]
     vg = F.silu(projected[:, 2 * d_k :])
     v, gate = vg[:, :d_v], vg[:, d_v:]
-
     queries = q + c.content_bias
     relative = torch.addmm(c.bias_reversed, queries, c.position_keys_reversed_t)  # offsets L .. 0
-    p = state.partial_keys.shape[2]
-    codebook = unit._modules["quantizer"]._buffers["codebook"]  # [1, S, d_k]: the buffer's rows 2L.. copy it
-    if use_native("auto", x.device, x.dtype):
-        out, codes, k_hat, window = _native_attend(c, queries, k, v, relative, codebook, state, L, p)
-    else:
-        k32 = k if k.dtype == torch.float32 else k.float()
-        codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
-        k_hat = c.codebook.index_select(0, codes)
-        window = window_for(state, L, codebook, (B, 1, d_k, d_v), codes, x.dtype)
-        window.append_one(p, k_hat, v, codes)
-        scores = torch.baddbmm(window.mask3, queries.view(B, 1, d_k), window.keys_t)  # [B, 1, 2L + S]
-        scores.narrow(2, p, L + 1).add_(relative.view(B, 1, L + 1))  # columns p .. L + p: offsets L .. 0
-        out = torch.bmm(torch.softmax(scores, dim=-1), window.values3)
+    k32 = k if k.dtype == torch.float32 else k.float()
+    codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
+    k_hat = c.codebook.index_select(0, codes)
+    window.append_one(p, k_hat, v, codes)
+    scores = torch.baddbmm(window.mask3, queries.view(B, 1, d_k), window.keys_t)  # [B, 1, 2L + S]
+    scores.narrow(2, p, L + 1).add_(relative.view(B, 1, L + 1))  # columns p .. L + p: offsets L .. 0
+    out = torch.bmm(torch.softmax(scores, dim=-1), window.values3)
     wide = compute_dtype(k.dtype)  # the quantizer's: float32, float64 for float64 keys
     weight = unit._modules["quantizer"].commitment_weight
     commit = F.mse_loss(k.to(wide), k_hat.to(wide), reduction="sum") * (weight / B)
     y = torch.mm(out.view(B, d_v) * gate, c.output_t).view(B, 1, -1)
-    new_state = state_after(window, p + 1, state.prev_keys is not None, state.steps + 1)
-    return y, new_state, {"commit_loss": commit, "codes": codes.view(B, 1, 1)}
+    return y, codes, commit
 
 
-def _native_attend(c: DecodeConstants, queries, k, v, relative, codebook, state, L: int, p: int):
-    """The nearest code, the buffer writes and the attention of one token by the native
-    step (``ops/vq/native.py``; one kv head, one query per head, unit scale): ``(out [B, d_v],
-    codes [B], k_hat [B, d_k] (a view of the buffer's new row), window)``."""
-    B, d_k = queries.shape
-    d_v = v.shape[-1]
-    window = window_for(state, L, codebook, (B, 1, d_k, d_v), HARD_CODES, queries.dtype)
-    out = queries.new_empty(B, 1, 1, d_v)
-    codes = torch.empty(B, 1, dtype=torch.int64, device=queries.device)
-    extension().vq_decode_step(
-        queries.view(B, 1, 1, d_k), k.contiguous().view(B, 1, d_k), v.contiguous().view(B, 1, d_v),
-        c.codebook32_t.unsqueeze(0), c.code_norms32.unsqueeze(0), c.codebook_t.unsqueeze(0), window.keys,
-        window.values, window.codes, window.mask, L, p, 1.0, relative.view(B, 1, 1, L + 1), window.keys_are_codes,
-        out, codes)
-    window.written = p + 1
-    return out.view(B, d_v), codes.view(B), window.keys[:, 0, L + p], window
+def _native_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: int):
+    """``_torch_unit`` as one call of the native ``vq_gau_step`` (``ops/vq/_native/vq_gau_step.cpp``)."""
+    B, d_model = x.shape[0], x.shape[2]
+    y = x.new_empty(B, 1, d_model)
+    codes = torch.empty(B, 1, dtype=torch.int64, device=x.device)
+    commit = x.new_empty(())
+    extension().vq_gau_step(
+        x.reshape(B, d_model).contiguous(), c.input_t, c.input_shift, c.eps, c.content_bias, c.position_keys_reversed_t,
+        c.bias_reversed, c.output_t, c.native_search_t, c.native_norms, c.native_codebook_t, window.keys,
+        window.values, window.codes, window.mask, L, p, window.keys_are_codes,
+        unit._modules["quantizer"].commitment_weight, y.view(B, d_model), codes, commit)
+    return y, codes, commit

@@ -43,7 +43,7 @@ def _fused_input_weight(*projections: nn.Linear) -> torch.Tensor:
     return torch.cat([projection.weight for projection in projections], dim=0)
 
 
-def _computes_its_parameters(module: nn.Module, kinds: tuple[type, ...]) -> bool:
+def computes_its_parameters(module: nn.Module, kinds: tuple[type, ...]) -> bool:
     """Whether calling ``module`` computes exactly what its parameters say, so that a fast
     path may read them instead of calling it: it is exactly of one of ``kinds``, has no
     forward hook or pre-hook and no ``forward`` of its own (accelerate's device hooks replace
@@ -55,7 +55,7 @@ def _computes_its_parameters(module: nn.Module, kinds: tuple[type, ...]) -> bool
             and "forward" not in module.__dict__)
 
 
-def _no_global_hooks() -> bool:
+def no_global_hooks() -> bool:
     """No forward hook registered for every module (``register_module_forward_hook``)."""
     return not (_global_forward_hooks or _global_forward_pre_hooks)
 
@@ -315,11 +315,11 @@ class GAU(nn.Module):
         VQ quantizer) without forward hooks, and no global forward hook is registered. A PEFT
         LoRA layer, a subclass or a hook sends the layer down the general path, which calls
         every module. Python checks only: no tensor is read, no graph breaks."""
-        if not _no_global_hooks():
+        if not no_global_hooks():
             return False
         modules = self._modules  # the registry itself: Module.__getattr__ costs more than the checks
         for name in names:
-            if not _computes_its_parameters(modules[name], _PLAIN_KINDS[name]):
+            if not computes_its_parameters(modules[name], _PLAIN_KINDS[name]):
                 return False
         return True
 

@@ -1,6 +1,7 @@
-"""The native VQ kernels on CPUs, compiled at first use: the decoding step, the block form
-with its gradients and the nearest-code search (``native_choice.py``, ``native_block_check.py``
-and ``nearest.py`` check each before it is trusted).
+"""The native VQ kernels on CPUs, compiled at first use: the decoding step (alone, inside a
+gated attention unit and inside a whole model), the block form with its gradients and the
+nearest-code search (``native_choice.py``, ``native_block_check.py`` and ``nearest.py`` check
+each before it is trusted).
 
 ``vq_decode_step`` spends almost nothing on arithmetic (one key and a few queries against
 S codes, one softmax over 2L + S columns) and most of its time in the ~30 operator calls of
@@ -14,8 +15,16 @@ two matrix products per block and query group and no per-block intermediates;
 ``_native/vq_block_backward.cpp`` its gradients (grad_scope "cache" and "state"), the block's
 softmax recomputed from the forward's row log-sum-exp, five products per block.
 ``_native/vq_codes.cpp`` is the quantizer's nearest-code search and the check that keys are their
-codes (``nearest.py``).
-``_native/module.cpp`` is the Python module of the four, ``_native/fast_exp.h`` the float32 exp
+codes (``nearest.py``). ``_native/vq_gau_step.cpp`` is one token through a whole gated attention
+unit (``nn/_gau_decode.py``: the input norm and matmul, q/k normalisation, SiLU, the relative
+terms, the decoding step, the gate and the output matmul), so that a VQ unit's token costs one call
+instead of some fifty; ``_native/vq_model_step.cpp`` (``vq_model_step.h``) a whole model's token
+(embedding, every unit and residual, final norm and head) as one call of an object that holds
+the constants and buffers (``models/_vq_generation.py``); ``_native/row_products.h`` is their
+small matrix products (a few rows against a matrix read once, in a fixed order of terms). The
+self-check (``native_choice.py``) runs the decoding step; the unit and model steps around it are held equal to
+their torch forms by the tests.
+``_native/module.cpp`` is the Python module of the six, ``_native/fast_exp.h`` the float32 exp
 of the block form's passes, ``_native/vq_block_inputs.h`` the block form's input checks,
 ``_native/vq_cache_scan.h`` the cache at the start of each segment of a row (the block form's
 tasks).
@@ -68,9 +77,11 @@ import torch
 
 _FOLDER = Path(__file__).parent / "_native"
 SOURCES = (_FOLDER / "module.cpp", _FOLDER / "vq_decode_step.cpp", _FOLDER / "vq_block_forward.cpp",
-           _FOLDER / "vq_block_backward.cpp", _FOLDER / "vq_codes.cpp")
+           _FOLDER / "vq_block_backward.cpp", _FOLDER / "vq_codes.cpp", _FOLDER / "vq_gau_step.cpp",
+           _FOLDER / "vq_model_step.cpp")
 # included by the sources: part of the build's inputs
-HEADERS = (_FOLDER / "fast_exp.h", _FOLDER / "vq_block_inputs.h", _FOLDER / "vq_cache_scan.h")
+HEADERS = (_FOLDER / "fast_exp.h", _FOLDER / "vq_block_inputs.h", _FOLDER / "vq_cache_scan.h",
+           _FOLDER / "vq_model_step.h", _FOLDER / "row_products.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)

@@ -1,8 +1,11 @@
 // The Python module of linattn's native VQ kernels (ops/vq/native.py builds it): the
 // decoding step (vq_decode_step.cpp), the block form and its gradients (vq_block_forward.cpp,
-// vq_block_backward.cpp)
-// and the nearest-code search with the check that keys are their codes (vq_codes.cpp).
+// vq_block_backward.cpp),
+// the nearest-code search with the check that keys are their codes (vq_codes.cpp) and one token
+// through a gated attention unit (vq_gau_step.cpp) or a whole model (vq_model_step.cpp).
 #include <torch/extension.h>
+
+#include "vq_model_step.h"
 
 namespace linattn {
 
@@ -34,6 +37,13 @@ void vq_nearest_codes(const at::Tensor& keys, const at::Tensor& codebook, const 
 
 bool vq_keys_are_codes(const at::Tensor& k_hat, const at::Tensor& codes, const at::Tensor& codebook);
 
+void vq_gau_step(const at::Tensor& x, const at::Tensor& input_t, const c10::optional<at::Tensor>& input_shift,
+                 double eps, const at::Tensor& content_bias, const at::Tensor& position_keys_reversed_t,
+                 const at::Tensor& bias_reversed, const at::Tensor& output_t, const at::Tensor& search_t,
+                 const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
+                 at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, bool keys_are_codes, double commitment_weight,
+                 at::Tensor y, at::Tensor new_codes, at::Tensor commit);
+
 }  // namespace linattn
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -47,4 +57,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The nearest code of every key (vq_codes.cpp).");
   m.def("vq_keys_are_codes", &linattn::vq_keys_are_codes, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Whether keys are the codebook's rows at their codes (vq_codes.cpp).");
+  m.def("vq_gau_step", &linattn::vq_gau_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "One token through a Transformer-VQ gated attention unit (vq_gau_step.cpp).");
+  pybind11::class_<linattn::VQModelStep>(m, "VQModelStep",
+                                         "One token through a whole Transformer-VQ model (vq_model_step.cpp).")
+      .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor, int64_t>())
+      .def("add_unit", &linattn::VQModelStep::add_unit)
+      .def("set_window", &linattn::VQModelStep::set_window)
+      .def("step", &linattn::VQModelStep::step, pybind11::arg("ids"), pybind11::arg("p"), pybind11::arg("logits"),
+           pybind11::arg("codes"), pybind11::arg("greedy") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("units", &linattn::VQModelStep::units);
 }

@@ -1,0 +1,147 @@
+"""``LM.generate``'s token loop for a Transformer-VQ model on a CPU: one native call per token.
+
+A VQ model's token is little arithmetic (a few small matmuls and one softmax over
+``2L + S`` columns per unit) and, through ``LM._run``, many Python calls per unit: module
+calls, argument and state checks, the cached constants' version checks, a new state
+object. ``VQGeneration`` does those once, when generation starts: it checks that every
+part of the model computes exactly what its parameters say (the same checks that let a unit
+take its one-token path, ``nn/_gau_decode.py``), derives every unit's constants, takes each
+unit's resident buffer from the prompt's state, and hands all of it to the native
+``VQModelStep`` (``ops/vq/_native/vq_model_step.cpp``): each token is then one call
+(embedding, every unit with its residual, the final norm, the head), and every ``L`` tokens
+the completed block moves into each unit's cache as ``state_after`` moves it.
+
+Before each token ``current()`` checks that nothing it read has changed since (no parameter
+or buffer written, the model still in eval mode); when something has, the loop continues
+from ``state()`` through ``LM._run``. Results equal ``LM._run``'s token by token (tested in
+float64); ``LINATTN_VQ_STEP_IMPL=torch`` turns it off with the native steps.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+import torch
+from torch import nn
+
+from ..nn._gau_decode import can_decode_token, decode_constants
+from ..nn.gau import GAU, computes_its_parameters, no_global_hooks
+from ..ops.vq.native import extension
+from ..ops.vq.native_choice import use_native
+from ..ops.vq.resident import HARD_CODES, state_after, window_for
+from ..state import LMState
+from .layers import GAUPair
+
+
+_VERSION = attrgetter("_version")  # bumped by every in-place write
+
+
+class VQGeneration:
+    """The state of ``LM.generate`` after the prompt, held in the native ``VQModelStep``.
+
+    ``start(model, state)`` is None where it does not apply (a layer other than a VQ GAU
+    pair, a unit that would not take its one-token path, a wrapped or hooked module, a
+    device or dtype without the native step); ``step(ids [B]) -> logits [B, 1, vocab]``;
+    ``state()`` the ``LMState`` after the tokens stepped so far."""
+
+    def __init__(self, model, state: LMState, units: list[GAU], dtype: torch.dtype):
+        self.model, self.units, self.dtype = model, units, dtype
+        self.settings, self.steps = state.model, state.steps
+        unit_states = [unit_state for layer_state in state.layers for unit_state in layer_state]
+        self.L = units[0].block_size
+        self.p = unit_states[0].partial_keys.shape[2]
+        self.has_prev = [unit_state.prev_keys is not None for unit_state in unit_states]
+        self.unit_steps = [unit_state.steps for unit_state in unit_states]
+        head = model._embedding_matrix() if model.head is None else model.head.weight
+        self.native = extension().VQModelStep(model.embed.weight.to(dtype).contiguous(), model.norm.weight.to(dtype),
+                                              _norm_eps(model.norm, dtype), head.to(dtype).t().contiguous(), self.L)
+        for unit in units:
+            c = decode_constants(unit, dtype)
+            self.native.add_unit([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t,
+                                  c.native_search_t, c.native_norms, c.native_codebook_t], c.input_shift, c.eps)
+        self.windows = [None] * len(units)
+        for index, unit_state in enumerate(unit_states):
+            self._enter(index, unit_state)
+        self.read = (*model.parameters(), *model.buffers())
+        self.versions = list(map(_VERSION, self.read))
+        self.logits = torch.empty(state.batch_size(), model.config.vocab_size, dtype=dtype)
+        self.codes = torch.empty(len(units), state.batch_size(), 1, dtype=torch.int64)
+
+    @classmethod
+    def start(cls, model, state: LMState, batch: int) -> "VQGeneration | None":
+        """The native token loop for ``model`` continuing ``state`` (``batch`` rows), or None."""
+        dtype, device = model.embed.weight.dtype, model.embed.weight.device
+        layers = list(model.layers)
+        if not (layers and no_global_hooks() and not model.training and not torch.is_grad_enabled()
+                and not (model._forward_hooks or model._forward_pre_hooks)
+                and computes_its_parameters(model.embed, (nn.Embedding,)) and model.embed.max_norm is None
+                and computes_its_parameters(model.norm, (nn.RMSNorm,)) and model.norm.weight is not None
+                and (model.head is None or (computes_its_parameters(model.head, (nn.Linear,))
+                                            and model.head.bias is None))
+                and all(computes_its_parameters(layer, (GAUPair,)) for layer in layers)
+                and use_native("auto", device, dtype)):
+            return None
+        if any(tensor.is_inference() for tensor in (*model.parameters(), *model.buffers())):
+            return None  # no version counter: a write to them could not be seen
+        units = [unit for layer in layers for unit in layer.units]
+        unit_states = [unit_state for layer_state in state.layers for unit_state in layer_state]
+        token = model.embed.weight.new_empty(batch, 1, model.config.d_model)
+        if not all(computes_its_parameters(unit, (GAU,)) and can_decode_token(unit, token, unit_state)
+                   for unit, unit_state in zip(units, unit_states)):
+            return None
+        if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in unit_states}) != 1:
+            return None
+        return cls(model, state, units, dtype)
+
+    def current(self) -> bool:
+        """Whether what the native object read still holds: eval mode, no parameter or buffer
+        written since ``start`` (an in-place write bumps a tensor's version)."""
+        return not self.model.training and list(map(_VERSION, self.read)) == self.versions
+
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """The logits ``[B, 1, vocab]`` after the tokens ``ids [B]`` (int64, in range), in a
+        buffer that the next step overwrites."""
+        self.native.step(ids, self.p, self.logits, self.codes)
+        self._advance()
+        return self.logits.unsqueeze(1)
+
+    def step_greedy(self, ids: torch.Tensor) -> torch.Tensor:
+        """``step``, then the next tokens ``[B]`` as ``sample_next(logits, temperature=0)`` draws
+        them (each row's first largest logit; ``NO_TOKEN`` where a row is not all finite)."""
+        tokens = torch.empty(ids.shape[0], dtype=torch.int64)
+        self.native.step(ids, self.p, self.logits, self.codes, tokens)
+        self._advance()
+        return tokens
+
+    def _advance(self) -> None:
+        """One token further: every ``L`` the completed block moves into each unit's cache."""
+        self.p, self.steps = self.p + 1, self.steps + 1
+        self.unit_steps = [steps + 1 for steps in self.unit_steps]
+        for window in self.windows:
+            window.written = self.p
+        if self.p == self.L:  # the block is complete: it moves into each unit's cache
+            for index in range(len(self.units)):
+                self._enter(index, self._unit_state(index))
+            self.p, self.has_prev = 0, [True] * len(self.units)
+
+    def state(self) -> LMState:
+        """The ``LMState`` after every token so far (the units' states as ``decode_token`` leaves them)."""
+        unit_states = [self._unit_state(index) for index in range(len(self.units))]
+        pairs = tuple(tuple(unit_states[2 * i : 2 * i + 2]) for i in range(len(unit_states) // 2))
+        return LMState(layers=pairs, steps=self.steps, model=self.settings)
+
+    def _unit_state(self, index: int):
+        return state_after(self.windows[index], self.p, self.has_prev[index], self.unit_steps[index])
+
+    def _enter(self, index: int, unit_state) -> None:
+        """Take ``unit_state``'s resident buffer (as the unit's next step would) into the native object."""
+        unit = self.units[index]
+        window = window_for(unit_state, self.L, unit.quantizer.codebook, (unit_state.partial_keys.shape[0], 1,
+                            unit.d_k, unit.d_v), HARD_CODES, self.dtype)
+        self.windows[index] = window
+        self.native.set_window(index, window.keys, window.values, window.codes, window.mask, window.keys_are_codes)
+
+
+def _norm_eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
+    """The eps ``F.rms_norm`` uses: the norm's, or the dtype's machine epsilon when it has none."""
+    return norm.eps if norm.eps is not None else torch.finfo(dtype).eps

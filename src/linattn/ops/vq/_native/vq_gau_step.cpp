@@ -1,0 +1,147 @@
+// One token through a Transformer-VQ gated attention unit, in one call (nn/_gau_decode.py's
+// decode_token on a CPU). For x [B, d] in float32 or float64, with the unit's derived
+// constants (the input norm's gain folded into the input matrix):
+//
+//   h        = (x W_in) / sqrt(mean(x^2) + eps)  (+ W b)           W_in [d, 2 d_k + 2 d_v]
+//   q, k     = h[:d_k], h[d_k:2 d_k], each / sqrt(mean(.^2) + 1e-6) * d_k^-1/4
+//   v, g     = SiLU(h[2 d_k:2 d_k + d_v]), SiLU(h[2 d_k + d_v:])
+//   r        = b_rev + (q + u) P_rev                                 offsets L .. 0
+//   o, z     = vq_decode_step(q + u, k, v, r) over the resident buffer (vq_decode_step.cpp)
+//   commit   = sum_b |k_b - c_{z_b}|^2 * weight / B                 (float32, float64 for float64)
+//   y        = (o * g) W_o^T
+//
+// The three products are row_products.h's; everything else is one loop per row. Nothing
+// depends on the thread count (the decode step runs one row per task, the products add in a
+// fixed order, the loops here run on the calling thread).
+#include <ATen/ATen.h>
+
+#include <cmath>
+
+#include "row_products.h"
+
+namespace linattn {
+
+void vq_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
+                    const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
+                    at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, double scale,
+                    const c10::optional<at::Tensor>& relative, bool keys_are_codes, at::Tensor out,
+                    at::Tensor new_codes);
+
+}  // namespace linattn
+
+namespace {
+
+void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
+  TORCH_CHECK(t.sizes() == shape, "vq_gau_step (native): ", name, " has shape ", t.sizes(), ", expected ", shape);
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "vq_gau_step (native): ", name,
+              " must be a contiguous CPU tensor of ", dtype, ", got ", t.scalar_type(), " on ", t.device(),
+              t.is_contiguous() ? "" : " (not contiguous)");
+}
+
+template <typename T>
+T inverse_rms(const T* x, int64_t n, double eps) {
+  T sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return T(1) / std::sqrt(sum / static_cast<T>(n) + static_cast<T>(eps));
+}
+
+template <typename T>
+T silu(T x) {
+  return x / (T(1) + std::exp(-x));
+}
+
+template <typename T>
+void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optional<at::Tensor>& input_shift,
+              double eps, const at::Tensor& content_bias, const at::Tensor& position_keys_reversed_t,
+              const at::Tensor& bias_reversed, const at::Tensor& output_t, const at::Tensor& search_t,
+              const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor& keys, at::Tensor& values,
+              at::Tensor& codes, at::Tensor& mask, int64_t L, int64_t p, bool keys_are_codes,
+              double commitment_weight, at::Tensor& y, at::Tensor& new_codes, at::Tensor& commit) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(x.dim() == 2 && input_t.dim() == 2 && position_keys_reversed_t.dim() == 2 && output_t.dim() == 2,
+              "vq_gau_step (native): x [B, d], input_t [d, 2 d_k + 2 d_v], position_keys_reversed_t [d_k, L + 1], "
+              "output_t [d_v, d]");
+  const int64_t B = x.size(0), d = x.size(1), d_k = position_keys_reversed_t.size(0), d_v = output_t.size(0);
+  const int64_t width = 2 * d_k + 2 * d_v;
+  check_input(x, "x", dtype, {B, d});
+  check_input(input_t, "input_t", dtype, {d, width});
+  if (input_shift.has_value()) check_input(*input_shift, "input_shift", dtype, {width});
+  check_input(content_bias, "content_bias", dtype, {d_k});
+  check_input(position_keys_reversed_t, "position_keys_reversed_t", dtype, {d_k, L + 1});
+  check_input(bias_reversed, "bias_reversed", dtype, {L + 1});
+  check_input(output_t, "output_t", dtype, {d_v, d});
+  check_input(y, "y", dtype, {B, d});
+  check_input(commit, "commit", dtype, {});
+
+  at::Tensor h = at::empty({B, width}, x.options());
+  linattn::rows_times(x.data_ptr<T>(), B, d, input_t.data_ptr<T>(), width, static_cast<const T*>(nullptr),
+                      h.data_ptr<T>());
+  at::Tensor queries = at::empty({B, 1, 1, d_k}, x.options());
+  at::Tensor k = at::empty({B, 1, d_k}, x.options());
+  at::Tensor v = at::empty({B, 1, d_v}, x.options());
+  const T* x_data = x.data_ptr<T>();
+  T* h_data = h.data_ptr<T>();
+  const T* shift = input_shift.has_value() ? input_shift->data_ptr<T>() : nullptr;
+  const T* u = content_bias.data_ptr<T>();
+  T* q_data = queries.data_ptr<T>();
+  T* k_data = k.data_ptr<T>();
+  T* v_data = v.data_ptr<T>();
+  const T qk_scale = static_cast<T>(std::pow(static_cast<double>(d_k), -0.25));
+  for (int64_t b = 0; b < B; ++b) {
+    T* row = h_data + b * width;
+    const T r = inverse_rms(x_data + b * d, d, eps);
+    for (int64_t i = 0; i < width; ++i) row[i] = row[i] * r + (shift != nullptr ? shift[i] : T(0));
+    const T rq = inverse_rms(row, d_k, 1e-6) * qk_scale, rk = inverse_rms(row + d_k, d_k, 1e-6) * qk_scale;
+    for (int64_t i = 0; i < d_k; ++i) {
+      q_data[b * d_k + i] = row[i] * rq + u[i];
+      k_data[b * d_k + i] = row[d_k + i] * rk;
+    }
+    for (int64_t i = 2 * d_k; i < width; ++i) row[i] = silu(row[i]);  // v, then the gate
+    for (int64_t i = 0; i < d_v; ++i) v_data[b * d_v + i] = row[2 * d_k + i];
+  }
+  at::Tensor relative = at::empty({B, 1, 1, L + 1}, x.options());  // offsets L .. 0
+  linattn::rows_times(q_data, B, d_k, position_keys_reversed_t.data_ptr<T>(), L + 1, bias_reversed.data_ptr<T>(),
+                      relative.data_ptr<T>());
+  at::Tensor out = at::empty({B, 1, 1, d_v}, x.options());
+  linattn::vq_decode_step(queries, k, v, search_t, norms, codebook_t, keys, values, codes, mask, L, p, 1.0,
+                          relative, keys_are_codes, out, new_codes);
+
+  const T* key_data = keys.data_ptr<T>();
+  const int64_t columns = keys.size(2);
+  T error = 0;  // the quantizer's precision: float32, float64 for float64 keys
+  for (int64_t b = 0; b < B; ++b) {
+    const T* k_hat = key_data + (b * columns + L + p) * d_k;  // the new row of the buffer: c_z
+    for (int64_t i = 0; i < d_k; ++i) {
+      const T e = k_data[b * d_k + i] - k_hat[i];
+      error += e * e;
+    }
+  }
+  commit.fill_(error * static_cast<T>(commitment_weight / static_cast<double>(B)));
+
+  T* o = out.data_ptr<T>();
+  for (int64_t b = 0; b < B; ++b) {
+    const T* gate = h_data + b * width + 2 * d_k + d_v;
+    for (int64_t i = 0; i < d_v; ++i) o[b * d_v + i] *= gate[i];
+  }
+  linattn::rows_times(static_cast<const T*>(o), B, d_v, output_t.data_ptr<T>(), d, static_cast<const T*>(nullptr),
+                      y.data_ptr<T>());
+}
+
+}  // namespace
+
+namespace linattn {
+
+void vq_gau_step(const at::Tensor& x, const at::Tensor& input_t, const c10::optional<at::Tensor>& input_shift,
+                 double eps, const at::Tensor& content_bias, const at::Tensor& position_keys_reversed_t,
+                 const at::Tensor& bias_reversed, const at::Tensor& output_t, const at::Tensor& search_t,
+                 const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
+                 at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, bool keys_are_codes, double commitment_weight,
+                 at::Tensor y, at::Tensor new_codes, at::Tensor commit) {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "vq_gau_step", [&] {
+    gau_rows<scalar_t>(x, input_t, input_shift, eps, content_bias, position_keys_reversed_t, bias_reversed, output_t,
+                       search_t, norms, codebook_t, keys, values, codes, mask, L, p, keys_are_codes,
+                       commitment_weight, y, new_codes, commit);
+  });
+}
+
+}  // namespace linattn
