@@ -268,8 +268,8 @@ def test_decode_cases_take_turns_and_keep_their_own_states():
 
 def test_decode_rounds_pool_the_generation_steps():
     row = {"kind": "model", "case": "vq", "prompt": 9, "batch": 2, "parameters": 1, "new_tokens": 3}
-    first = dict(row, prefill_s=4.0, steps_s=[0.1, 0.1, 0.1])
-    second = dict(row, prefill_s=2.0, steps_s=[0.3, 0.3, 0.3, 0.3])
+    first = dict(row, prefill_s=4.0, steps_s=[0.1, 0.1, 0.1], products_ms=20.0)
+    second = dict(row, prefill_s=2.0, steps_s=[0.3, 0.3, 0.3, 0.3], products_ms=40.0)
     other = dict(row, case="softmax", prefill_s=1.0, steps_s=[0.2], tokens_per_s=10.0)
     pooled = {r["case"]: r for r in decode.pool_rounds([first, other, second])}
     assert pooled["softmax"] == other  # one round: as it was
@@ -278,6 +278,7 @@ def test_decode_rounds_pool_the_generation_steps():
     assert vq["tokens_per_s"] == pytest.approx(2 / 0.3) and vq["ms_per_step"] == pytest.approx(300)
     assert vq["prefill_s"] == pytest.approx(3.0) and vq["prefill_tokens_per_s"] == pytest.approx(2 * 8 / 3.0)
     assert vq["mean_tokens_per_s"] == pytest.approx(2 * 7 / 1.5)
+    assert vq["products_ms"] == pytest.approx(30.0) and vq["over_products"] == pytest.approx(300 / 30.0)
 
 
 def test_bench_decode_rounds_from_the_command_line(tmp_path):
@@ -302,9 +303,13 @@ def test_bench_decode_models_at_equal_size(tmp_path):
     assert all(r["tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["new_tokens"] == 3 for r in rows)
     sizes = {r["case"]: r["parameters"] for r in rows}
     assert max(sizes.values()) / min(sizes.values()) < 1.01, sizes
-    assert set(result["summary"]["models"]) == {"vq_over_softmax_batch1", "vq_over_softmax_batch2"}
+    assert set(result["summary"]["models"]) == {"vq_over_softmax_batch1", "vq_over_softmax_batch2",
+                                                "over_products_batch1", "over_products_batch2"}
+    assert all(0 < r["products_ms"] and r["over_products"] == pytest.approx(r["ms_per_step"] / r["products_ms"])
+               for r in rows)
     assert (tmp_path / "generation.png").stat().st_size > 0
     assert "generated tokens/s" in (tmp_path / "results.md").read_text()
+    assert "each measured alone" in (tmp_path / "results.md").read_text()
     assert report_page(tmp_path) == (tmp_path / "results.md").read_text()
 
 

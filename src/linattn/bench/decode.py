@@ -45,6 +45,7 @@ from ..ops.softmax import kv_cache
 from ..ops.vq import vq_attention, vq_decode_step
 from ..nn.quantizer import VectorQuantizer
 from .._checks import available_device_name, positive_int
+from .decode_parts import products_s, torch_vq_steps
 from .harness import in_fresh_process, median, synchronize
 
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 65536)
@@ -227,11 +228,14 @@ def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: in
                 start = now
             generate_s = sum(steps)
             median_s = statistics.median(steps)
+            with torch_vq_steps():  # the native VQ step is invisible to the recorder (decode_parts.py)
+                floor_s = products_s(lambda: model._run(ids[:, -1:], state, with_aux=False))
             rows.append({"kind": "model", "case": name, "prompt": prompt, "batch": batch,
                          "parameters": model.num_parameters(), "prefill_s": prefill_s,
                          "prefill_tokens_per_s": batch * (prompt - 1) / prefill_s, "new_tokens": new_tokens,
                          "generate_s": generate_s, "mean_tokens_per_s": batch * new_tokens / generate_s,
-                         "tokens_per_s": batch / median_s, "ms_per_step": median_s * 1e3, "steps_s": steps})
+                         "tokens_per_s": batch / median_s, "ms_per_step": median_s * 1e3, "steps_s": steps,
+                         "products_ms": floor_s * 1e3, "over_products": median_s / floor_s})
     return rows
 
 
@@ -253,6 +257,8 @@ def pool_rounds(rows: Sequence[dict]) -> list[dict]:
             row["steps_s"], row["generate_s"] = steps, sum(steps)
             row["mean_tokens_per_s"] = batch * len(steps) / sum(steps)
             row["tokens_per_s"], row["ms_per_step"] = batch / median(steps), median(steps) * 1e3
+            row["products_ms"] = median([each["products_ms"] for each in group])
+            row["over_products"] = row["ms_per_step"] / row["products_ms"]
             row["rounds"] = len(group)
         pooled.append(row)
     return pooled
@@ -316,7 +322,24 @@ def _model_table(rows: list[dict], models, prompts, batches) -> tuple[str, dict]
             speed = {(r["case"], r["prompt"]): r["tokens_per_s"] for r in rows if r["batch"] == batch}
             summary[f"vq_over_softmax_batch{batch}"] = {
                 str(p): speed["vq", p] / speed["softmax", p] for p in prompts}
+        summary[f"over_products_batch{batch}"] = {
+            name: {str(r["prompt"]): r["over_products"] for r in rows if r["case"] == name and r["batch"] == batch}
+            for name in models}
     return "\n".join(reporting.markdown_table_lines(header, cells)), summary
+
+
+def _products_table(rows: list[dict], models, prompts, batches) -> str:
+    """Per model, batch and prompt: ms per generated token, the sum of its products measured
+    alone (``decode_parts.py``) and their ratio."""
+    header = ["model", "batch"] + [f"P={p} ms/token (products, ratio)" for p in prompts]
+    cells = []
+    for batch in batches:
+        for name in models:
+            found = {r["prompt"]: r for r in rows if r["case"] == name and r["batch"] == batch}
+            cells.append([name, str(batch)] + [
+                f"{found[p]['ms_per_step']:.3f} ({found[p]['products_ms']:.3f}, {found[p]['over_products']:.1f}x)"
+                for p in prompts])
+    return "\n".join(reporting.markdown_table_lines(header, cells))
 
 
 def _model_plot(rows: list[dict], models, prompts, batches, path: Path) -> Path:
@@ -351,6 +374,10 @@ def page(results: dict) -> str:
         pooled = "" if rounds == 1 else f"; {rounds} rounds in alternating order, the steps pooled"
         text += (f"\nwhole models: generated tokens/s (greedy, {model_rows[0]['new_tokens']} tokens after the prompt, "
                  f"from the median step time{pooled}) and prefill tokens/s\n\n{table}\n")
+        if all("products_ms" in r for r in model_rows):
+            table = _products_table(model_rows, models, shapes["prompts"], shapes["batches"])
+            text += ("\nms per generated token against the sum of its matrix products and attention kernels, each "
+                     f"measured alone (decode_parts.py), and their ratio\n\n{table}\n")
     return text
 
 
