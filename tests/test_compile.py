@@ -158,6 +158,24 @@ def test_vq_unit_backward_and_codebook_statistics_trace_through_aot_autograd(che
                                atol=1e-6)
 
 
+def test_vq_unit_gradients_under_inductor_equal_eagers():
+    """A VQ gated attention unit compiled by the default backend (inductor), its block form
+    through the torch schedule ``schedule="auto"`` takes for a few blocks per row (the loop),
+    with the position band (``ops/common/bias.add_window_band``): every gradient finite and equal
+    to eager's (the band's autograd Function once gave non-finite query and position-key
+    gradients in an inductor graph)."""
+    torch.manual_seed(0)
+    eager_unit = GAU(32, d_k=16, d_v=24, codebook_size=16, block_size=8)
+    unit = copy.deepcopy(eager_unit)
+    x = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(5))
+    for forward in (eager_unit, torch.compile(unit)):
+        y, _, aux = forward(x)
+        (y.square().mean() + aux["commit_loss"]).backward()
+    for (name, wanted), actual in zip(eager_unit.named_parameters(), unit.parameters()):
+        assert actual.grad.isfinite().all(), name
+        torch.testing.assert_close(actual.grad, wanted.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_compiled_training_loss_agrees_with_eager_under_inductor():
     """The default backend (inductor: generated C++ kernels) on a local-attention model:
     float32 losses and gradients equal eager's to float32 rounding."""

@@ -84,6 +84,18 @@ def _add_band(scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
     return scores
 
 
+def _add_band_gathered(scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
+    """``_add_band``'s sum read by a gather instead of a strided view over band's rows: entry
+    (a, c) is band's column ``c - a + L - 1`` of row a, or 0 where that column is past the row
+    (the strided view reads the next row's zero columns there)."""
+    L = band.shape[-2]
+    rows = torch.arange(L, device=band.device)[:, None]
+    columns = torch.arange(2 * L, device=band.device)[None, :] - rows + (L - 1)
+    index = columns.clamp_max(2 * L - 1).expand(band.shape)
+    scores[..., : 2 * L] += band.gather(-1, index).masked_fill(columns >= 2 * L, 0.0)
+    return scores
+
+
 class _WindowBand(torch.autograd.Function):
     @staticmethod
     def forward(ctx, scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
@@ -95,6 +107,9 @@ class _WindowBand(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         L = ctx.band_shape[-2]
+        # the strided read below needs rows of one stride: a gradient handed over in another
+        # layout (a compiled graph's may be) is copied first (in eager it is contiguous: no copy)
+        grad = grad.contiguous()
         window = grad[..., : 2 * L]
         row, column = window.stride()[-2:]
         # grad[a, a + e] for e = 0..L: a diagonal band, read with row stride row + column
@@ -116,7 +131,12 @@ def add_window_band(scores: torch.Tensor, band: torch.Tensor) -> torch.Tensor:
     all without a copy. The backward reads the band's gradient along the diagonals (each entry
     once: deterministic) and forms none for the zero columns (constant keys). Returns ``scores``.
     Under ``torch.export`` the sum is traced as plain ops (an autograd Function that marks its
-    input dirty would leave tensors outside the exported graph)."""
+    input dirty would leave tensors outside the exported graph); under ``torch.compile`` it is
+    read by a gather (``_add_band_gathered``): inductor's graphs of the strided view, with or
+    without the autograd Function, gave wrong gradients for the queries and position keys
+    (``tests/test_compile.py``)."""
     if torch.compiler.is_exporting():
         return _add_band(scores, band)
+    if torch.compiler.is_compiling():
+        return _add_band_gathered(scores, band)
     return _WindowBand.apply(scores, band)
