@@ -23,10 +23,11 @@ import torch
 
 import linattn.train.checkpoint as checkpoint_module
 import linattn.train.trainer as trainer_module
+from linattn.bench.harness import in_fresh_process
 from linattn.models import LM, LMConfig
 from linattn.train import load_checkpoint
 from linattn.train.checkpoint import save_checkpoint
-from linattn.train.divergence import NonFiniteGuard
+from linattn.train.divergence import NonFiniteGuard, TrainingDiverged
 from linattn.train.run_folder import RunFolderError, RunLock, remove_stale_temporaries
 from _helpers import english_like, torchrun_env
 from test_train_cli import run_captured as run
@@ -92,6 +93,18 @@ def poison(monkeypatch, steps: set[int], what: str = "gradient") -> None:
 
 
 # ----------------------------------------------------------------------------- the divergence guard
+
+
+def _raise_diverged():
+    raise TrainingDiverged("training diverged: at step 3 ...", step=3, what=["the loss"], last_checkpoint="step-2")
+
+
+def test_a_divergence_reaches_the_parent_of_a_worker_process_whole():
+    """``bench train`` trains in a fresh process: the parent gets the same exception, not a
+    broken process pool (the exception's keyword-only fields once failed to unpickle)."""
+    with pytest.raises(TrainingDiverged, match="at step 3") as raised:
+        in_fresh_process(_raise_diverged, threads=1)
+    assert (raised.value.step, raised.value.what, raised.value.last_checkpoint) == (3, ["the loss"], "step-2")
 
 
 def test_found_inf_leaves_parameters_moments_and_codebooks_as_they_were():

@@ -37,6 +37,15 @@ class TrainingDiverged(RuntimeError):
         super().__init__(message)
         self.step, self.what, self.last_checkpoint = step, what, last_checkpoint
 
+    def __reduce__(self):
+        """Pickled with its fields, so that a worker process can hand it to its parent
+        (``linattn bench train`` trains in fresh processes)."""
+        return _diverged, (self.args[0], self.step, self.what, self.last_checkpoint)
+
+
+def _diverged(message: str, step: int, what: list[str], last_checkpoint: str | None) -> TrainingDiverged:
+    return TrainingDiverged(message, step=step, what=what, last_checkpoint=last_checkpoint)
+
 
 class NonFiniteGuard:
     """Per-step watch over ``QUANTITIES`` on ``device``; see the module docstring."""
