@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from linattn import LM, LMConfig
+from linattn.bench.decode_parts import torch_vq_steps
 from linattn.models.sampling import NO_TOKEN, NonFiniteLogits, sample_next
 from linattn.models._vq_generation import VQGeneration
 from test_vq_native_block import at_one_and_two_threads
@@ -31,11 +32,14 @@ def _model(seed: int = 0, dtype=F64, **overrides) -> LM:
 
 
 def _stepped_by_run(model, state, ids):
-    """Logits ``[B, T, V]`` and the state after feeding ``ids [B, T]`` one token at a time through ``_run``."""
+    """Logits ``[B, T, V]`` and the state after feeding ``ids [B, T]`` one token at a time
+    through ``_run``, each unit in its torch form (``LINATTN_VQ_STEP_IMPL=torch``: nothing
+    of the native code the loop under test runs)."""
     logits = []
-    for t in range(ids.shape[1]):
-        step_logits, state, _ = model._run(ids[:, t : t + 1], state, with_aux=False)
-        logits.append(step_logits)
+    with torch_vq_steps():
+        for t in range(ids.shape[1]):
+            step_logits, state, _ = model._run(ids[:, t : t + 1], state, with_aux=False)
+            logits.append(step_logits)
     return torch.cat(logits, 1), state
 
 
@@ -53,12 +57,17 @@ def _assert_lm_states_equal(a, b):
                     assert torch.allclose(left.double(), right.double(), rtol=1e-12, atol=1e-12), name
 
 
+WIDE = dict(vocab_size=150, d_model=80, gau_d_v=72)  # products of full 64-column tiles and a partial one
+
+
 @pytest.mark.parametrize("variant", ["linattn", "paper"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("prompt", [1, 4, 6])  # inside the first block, on its edge, inside the second
-def test_native_steps_equal_the_steps_through_run(variant, tied, prompt):
-    model = _model(gau_variant=variant, tie_embeddings=tied)
-    ids = torch.randint(0, 40, (3, prompt + 11), generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("sizes", [{}, WIDE], ids=["narrow", "wide"])
+def test_native_steps_equal_the_steps_through_run(variant, tied, prompt, sizes):
+    model = _model(gau_variant=variant, tie_embeddings=tied, **sizes)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (3, prompt + 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         _, state, _ = model(ids[:, :prompt])
         expected, expected_state = _stepped_by_run(model, state, ids[:, prompt:])
@@ -73,6 +82,39 @@ def test_native_steps_equal_the_steps_through_run(variant, tied, prompt):
         after, _, _ = model._run(ids[:, :2], final, with_aux=False)
         expected_after, _, _ = model._run(ids[:, :2], expected_state, with_aux=False)
     assert torch.allclose(after, expected_after, rtol=1e-10, atol=1e-12)
+
+
+def test_native_steps_equal_the_steps_through_run_with_a_long_block():
+    """Block 64: the relative terms' product (L + 1 = 65 columns) fills a whole tile of the
+    native products, and the steps cross the block's edge."""
+    model = _model(block_size=64)
+    ids = torch.randint(0, 40, (2, 72), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        _, state, _ = model(ids[:, :60])
+        expected, _ = _stepped_by_run(model, state, ids[:, 60:])
+        _, state, _ = model(ids[:, :60])
+        session = VQGeneration.start(model, state, 2)
+        got = torch.cat([session.step(ids[:, t]).clone() for t in range(60, 72)], 1)
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_scores_far_above_exps_range_stay_finite():
+    """Scores in the thousands (a large content bias): the step's softmax subtracts its
+    largest score before the exp, as the torch form does."""
+    model = _model()
+    with torch.no_grad():
+        for layer in model.layers:
+            for unit in layer.units:
+                unit.content_bias.mul_(4000.0)
+    ids = torch.randint(0, 40, (2, 14), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        _, state, _ = model(ids[:, :5])
+        expected, _ = _stepped_by_run(model, state, ids[:, 5:])
+        _, state, _ = model(ids[:, :5])
+        session = VQGeneration.start(model, state, 2)
+        got = torch.cat([session.step(ids[:, t]).clone() for t in range(5, 14)], 1)
+    assert expected.isfinite().all()
+    assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-// exp for the native kernels' softmax passes (vq_block_forward.cpp, vq_block_backward.cpp).
+// exp for the native kernels' softmax passes (vq_block_forward.cpp, vq_block_backward.cpp,
+// vq_decode_step.cpp) and the SiLU of vq_gau_step.cpp.
 #pragma once
 
 #include <cmath>

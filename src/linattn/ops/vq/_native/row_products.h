@@ -10,23 +10,37 @@
 namespace linattn {
 
 // out[b, n] = bias[n] + sum_k a[b, k] w[k, n] for a [B, K], w [K, N] (both row-major), bias
-// [N] or null. Every element adds its terms in ascending k, so the result does not depend on
-// how the columns are split over the intra-op threads (they are when the product is large
-// enough to pay for a second thread). Each row of w is read once for all B rows.
+// [N] or null. The columns go in tiles of kTile whose sums stay in registers over the whole k
+// loop; the tiles are split over the intra-op threads when the product is large enough to pay
+// for a second thread. A tile is computed the same way whichever thread takes it (every element
+// adds its terms in ascending k), so the result does not depend on the thread count.
 template <typename T>
 void rows_times(const T* a, int64_t B, int64_t K, const T* w, int64_t N, const T* bias, T* out) {
-  const int64_t grain = std::max<int64_t>(16, (int64_t(1) << 18) / std::max<int64_t>(1, B * K));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t b = 0; b < B; ++b) {
-      T* o = out + b * N;
-      for (int64_t n = n0; n < n1; ++n) o[n] = bias != nullptr ? bias[n] : T(0);
-    }
-    for (int64_t k = 0; k < K; ++k) {
-      const T* row = w + k * N;
+  constexpr int64_t kTile = 64;
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 18) / std::max<int64_t>(1, B * K * kTile));
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n = t * kTile;
       for (int64_t b = 0; b < B; ++b) {
-        const T x = a[b * K + k];
-        T* o = out + b * N;
-        for (int64_t n = n0; n < n1; ++n) o[n] += x * row[n];
+        const T* x = a + b * K;
+        T* o = out + b * N + n;
+        if (n + kTile <= N) {
+          T sums[kTile];
+          for (int64_t j = 0; j < kTile; ++j) sums[j] = bias != nullptr ? bias[n + j] : T(0);
+          for (int64_t k = 0; k < K; ++k) {
+            const T xk = x[k];
+            const T* row = w + k * N + n;
+            for (int64_t j = 0; j < kTile; ++j) sums[j] += xk * row[j];
+          }
+          for (int64_t j = 0; j < kTile; ++j) o[j] = sums[j];
+        } else {  // the last, partial tile
+          for (int64_t j = 0; n + j < N; ++j) {
+            T sum = bias != nullptr ? bias[n + j] : T(0);
+            for (int64_t k = 0; k < K; ++k) sum += x[k] * w[k * N + n + j];
+            o[j] = sum;
+          }
+        }
       }
     }
   });

@@ -20,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
@@ -147,7 +149,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         T top = minus_inf;
         for (int64_t j = 0; j < C; ++j) top = sc[j] > top ? sc[j] : top;
 #pragma omp simd
-        for (int64_t j = 0; j < C; ++j) sc[j] = std::exp(sc[j] - top);
+        for (int64_t j = 0; j < C; ++j) sc[j] = linattn_native::exp_of(sc[j] - top);
         T* o = out_data + (bh * G + g) * Dv;
         for (int64_t d = 0; d < Dv; ++d) o[d] = 0;
         T total = 0;

@@ -17,6 +17,7 @@
 
 #include <cmath>
 
+#include "fast_exp.h"
 #include "row_products.h"
 
 namespace linattn {
@@ -47,7 +48,7 @@ T inverse_rms(const T* x, int64_t n, double eps) {
 
 template <typename T>
 T silu(T x) {
-  return x / (T(1) + std::exp(-x));
+  return x / (T(1) + linattn_native::exp_of(-x));
 }
 
 template <typename T>
