@@ -57,6 +57,20 @@ def _assert_lm_states_equal(a, b):
                     assert torch.allclose(left.double(), right.double(), rtol=1e-12, atol=1e-12), name
 
 
+def _both_ways(model, ids, prompt):
+    """After the prompt ``ids[:, :prompt]``, the rest of ``ids`` fed through ``_run`` (torch
+    forms) and through the native loop: ``(native logits, native final state, run's logits,
+    run's final state)``."""
+    with torch.no_grad():
+        _, state, _ = model(ids[:, :prompt])
+        expected, expected_state = _stepped_by_run(model, state, ids[:, prompt:])
+        _, state, _ = model(ids[:, :prompt])
+        session = VQGeneration.start(model, state, ids.shape[0])
+        assert session is not None
+        got = torch.cat([session.step(ids[:, t]).clone() for t in range(prompt, ids.shape[1])], 1)
+        return got, session.state(), expected, expected_state
+
+
 WIDE = dict(vocab_size=150, d_model=80, gau_d_v=72)  # products of full 64-column tiles and a partial one
 
 
@@ -68,14 +82,7 @@ def test_native_steps_equal_the_steps_through_run(variant, tied, prompt, sizes):
     model = _model(gau_variant=variant, tie_embeddings=tied, **sizes)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (3, prompt + 11), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        _, state, _ = model(ids[:, :prompt])
-        expected, expected_state = _stepped_by_run(model, state, ids[:, prompt:])
-        _, state, _ = model(ids[:, :prompt])
-        session = VQGeneration.start(model, state, 3)
-        assert session is not None
-        got = torch.cat([session.step(ids[:, t]).clone() for t in range(prompt, ids.shape[1])], 1)
-        final = session.state()
+    got, final, expected, expected_state = _both_ways(model, ids, prompt)
     assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
     _assert_lm_states_equal(final, expected_state)
     with torch.no_grad():  # the state it hands back continues as the one from _run
@@ -87,14 +94,8 @@ def test_native_steps_equal_the_steps_through_run(variant, tied, prompt, sizes):
 def test_native_steps_equal_the_steps_through_run_with_a_long_block():
     """Block 64: the relative terms' product (L + 1 = 65 columns) fills a whole tile of the
     native products, and the steps cross the block's edge."""
-    model = _model(block_size=64)
     ids = torch.randint(0, 40, (2, 72), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
-        _, state, _ = model(ids[:, :60])
-        expected, _ = _stepped_by_run(model, state, ids[:, 60:])
-        _, state, _ = model(ids[:, :60])
-        session = VQGeneration.start(model, state, 2)
-        got = torch.cat([session.step(ids[:, t]).clone() for t in range(60, 72)], 1)
+    got, _, expected, _ = _both_ways(_model(block_size=64), ids, 60)
     assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
 
 
@@ -107,12 +108,7 @@ def test_scores_far_above_exps_range_stay_finite():
             for unit in layer.units:
                 unit.content_bias.mul_(4000.0)
     ids = torch.randint(0, 40, (2, 14), generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
-        _, state, _ = model(ids[:, :5])
-        expected, _ = _stepped_by_run(model, state, ids[:, 5:])
-        _, state, _ = model(ids[:, :5])
-        session = VQGeneration.start(model, state, 2)
-        got = torch.cat([session.step(ids[:, t]).clone() for t in range(5, 14)], 1)
+    got, _, expected, _ = _both_ways(model, ids, 5)
     assert expected.isfinite().all()
     assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
 

@@ -24,7 +24,8 @@ the constants and buffers (``models/_vq_generation.py``); ``_native/row_products
 small matrix products (a few rows against a matrix read once, in a fixed order of terms). The
 self-check (``native_choice.py``) runs the decoding step; the unit and model steps around it are held equal to
 their torch forms by the tests.
-``_native/module.cpp`` is the Python module of the six, ``_native/fast_exp.h`` the float32 exp
+``_native/module.cpp`` is the Python module of the six (``_native/vq_kernels.h`` declares their
+entry points, ``_native/native_checks.h`` checks the tensors they write through), ``_native/fast_exp.h`` the float32 exp
 of the block form's passes, ``_native/vq_block_inputs.h`` the block form's input checks,
 ``_native/vq_cache_scan.h`` the cache at the start of each segment of a row (the block form's
 tasks).
@@ -81,7 +82,8 @@ SOURCES = (_FOLDER / "module.cpp", _FOLDER / "vq_decode_step.cpp", _FOLDER / "vq
            _FOLDER / "vq_model_step.cpp")
 # included by the sources: part of the build's inputs
 HEADERS = (_FOLDER / "fast_exp.h", _FOLDER / "vq_block_inputs.h", _FOLDER / "vq_cache_scan.h",
-           _FOLDER / "vq_model_step.h", _FOLDER / "row_products.h")
+           _FOLDER / "vq_model_step.h", _FOLDER / "row_products.h", _FOLDER / "vq_kernels.h",
+           _FOLDER / "native_checks.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)

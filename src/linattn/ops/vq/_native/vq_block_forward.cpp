@@ -36,6 +36,7 @@
 #include "fast_exp.h"
 #include "vq_block_inputs.h"
 #include "vq_cache_scan.h"
+#include "vq_kernels.h"
 
 #include <cmath>
 #include <cstdint>

@@ -20,6 +20,8 @@
 #include <cstring>
 #include <limits>
 
+#include "vq_kernels.h"
+
 namespace {
 
 constexpr int64_t kChunk = 256;  // keys per product

@@ -21,15 +21,10 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "native_checks.h"
+#include "vq_kernels.h"
 
 namespace {
-
-void check_buffer(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
-  TORCH_CHECK(t.sizes() == shape, "vq_decode_step (native): ", name, " has shape ", t.sizes(), ", expected ", shape);
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "vq_decode_step (native): ", name,
-              " must be a contiguous CPU tensor of ", dtype, ", got ", t.scalar_type(), " on ", t.device(),
-              t.is_contiguous() ? "" : " (not contiguous)");
-}
 
 template <typename T>
 void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
@@ -44,18 +39,21 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const int64_t Dv = v.size(2), S = search_t.size(2), C = keys.size(2);
   TORCH_CHECK(C == 2 * L + S && p >= 0 && p < L, "vq_decode_step (native): a buffer of ", C,
               " columns does not fit L = ", L, ", S = ", S, ", p = ", p);
-  check_buffer(q, "q", dtype, {B, Hkv, G, Dk});
-  check_buffer(k, "k", dtype, {B, Hkv, Dk});
-  check_buffer(v, "v", dtype, {B, Hkv, Dv});
-  check_buffer(search_t, "search_t", at::kFloat, {Hkv, Dk, S});
-  check_buffer(norms, "norms", at::kFloat, {Hkv, S});
-  check_buffer(codebook_t, "codebook_t", dtype, {Hkv, Dk, S});
-  check_buffer(keys, "keys", dtype, {B, Hkv, C, Dk});
-  check_buffer(values, "values", dtype, {B, Hkv, C, Dv});
-  check_buffer(codes, "codes", at::kLong, {B, Hkv, C});
-  check_buffer(mask, "mask", dtype, {B, Hkv, C});
-  check_buffer(out, "out", dtype, {B, Hkv, G, Dv});
-  check_buffer(new_codes, "new_codes", at::kLong, {B, Hkv});
+  const auto check = [](const at::Tensor& t, const char* name, at::ScalarType type, at::IntArrayRef shape) {
+    linattn_native::check_buffer("vq_decode_step", t, name, type, shape);
+  };
+  check(q, "q", dtype, {B, Hkv, G, Dk});
+  check(k, "k", dtype, {B, Hkv, Dk});
+  check(v, "v", dtype, {B, Hkv, Dv});
+  check(search_t, "search_t", at::kFloat, {Hkv, Dk, S});
+  check(norms, "norms", at::kFloat, {Hkv, S});
+  check(codebook_t, "codebook_t", dtype, {Hkv, Dk, S});
+  check(keys, "keys", dtype, {B, Hkv, C, Dk});
+  check(values, "values", dtype, {B, Hkv, C, Dv});
+  check(codes, "codes", at::kLong, {B, Hkv, C});
+  check(mask, "mask", dtype, {B, Hkv, C});
+  check(out, "out", dtype, {B, Hkv, G, Dv});
+  check(new_codes, "new_codes", at::kLong, {B, Hkv});
   const int64_t row = L + p;
   const T* q_data = q.data_ptr<T>();
   const T* k_data = k.data_ptr<T>();

@@ -18,26 +18,12 @@
 #include <cmath>
 
 #include "fast_exp.h"
+#include "native_checks.h"
 #include "row_products.h"
+#include "vq_kernels.h"
 
-namespace linattn {
-
-void vq_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
-                    const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
-                    at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, double scale,
-                    const c10::optional<at::Tensor>& relative, bool keys_are_codes, at::Tensor out,
-                    at::Tensor new_codes);
-
-}  // namespace linattn
 
 namespace {
-
-void check_input(const at::Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape) {
-  TORCH_CHECK(t.sizes() == shape, "vq_gau_step (native): ", name, " has shape ", t.sizes(), ", expected ", shape);
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "vq_gau_step (native): ", name,
-              " must be a contiguous CPU tensor of ", dtype, ", got ", t.scalar_type(), " on ", t.device(),
-              t.is_contiguous() ? "" : " (not contiguous)");
-}
 
 template <typename T>
 T inverse_rms(const T* x, int64_t n, double eps) {
@@ -64,15 +50,18 @@ void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optiona
               "output_t [d_v, d]");
   const int64_t B = x.size(0), d = x.size(1), d_k = position_keys_reversed_t.size(0), d_v = output_t.size(0);
   const int64_t width = 2 * d_k + 2 * d_v;
-  check_input(x, "x", dtype, {B, d});
-  check_input(input_t, "input_t", dtype, {d, width});
-  if (input_shift.has_value()) check_input(*input_shift, "input_shift", dtype, {width});
-  check_input(content_bias, "content_bias", dtype, {d_k});
-  check_input(position_keys_reversed_t, "position_keys_reversed_t", dtype, {d_k, L + 1});
-  check_input(bias_reversed, "bias_reversed", dtype, {L + 1});
-  check_input(output_t, "output_t", dtype, {d_v, d});
-  check_input(y, "y", dtype, {B, d});
-  check_input(commit, "commit", dtype, {});
+  const auto check = [](const at::Tensor& t, const char* name, at::ScalarType type, at::IntArrayRef shape) {
+    linattn_native::check_buffer("vq_gau_step", t, name, type, shape);
+  };
+  check(x, "x", dtype, {B, d});
+  check(input_t, "input_t", dtype, {d, width});
+  if (input_shift.has_value()) check(*input_shift, "input_shift", dtype, {width});
+  check(content_bias, "content_bias", dtype, {d_k});
+  check(position_keys_reversed_t, "position_keys_reversed_t", dtype, {d_k, L + 1});
+  check(bias_reversed, "bias_reversed", dtype, {L + 1});
+  check(output_t, "output_t", dtype, {d_v, d});
+  check(y, "y", dtype, {B, d});
+  check(commit, "commit", dtype, {});
 
   at::Tensor h = at::empty({B, width}, x.options());
   linattn::rows_times(x.data_ptr<T>(), B, d, input_t.data_ptr<T>(), width, static_cast<const T*>(nullptr),

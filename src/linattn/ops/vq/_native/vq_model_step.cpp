@@ -14,15 +14,9 @@
 #include <cmath>
 
 #include "row_products.h"
+#include "vq_kernels.h"
 
 namespace linattn {
-
-void vq_gau_step(const at::Tensor& x, const at::Tensor& input_t, const c10::optional<at::Tensor>& input_shift,
-                 double eps, const at::Tensor& content_bias, const at::Tensor& position_keys_reversed_t,
-                 const at::Tensor& bias_reversed, const at::Tensor& output_t, const at::Tensor& search_t,
-                 const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
-                 at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, bool keys_are_codes, double commitment_weight,
-                 at::Tensor y, at::Tensor new_codes, at::Tensor commit);
 
 VQModelStep::VQModelStep(at::Tensor embed, at::Tensor norm_weight, double norm_eps, at::Tensor head_t,
                          int64_t block_size)
