@@ -21,14 +21,14 @@ terms, the decoding step, the gate and the output matmul), so that a VQ unit's t
 instead of some fifty; ``_native/vq_model_step.cpp`` (``vq_model_step.h``) a whole model's token
 (embedding, every unit and residual, final norm and head) as one call of an object that holds
 the constants and buffers (``models/_vq_generation.py``); ``_native/row_products.h`` is their
-small matrix products (a few rows against a matrix read once, in a fixed order of terms). The
-self-check (``native_choice.py``) runs the decoding step; the unit and model steps around it are held equal to
-their torch forms by the tests.
-``_native/module.cpp`` is the Python module of the six (``_native/vq_kernels.h`` declares their
-entry points, ``_native/native_checks.h`` checks the tensors they write through), ``_native/fast_exp.h`` the float32 exp
-of the block form's passes, ``_native/vq_block_inputs.h`` the block form's input checks,
-``_native/vq_cache_scan.h`` the cache at the start of each segment of a row (the block form's
-tasks).
+small matrix products (a few rows against a matrix read once, in a fixed order of terms).
+The self-check (``native_choice.py``) runs the decoding step; the unit and model steps around
+it are held equal to their torch forms by the tests. ``_native/module.cpp`` is the Python
+module of the six; ``_native/vq_kernels.h`` declares their entry points,
+``_native/native_checks.h`` checks a tensor a kernel writes through, ``_native/fast_exp.h`` is
+the float32 exp of the softmax passes and the SiLU, ``_native/vq_block_inputs.h`` the block
+form's input checks, ``_native/vq_cache_scan.h`` the cache at the start of each segment of a
+row (the block form's tasks).
 
 **Build.** ``torch.utils.cpp_extension.load`` with ``-O3 -march=native -mprefer-vector-width=512 -fopenmp`` (the
 vector width of the machine; OpenMP is torch's own runtime, so ``torch.set_num_threads``

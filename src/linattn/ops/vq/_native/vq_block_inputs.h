@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "native_checks.h"
+
 namespace linattn_native {
 
 struct BlockSizes {
@@ -14,15 +16,6 @@ struct BlockSizes {
   int64_t Wh, Wg;  // the window's bias: per kv head (Hkv) or shared (1), per query group (G) or shared
   int64_t Ph, Pg;  // the position keys, likewise (1, 1 without them)
 };
-
-// A contiguous CPU tensor of `dtype` and `shape`, or an error naming it; `what` names the kernel.
-inline void check_tensor(const char* what, const at::Tensor& t, const char* name, at::ScalarType dtype,
-                         at::IntArrayRef shape) {
-  TORCH_CHECK(t.sizes() == shape, what, ": ", name, " has shape ", t.sizes(), ", expected ", shape);
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, what, ": ", name,
-              " must be a contiguous CPU tensor of ", dtype, ", got ", t.scalar_type(), " on ", t.device(),
-              t.is_contiguous() ? "" : " (not contiguous)");
-}
 
 // q [B, Hkv, G, R, L, Dk], k [B, Hkv, R, L, Dk], v [B, Hkv, R, L, Dv], prev_codes [B, Hkv, R, L],
 // codebook [Hkv, S, Dk], window [Hkv|1, G|1, L, 2L], position_keys [Hkv|1, G|1, L + 1, Dk] or none,

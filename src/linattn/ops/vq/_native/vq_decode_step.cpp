@@ -40,7 +40,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   TORCH_CHECK(C == 2 * L + S && p >= 0 && p < L, "vq_decode_step (native): a buffer of ", C,
               " columns does not fit L = ", L, ", S = ", S, ", p = ", p);
   const auto check = [](const at::Tensor& t, const char* name, at::ScalarType type, at::IntArrayRef shape) {
-    linattn_native::check_buffer("vq_decode_step", t, name, type, shape);
+    linattn_native::check_tensor("vq_decode_step (native)", t, name, type, shape);
   };
   check(q, "q", dtype, {B, Hkv, G, Dk});
   check(k, "k", dtype, {B, Hkv, Dk});

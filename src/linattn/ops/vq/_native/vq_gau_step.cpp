@@ -51,7 +51,7 @@ void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optiona
   const int64_t B = x.size(0), d = x.size(1), d_k = position_keys_reversed_t.size(0), d_v = output_t.size(0);
   const int64_t width = 2 * d_k + 2 * d_v;
   const auto check = [](const at::Tensor& t, const char* name, at::ScalarType type, at::IntArrayRef shape) {
-    linattn_native::check_buffer("vq_gau_step", t, name, type, shape);
+    linattn_native::check_tensor("vq_gau_step (native)", t, name, type, shape);
   };
   check(x, "x", dtype, {B, d});
   check(input_t, "input_t", dtype, {d, width});
