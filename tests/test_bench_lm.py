@@ -13,6 +13,7 @@ from linattn.bench.lm_config import LMBenchConfig
 from linattn.bench.cli import report_page
 from linattn.bench.harness import Measurement
 from linattn.cli import main
+from linattn.models._vq_generation import VQGeneration
 from linattn.models import LM, LMConfig
 from linattn.models.config import matched_gau_value_width
 from _helpers import head_fields
@@ -160,7 +161,8 @@ def test_memory_budget_and_out_of_memory_skip_contexts(monkeypatch):
 
 def test_bfloat16_runs_every_forward_under_autocast(monkeypatch):
     """``dtype="bfloat16"``: the training step, the prefill and every decoding step run their
-    forward pass under bfloat16 autocast (as ``train.bf16``); float32 runs none."""
+    forward pass under bfloat16 autocast (as ``train.bf16``); float32 runs none (its decoding
+    steps go through ``generate``'s native loop, counted as forward passes too)."""
     under_autocast = []
 
     class Recording(LM):
@@ -169,7 +171,16 @@ def test_bfloat16_runs_every_forward_under_autocast(monkeypatch):
                                   and torch.get_autocast_dtype("cpu") == torch.bfloat16)
             return super()._run(*args, **kwargs)
 
+    def recorded(step):
+        def run(self, ids):
+            under_autocast.append(torch.is_autocast_enabled("cpu")
+                                  and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+            return step(self, ids)
+        return run
+
     monkeypatch.setattr(lm_measure, "LM", Recording)
+    for name in ("step", "step_greedy"):  # a float32 VQ model decodes through the native loop
+        monkeypatch.setattr(VQGeneration, name, recorded(getattr(VQGeneration, name)))
     for dtype, expected in (("bfloat16", True), ("float32", False)):
         under_autocast.clear()
         (row,) = lm_measure.measure_model("vq", _config(contexts=(16,), dtype=dtype))

@@ -57,6 +57,16 @@ def test_auto_takes_the_native_step_on_cpu(fresh_verdicts):
     assert native_choice.choice(CPU, torch.float64)[0] == "native"
 
 
+def test_a_first_ask_inside_an_autocast_region_checks_in_the_dtype_asked(fresh_verdicts):
+    """The self-check runs its torch reference with autocast off: a first use inside a
+    bfloat16 autocast region (``bench lm --dtype bfloat16`` decodes there) once compared the
+    native float32 step with a bfloat16 reference and turned the native step off."""
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error")
+        assert native_choice.use_native("auto", CPU, torch.float32)
+    assert native_choice.verdict(torch.float32) is None
+
+
 def test_a_failed_build_warns_once_and_runs_the_torch_form(fresh_verdicts, monkeypatch):
     def no_compiler():
         raise RuntimeError("no compiler here")

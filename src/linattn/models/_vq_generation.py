@@ -78,8 +78,7 @@ class VQGeneration:
                 and computes_its_parameters(model.norm, (nn.RMSNorm,)) and model.norm.weight is not None
                 and (model.head is None or (computes_its_parameters(model.head, (nn.Linear,))
                                             and model.head.bias is None))
-                and all(computes_its_parameters(layer, (GAUPair,)) for layer in layers)
-                and use_native("auto", device, dtype)):
+                and all(computes_its_parameters(layer, (GAUPair,)) for layer in layers)):
             return None
         if any(tensor.is_inference() for tensor in (*model.parameters(), *model.buffers())):
             return None  # no version counter: a write to them could not be seen
@@ -90,6 +89,8 @@ class VQGeneration:
                    for unit, unit_state in zip(units, unit_states)):
             return None
         if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in unit_states}) != 1:
+            return None
+        if not use_native("auto", device, dtype):  # last: it builds and checks the native code at the first ask
             return None
         return cls(model, state, units, dtype)
 

@@ -289,7 +289,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 class Trust:
     """A native kernel's self-check (``check(key) -> None`` when it agrees with the torch form,
     else what differs), run after the build at the first ask per ``key`` (a dtype, or None) in a
-    process; a failure (of the build, of the check, or the kernel raising) is the verdict for
+    process, with CPU autocast off (the torch form is the reference in the dtype asked, whatever
+    region the first ask comes from); a failure (of the build, of the check, or the kernel raising) is the verdict for
     the rest of the process, and is warned of once per key."""
 
     def __init__(self, check: Callable[[Any], str | None]):
@@ -308,7 +309,8 @@ class Trust:
             self.verdicts[key] = None  # the check's own native calls
             try:
                 extension()
-                self.verdicts[key] = self._check(key)
+                with torch.autocast("cpu", enabled=False):  # a first ask inside an autocast region
+                    self.verdicts[key] = self._check(key)
             except Exception as error:  # the build's RuntimeError, or the kernel raising on the check
                 self.verdicts[key] = " ".join(str(error).split())[:500]
         return self.verdicts[key]
