@@ -24,7 +24,7 @@ from operator import attrgetter
 import torch
 from torch import nn
 
-from ..nn._gau_decode import can_decode_token, decode_constants
+from ..nn._gau_decode import can_decode_token, decode_constants, norm_eps
 from ..nn.gau import GAU, computes_its_parameters, no_global_hooks
 from ..ops.vq.native import extension
 from ..ops.vq.native_choice import use_native
@@ -54,7 +54,7 @@ class VQGeneration:
         self.unit_steps = [unit_state.steps for unit_state in unit_states]
         head = model._embedding_matrix() if model.head is None else model.head.weight
         self.native = extension().VQModelStep(model.embed.weight.to(dtype).contiguous(), model.norm.weight.to(dtype),
-                                              _norm_eps(model.norm, dtype), head.to(dtype).t().contiguous(), self.L)
+                                              norm_eps(model.norm, dtype), head.to(dtype).t().contiguous(), self.L)
         for unit in units:
             c = decode_constants(unit, dtype)
             self.native.add_unit([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t,
@@ -141,8 +141,3 @@ class VQGeneration:
                             unit.d_k, unit.d_v), HARD_CODES, self.dtype)
         self.windows[index] = window
         self.native.set_window(index, window.keys, window.values, window.codes, window.mask, window.keys_are_codes)
-
-
-def _norm_eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
-    """The eps ``F.rms_norm`` uses: the norm's, or the dtype's machine epsilon when it has none."""
-    return norm.eps if norm.eps is not None else torch.finfo(dtype).eps

@@ -70,7 +70,7 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
         return DecodeConstants(
             input_t=(weight * norm.weight.to(dtype)).t().contiguous(),
             input_shift=None if norm_bias is None else weight @ norm_bias.to(dtype),
-            eps=norm.eps if norm.eps is not None else torch.finfo(dtype).eps,
+            eps=norm_eps(norm, dtype),
             codebook32_t=codebook32_t, code_norms32=code_norms32, codebook=codebook32.to(dtype),
             content_bias=(unit._bias_scale() * unit.content_bias).to(dtype),
             position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
@@ -80,6 +80,12 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
         )
 
     return unit._cached("decode", build, depends, dtype)
+
+
+def norm_eps(norm, dtype: torch.dtype) -> float:
+    """The eps an RMS norm computes with: its own, or ``dtype``'s machine epsilon when it has
+    none (as ``F.rms_norm``)."""
+    return norm.eps if norm.eps is not None else torch.finfo(dtype).eps
 
 
 def can_decode_token(unit, x: torch.Tensor, state) -> bool:

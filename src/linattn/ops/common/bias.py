@@ -107,9 +107,6 @@ class _WindowBand(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         L = ctx.band_shape[-2]
-        # the strided read below needs rows of one stride: a gradient handed over in another
-        # layout (a compiled graph's may be) is copied first (in eager it is contiguous: no copy)
-        grad = grad.contiguous()
         window = grad[..., : 2 * L]
         row, column = window.stride()[-2:]
         # grad[a, a + e] for e = 0..L: a diagonal band, read with row stride row + column
