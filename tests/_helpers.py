@@ -1,6 +1,6 @@
-"""Small helpers shared by the op tests: random inputs, tolerant comparisons, feature
-maps written out independently of the library, a causality check on Jacobians, and a
-recorder of the largest tensor an op builds."""
+"""Small helpers shared by the tests: random inputs, tolerant comparisons, feature maps
+written out independently of the library, a causality check on Jacobians, a recorder of the
+largest tensor an op builds, and the tokens a model generates."""
 
 from __future__ import annotations
 
@@ -21,6 +21,23 @@ F64 = torch.float64
 # The project's internal shorthand, which user-facing text must not use: source-document numbers
 # ("seed 003") and issue numbers ("issue 21").
 SHORTHAND = re.compile(r"\bseeds? 0\d\d\b|\bissues? #?\d+\b", re.IGNORECASE)
+
+
+def generated(model, prompt: torch.Tensor, tokens: int, **sampling) -> torch.Tensor:
+    """``model.generate``'s tokens for a ``[B, T]`` prompt, as ``[B, tokens]``."""
+    return torch.stack(list(model.generate(prompt, tokens, **sampling)), 1)
+
+
+def generated_with_a_write(model, prompt: torch.Tensor, tokens: int, write, after: int = 4) -> torch.Tensor:
+    """Greedy ``generated`` tokens, with ``write(model)`` (gradients off) run after token ``after``
+    was yielded: what a caller does to the parameters between two tokens."""
+    out = []
+    for index, token in enumerate(model.generate(prompt, tokens, temperature=0)):
+        out.append(token)
+        if index == after:
+            with torch.no_grad():
+                write(model)
+    return torch.stack(out, 1)
 
 
 def head_fields(attention, /, **fields) -> dict:

@@ -44,3 +44,25 @@ def fresh_block_verdicts():
     native_block_check.reset()
     yield
     native_block_check.reset()
+
+
+@pytest.fixture
+def native_steps(monkeypatch) -> list:
+    """Batch sizes of the steps of ``LM.generate``'s native token loops (``NativeGeneration.step``
+    and ``step_greedy``, which every loop inherits), in order. The block loop's self-checks, which
+    step a loop of their own at the first use per dtype, run before the counting starts."""
+    from linattn.models import _block_generation
+    from linattn.models._native_generation import NativeGeneration
+
+    for dtype in (torch.float32, torch.float64):
+        _block_generation.verdict(dtype)
+    calls = []
+    for name in ("step", "step_greedy"):
+        original = getattr(NativeGeneration, name)
+
+        def counting(self, ids, original=original):
+            calls.append(ids.shape[0])
+            return original(self, ids)
+
+        monkeypatch.setattr(NativeGeneration, name, counting)
+    return calls

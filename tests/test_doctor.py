@@ -93,20 +93,22 @@ print("decoded")
 
 
 def test_doctor_build_compiles_ahead_so_a_first_decode_compiles_nothing(monkeypatch, tmp_path):
-    """``linattn doctor --build`` builds the native VQ kernels (into a build root of the
-    test's own here: a real build, about a minute) and checks the decoding step and the block
-    form in float32 and float64; a later process's first decoding step loads that build and
+    """``linattn doctor --build`` builds the native kernels (into a build root of the test's own
+    here: a real build, about a minute) and checks the decoding step, the block form and the
+    model step of pre-norm blocks in float32 and float64; a later process's first decoding step loads that build and
     compiles nothing."""
-    from linattn.ops.vq import native, native_choice
+    from linattn.ops.common import native
+    from linattn.ops.vq import native_choice
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv(native_choice.ENV, raising=False)
     doctor_run = subprocess.run([sys.executable, "-m", "linattn.cli", "doctor", "--build"], capture_output=True,
                                 text=True, timeout=600)
     assert doctor_run.returncode == 0, doctor_run.stdout + doctor_run.stderr
-    assert "compiling the native VQ kernels" in doctor_run.stderr
-    assert doctor_run.stdout.splitlines() == [f"native VQ kernels: built in {native.build_directory()}"] + [
-        f"  ok    {kernel}, {dtype}: agrees with the torch form" for kernel in ("decoding step", "block form")
+    assert "compiling the native kernels" in doctor_run.stderr
+    assert doctor_run.stdout.splitlines() == [f"native kernels: built in {native.build_directory()}"] + [
+        f"  ok    {kernel}, {dtype}: agrees with the torch form"
+        for kernel in ("decoding step", "block form", "model step of pre-norm blocks")
         for dtype in ("float32", "float64")]
     later = subprocess.run([sys.executable, "-c", _FIRST_DECODE], capture_output=True, text=True, timeout=300)
     assert later.returncode == 0 and later.stdout == "decoded\n", later.stderr
@@ -114,13 +116,13 @@ def test_doctor_build_compiles_ahead_so_a_first_decode_compiles_nothing(monkeypa
 
 
 def test_doctor_build_exits_1_naming_a_build_that_fails(monkeypatch, capsys):
-    from linattn.ops.vq import native
+    from linattn.ops.common import native
 
     def no_compiler():
-        raise RuntimeError("the native VQ kernels could not be built: no compiler here")
+        raise RuntimeError("the native kernels could not be built: no compiler here")
 
     monkeypatch.setattr(native, "extension", no_compiler)
     assert main(["doctor", "--build"]) == 1
     out = capsys.readouterr().out
-    assert out.splitlines() == ["  FAIL  native VQ kernels: the native VQ kernels could not be built: no compiler "
+    assert out.splitlines() == ["  FAIL  native kernels: the native kernels could not be built: no compiler "
                                 "here"]

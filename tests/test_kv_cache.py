@@ -196,7 +196,9 @@ def test_reserve_makes_room_once_and_keeps_bounded_caches():
 def test_generate_reserves_exactly_the_tokens_it_feeds(attention, monkeypatch):
     """``LM.generate`` with a prompt of P tokens and N new ones reserves P + N - 1 rows after
     the prompt: every step writes into the same buffers, and greedy tokens equal the argmax of
-    full passes over the sequence so far."""
+    full passes over the sequence so far. (Through ``_run``: the native loop of a softmax model,
+    which writes into the same rows, is ``test_block_generation.py``'s.)"""
+    monkeypatch.setenv("LINATTN_BLOCK_STEP_IMPL", "torch")
     torch.manual_seed(4)
     config = LMConfig(attention=attention, d_model=16, n_layers=2, gau_d_k=8, block_size=8,
                       **head_fields(attention, n_heads=2))

@@ -15,6 +15,7 @@ from linattn import LM, LMConfig
 from linattn.bench.decode_parts import torch_vq_steps
 from linattn.models.sampling import NO_TOKEN, NonFiniteLogits, sample_next
 from linattn.models._vq_generation import VQGeneration
+from _helpers import generated, generated_with_a_write
 from test_vq_native_block import at_one_and_two_threads
 
 F64 = torch.float64
@@ -113,57 +114,29 @@ def test_scores_far_above_exps_range_stay_finite():
     assert torch.allclose(got, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.fixture
-def native_steps(monkeypatch) -> list:
-    """Batch sizes of the native object's steps (``step`` and ``step_greedy``), in order."""
-    calls = []
-    for name in ("step", "step_greedy"):
-        original = getattr(VQGeneration, name)
-
-        def counting(self, ids, original=original):
-            calls.append(ids.shape[0])
-            return original(self, ids)
-
-        monkeypatch.setattr(VQGeneration, name, counting)
-    return calls
-
-
-def _generated(model, prompt, tokens, **sampling):
-    return torch.stack(list(model.generate(prompt, tokens, **sampling)), 1)
-
-
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_k=10, seed=3)])
 def test_generate_gives_the_tokens_of_the_general_step(sampling, native_steps, monkeypatch):
     model = _model()
     prompt = torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(2))
-    native = _generated(model, prompt, 13, **sampling)
+    native = generated(model, prompt, 13, **sampling)
     assert native_steps == [2] * 12  # every token after the first
     monkeypatch.setenv("LINATTN_VQ_STEP_IMPL", "torch")  # no native step: every token through _run
-    general = _generated(model, prompt, 13, **sampling)
+    general = generated(model, prompt, 13, **sampling)
     assert native_steps == [2] * 12
     assert torch.equal(native, general)
 
 
 def test_a_parameter_written_between_tokens_is_seen(native_steps, monkeypatch):
-    model, twin = _model(), _model()
     prompt = torch.randint(0, 40, (2, 5), generator=torch.Generator().manual_seed(4))
 
-    def tokens(generator_model, use_native):
-        if not use_native:
-            monkeypatch.setenv("LINATTN_VQ_STEP_IMPL", "torch")
-        out = []
-        for index, token in enumerate(generator_model.generate(prompt, 10, temperature=0)):
-            out.append(token)
-            if index == 4:
-                with torch.no_grad():
-                    generator_model.layers[1].units[0].w_o.weight.mul_(-3.0)
-                    generator_model.norm.weight.add_(0.5)
-        monkeypatch.delenv("LINATTN_VQ_STEP_IMPL", raising=False)
-        return torch.stack(out, 1)
+    def write(model):
+        model.layers[1].units[0].w_o.weight.mul_(-3.0)
+        model.norm.weight.add_(0.5)
 
-    native = tokens(model, True)
+    native = generated_with_a_write(_model(), prompt, 10, write)
     assert native_steps == [2] * 4  # tokens 2..5; the rest through _run after the write
-    assert torch.equal(native, tokens(twin, False))
+    monkeypatch.setenv("LINATTN_VQ_STEP_IMPL", "torch")
+    assert torch.equal(native, generated_with_a_write(_model(), prompt, 10, write))
 
 
 def test_the_thread_count_changes_no_bit():

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import linattn
-from linattn.ops.vq import native, native_choice
+from linattn.ops.common import native
+from linattn.ops.vq import native_choice
 
 CPU = torch.device("cpu")
 L = 4
@@ -172,7 +173,7 @@ def test_doctor_names_the_choice():
 def test_the_build_goes_where_torch_extensions_dir_says(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert native.build_directory() == tmp_path / "linattn" / native.extension_name()
-    assert native.extension_name().startswith("linattn_vq_native_")
+    assert native.extension_name().startswith("linattn_native_")
 
 
 def test_the_pinned_ninja_is_found_without_one_on_path(monkeypatch):
@@ -249,7 +250,7 @@ def test_a_stale_build_lock_warns_naming_it_and_the_torch_form_runs(fresh_build)
 _HOLDER = """
 import sys, time
 from pathlib import Path
-from linattn.ops.vq import native
+from linattn.ops.common import native
 directory = Path(sys.argv[1])
 with native.build_lock(directory, wait_seconds=0):
     (directory / "lock").touch()  # torch's, as its builder takes it
@@ -352,8 +353,9 @@ def test_every_path_and_flag_torch_writes_into_the_build_file_enters_the_name(tm
     cpp_extension._write_ninja_file_to_build_library(
         path=str(build_file), name="NAME", sources=[str(source) for source in native.SOURCES],
         extra_cflags=list(native.FLAGS),
-        extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=ldflags, extra_include_paths=[], with_cuda=False,
-        with_sycl=False, is_standalone=False)
+        extra_cuda_cflags=[], extra_sycl_cflags=[], extra_ldflags=ldflags,
+        extra_include_paths=[str(folder) for folder in native.INCLUDES], with_cuda=False, with_sycl=False,
+        is_standalone=False)
     inputs = "\n".join(native.build_inputs().values())
     objects = tuple(f"build {source.stem}.o" for source in native.SOURCES)
     lines = [line for line in build_file.read_text().splitlines()

@@ -10,7 +10,7 @@ CUDA). Exit code 0 when every check agrees, 1 when one does not (each named on a
 line and in the last line), 2 for bad arguments. ``--json`` prints the same as one JSON
 object instead.
 
-``--build`` does one thing instead: it builds (or loads) the native VQ kernels (the decoding
+``--build`` does one thing instead: it builds (or loads) the native kernels (the decoding
 step, the block form and its gradients, the nearest-code search) for this machine and checks them in each dtype they
 compute in (``build_native``), so that a first call compiles nothing (an installation step).
 """
@@ -31,7 +31,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__, _selftest
 from ._checks import available_device_name
-from .ops.vq import native, native_block_check, native_choice, schedule, triton_choice
+from .models import _block_generation
+from .ops.common import native
+from .ops.vq import native_block_check, native_choice, schedule, triton_choice
 from .reporting import device_name
 
 _PACKAGES = ("triton", "transformers", "peft", "numpy")
@@ -199,18 +201,21 @@ def run(selected: list[str] | None = None, as_json: bool = False) -> int:
 
 
 def build_native() -> int:
-    """Build (or load) the native VQ kernels and run their self-checks in float32 and float64
-    (the decoding step's, ``ops/vq/native_choice.py``, and the block form's,
-    ``ops/vq/native_block_check.py``), one line each; 0 when they build and agree with the
+    """Build (or load) the native kernels and run their self-checks in float32 and float64
+    (the VQ decoding step's, ``ops/vq/native_choice.py``, the VQ block form's,
+    ``ops/vq/native_block_check.py``, and the whole-model step of pre-norm blocks',
+    ``models/_block_generation.py``), one line each; 0 when they build and agree with the
     torch forms, 1 otherwise (each failure on a ``FAIL`` line)."""
     try:
         native.extension()
     except RuntimeError as error:
-        print(f"  FAIL  native VQ kernels: {error}")
+        print(f"  FAIL  native kernels: {error}")
         return 1
-    print(f"native VQ kernels: built in {native.build_directory()}")
+    print(f"native kernels: built in {native.build_directory()}")
     failed = False
-    for kernel, check in (("decoding step", native_choice.verdict), ("block form", native_block_check.verdict)):
+    checks = (("decoding step", native_choice.verdict), ("block form", native_block_check.verdict),
+              ("model step of pre-norm blocks", _block_generation.verdict))
+    for kernel, check in checks:
         for dtype in native_choice.DTYPES:
             failure = check(dtype)
             name = str(dtype).replace("torch.", "")
@@ -240,7 +245,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                         help="a device to report and test (repeatable; default: the CPU and every CUDA device)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     parser.add_argument("--build", action="store_true",
-                        help="only build (or load) the native VQ kernels for this machine and check them, so "
+                        help="only build (or load) the native kernels for this machine and check them, so "
                              "that a first call compiles nothing (an installation step); exit 0 when they "
                              "build and agree with the torch forms")
     parser.set_defaults(handler=_handle)

@@ -19,42 +19,35 @@ float64); ``LINATTN_VQ_STEP_IMPL=torch`` turns it off with the native steps.
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import torch
-from torch import nn
 
 from ..nn._gau_decode import can_decode_token, decode_constants, norm_eps
-from ..nn.gau import GAU, computes_its_parameters, no_global_hooks
-from ..ops.vq.native import extension
+from ..nn.gau import GAU, computes_its_parameters
+from ..ops.common.native import extension
 from ..ops.vq.native_choice import use_native
 from ..ops.vq.resident import HARD_CODES, state_after, window_for
 from ..state import LMState
+from ._native_generation import NativeGeneration, head_t, plain_ends
 from .layers import GAUPair
 
 
-_VERSION = attrgetter("_version")  # bumped by every in-place write
-
-
-class VQGeneration:
+class VQGeneration(NativeGeneration):
     """The state of ``LM.generate`` after the prompt, held in the native ``VQModelStep``.
 
     ``start(model, state)`` is None where it does not apply (a layer other than a VQ GAU
     pair, a unit that would not take its one-token path, a wrapped or hooked module, a
-    device or dtype without the native step); ``step(ids [B]) -> logits [B, 1, vocab]``;
-    ``state()`` the ``LMState`` after the tokens stepped so far."""
+    device or dtype without the native step); the steps are ``NativeGeneration``'s."""
 
     def __init__(self, model, state: LMState, units: list[GAU], dtype: torch.dtype):
-        self.model, self.units, self.dtype = model, units, dtype
-        self.settings, self.steps = state.model, state.steps
+        super().__init__(model, state, dtype)
+        self.units = units
         unit_states = [unit_state for layer_state in state.layers for unit_state in layer_state]
         self.L = units[0].block_size
         self.p = unit_states[0].partial_keys.shape[2]
         self.has_prev = [unit_state.prev_keys is not None for unit_state in unit_states]
         self.unit_steps = [unit_state.steps for unit_state in unit_states]
-        head = model._embedding_matrix() if model.head is None else model.head.weight
         self.native = extension().VQModelStep(model.embed.weight.to(dtype).contiguous(), model.norm.weight.to(dtype),
-                                              norm_eps(model.norm, dtype), head.to(dtype).t().contiguous(), self.L)
+                                              norm_eps(model.norm, dtype), head_t(model, dtype), self.L)
         for unit in units:
             c = decode_constants(unit, dtype)
             self.native.add_unit([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t,
@@ -62,26 +55,15 @@ class VQGeneration:
         self.windows = [None] * len(units)
         for index, unit_state in enumerate(unit_states):
             self._enter(index, unit_state)
-        self.read = (*model.parameters(), *model.buffers())
-        self.versions = list(map(_VERSION, self.read))
-        self.logits = torch.empty(state.batch_size(), model.config.vocab_size, dtype=dtype)
         self.codes = torch.empty(len(units), state.batch_size(), 1, dtype=torch.int64)
 
     @classmethod
     def start(cls, model, state: LMState, batch: int) -> "VQGeneration | None":
         """The native token loop for ``model`` continuing ``state`` (``batch`` rows), or None."""
-        dtype, device = model.embed.weight.dtype, model.embed.weight.device
+        dtype = model.embed.weight.dtype
         layers = list(model.layers)
-        if not (layers and no_global_hooks() and not model.training and not torch.is_grad_enabled()
-                and not (model._forward_hooks or model._forward_pre_hooks)
-                and computes_its_parameters(model.embed, (nn.Embedding,)) and model.embed.max_norm is None
-                and computes_its_parameters(model.norm, (nn.RMSNorm,)) and model.norm.weight is not None
-                and (model.head is None or (computes_its_parameters(model.head, (nn.Linear,))
-                                            and model.head.bias is None))
-                and all(computes_its_parameters(layer, (GAUPair,)) for layer in layers)):
+        if not (layers and plain_ends(model) and all(computes_its_parameters(layer, (GAUPair,)) for layer in layers)):
             return None
-        if any(tensor.is_inference() for tensor in (*model.parameters(), *model.buffers())):
-            return None  # no version counter: a write to them could not be seen
         units = [unit for layer in layers for unit in layer.units]
         unit_states = [unit_state for layer_state in state.layers for unit_state in layer_state]
         token = model.embed.weight.new_empty(batch, 1, model.config.d_model)
@@ -90,33 +72,17 @@ class VQGeneration:
             return None
         if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in unit_states}) != 1:
             return None
-        if not use_native("auto", device, dtype):  # last: it builds and checks the native code at the first ask
+        if not use_native("auto", model.embed.weight.device, dtype):  # last: it builds and checks the native code
             return None
         return cls(model, state, units, dtype)
 
-    def current(self) -> bool:
-        """Whether what the native object read still holds: eval mode, no parameter or buffer
-        written since ``start`` (an in-place write bumps a tensor's version)."""
-        return not self.model.training and list(map(_VERSION, self.read)) == self.versions
-
-    def step(self, ids: torch.Tensor) -> torch.Tensor:
-        """The logits ``[B, 1, vocab]`` after the tokens ``ids [B]`` (int64, in range), in a
-        buffer that the next step overwrites."""
-        self.native.step(ids, self.p, self.logits, self.codes)
-        self._advance()
-        return self.logits.unsqueeze(1)
-
-    def step_greedy(self, ids: torch.Tensor) -> torch.Tensor:
-        """``step``, then the next tokens ``[B]`` as ``sample_next(logits, temperature=0)`` draws
-        them (each row's first largest logit; ``NO_TOKEN`` where a row is not all finite)."""
-        tokens = torch.empty(ids.shape[0], dtype=torch.int64)
+    def _call(self, ids: torch.Tensor, tokens: torch.Tensor | None) -> None:
         self.native.step(ids, self.p, self.logits, self.codes, tokens)
-        self._advance()
-        return tokens
 
     def _advance(self) -> None:
         """One token further: every ``L`` the completed block moves into each unit's cache."""
-        self.p, self.steps = self.p + 1, self.steps + 1
+        super()._advance()
+        self.p += 1
         self.unit_steps = [steps + 1 for steps in self.unit_steps]
         for window in self.windows:
             window.written = self.p

@@ -19,6 +19,7 @@ from ..state import LMState
 from .config import LMConfig
 from .pretrained import hf_lm_config, read_config_file
 from .pretrained_weights import FLOAT_DTYPES, lm_state_dict, read_hf_tensors
+from ._block_generation import BlockGeneration
 from ._vq_generation import VQGeneration
 from .layers import layer_kind
 from .sampling import NO_TOKEN, NonFiniteLogits, sample_next
@@ -297,8 +298,9 @@ class LM(nn.Module):
         state, so the memory per step is constant for every recurrent mechanism (VQ, linear,
         FAVOR, delta, local) and grows only for exact softmax's KV cache, which is allocated
         once after the prompt for all the tokens to come (``ops/softmax/kv_cache.py``). A model
-        of VQ GAU pairs on a CPU steps each token in one native call (``models/_vq_generation.py``,
-        equal to the step through ``forward``). ``temperature=0`` is
+        of VQ GAU pairs, or of pre-norm blocks with recurrent mixers, steps each token on a CPU in one
+        native call (``models/_vq_generation.py``, ``models/_block_generation.py``; equal to the
+        step through ``forward``). ``temperature=0`` is
         greedy; ``top_k``/``top_p`` filter before sampling; ``seed`` makes it reproducible.
         The model is in eval mode while generating (no codebook statistics). Logits that are
         not finite (a forward pass that overflowed) give no token: a ``[T]`` prompt raises
@@ -336,7 +338,9 @@ class LM(nn.Module):
         try:
             logits, state, _ = self(ids, state, check_inputs=False)  # the ids' range was read in generate
             state = kv_cache.reserve(state, max_new_tokens - 1)  # exact softmax caches: room for every fed token
-            native = VQGeneration.start(self, state, ids.shape[0]) if max_new_tokens > 1 else None
+            batch, native = ids.shape[0], None
+            if max_new_tokens > 1:
+                native = VQGeneration.start(self, state, batch) or BlockGeneration.start(self, state, batch)
             greedy = sampling["temperature"] == 0
             token = sample_next(logits[:, -1], generator=generator, **sampling)
             for produced in range(1, max_new_tokens + 1):

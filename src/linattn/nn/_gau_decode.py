@@ -8,7 +8,7 @@ matmul, the nearest code, and one softmax over (previous block, current block, S
 slots) read from the state's resident buffer (``ops/vq/resident.py``: the new key and
 value are written into it in place, the scores are one matmul). On a CPU the whole unit,
 from the input norm to the output matmul, is one call of the native ``vq_gau_step``
-(``ops/vq/native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses the native step;
+(``ops/common/native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses the native step;
 ``LINATTN_VQ_STEP_IMPL=torch`` takes the torch form). ``GAU.forward`` takes the
 general path for gradients, training mode, half precision and submodules that are not
 plain (a PEFT LoRA layer, a subclass, a forward hook); results equal its.
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import compute_dtype
-from ..ops.vq.native import extension
+from ..ops.common.native import extension
 from ..ops.vq.native_choice import use_native
 from ..ops.vq.resident import HARD_CODES, state_after, window_for
 from ..state import VQAttentionState

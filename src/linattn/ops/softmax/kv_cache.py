@@ -104,6 +104,33 @@ def extend(state: KVCacheState | None, k: torch.Tensor, v: torch.Tensor) -> KVCa
     return _state_on(buffer, t + T, state.steps + T, state.window)
 
 
+def claimable(state: KVCacheState) -> bool:
+    """Whether a step may append to ``state`` in place: it has a buffer of its own and no other
+    step has written rows past it."""
+    buffer = _buffer_of(state, state.keys.dtype)
+    return buffer is not None and buffer.written == state.keys.shape[2]
+
+
+def claim(state: KVCacheState) -> KVBuffer:
+    """``state``'s buffer (``claimable(state)`` must hold), for a caller that writes the rows after
+    ``state``'s cache in place itself (the native decoding loop, ``models/_block_generation.py``).
+    From then on no step appends in place to a state of that buffer (each copies) until
+    ``claimed_state`` gives the state after the caller's rows."""
+    if not claimable(state):
+        raise ValueError("claim: the state's buffer is not its own to append to (check claimable first)")
+    buffer = state._buffer
+    buffer.written = None
+    return buffer
+
+
+def claimed_state(state: KVCacheState, buffer: KVBuffer, rows: int) -> KVCacheState:
+    """The state after ``state`` and ``rows`` more positions, which the caller of ``claim(state)``
+    wrote into ``buffer``; a step may append to it in place again."""
+    t = state.keys.shape[2] + rows
+    buffer.written = t
+    return _state_on(buffer, t, state.steps + rows, state.window)
+
+
 def release(state: KVCacheState) -> None:
     """No step may write into ``state``'s buffer any more."""
     if state._buffer is not None:

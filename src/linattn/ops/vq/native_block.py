@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native
+from ..common import native
 
 SEGMENT_BLOCKS = 32
 """Blocks per task of the kernels: a row (one sequence's kv head) is cut into segments of this

@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 
 from ...state import VQAttentionState
-from . import native
-from .native import relative_error
+from ..common import native
+from ..common.native import relative_error
 from .block import block_form
 
 DTYPES = (torch.float32, torch.float64)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..._checks import env_choice, resolve_scale
-from . import native
-from .native import relative_error
+from ..common import native
+from ..common.native import relative_error
 from .resident import quantizing_step
 
 ENV = "LINATTN_VQ_STEP_IMPL"

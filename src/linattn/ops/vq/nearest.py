@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native
+from ..common import native
 from .codebook import codebook_scores
 from .selfcheck import forced_impl
 

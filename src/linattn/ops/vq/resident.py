@@ -36,7 +36,7 @@ from ..._checks import compute_dtype
 from ..common.bias import offset_rows
 from ..common.rotary import far_queries, rerope_scores
 from ..common.versions import tensor_version
-from . import native
+from ..common import native
 from .cache import fold_block, log_counts
 from .relative import relative_inputs, relative_terms, reversed_terms
 from .tensors import as_dtype

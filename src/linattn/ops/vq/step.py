@@ -54,7 +54,7 @@ def vq_decode_step(
         check_inputs: check shapes, dtypes, devices and the state (``False`` skips it, for
             callers whose inputs are valid by construction).
         impl: ``"auto"`` (default): the native C++ step on CPU tensors computed in float32 or
-            float64 once it has built and passed its self-check (``ops/vq/native.py``; the
+            float64 once it has built and passed its self-check (``ops/common/native.py``; the
             first build takes about a minute), the torch form otherwise (a failed build or
             check warns once); ``"torch"``; ``"native"`` (an error where it cannot run).
             ``LINATTN_VQ_STEP_IMPL=torch|native`` replaces the automatic choice.

@@ -19,18 +19,12 @@
 
 #include "fast_exp.h"
 #include "native_checks.h"
+#include "lm_ends.h"
 #include "row_products.h"
 #include "vq_kernels.h"
 
 
 namespace {
-
-template <typename T>
-T inverse_rms(const T* x, int64_t n, double eps) {
-  T sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
-  return T(1) / std::sqrt(sum / static_cast<T>(n) + static_cast<T>(eps));
-}
 
 template <typename T>
 T silu(T x) {
@@ -79,9 +73,9 @@ void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optiona
   const T qk_scale = static_cast<T>(std::pow(static_cast<double>(d_k), -0.25));
   for (int64_t b = 0; b < B; ++b) {
     T* row = h_data + b * width;
-    const T r = inverse_rms(x_data + b * d, d, eps);
+    const T r = linattn_native::inverse_rms(x_data + b * d, d, eps);
     for (int64_t i = 0; i < width; ++i) row[i] = row[i] * r + (shift != nullptr ? shift[i] : T(0));
-    const T rq = inverse_rms(row, d_k, 1e-6) * qk_scale, rk = inverse_rms(row + d_k, d_k, 1e-6) * qk_scale;
+    const T rq = linattn_native::inverse_rms(row, d_k, 1e-6) * qk_scale, rk = linattn_native::inverse_rms(row + d_k, d_k, 1e-6) * qk_scale;
     for (int64_t i = 0; i < d_k; ++i) {
       q_data[b * d_k + i] = row[i] * rq + u[i];
       k_data[b * d_k + i] = row[d_k + i] * rk;

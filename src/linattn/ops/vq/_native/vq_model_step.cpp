@@ -10,10 +10,7 @@
 // replaced when a block completes), so a token costs one call from Python.
 #include "vq_model_step.h"
 
-#include <algorithm>
-#include <cmath>
-
-#include "row_products.h"
+#include "lm_ends.h"
 #include "vq_kernels.h"
 
 namespace linattn {
@@ -49,25 +46,15 @@ void VQModelStep::step(const at::Tensor& ids, int64_t p, at::Tensor logits, at::
   const int64_t B = ids.size(0), d = embed_.size(1), n = units();
   TORCH_CHECK(codes.sizes() == at::IntArrayRef({n, B, 1}) && codes.scalar_type() == at::kLong && codes.is_contiguous(),
               "VQModelStep (native): codes must be a contiguous [units, B, 1] int64 tensor");
-  TORCH_CHECK(logits.sizes() == at::IntArrayRef({B, head_t_.size(1)}) && logits.is_contiguous() &&
-                  logits.scalar_type() == embed_.scalar_type(),
-              "VQModelStep (native): logits must be a contiguous [B, V] tensor of the model's dtype");
-  TORCH_CHECK(!greedy.has_value() || (greedy->sizes() == at::IntArrayRef({B}) && greedy->scalar_type() == at::kLong &&
-                                      greedy->is_contiguous()),
-              "VQModelStep (native): greedy must be a contiguous [B] int64 tensor");
-  const int64_t vocab = embed_.size(0);
-  const at::Tensor ids_rows = ids.contiguous();
-  const int64_t* id = ids_rows.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(id[b] >= 0 && id[b] < vocab, "VQModelStep (native): token id ", id[b], " is not in [0, ", vocab, ")");
-  }
+  linattn_native::check_outputs("VQModelStep (native)", logits, B, head_t_.size(1), embed_.scalar_type(), greedy);
+  const at::Tensor id_rows = linattn_native::checked_ids("VQModelStep (native)", ids, embed_.size(0));
+  const int64_t* id = id_rows.data_ptr<int64_t>();
   at::Tensor x = at::empty({B, d}, embed_.options());
   at::Tensor y = at::empty({B, d}, embed_.options());
   at::Tensor commit = at::empty({}, embed_.options());
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "VQModelStep", [&] {
     scalar_t* rows = x.data_ptr<scalar_t>();
-    const scalar_t* table = embed_.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; ++b) std::copy_n(table + id[b] * d, d, rows + b * d);
+    linattn_native::embed_rows(embed_.data_ptr<scalar_t>(), id, B, d, rows);
     for (int64_t u = 0; u < n; ++u) {
       const Unit& unit = units_[u];
       TORCH_CHECK(unit.window.size() == 4, "VQModelStep (native): unit ", u, " has no buffer (set_window)");
@@ -78,30 +65,9 @@ void VQModelStep::step(const at::Tensor& ids, int64_t p, at::Tensor logits, at::
       const scalar_t* added = y.data_ptr<scalar_t>();
       for (int64_t i = 0; i < B * d; ++i) rows[i] += added[i];
     }
-    const scalar_t* gain = norm_weight_.data_ptr<scalar_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      scalar_t* row = rows + b * d;
-      scalar_t sum = 0;
-      for (int64_t i = 0; i < d; ++i) sum += row[i] * row[i];
-      const scalar_t r = scalar_t(1) / std::sqrt(sum / static_cast<scalar_t>(d) + static_cast<scalar_t>(norm_eps_));
-      for (int64_t i = 0; i < d; ++i) row[i] = row[i] * r * gain[i];
-    }
-    const int64_t V = head_t_.size(1);
-    scalar_t* out = logits.data_ptr<scalar_t>();
-    rows_times(static_cast<const scalar_t*>(rows), B, d, head_t_.data_ptr<scalar_t>(), V,
-               static_cast<const scalar_t*>(nullptr), out);
-    if (greedy.has_value()) {
-      int64_t* tokens = greedy->data_ptr<int64_t>();
-      for (int64_t b = 0; b < B; ++b) {
-        const scalar_t* row = out + b * V;
-        int64_t best = 0;
-        for (int64_t j = 0; j < V && best >= 0; ++j) {
-          if (!std::isfinite(row[j])) best = -1;
-          else if (row[j] > row[best]) best = j;
-        }
-        tokens[b] = best;
-      }
-    }
+    linattn_native::final_logits(rows, B, d, norm_weight_.data_ptr<scalar_t>(), norm_eps_,
+                                 head_t_.data_ptr<scalar_t>(), head_t_.size(1), logits.data_ptr<scalar_t>(),
+                                 greedy.has_value() ? greedy->data_ptr<int64_t>() : nullptr);
   });
 }
 

@@ -1,10 +1,11 @@
-// The Python module of linattn's native VQ kernels (ops/vq/native.py builds it): the
+// The Python module of linattn's native kernels (ops/common/native.py builds it): the VQ
 // decoding step (vq_decode_step.cpp), the block form and its gradients (vq_block_forward.cpp,
-// vq_block_backward.cpp),
-// the nearest-code search with the check that keys are their codes (vq_codes.cpp) and one token
-// through a gated attention unit (vq_gau_step.cpp) or a whole model (vq_model_step.cpp).
+// vq_block_backward.cpp), the nearest-code search with the check that keys are their codes
+// (vq_codes.cpp), one token through a gated attention unit (vq_gau_step.cpp) or a whole VQ model
+// (vq_model_step.cpp), and one token through a whole model of pre-norm blocks (block_model_step.cpp).
 #include <torch/extension.h>
 
+#include "block_model_step.h"
 #include "vq_kernels.h"
 #include "vq_model_step.h"
 
@@ -30,4 +31,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("codes"), pybind11::arg("greedy") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("units", &linattn::VQModelStep::units);
+  pybind11::class_<linattn::BlockModelStep>(m, "BlockModelStep",
+                                            "One token through a whole model of pre-norm blocks (block_model_step.cpp).")
+      .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor>())
+      .def("add_block", &linattn::BlockModelStep::add_block)
+      .def("set_state", &linattn::BlockModelStep::set_state, pybind11::arg("block"), pybind11::arg("state"),
+           pybind11::arg("length") = 0)
+      .def("cache_length", &linattn::BlockModelStep::cache_length)
+      .def("step", &linattn::BlockModelStep::step, pybind11::arg("ids"), pybind11::arg("position"),
+           pybind11::arg("logits"), pybind11::arg("greedy") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_property_readonly("blocks", &linattn::BlockModelStep::blocks);
 }

@@ -1,34 +1,31 @@
-"""The native VQ kernels on CPUs, compiled at first use: the decoding step (alone, inside a
-gated attention unit and inside a whole model), the block form with its gradients and the
-nearest-code search (``native_choice.py``, ``native_block_check.py`` and ``nearest.py`` check
-each before it is trusted).
+"""linattn's native kernels on CPUs, one extension compiled at first use from the sources of
+each family's ``_native`` folder and the shared headers of ``common/_native``.
 
-``vq_decode_step`` spends almost nothing on arithmetic (one key and a few queries against
-S codes, one softmax over 2L + S columns) and most of its time in the ~30 operator calls of
-the torch form (``resident.quantize_and_decode``). ``_native/vq_decode_step.cpp`` is
-the same step as one C++ function: the nearest code, the buffer writes, the scores, the
-softmax and the weighted sum for every (batch, kv head) row, rows spread over the intra-op
+The VQ family's (``ops/vq/_native``): the decoding step (alone, inside a gated attention unit
+and inside a whole model), the block form with its gradients and the nearest-code search
+(``vq/native_choice.py``, ``vq/native_block_check.py`` and ``vq/nearest.py`` check each before
+it is trusted). ``vq_decode_step`` spends almost nothing on arithmetic (one key and a few
+queries against S codes, one softmax over 2L + S columns) and most of its time in the ~30
+operator calls of the torch form (``vq/resident.quantize_and_decode``);
+``vq_decode_step.cpp`` is the same step as one C++ function, rows spread over the intra-op
 threads (a row is one thread's, so results do not depend on the thread count).
-``_native/vq_block_forward.cpp`` is the block form for hard codes
-(``running.py``'s schedule) with a block's window, cache and softmax in one pass per block:
-two matrix products per block and query group and no per-block intermediates;
-``_native/vq_block_backward.cpp`` its gradients (grad_scope "cache" and "state"), the block's
-softmax recomputed from the forward's row log-sum-exp, five products per block.
-``_native/vq_codes.cpp`` is the quantizer's nearest-code search and the check that keys are their
-codes (``nearest.py``). ``_native/vq_gau_step.cpp`` is one token through a whole gated attention
-unit (``nn/_gau_decode.py``: the input norm and matmul, q/k normalisation, SiLU, the relative
-terms, the decoding step, the gate and the output matmul), so that a VQ unit's token costs one call
-instead of some fifty; ``_native/vq_model_step.cpp`` (``vq_model_step.h``) a whole model's token
-(embedding, every unit and residual, final norm and head) as one call of an object that holds
-the constants and buffers (``models/_vq_generation.py``); ``_native/row_products.h`` is their
-small matrix products (a few rows against a matrix read once, in a fixed order of terms).
-The self-check (``native_choice.py``) runs the decoding step; the unit and model steps around
-it are held equal to their torch forms by the tests. ``_native/module.cpp`` is the Python
-module of the six; ``_native/vq_kernels.h`` declares their entry points,
-``_native/native_checks.h`` checks a tensor a kernel writes through, ``_native/fast_exp.h`` is
-the float32 exp of the softmax passes and the SiLU, ``_native/vq_block_inputs.h`` the block
-form's input checks, ``_native/vq_cache_scan.h`` the cache at the start of each segment of a
-row (the block form's tasks).
+``vq_block_forward.cpp`` is the block form for hard codes (``vq/running.py``'s schedule) with a
+block's window, cache and softmax in one pass per block; ``vq_block_backward.cpp`` its gradients
+(grad_scope "cache" and "state"), the block's softmax recomputed from the forward's row
+log-sum-exp. ``vq_codes.cpp`` is the quantizer's nearest-code search and the check that keys
+are their codes. ``vq_gau_step.cpp`` is one token through a whole gated attention unit
+(``nn/_gau_decode.py``), ``vq_model_step.cpp`` (``vq_model_step.h``) a whole VQ model's token
+as one call of an object that holds the constants and buffers (``models/_vq_generation.py``);
+``vq_kernels.h`` declares the VQ entry points, ``vq_block_inputs.h`` checks the block form's
+inputs, ``vq_cache_scan.h`` gives the cache at the start of each segment of a row.
+
+The shared ones (``ops/common/_native``): ``block_model_step.cpp`` (``block_model_step.h``), a
+whole token of a model of pre-norm blocks (the softmax, sliding-window, kernel attention,
+retention, GLA, delta-rule and gated delta-rule layers) as one call (``models/_block_generation.py``);
+``row_products.h``, the small matrix products of the steps (a few rows against a matrix read
+once, in a fixed order of terms); ``fast_exp.h``, the float32 exp of the softmax passes and the
+SiLU; ``native_checks.h``, the check of a tensor a kernel writes through; ``module.cpp``, the
+Python module of all of them.
 
 **Build.** ``torch.utils.cpp_extension.load`` with ``-O3 -march=native -mprefer-vector-width=512 -fopenmp`` (the
 vector width of the machine; OpenMP is torch's own runtime, so ``torch.set_num_threads``
@@ -76,14 +73,16 @@ from typing import Any
 
 import torch
 
-_FOLDER = Path(__file__).parent / "_native"
-SOURCES = (_FOLDER / "module.cpp", _FOLDER / "vq_decode_step.cpp", _FOLDER / "vq_block_forward.cpp",
-           _FOLDER / "vq_block_backward.cpp", _FOLDER / "vq_codes.cpp", _FOLDER / "vq_gau_step.cpp",
-           _FOLDER / "vq_model_step.cpp")
-# included by the sources: part of the build's inputs
-HEADERS = (_FOLDER / "fast_exp.h", _FOLDER / "vq_block_inputs.h", _FOLDER / "vq_cache_scan.h",
-           _FOLDER / "vq_model_step.h", _FOLDER / "row_products.h", _FOLDER / "vq_kernels.h",
-           _FOLDER / "native_checks.h")
+_SHARED = Path(__file__).parent / "_native"
+_VQ = Path(__file__).parents[1] / "vq" / "_native"
+SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _VQ / "vq_decode_step.cpp",
+           _VQ / "vq_block_forward.cpp", _VQ / "vq_block_backward.cpp", _VQ / "vq_codes.cpp", _VQ / "vq_gau_step.cpp",
+           _VQ / "vq_model_step.cpp")
+# included by the sources (from these folders): part of the build's inputs
+INCLUDES = (_SHARED, _VQ)
+HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "native_checks.h",
+           _SHARED / "block_model_step.h", _VQ / "vq_block_inputs.h", _VQ / "vq_cache_scan.h",
+           _VQ / "vq_model_step.h", _VQ / "vq_kernels.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)
@@ -133,6 +132,7 @@ def build_inputs() -> dict[str, str]:
     return {
         "sources": " ".join(hashlib.sha256(source.read_bytes()).hexdigest() for source in SOURCES + HEADERS),
         "source paths": " ".join(os.path.abspath(source) for source in SOURCES),
+        "include folders": " ".join(os.path.abspath(folder) for folder in INCLUDES),
         "compiler": _compiler_identity(),
         "flags": " ".join(FLAGS),
         "link flags": " ".join(LDFLAGS),
@@ -147,7 +147,7 @@ def build_inputs() -> dict[str, str]:
 def extension_name() -> str:
     """The build's name: one per set of ``build_inputs``."""
     digest = hashlib.sha256(json.dumps(build_inputs(), sort_keys=True).encode())
-    return f"linattn_vq_native_{digest.hexdigest()[:16]}"
+    return f"linattn_native_{digest.hexdigest()[:16]}"
 
 
 def build_directory() -> Path:
@@ -209,7 +209,7 @@ def _take(handle, fcntl, path: Path, wait_seconds: float) -> None:
         if remaining <= 0:
             raise BuildLocked(f"{path} is held by {_holder(path)}, still building after {wait_seconds:g} s")
         if not waiting:
-            print(f"linattn: waiting for {_holder(path)} to build the native VQ kernels (lock {path}; at most "
+            print(f"linattn: waiting for {_holder(path)} to build the native kernels (lock {path}; at most "
                   f"{wait_seconds:g} s)", file=sys.stderr, flush=True)
             waiting = True
         time.sleep(min(_POLL_SECONDS, remaining))
@@ -239,10 +239,11 @@ def _build():
         fresh = not library.exists()
         if not fresh:  # built: imported as it is (torch's builder would take its lock and run ninja)
             return _import_library(name, library)
-        print(f"linattn: compiling the native VQ kernels for this CPU (once; about a minute), into "
+        print(f"linattn: compiling the native kernels for this CPU (once; about a minute), into "
               f"{directory}", file=sys.stderr, flush=True)
         start = time.perf_counter()
         module = load(name, [str(source) for source in SOURCES], extra_cflags=list(FLAGS), extra_ldflags=list(LDFLAGS),
+                      extra_include_paths=[str(folder) for folder in INCLUDES],
                       build_directory=str(directory), verbose=False)
     if fresh:
         print(f"linattn: built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
@@ -271,7 +272,7 @@ def extension():
             text = " ".join(str(error).split())
             _build_error = f"{type(error).__name__}: {text[:500]}"
     if _module is None:
-        raise RuntimeError(f"the native VQ kernels could not be built: {_build_error}")
+        raise RuntimeError(f"the native kernels could not be built: {_build_error}")
     return _module
 
 

@@ -1,0 +1,372 @@
+"""``LM.generate``'s token loop for a model of pre-norm blocks on a CPU: one native call per token.
+
+For models whose every layer is a ``PreNormBlock`` (``x + mixer(norm(x))``, then SwiGLU) with one
+of these mixers: exact softmax attention over its preallocated KV cache and sliding-window
+attention (``softmax``, ``local``, with rotary positions, rope scaling, ``nope`` or the entropy
+scale, projection biases; not ReRoPE), kernel attention with a fixed elementwise map
+(``linear:elu``, ``linear:relu``, ``linear:identity``), DeltaNet (``delta``, ``delta:elu``,
+``delta:relu``), Gated DeltaNet (``gated-delta``), GLA (``gla``) and RetNet (``retnet``).
+``BlockGeneration`` reads every block's parameters once (the projections of a mixer's input as
+one matrix, the norms' gains folded into the matrices after them), takes each block's state
+tensors from the prompt's state, and hands both to the native ``BlockModelStep``
+(``ops/common/_native/block_model_step.cpp``, which gives each mixer's equations): each token is
+then one call (embedding, every block, the final norm, the head), the states written in place:
+a softmax layer's new keys go into the rows that ``kv_cache.reserve`` left after its cache
+(``kv_cache.claim``), a local layer's into a ring of
+its last ``window - 1`` positions.
+
+Before each token ``current()`` checks that nothing it read has changed (``NativeGeneration``);
+when something has, the loop continues from ``state()`` through ``LM._run``. Results equal
+``LM._run``'s token by token (tested in float64). ``LINATTN_BLOCK_STEP_IMPL=torch`` turns it off;
+``native`` makes a model of pre-norm blocks that it does not apply to an error naming why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._checks import env_choice
+from ..nn._gau_decode import norm_eps
+from ..nn.attention import Attention
+from ..nn.delta_net import DeltaNet
+from ..nn.gated_delta_net import GatedDeltaNet
+from ..nn.gau import computes_its_parameters
+from ..nn.gla import GatedLinearAttention
+from ..nn.retention import MultiScaleRetention, retention_log_decays
+from ..nn.short_conv import ShortConvolution
+from ..ops.common.native import Trust, extension, relative_error
+from ..ops.common.rotary import rotary_frequencies
+from ..ops.kernel.feature_maps import EluPlusOne, Identity, ReLU
+from ..ops.softmax import kv_cache
+from ..state import KVCacheState, LMState, _State
+from ._native_generation import NativeGeneration, head_t, plain_ends
+from .layers import PreNormBlock, SwiGLU
+
+ENV = "LINATTN_BLOCK_STEP_IMPL"
+_FEATURES = {Identity: 0, EluPlusOne: 1, ReLU: 2}
+_NORMALIZE = {None: 0, "attention": 1, "sum": 2, "l2": 3}
+_FEATURE_EPS = 1e-6  # linear_attention's and delta_rule's eps, which the layers leave at their default
+_MIXERS = (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, MultiScaleRetention)
+# the state tensors of each mixer's state, by the names the native object takes them
+_STATE_FIELDS = {"memory": ("kv", "memory"), "normalizer": ("normalizer",), "conv": ("conv",), "keys": ("keys",),
+                 "values": ("values",)}
+
+
+@dataclasses.dataclass
+class _Recipe:
+    """A block as the native object takes it: the mixer's rule, tensors and numbers."""
+
+    rule: str
+    tensors: dict[str, torch.Tensor]
+    numbers: dict[str, float]
+
+
+def _plain(module: nn.Module | None, kinds: tuple[type, ...]) -> bool:
+    return module is not None and computes_its_parameters(module, kinds)
+
+
+def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
+    """The mixer's rule, tensors and numbers (``block_model_step.cpp``), or why it has none."""
+    if not computes_its_parameters(mixer, _MIXERS):
+        taken = ", ".join(kind.__name__ for kind in _MIXERS)
+        return f"a mixer of type {type(mixer).__name__} (the native step takes {taken})"
+    linears = [mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj]
+    numbers = dict(heads=mixer.n_heads, kv_heads=mixer.n_kv_heads, head_dim=mixer.head_dim, feature=0, normalize=0,
+                   feature_eps=_FEATURE_EPS, scale=mixer.head_dim ** -0.5)
+    tensors: dict[str, torch.Tensor] = {}
+    inputs = [mixer.q_proj.weight, mixer.k_proj.weight, mixer.v_proj.weight]
+    rule = "sum"
+    if isinstance(mixer, Attention):
+        if mixer.mechanism in ("softmax", "local"):
+            if mixer.rerope is not None:
+                return f"{mixer.mechanism} attention with ReRoPE (rerope={mixer.rerope})"
+            rule = mixer.mechanism
+            numbers.update(window=mixer.window if rule == "local" else 0, entropy=int(mixer.scale == "entropy"))
+            if mixer.rotary:
+                tensors.update(frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, mixer.rotary_scaling,
+                                                              dtype=dtype))
+        elif mixer.query_map is not None or type(mixer.feature_map) not in _FEATURES:
+            return (f"kernel attention with the feature map {getattr(mixer.feature_map, 'name', None)!r} (the native "
+                    "step takes the elu, relu and identity maps)")
+        else:
+            numbers.update(feature=_FEATURES[type(mixer.feature_map)], normalize=_NORMALIZE["attention"], scale=1.0)
+        if mixer.q_proj.bias is not None:
+            tensors["in_bias"] = torch.cat([mixer.q_proj.bias, mixer.k_proj.bias, mixer.v_proj.bias])
+        if mixer.o_proj.bias is not None:
+            tensors["out_bias"] = mixer.o_proj.bias
+    elif isinstance(mixer, DeltaNet):
+        if type(mixer.feature_map) not in _FEATURES:
+            return f"DeltaNet with the feature map {mixer.feature_map.name!r}"
+        rule = "delta"
+        numbers.update(feature=_FEATURES[type(mixer.feature_map)], normalize=_NORMALIZE[mixer.normalize])
+        if mixer.beta_proj is not None:
+            linears.append(mixer.beta_proj)
+            inputs.append(mixer.beta_proj.weight)
+            numbers.update(beta=1)
+    elif isinstance(mixer, GatedDeltaNet):
+        rule = "delta"
+        linears += [mixer.beta_proj, mixer.decay_proj, mixer.gate_proj]
+        inputs += [mixer.gate_proj.weight, mixer.beta_proj.weight, mixer.decay_proj.weight]
+        numbers.update(normalize=_NORMALIZE["l2"], beta=1, decay=2, gate=1, silu_qkv=int(mixer.conv is None))
+        tensors.update(decay_rate=torch.exp(mixer.A_log.to(dtype)), dt_bias=mixer.dt_bias)
+        if not _plain(mixer.norm, (nn.RMSNorm,)) or mixer.norm.weight is None:
+            return "a Gated DeltaNet whose head norm is not a plain RMSNorm with a gain"
+        numbers.update(head_norm=1, head_eps=norm_eps(mixer.norm, dtype))
+        tensors.update(head_gain=mixer.norm.weight)
+    elif isinstance(mixer, GatedLinearAttention):
+        linears += [mixer.decay_down, mixer.decay_up, mixer.gate_proj]
+        inputs += [mixer.gate_proj.weight, mixer.decay_down.weight]
+        numbers.update(decay=3, rank=mixer.decay_down.out_features, temperature=mixer.gate_temperature, gate=1)
+        tensors.update(decay_up_t=mixer.decay_up.weight.t(), decay_bias=mixer.decay_bias)
+        if not _plain(mixer.norm, (nn.RMSNorm,)) or mixer.norm.weight is None:
+            return "a GLA layer whose head norm is not a plain RMSNorm with a gain"
+        numbers.update(head_norm=1, head_eps=norm_eps(mixer.norm, dtype))
+        tensors.update(head_gain=mixer.norm.weight)
+    else:  # MultiScaleRetention
+        linears.append(mixer.gate_proj)
+        inputs.append(mixer.gate_proj.weight)
+        norm = mixer.group_norm
+        if not _plain(norm, (nn.GroupNorm,)) or not norm.affine or norm.num_groups != mixer.n_heads:
+            return "a RetNet layer whose group norm is not a plain affine GroupNorm of one group per head"
+        numbers.update(decay=1, gate=1, head_norm=2, head_eps=norm.eps)
+        tensors.update(frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, dtype=dtype),
+                       log_decay=retention_log_decays(mixer.n_kv_heads, dtype=dtype),
+                       head_gain=norm.weight, head_bias=norm.bias)
+    conv = getattr(mixer, "conv", None)
+    if conv is not None:
+        if not _plain(conv, (ShortConvolution,)):
+            return "a short convolution that is not a plain ShortConvolution"
+        numbers.update(conv_kernel=conv.kernel_size)
+        tensors.update(conv_weight=conv.weight[:, 0, :], conv_bias=conv.bias)
+    if not all(_plain(linear, (nn.Linear,)) for linear in linears):
+        return f"a projection of its {type(mixer).__name__} that is not a plain nn.Linear (a subclass, hook or adapter)"
+    tensors.update(in_t=torch.cat(inputs).t(), out_t=mixer.o_proj.weight.t())
+    return _Recipe(rule, tensors, numbers)
+
+
+def _block_recipe(block: nn.Module, dtype: torch.dtype) -> _Recipe | str:
+    """A ``PreNormBlock``'s recipe: its mixer's, with the norms' gains folded into the matrices
+    after them and the feed-forward's matrices; or why it has none."""
+    if not computes_its_parameters(block, (PreNormBlock,)):
+        return f"a layer of type {type(block).__name__} (the native step takes PreNormBlock layers)"
+    ffn = block.ffn
+    norms = (block.mixer_norm, block.ffn_norm)
+    if not (all(_plain(norm, (nn.RMSNorm,)) and norm.weight is not None for norm in norms)
+            and _plain(ffn, (SwiGLU,)) and all(_plain(m, (nn.Linear,)) and m.bias is None
+                                               for m in (ffn.w_gate, ffn.w_up, ffn.w_down))):
+        return "a block whose norms or feed-forward are not plain (a subclass, hook or adapter)"
+    recipe = _mixer_recipe(block.mixer, dtype)
+    if isinstance(recipe, str):
+        return recipe
+    recipe.tensors["in_t"] = recipe.tensors["in_t"] * block.mixer_norm.weight.unsqueeze(1)
+    gate_up = torch.cat([ffn.w_gate.weight, ffn.w_up.weight]) * block.ffn_norm.weight
+    recipe.tensors.update(gate_up_t=gate_up.t(), down_t=ffn.w_down.weight.t())
+    recipe.numbers.update(mixer_eps=norm_eps(block.mixer_norm, dtype), ffn_eps=norm_eps(block.ffn_norm, dtype))
+    recipe.tensors = {name: t.detach().to(dtype).contiguous() for name, t in recipe.tensors.items()}
+    recipe.numbers = {name: float(value) for name, value in recipe.numbers.items()}
+    return recipe
+
+
+def why_not(model, state: LMState) -> str | None:
+    """Why the native block loop does not apply to ``model`` continuing ``state`` (None when it does)."""
+    dtype, device = model.embed.weight.dtype, model.embed.weight.device
+    if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
+        return f"the native step computes on CPU tensors in float32 or float64, got {dtype} on {device.type}"
+    if torch.is_autocast_enabled("cpu"):
+        return "CPU autocast is on (the model computes in another dtype there)"
+    if not plain_ends(model):
+        return ("the model is in training mode, computes gradients, has hooks, wrapped ends or inference-mode "
+                "tensors")
+    if any(p.dtype != dtype for p in model.parameters()):
+        return "the model's parameters are of several dtypes"
+    for index, layer in enumerate(model.layers):
+        recipe = _block_recipe(layer, dtype)
+        if isinstance(recipe, str):
+            return f"layer {index} is {recipe}"
+    for index, (layer, layer_state) in enumerate(zip(model.layers, state.layers)):
+        if any(t.dtype != dtype for t in _state_tensors(layer_state, copy=False).values()):
+            return f"layer {index}'s state is not in the model's dtype {dtype}"
+        mechanism = getattr(layer.mixer, "mechanism", None)
+        if mechanism == "softmax" and not (layer_state.window is None and kv_cache.claimable(layer_state)):
+            return (f"layer {index}'s KV cache is not the last state of its buffer (kv_cache.reserve makes one "
+                    "that is)")
+        if mechanism == "local" and (layer_state.window != layer.mixer.window or layer_state.keys.shape[2]
+                                     != min(layer_state.steps, layer.mixer.window - 1)):
+            return f"layer {index}'s cache is not the last window - 1 positions of its window {layer.mixer.window}"
+    if len({_steps(layer_state) for layer_state in state.layers}) != 1:
+        return "the layers' states have consumed different numbers of positions"
+    return None
+
+
+class BlockGeneration(NativeGeneration):
+    """The state of ``LM.generate`` after the prompt, held in the native ``BlockModelStep``."""
+
+    def __init__(self, model, state: LMState, dtype: torch.dtype):
+        super().__init__(model, state, dtype)
+        self.native = extension().BlockModelStep(model.embed.weight.detach().to(dtype).contiguous(),
+                                                 model.norm.weight.detach().to(dtype).contiguous(),
+                                                 norm_eps(model.norm, dtype), head_t(model, dtype).detach())
+        self.layer_states, self.held, self.buffers = state.layers, [], {}
+        self.position = _steps(state.layers[0])
+        for index, (layer, layer_state) in enumerate(zip(model.layers, state.layers)):
+            recipe = _block_recipe(layer, dtype)
+            self.native.add_block(recipe.rule, recipe.tensors, recipe.numbers)
+            if recipe.rule == "softmax":
+                buffer = self.buffers[index] = kv_cache.claim(layer_state)
+                held = {"keys": buffer.keys, "values": buffer.values}
+                self.native.set_state(index, held, layer_state.keys.shape[2])
+            elif recipe.rule == "local":
+                held = _ring(layer_state, layer.mixer.window - 1, self.position)
+                self.native.set_state(index, held)
+            else:
+                held = _state_tensors(layer_state)
+                self.native.set_state(index, held)
+            self.held.append(held)
+
+    @classmethod
+    def start(cls, model, state: LMState, batch: int) -> "BlockGeneration | None":
+        """The native token loop for ``model`` continuing ``state`` (``batch`` rows), or None
+        (a ValueError naming why under ``LINATTN_BLOCK_STEP_IMPL=native``)."""
+        forced = env_choice(ENV, ("torch", "native"))
+        if forced == "torch" or not all(isinstance(layer, PreNormBlock) for layer in model.layers):
+            return None
+        reason = why_not(model, state)
+        if reason is not None:
+            if forced == "native":
+                raise ValueError(f"{ENV}=native: {reason}")
+            return None
+        dtype = model.embed.weight.dtype
+        if not _trust.trusted(dtype, forced == "native", f"the native block step failed in {dtype}",  # builds, checks
+                              f"Unset {ENV} (or set it to torch)",
+                              f"LM.generate steps these models through LM._run in {dtype} from now on ({ENV}=torch "
+                              "chooses it without trying the native step)"):
+            return None
+        return cls(model, state, dtype)
+
+    def current(self) -> bool:
+        """``NativeGeneration.current``, and room for one more row in every softmax cache."""
+        return super().current() and all(self.native.cache_length(index) < buffer.capacity
+                                          for index, buffer in self.buffers.items())
+
+    def _call(self, ids: torch.Tensor, tokens: torch.Tensor | None) -> None:
+        self.native.step(ids, self.position, self.logits, tokens)
+
+    def _advance(self) -> None:
+        super()._advance()
+        self.position += 1
+
+    def state(self) -> LMState:
+        """The ``LMState`` after every token so far: the prompt's, with the held tensors (copies:
+        the native object goes on writing its own) and the steps counted on."""
+        added = self.position - _steps(self.layer_states[0])
+        layers = []
+        for index, (layer_state, held) in enumerate(zip(self.layer_states, self.held)):
+            if index in self.buffers:
+                layers.append(kv_cache.claimed_state(layer_state, self.buffers[index], added))
+            elif isinstance(layer_state, KVCacheState):  # a local layer's ring, in the order of its positions
+                rows = held["keys"].shape[2]
+                order = _ring_rows(self.position, rows, held["keys"].device)
+                ordered = {name: held[name][:, :, order].clone() for name in ("keys", "values")}
+                layers.append(_with_tensors(layer_state, ordered, added))
+            else:
+                layers.append(_with_tensors(layer_state, {name: t.clone() for name, t in held.items()}, added))
+        return LMState(layers=tuple(layers), steps=self.steps, model=self.settings)
+
+
+def _ring_rows(position: int, rows: int, device: torch.device) -> torch.Tensor:
+    """The rows of a ring of ``rows`` that hold the last ``min(position, rows)`` positions
+    before ``position``, oldest first (position i at row i mod rows)."""
+    held = min(position, rows)
+    return torch.arange(position - held, position, device=device) % max(rows, 1)
+
+
+def _ring(state: KVCacheState, rows: int, position: int) -> dict[str, torch.Tensor]:
+    """A local cache (the last positions before ``position``) as a ring of ``rows`` rows."""
+    B, Hkv, _, D = state.keys.shape
+    order = _ring_rows(position, rows, state.keys.device)
+    ring = {}
+    for name in ("keys", "values"):
+        ring[name] = state.keys.new_zeros(B, Hkv, rows, D)
+        ring[name][:, :, order] = getattr(state, name)
+    return ring
+
+
+def _steps(state: _State) -> int:
+    return state.steps
+
+
+def _state_tensors(state: _State, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The tensors of a mixer's state by the native object's names (with ``copy``, as contiguous copies)."""
+    found: dict[str, torch.Tensor] = {}
+
+    def visit(value: Any) -> None:
+        for field in dataclasses.fields(value):
+            item = getattr(value, field.name)
+            if isinstance(item, _State):
+                visit(item)
+            for name, fields in _STATE_FIELDS.items():
+                if field.name in fields and isinstance(item, torch.Tensor):
+                    found[name] = item.detach().clone(memory_format=torch.contiguous_format) if copy else item
+
+    visit(state)
+    return found
+
+
+def _with_tensors(state: _State, tensors: dict[str, torch.Tensor], added: int) -> _State:
+    """``state`` with its tensors replaced by ``tensors`` (native names) and every ``steps``
+    counted ``added`` further."""
+    changes = {}
+    for field in dataclasses.fields(state):
+        item = getattr(state, field.name)
+        if isinstance(item, _State):
+            changes[field.name] = _with_tensors(item, tensors, added)
+        elif field.name == "steps":
+            changes[field.name] = item + added
+        else:
+            for name, fields in _STATE_FIELDS.items():
+                if field.name in fields and isinstance(item, torch.Tensor):
+                    changes[field.name] = tensors[name].to(item.dtype)
+    return dataclasses.replace(state, **changes)
+
+
+def _self_check(dtype: torch.dtype) -> str | None:
+    """A small model of every mixer the step takes (GQA, short convolutions, a window that the
+    tokens pass), a prompt and three tokens, through the native step and through ``LM._run``: None when the logits agree
+    (``max |native - torch| <= 1e-5 max |torch|`` in float32, 1e-12 in float64), else the difference."""
+    from .config import LMConfig
+    from .lm import LM
+
+    tolerance = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
+    config = LMConfig(vocab_size=32, d_model=16, n_layers=7, n_heads=4, n_kv_heads=2,
+                      attention="linear:elu,delta,gated-delta,gla,retnet,softmax:entropy,local:3")
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
+        torch.manual_seed(0)
+        model = LM(config).to(dtype).eval()
+        for parameter in model.parameters():  # away from the initial values (zero biases, unit gains)
+            parameter.add_(0.1 * torch.randn_like(parameter))
+        ids = torch.randint(0, 32, (2, 4))
+        _, state, _ = model._run(ids, None, with_aux=False)
+        state = kv_cache.reserve(state, 3)
+        session = BlockGeneration(model, state, dtype)
+        for step in range(3):
+            token = ids[:, step].contiguous()
+            want, state, _ = model._run(token.unsqueeze(1), state, with_aux=False)
+            got = session.step(token)
+            error = relative_error(got, want)
+            if not error <= tolerance:
+                return (f"token {step}: the logits differ by {error:.3g} of their largest value "
+                        f"(tolerance {tolerance:g})")
+    return None
+
+
+_trust = Trust(_self_check)
+
+
+def verdict(dtype: torch.dtype) -> str | None:
+    """None when the native step builds and agrees with ``LM._run`` in ``dtype`` (``_self_check``),
+    else what failed; the check runs at the first ask per dtype (``linattn doctor --build`` asks)."""
+    return _trust.verdict(dtype)

@@ -1,0 +1,585 @@
+// One generated token through a whole language model of pre-norm blocks (models/layers.py's
+// PreNormBlock) in one call, for CPU tensors in float32 or float64:
+//
+//   x       = E[ids]                                                          [B, d]
+//   x       = x + W_o mixer(RMSNorm(x)) (+ b_o)    for every block, in order
+//   x       = x + W_down (SiLU(W_gate h) * W_up h),  h = RMSNorm(x)
+//   logits  = RMSNorm(x) H^T,  and the argmax when asked (lm_ends.h)
+//
+// The norms' gains are folded into the matrices after them (`in_t`, `gate_up_t`): with
+// r = 1 / sqrt(mean(x^2) + eps), RMSNorm(x) W^T = r (x (W diag(g))^T).
+//
+// A mixer reads one product of its input, p = r (x in_t) (+ in_bias), whose columns are
+// q [H D] | k [Hkv D] | v [Hkv D] | the gate [H D] | beta [Hkv] | the decay's input ([Hkv] or
+// [rank]), each part present where the block's numbers say so. Then, in order:
+//
+//   q, k, v   <- SiLU(b + sum_{i<K} w_i [cache, p]_i)   causal depthwise convolution ("conv_kernel" K;
+//                the state "conv" [B, C, K-1] holds the last K-1 inputs), or SiLU(q, k, v) ("silu_qkv")
+//   q, k      <- rotated at `position` (pairs (2m, 2m+1) by position * f_m, "frequencies" [D/2])
+//   beta      = sigmoid(p_beta)  ("beta"; else 1)
+//   a         = exp(g): "decay" 1: g = log_decay [Hkv] (fixed, per kv head); 2: g = -decay_rate
+//               softplus(p_decay + dt_bias) (Mamba-2, per kv head); 3: g = logsigmoid(p_decay
+//               decay_up_t + decay_bias) / temperature (per key channel, low rank: GLA); 0: a = 1
+//   phi       = "feature" 0: x, 1: elu(x) + 1, 2: max(x, 0); then "normalize" 2: phi / (sum phi + eps),
+//               3: phi / max(|phi|, eps) (eps "feature_eps")
+//
+// and per key/value head, with S = "memory" [B, Hkv, D, D] (rows: key features) and z =
+// "normalizer" [B, Hkv, D]:
+//
+//   sum rule:    S <- diag(a) S + phi(k) v^T,  z <- a z + phi(k);  for each query head of the group,
+//                o = S^T phi(scale q) (/ (phi(scale q).z + eps) with "normalize" 1)
+//   delta rule:  S' = diag(a) S,  u = beta (v - S'^T phi(k)),  S <- S' + phi(k) u^T,  o = scale S^T phi(q)
+//
+// The softmax mixers ("softmax", "local") keep keys and values instead, "keys", "values"
+// [B, Hkv, rows, D] (after the rotation): "softmax" writes the new ones at row `length` of a
+// preallocated cache and each query head reads rows 0 .. length; "local" ("window" W) reads the
+// ring of the last W - 1 positions (position i at row i mod (W - 1)) and the new key, then writes
+// the new key over the oldest. With a = scale q (or, "entropy", q log(n) / log(512) / sqrt(D), n
+// the keys it reads): o = sum_j exp(a.k_j - m) v_j / sum_j exp(a.k_j - m), m = max_j a.k_j.
+//
+// then per query head "head_norm" 1: o / sqrt(mean(o^2) + eps) * head_gain [D]; 2: (o - mean(o)) /
+// sqrt(var(o) + eps) * head_gain [H D] + head_bias [H D] (eps "head_eps"); then o * SiLU(p_gate)
+// ("gate"). The recurrences of the (batch, kv head) rows are spread over the intra-op threads,
+// one row per task, and the products add in a fixed order (row_products.h): nothing depends
+// on the thread count.
+#include "block_model_step.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "fast_exp.h"
+#include "lm_ends.h"
+#include "native_checks.h"
+#include "row_products.h"
+
+namespace linattn {
+
+namespace {
+
+constexpr const char* kWhat = "BlockModelStep (native)";
+
+template <typename T>
+T silu(T x) {
+  return x / (T(1) + std::exp(-x));
+}
+
+template <typename T>
+T sigmoid(T x) {
+  return T(1) / (T(1) + std::exp(-x));
+}
+
+template <typename T>
+T softplus(T x) {  // torch's, threshold 20
+  return x > T(20) ? x : std::log1p(std::exp(x));
+}
+
+template <typename T>
+T log_sigmoid(T x) {
+  return std::min(x, T(0)) - std::log1p(std::exp(-std::abs(x)));
+}
+
+// a.b over n values, in 16 lanes (a fixed order of terms that vectorises: lane l adds the
+// products i = l mod 16 in order, then the lanes are added pairwise, then the tail).
+template <typename T>
+T dot(const T* a, const T* b, int64_t n) {
+  constexpr int64_t kLanes = 16;
+  T lanes[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[i + l] * b[i + l];
+  }
+  for (int64_t width = kLanes / 2; width > 0; width /= 2) {
+    for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  }
+  T sum = lanes[0];
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// phi(x) for the n values of x, then normalised as the block's "normalize" says, in place.
+template <typename T>
+void features(T* x, int64_t n, int64_t feature, int64_t normalize, T eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (feature == 1) x[i] = x[i] > T(0) ? x[i] + T(1) : std::expm1(x[i]) + T(1);
+    else if (feature == 2) x[i] = std::max(x[i], T(0));
+  }
+  if (normalize == 2) {
+    T sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += x[i];
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] / (sum + eps);
+  } else if (normalize == 3) {
+    T sum = 0;
+    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+    const T norm = std::max(std::sqrt(sum), eps);
+    for (int64_t i = 0; i < n; ++i) x[i] = x[i] / norm;
+  }
+}
+
+// The pairs (x_2m, x_2m+1) of each of the `heads` rows of D turned by position * f_m.
+template <typename T>
+void rotate(T* x, int64_t heads, int64_t D, const T* frequencies, int64_t position) {
+  for (int64_t m = 0; m < D / 2; ++m) {
+    const T angle = static_cast<T>(position) * frequencies[m];
+    const T c = std::cos(angle), s = std::sin(angle);
+    for (int64_t h = 0; h < heads; ++h) {
+      T* pair = x + h * D + 2 * m;
+      const T even = pair[0], odd = pair[1];
+      pair[0] = even * c - odd * s;
+      pair[1] = even * s + odd * c;
+    }
+  }
+}
+
+const at::Tensor& tensor(const std::map<std::string, at::Tensor>& tensors, const char* name) {
+  auto found = tensors.find(name);
+  TORCH_CHECK(found != tensors.end(), kWhat, ": the block has no tensor '", name, "'");
+  return found->second;
+}
+
+at::Tensor optional_tensor(const std::map<std::string, at::Tensor>& tensors, const char* name) {
+  auto found = tensors.find(name);
+  return found == tensors.end() ? at::Tensor() : found->second;
+}
+
+double number(const std::map<std::string, double>& numbers, const char* name, double otherwise) {
+  auto found = numbers.find(name);
+  return found == numbers.end() ? otherwise : found->second;
+}
+
+double number(const std::map<std::string, double>& numbers, const char* name) {
+  auto found = numbers.find(name);
+  TORCH_CHECK(found != numbers.end(), kWhat, ": the block has no number '", name, "'");
+  return found->second;
+}
+
+int64_t count(const std::map<std::string, double>& numbers, const char* name, int64_t low, int64_t high) {
+  const double value = number(numbers, name, 0.0);
+  TORCH_CHECK(value == std::floor(value) && value >= low && value <= high, kWhat, ": '", name, "' must be an integer in [",
+              low, ", ", high, "], got ", value);
+  return static_cast<int64_t>(value);
+}
+
+// The columns of a mixer's input product.
+struct Columns {
+  int64_t q, k, v, gate, beta, decay, width;
+};
+
+Columns columns(const BlockModelStep::Block& block) {
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim;
+  Columns c{};
+  c.q = 0;
+  c.k = H * D;
+  c.v = c.k + Hkv * D;
+  c.gate = c.v + Hkv * D;
+  c.beta = c.gate + (block.gate ? H * D : 0);
+  c.decay = c.beta + (block.beta ? Hkv : 0);
+  c.width = c.decay + (block.decay == 2 ? Hkv : (block.decay == 3 ? block.rank : 0));
+  return c;
+}
+
+// The sum or delta rule of every (batch, kv head) row, one row per task -> o [B, H D].
+template <typename T>
+void recur(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& c, const T* a, const T* beta,
+           int64_t B, T* o) {
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim, G = H / Hkv;
+  T* memory = block.memory.data_ptr<T>();
+  T* normalizer = block.normalize == 1 ? block.normalizer.data_ptr<T>() : nullptr;
+  const T eps = static_cast<T>(block.feature_eps), scale = static_cast<T>(block.scale);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, D * D * (G + 2)));
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> key(D), query(D), update(D);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t b = n / Hkv, j = n % Hkv;
+      const T* row = p + b * P;
+      const T* value = row + c.v + j * D;
+      const T* decay = a + n * D;
+      T* S = memory + n * D * D;
+      std::copy_n(row + c.k + j * D, D, key.data());
+      features(key.data(), D, block.feature, block.normalize, eps);
+      if (block.delta) {
+        for (int64_t f = 0; f < D; ++f) {
+          for (int64_t e = 0; e < D; ++e) S[f * D + e] *= decay[f];
+        }
+        std::fill(update.begin(), update.end(), T(0));
+        for (int64_t f = 0; f < D; ++f) {
+          for (int64_t e = 0; e < D; ++e) update[e] += key[f] * S[f * D + e];
+        }
+        for (int64_t e = 0; e < D; ++e) update[e] = beta[n] * (value[e] - update[e]);
+        for (int64_t f = 0; f < D; ++f) {
+          for (int64_t e = 0; e < D; ++e) S[f * D + e] += key[f] * update[e];
+        }
+      } else {
+        for (int64_t f = 0; f < D; ++f) {
+          for (int64_t e = 0; e < D; ++e) S[f * D + e] = decay[f] * S[f * D + e] + key[f] * value[e];
+        }
+        if (normalizer != nullptr) {
+          T* z = normalizer + n * D;
+          for (int64_t f = 0; f < D; ++f) z[f] = decay[f] * z[f] + key[f];
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = j * G + g;
+        const T* q = row + c.q + h * D;
+        for (int64_t f = 0; f < D; ++f) query[f] = block.delta ? q[f] : q[f] * scale;
+        features(query.data(), D, block.feature, block.normalize, eps);
+        T* out = o + (b * H + h) * D;
+        std::fill_n(out, D, T(0));
+        for (int64_t f = 0; f < D; ++f) {
+          for (int64_t e = 0; e < D; ++e) out[e] += query[f] * S[f * D + e];
+        }
+        if (block.delta) {
+          for (int64_t e = 0; e < D; ++e) out[e] *= scale;
+        } else if (normalizer != nullptr) {
+          const T* z = normalizer + n * D;
+          T den = 0;
+          for (int64_t f = 0; f < D; ++f) den += query[f] * z[f];
+          for (int64_t e = 0; e < D; ++e) out[e] = out[e] / (den + eps);
+        }
+      }
+    }
+  });
+
+}
+
+// Softmax attention of every (batch, kv head) row over its cache, one row per task -> o [B, H D];
+// then the new keys and values enter the cache.
+template <typename T>
+void attend(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& c, int64_t B, int64_t position,
+            T* o) {
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim, G = H / Hkv;
+  const int64_t rows = block.keys.size(2);
+  const bool ring = block.softmax == 2;
+  const int64_t t = block.length;
+  TORCH_CHECK(ring || t < rows, kWhat, ": the softmax cache is full (", rows, " rows)");
+  const int64_t cached = ring ? std::min(position, rows) : t;  // the keys read before the new one
+  T* keys = block.keys.data_ptr<T>();
+  T* values = block.values.data_ptr<T>();
+  T scale = static_cast<T>(std::pow(static_cast<double>(D), -0.5));
+  if (block.entropy) {
+    scale = std::log(static_cast<T>(cached + 1)) / static_cast<T>(std::log(512.0)) / std::sqrt(static_cast<T>(D));
+  }
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, (cached + 1) * D * G));
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<T> scores(cached + 1), query(D);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t b = n / Hkv, j = n % Hkv;
+      const T* row = p + b * P;
+      const T* key = row + c.k + j * D;
+      const T* value = row + c.v + j * D;
+      const T* K = keys + n * rows * D;
+      const T* V = values + n * rows * D;
+      if (!ring) {  // the new row first: the query reads rows 0 .. t
+        std::copy_n(key, D, keys + (n * rows + t) * D);
+        std::copy_n(value, D, values + (n * rows + t) * D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = j * G + g;
+        for (int64_t f = 0; f < D; ++f) query[f] = row[c.q + h * D + f] * scale;
+        T largest = -std::numeric_limits<T>::infinity();
+        for (int64_t i = 0; i <= cached; ++i) {
+          const T* k_i = ring && i == cached ? key : K + i * D;
+          scores[i] = dot(query.data(), k_i, D);
+          largest = std::max(largest, scores[i]);
+        }
+        T total = 0;
+        for (int64_t i = 0; i <= cached; ++i) {
+          scores[i] = linattn_native::exp_of(scores[i] - largest);
+          total += scores[i];
+        }
+        T* out = o + (b * H + h) * D;
+        std::fill_n(out, D, T(0));
+        for (int64_t i = 0; i <= cached; ++i) {
+          const T* v_i = ring && i == cached ? value : V + i * D;
+          const T weight = scores[i];
+          for (int64_t e = 0; e < D; ++e) out[e] += weight * v_i[e];
+        }
+        for (int64_t e = 0; e < D; ++e) out[e] /= total;
+      }
+      if (ring && rows > 0) {  // the new key replaces the oldest
+        std::copy_n(key, D, keys + (n * rows + position % rows) * D);
+        std::copy_n(value, D, values + (n * rows + position % rows) * D);
+      }
+    }
+  });
+  if (!ring) block.length = t + 1;
+}
+
+template <typename T>
+void mixer(BlockModelStep::Block& block, const T* x, int64_t B, int64_t d, int64_t position, T* y) {
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim, G = H / Hkv;
+  const Columns c = columns(block);
+  const int64_t P = c.width;
+  std::vector<T> p(B * P);
+  rows_times(x, B, d, block.in_t.data_ptr<T>(), P, static_cast<const T*>(nullptr), p.data());
+  const T* in_bias = block.in_bias.defined() ? block.in_bias.data_ptr<T>() : nullptr;
+  std::vector<T> a(B * Hkv * D, T(1));  // each row's decay, per key channel
+  std::vector<T> beta(B * Hkv, T(1));
+  for (int64_t b = 0; b < B; ++b) {
+    T* row = p.data() + b * P;
+    const T r = linattn_native::inverse_rms(x + b * d, d, block.mixer_eps);
+    for (int64_t i = 0; i < P; ++i) row[i] = row[i] * r + (in_bias != nullptr ? in_bias[i] : T(0));
+    const int64_t C = c.gate;  // q, k and v
+    if (block.conv_kernel > 0) {
+      const int64_t K = block.conv_kernel;
+      const T* w = block.conv_weight.data_ptr<T>();
+      const T* bias = block.conv_bias.data_ptr<T>();
+      T* cache = K > 1 ? block.conv.data_ptr<T>() + b * C * (K - 1) : nullptr;
+      for (int64_t ch = 0; ch < C; ++ch) {
+        T sum = bias[ch];
+        for (int64_t i = 0; i + 1 < K; ++i) sum += w[ch * K + i] * cache[ch * (K - 1) + i];
+        sum += w[ch * K + K - 1] * row[ch];
+        if (K > 1) {
+          T* history = cache + ch * (K - 1);
+          std::copy(history + 1, history + K - 1, history);
+          history[K - 2] = row[ch];
+        }
+        row[ch] = silu(sum);
+      }
+    } else if (block.silu_qkv) {
+      for (int64_t ch = 0; ch < C; ++ch) row[ch] = silu(row[ch]);
+    }
+    if (block.frequencies.defined()) {
+      const T* f = block.frequencies.data_ptr<T>();
+      rotate(row + c.q, H, D, f, position);
+      rotate(row + c.k, Hkv, D, f, position);
+    }
+    if (block.beta) {
+      for (int64_t j = 0; j < Hkv; ++j) beta[b * Hkv + j] = sigmoid(row[c.beta + j]);
+    }
+    T* decay = a.data() + b * Hkv * D;
+    if (block.decay == 1 || block.decay == 2) {
+      for (int64_t j = 0; j < Hkv; ++j) {
+        T g;
+        if (block.decay == 1) {
+          g = block.log_decay.data_ptr<T>()[j];
+        } else {
+          g = -block.decay_rate.data_ptr<T>()[j] * softplus(row[c.decay + j] + block.dt_bias.data_ptr<T>()[j]);
+        }
+        std::fill_n(decay + j * D, D, std::exp(g));
+      }
+    } else if (block.decay == 3) {
+      rows_times(static_cast<const T*>(row + c.decay), 1, block.rank, block.decay_up_t.data_ptr<T>(), Hkv * D,
+                 block.decay_bias.data_ptr<T>(), decay);
+      const T temperature = static_cast<T>(block.temperature);
+      for (int64_t i = 0; i < Hkv * D; ++i) decay[i] = std::exp(log_sigmoid(decay[i]) / temperature);
+    }
+  }
+
+  std::vector<T> o(B * H * D);
+  if (block.softmax > 0) {
+    attend(block, p.data(), P, c, B, position, o.data());
+  } else {
+    recur(block, p.data(), P, c, a.data(), beta.data(), B, o.data());
+  }
+  const T head_eps = static_cast<T>(block.head_eps);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < H; ++h) {
+      T* out = o.data() + (b * H + h) * D;
+      if (block.head_norm == 1) {
+        const T r = linattn_native::inverse_rms(out, D, head_eps);
+        const T* gain = block.head_gain.data_ptr<T>();
+        for (int64_t e = 0; e < D; ++e) out[e] = out[e] * r * gain[e];
+      } else if (block.head_norm == 2) {
+        T mean = 0, variance = 0;
+        for (int64_t e = 0; e < D; ++e) mean += out[e];
+        mean /= static_cast<T>(D);
+        for (int64_t e = 0; e < D; ++e) variance += (out[e] - mean) * (out[e] - mean);
+        const T r = T(1) / std::sqrt(variance / static_cast<T>(D) + head_eps);
+        const T* gain = block.head_gain.data_ptr<T>() + h * D;
+        const T* bias = block.head_bias.data_ptr<T>() + h * D;
+        for (int64_t e = 0; e < D; ++e) out[e] = (out[e] - mean) * r * gain[e] + bias[e];
+      }
+      if (block.gate) {
+        const T* gate = p.data() + b * P + c.gate + h * D;
+        for (int64_t e = 0; e < D; ++e) out[e] *= silu(gate[e]);
+      }
+    }
+  }
+  rows_times(static_cast<const T*>(o.data()), B, H * D, block.out_t.data_ptr<T>(), d,
+             block.out_bias.defined() ? block.out_bias.data_ptr<T>() : nullptr, y);
+}
+
+template <typename T>
+void feed_forward(const BlockModelStep::Block& block, const T* x, int64_t B, int64_t d, T* y) {
+  const int64_t F = block.ffn;
+  std::vector<T> gate_up(B * 2 * F), hidden(B * F);
+  rows_times(x, B, d, block.gate_up_t.data_ptr<T>(), 2 * F, static_cast<const T*>(nullptr), gate_up.data());
+  for (int64_t b = 0; b < B; ++b) {
+    const T r = linattn_native::inverse_rms(x + b * d, d, block.ffn_eps);
+    const T* row = gate_up.data() + b * 2 * F;
+    for (int64_t i = 0; i < F; ++i) hidden[b * F + i] = silu(row[i] * r) * (row[F + i] * r);
+  }
+  rows_times(static_cast<const T*>(hidden.data()), B, F, block.down_t.data_ptr<T>(), d,
+             static_cast<const T*>(nullptr), y);
+}
+
+}  // namespace
+
+BlockModelStep::BlockModelStep(at::Tensor embed, at::Tensor norm_weight, double norm_eps, at::Tensor head_t)
+    : embed_(std::move(embed)), norm_weight_(std::move(norm_weight)), head_t_(std::move(head_t)),
+      norm_eps_(norm_eps) {
+  TORCH_CHECK(embed_.dim() == 2 && head_t_.dim() == 2, kWhat, ": embed [V, d], head_t [d, V']");
+  TORCH_CHECK(embed_.scalar_type() == at::kFloat || embed_.scalar_type() == at::kDouble, kWhat,
+              ": the model's dtype must be float32 or float64");
+  const auto type = embed_.scalar_type();
+  const int64_t d = embed_.size(1);
+  linattn_native::check_tensor(kWhat, embed_, "embed", type, {embed_.size(0), d});
+  linattn_native::check_tensor(kWhat, norm_weight_, "norm_weight", type, {d});
+  linattn_native::check_tensor(kWhat, head_t_, "head_t", type, {d, head_t_.size(1)});
+}
+
+void BlockModelStep::add_block(const std::string& mixer, const std::map<std::string, at::Tensor>& tensors,
+                               const std::map<std::string, double>& numbers) {
+  TORCH_CHECK(mixer == "sum" || mixer == "delta" || mixer == "softmax" || mixer == "local", kWhat,
+              ": a block's mixer is 'sum', 'delta', 'softmax' or 'local', got '", mixer, "'");
+  const auto type = embed_.scalar_type();
+  const int64_t d = embed_.size(1);
+  const auto check = [&](const at::Tensor& t, const char* name, at::IntArrayRef shape) {
+    linattn_native::check_tensor(kWhat, t, name, type, shape);
+  };
+  Block block;
+  block.delta = mixer == "delta";
+  block.softmax = mixer == "softmax" ? 1 : (mixer == "local" ? 2 : 0);
+  block.window = block.softmax == 2 ? count(numbers, "window", 1, int64_t(1) << 40) : 0;
+  block.entropy = count(numbers, "entropy", 0, 1) == 1;
+  block.heads = count(numbers, "heads", 1, 1 << 20);
+  block.kv_heads = count(numbers, "kv_heads", 1, block.heads);
+  block.head_dim = count(numbers, "head_dim", 1, 1 << 20);
+  TORCH_CHECK(block.heads % block.kv_heads == 0, kWhat, ": kv_heads must divide heads");
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim;
+  block.feature = count(numbers, "feature", 0, 2);
+  block.normalize = count(numbers, "normalize", 0, 3);
+  TORCH_CHECK(!(block.delta && block.normalize == 1), kWhat, ": the delta rule has no denominator (normalize 1)");
+  block.feature_eps = number(numbers, "feature_eps");
+  block.scale = number(numbers, "scale");
+  block.mixer_eps = number(numbers, "mixer_eps");
+  block.ffn_eps = number(numbers, "ffn_eps");
+  block.gate = count(numbers, "gate", 0, 1) == 1;
+  block.beta = count(numbers, "beta", 0, 1) == 1;
+  block.silu_qkv = count(numbers, "silu_qkv", 0, 1) == 1;
+  block.conv_kernel = count(numbers, "conv_kernel", 0, 1 << 10);
+  block.decay = count(numbers, "decay", 0, 3);
+  block.rank = block.decay == 3 ? count(numbers, "rank", 1, 1 << 20) : 0;
+  block.temperature = number(numbers, "temperature", 1.0);
+  block.head_norm = count(numbers, "head_norm", 0, 2);
+  block.head_eps = number(numbers, "head_eps", 0.0);
+  const Columns c = columns(block);
+  block.width = c.width;
+  block.in_t = tensor(tensors, "in_t");
+  check(block.in_t, "in_t", {d, c.width});
+  block.in_bias = optional_tensor(tensors, "in_bias");
+  if (block.in_bias.defined()) check(block.in_bias, "in_bias", {c.width});
+  block.out_t = tensor(tensors, "out_t");
+  check(block.out_t, "out_t", {H * D, d});
+  block.out_bias = optional_tensor(tensors, "out_bias");
+  if (block.out_bias.defined()) check(block.out_bias, "out_bias", {d});
+  block.gate_up_t = tensor(tensors, "gate_up_t");
+  TORCH_CHECK(block.gate_up_t.dim() == 2 && block.gate_up_t.size(1) % 2 == 0, kWhat, ": gate_up_t is [d, 2 F]");
+  block.ffn = block.gate_up_t.size(1) / 2;
+  check(block.gate_up_t, "gate_up_t", {d, 2 * block.ffn});
+  block.down_t = tensor(tensors, "down_t");
+  check(block.down_t, "down_t", {block.ffn, d});
+  block.frequencies = optional_tensor(tensors, "frequencies");
+  if (block.frequencies.defined()) {
+    TORCH_CHECK(D % 2 == 0, kWhat, ": rotary positions need an even head_dim");
+    check(block.frequencies, "frequencies", {D / 2});
+  }
+  if (block.conv_kernel > 0) {
+    block.conv_weight = tensor(tensors, "conv_weight");
+    block.conv_bias = tensor(tensors, "conv_bias");
+    check(block.conv_weight, "conv_weight", {c.gate, block.conv_kernel});
+    check(block.conv_bias, "conv_bias", {c.gate});
+  }
+  if (block.decay == 1) {
+    block.log_decay = tensor(tensors, "log_decay");
+    check(block.log_decay, "log_decay", {Hkv});
+  } else if (block.decay == 2) {
+    block.decay_rate = tensor(tensors, "decay_rate");
+    block.dt_bias = tensor(tensors, "dt_bias");
+    check(block.decay_rate, "decay_rate", {Hkv});
+    check(block.dt_bias, "dt_bias", {Hkv});
+  } else if (block.decay == 3) {
+    block.decay_up_t = tensor(tensors, "decay_up_t");
+    block.decay_bias = tensor(tensors, "decay_bias");
+    check(block.decay_up_t, "decay_up_t", {block.rank, Hkv * D});
+    check(block.decay_bias, "decay_bias", {Hkv * D});
+  }
+  if (block.head_norm > 0) {
+    block.head_gain = tensor(tensors, "head_gain");
+    check(block.head_gain, "head_gain", {block.head_norm == 1 ? D : H * D});
+  }
+  if (block.head_norm == 2) {
+    block.head_bias = tensor(tensors, "head_bias");
+    check(block.head_bias, "head_bias", {H * D});
+  }
+  blocks_.push_back(std::move(block));
+}
+
+void BlockModelStep::set_state(int64_t index, const std::map<std::string, at::Tensor>& state, int64_t length) {
+  TORCH_CHECK(index >= 0 && index < blocks(), kWhat, ": no block ", index);
+  Block& block = blocks_[index];
+  const auto type = embed_.scalar_type();
+  const int64_t Hkv = block.kv_heads, D = block.head_dim;
+  if (block.softmax > 0) {
+    block.keys = tensor(state, "keys");
+    block.values = tensor(state, "values");
+    TORCH_CHECK(block.keys.dim() == 4, kWhat, ": keys is [B, Hkv, rows, D]");
+    const int64_t B = block.keys.size(0), rows = block.keys.size(2);
+    TORCH_CHECK(block.softmax == 1 || rows == block.window - 1, kWhat, ": a local cache holds window - 1 = ",
+                block.window - 1, " rows, got ", rows);
+    TORCH_CHECK(block.softmax == 2 || (length >= 0 && length <= rows), kWhat, ": length ", length,
+                " is not in [0, ", rows, "]");
+    linattn_native::check_tensor(kWhat, block.keys, "keys", type, {B, Hkv, rows, D});
+    linattn_native::check_tensor(kWhat, block.values, "values", type, {B, Hkv, rows, D});
+    block.length = length;
+    return;
+  }
+  block.memory = tensor(state, "memory");
+  TORCH_CHECK(block.memory.dim() == 4, kWhat, ": memory is [B, Hkv, D, D]");
+  const int64_t B = block.memory.size(0);
+  linattn_native::check_tensor(kWhat, block.memory, "memory", type, {B, Hkv, D, D});
+  block.normalizer = block.normalize == 1 ? tensor(state, "normalizer") : at::Tensor();
+  if (block.normalizer.defined()) linattn_native::check_tensor(kWhat, block.normalizer, "normalizer", type, {B, Hkv, D});
+  block.conv = block.conv_kernel > 1 ? tensor(state, "conv") : at::Tensor();
+  if (block.conv.defined()) {
+    linattn_native::check_tensor(kWhat, block.conv, "conv", type, {B, columns(block).gate, block.conv_kernel - 1});
+  }
+}
+
+int64_t BlockModelStep::cache_length(int64_t index) const {
+  TORCH_CHECK(index >= 0 && index < blocks(), kWhat, ": no block ", index);
+  return blocks_[index].length;
+}
+
+void BlockModelStep::step(const at::Tensor& ids, int64_t position, at::Tensor logits,
+                          const c10::optional<at::Tensor>& greedy) {
+  TORCH_CHECK(ids.dim() == 1, kWhat, ": ids must be [B] int64");
+  const int64_t B = ids.size(0), d = embed_.size(1);
+  linattn_native::check_outputs(kWhat, logits, B, head_t_.size(1), embed_.scalar_type(), greedy);
+  const at::Tensor id_rows = linattn_native::checked_ids(kWhat, ids, embed_.size(0));
+  const int64_t* id = id_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < blocks(); ++i) {
+    const at::Tensor& held = blocks_[i].softmax > 0 ? blocks_[i].keys : blocks_[i].memory;
+    TORCH_CHECK(held.defined() && held.size(0) == B, kWhat, ": block ", i, " holds no state of ", B,
+                " rows (set_state)");
+  }
+  AT_DISPATCH_FLOATING_TYPES(embed_.scalar_type(), "BlockModelStep", [&] {
+    std::vector<scalar_t> x(B * d), y(B * d);
+    linattn_native::embed_rows(embed_.data_ptr<scalar_t>(), id, B, d, x.data());
+    for (Block& block : blocks_) {
+      mixer(block, static_cast<const scalar_t*>(x.data()), B, d, position, y.data());
+      for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
+      feed_forward(block, static_cast<const scalar_t*>(x.data()), B, d, y.data());
+      for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
+    }
+    linattn_native::final_logits(x.data(), B, d, norm_weight_.data_ptr<scalar_t>(), norm_eps_,
+                                 head_t_.data_ptr<scalar_t>(), head_t_.size(1), logits.data_ptr<scalar_t>(),
+                                 greedy.has_value() ? greedy->data_ptr<int64_t>() : nullptr);
+  });
+}
+
+}  // namespace linattn
