@@ -199,3 +199,24 @@ def test_bad_arguments_exit_2_naming_them(extra, named, tmp_path, capsys):
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_decode_timing_generates_untimed_first(monkeypatch):
+    """What a process does once (the native token loop's self-check at its first use) is not
+    counted: a short generation comes before the timed one, and the clock starts after it."""
+    from linattn import LMConfig
+
+    model = LM(LMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, attention="gated-delta"))
+    events = []
+    original = LM.generate
+
+    def recorded(self, prompt_ids, max_new_tokens, **kwargs):
+        events.append(("generate", prompt_ids.shape[1], max_new_tokens, kwargs.get("state") is not None))
+        return original(self, prompt_ids, max_new_tokens, **kwargs)
+
+    clock = iter(range(100))
+    monkeypatch.setattr(LM, "generate", recorded)
+    monkeypatch.setattr(linearize_teacher.time, "perf_counter", lambda: events.append(("clock",)) or next(clock))
+    linearize_teacher.decode_ms_per_token(model, torch.randint(0, 32, (1, 20)), 5)
+    assert events[0] == ("generate", 8, 4, False)  # the warm-up: the prompt's first tokens, no state
+    assert events[1:] == [("clock",), ("generate", 1, 5, True), ("clock",)]

@@ -39,6 +39,7 @@ TEACHER_TABLES = ("llama", "tokenizer", "train")
 _TRAIN_KEYS = ("steps", "batch_size", "context", "lr", "warmup_steps", "weight_decay")
 _RECORD = "teacher.json"
 _PREFILL_CHUNK = 1024
+_WARM_UP_PROMPT, _WARM_UP_TOKENS = 8, 4  # the untimed generation before the timed one
 
 
 def teacher_settings(path: str | Path, quick: bool) -> dict[str, dict[str, Any]]:
@@ -133,9 +134,14 @@ def validation_bpb(model: LM, shards: Shards, context: int, max_tokens: int) -> 
 def decode_ms_per_token(model, prompt: torch.Tensor, new_tokens: int) -> float:
     """Milliseconds per greedy token after the prompt ``[1, C]``: ``model`` a ``LM`` (its ``generate``,
     state carried) or a transformers causal LM (``generate`` with a ``DynamicCache``); the prompt is
-    read in chunks first, the generation of ``new_tokens`` tokens is timed."""
+    read in chunks first, the generation of ``new_tokens`` tokens is timed. A short generation
+    after the prompt's first tokens comes first, untimed, so that what a process does once (the
+    native token loop's self-check at its first use) is not counted in a token's time."""
+    warm_up = prompt[:, :_WARM_UP_PROMPT]
     if isinstance(model, LM):
         model.eval()
+        for _ in model.generate(warm_up, _WARM_UP_TOKENS, temperature=0):
+            pass
         state = None
         for piece in prompt[:, :-1].split(_PREFILL_CHUNK, dim=1):
             _, state, _ = model(piece, state, check_inputs=False)
@@ -146,6 +152,8 @@ def decode_ms_per_token(model, prompt: torch.Tensor, new_tokens: int) -> float:
     from transformers import DynamicCache
 
     model.eval()
+    model.generate(input_ids=warm_up, attention_mask=torch.ones_like(warm_up), max_new_tokens=_WARM_UP_TOKENS,
+                   min_new_tokens=_WARM_UP_TOKENS, do_sample=False, pad_token_id=0)
     cache = DynamicCache()
     for piece in prompt[:, :-1].split(_PREFILL_CHUNK, dim=1):
         cache = model(input_ids=piece, cache=cache, use_cache=True).cache
