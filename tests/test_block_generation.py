@@ -314,3 +314,20 @@ def test_the_native_object_names_what_is_wrong():
             fresh.add_block("sum", {}, {"heads": 4.0, "kv_heads": 5.0, "head_dim": 8.0})
         with pytest.raises(RuntimeError, match="float32 or float64"):
             native.BlockModelStep(embed.half(), torch.ones(32).half(), 1e-5, torch.zeros(32, VOCAB).half())
+
+
+@pytest.mark.parametrize("attention", ["softmax:entropy", "softmax"])
+def test_a_cache_cut_by_carry_keeps_its_positions(attention):
+    """A softmax cache cut to ``softmax_memory`` keys (``LM.carry``) holds fewer keys than the
+    positions consumed: rotary positions count every position, the entropy scale the keys read,
+    in the native step as in ``_run``."""
+    model = _model(attention, softmax_memory=3)
+    ids = torch.randint(0, VOCAB, (2, 14), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        _, state, _ = model(ids[:, :8])
+        carried = model.carry(state)
+        assert carried.layers[0].keys.shape[2] == 3 and carried.layers[0].steps == 8
+        session = BlockGeneration.start(model, kv_cache.reserve(carried, 6), 2)
+        got = torch.cat([session.step(ids[:, t]).clone() for t in range(8, 14)], 1)
+        expected, _, _ = model._run(ids[:, 8:], model.carry(state), with_aux=False)
+    assert torch.allclose(got, expected, rtol=1e-11, atol=1e-12)
