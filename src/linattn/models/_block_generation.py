@@ -173,6 +173,12 @@ def _block_recipe(block: nn.Module, dtype: torch.dtype) -> _Recipe | str:
 
 def why_not(model, state: LMState) -> str | None:
     """Why the native block loop does not apply to ``model`` continuing ``state`` (None when it does)."""
+    plan = _plan(model, state)
+    return plan if isinstance(plan, str) else None
+
+
+def _plan(model, state: LMState) -> list[_Recipe] | str:
+    """Every block's recipe when the native loop applies to ``model`` continuing ``state``, else why not."""
     dtype, device = model.embed.weight.dtype, model.embed.weight.device
     if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return f"the native step computes on CPU tensors in float32 or float64, got {dtype} on {device.type}"
@@ -183,8 +189,8 @@ def why_not(model, state: LMState) -> str | None:
                 "tensors")
     if any(p.dtype != dtype for p in model.parameters()):
         return "the model's parameters are of several dtypes"
-    for index, layer in enumerate(model.layers):
-        recipe = _block_recipe(layer, dtype)
+    recipes = [_block_recipe(layer, dtype) for layer in model.layers]
+    for index, recipe in enumerate(recipes):
         if isinstance(recipe, str):
             return f"layer {index} is {recipe}"
     for index, (layer, layer_state) in enumerate(zip(model.layers, state.layers)):
@@ -197,23 +203,22 @@ def why_not(model, state: LMState) -> str | None:
         if mechanism == "local" and (layer_state.window != layer.mixer.window or layer_state.keys.shape[2]
                                      != min(layer_state.steps, layer.mixer.window - 1)):
             return f"layer {index}'s cache is not the last window - 1 positions of its window {layer.mixer.window}"
-    if len({_steps(layer_state) for layer_state in state.layers}) != 1:
+    if len({layer_state.steps for layer_state in state.layers}) != 1:
         return "the layers' states have consumed different numbers of positions"
-    return None
+    return recipes
 
 
 class BlockGeneration(NativeGeneration):
     """The state of ``LM.generate`` after the prompt, held in the native ``BlockModelStep``."""
 
-    def __init__(self, model, state: LMState, dtype: torch.dtype):
+    def __init__(self, model, state: LMState, dtype: torch.dtype, recipes: list[_Recipe]):
         super().__init__(model, state, dtype)
         self.native = extension().BlockModelStep(model.embed.weight.detach().to(dtype).contiguous(),
                                                  model.norm.weight.detach().to(dtype).contiguous(),
                                                  norm_eps(model.norm, dtype), head_t(model, dtype).detach())
         self.layer_states, self.held, self.buffers = state.layers, [], {}
-        self.position = _steps(state.layers[0])
-        for index, (layer, layer_state) in enumerate(zip(model.layers, state.layers)):
-            recipe = _block_recipe(layer, dtype)
+        self.position = state.layers[0].steps
+        for index, (layer, layer_state, recipe) in enumerate(zip(model.layers, state.layers, recipes)):
             self.native.add_block(recipe.rule, recipe.tensors, recipe.numbers)
             if recipe.rule == "softmax":
                 buffer = self.buffers[index] = kv_cache.claim(layer_state)
@@ -234,10 +239,10 @@ class BlockGeneration(NativeGeneration):
         forced = env_choice(ENV, ("torch", "native"))
         if forced == "torch" or not all(isinstance(layer, PreNormBlock) for layer in model.layers):
             return None
-        reason = why_not(model, state)
-        if reason is not None:
+        plan = _plan(model, state)
+        if isinstance(plan, str):
             if forced == "native":
-                raise ValueError(f"{ENV}=native: {reason}")
+                raise ValueError(f"{ENV}=native: {plan}")
             return None
         dtype = model.embed.weight.dtype
         if not _trust.trusted(dtype, forced == "native", f"the native block step failed in {dtype}",  # builds, checks
@@ -245,7 +250,7 @@ class BlockGeneration(NativeGeneration):
                               f"LM.generate steps these models through LM._run in {dtype} from now on ({ENV}=torch "
                               "chooses it without trying the native step)"):
             return None
-        return cls(model, state, dtype)
+        return cls(model, state, dtype, plan)
 
     def current(self) -> bool:
         """``NativeGeneration.current``, and room for one more row in every softmax cache."""
@@ -262,7 +267,7 @@ class BlockGeneration(NativeGeneration):
     def state(self) -> LMState:
         """The ``LMState`` after every token so far: the prompt's, with the held tensors (copies:
         the native object goes on writing its own) and the steps counted on."""
-        added = self.position - _steps(self.layer_states[0])
+        added = self.position - self.layer_states[0].steps
         layers = []
         for index, (layer_state, held) in enumerate(zip(self.layer_states, self.held)):
             if index in self.buffers:
@@ -293,10 +298,6 @@ def _ring(state: KVCacheState, rows: int, position: int) -> dict[str, torch.Tens
         ring[name] = state.keys.new_zeros(B, Hkv, rows, D)
         ring[name][:, :, order] = getattr(state, name)
     return ring
-
-
-def _steps(state: _State) -> int:
-    return state.steps
 
 
 def _state_tensors(state: _State, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -351,7 +352,10 @@ def _self_check(dtype: torch.dtype) -> str | None:
         ids = torch.randint(0, 32, (2, 4))
         _, state, _ = model._run(ids, None, with_aux=False)
         state = kv_cache.reserve(state, 3)
-        session = BlockGeneration(model, state, dtype)
+        plan = _plan(model, state)
+        if isinstance(plan, str):
+            return f"the check's own model is refused: {plan}"
+        session = BlockGeneration(model, state, dtype, plan)
         for step in range(3):
             token = ids[:, step].contiguous()
             want, state, _ = model._run(token.unsqueeze(1), state, with_aux=False)

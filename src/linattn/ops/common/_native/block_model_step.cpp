@@ -468,7 +468,6 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
   block.head_norm = count(numbers, "head_norm", 0, 2);
   block.head_eps = number(numbers, "head_eps", 0.0);
   const Columns c = columns(block);
-  block.width = c.width;
   block.in_t = tensor(tensors, "in_t");
   check(block.in_t, "in_t", {d, c.width});
   block.in_bias = optional_tensor(tensors, "in_bias");

@@ -51,7 +51,7 @@ struct BlockModelStep::Block {
   bool entropy = false;
   at::Tensor in_t, in_bias, out_t, out_bias, gate_up_t, down_t;
   double mixer_eps = 0, ffn_eps = 0;
-  int64_t heads = 0, kv_heads = 0, head_dim = 0, width = 0, ffn = 0;
+  int64_t heads = 0, kv_heads = 0, head_dim = 0, ffn = 0;
   int64_t feature = 0, normalize = 0;  // the codes of block_model_step.cpp
   double feature_eps = 0, scale = 1;
   at::Tensor frequencies;  // [D/2]: rotary q and k (undefined: none)
