@@ -343,11 +343,12 @@ def test_profile_call_names_the_operators_that_take_the_time():
 
 
 def _is_profiled_operator(name: str, *, backward: bool) -> bool:
-    """An ATen operator; in a backward pass also an autograd node (``TrilBackward0``, or
-    ``torch::autograd::CopySlices`` for an in-place write into a view), which the profiler lists
-    with its own self time."""
-    return name.startswith("aten::") or (backward and (re.search(r"Backward\d*$", name) is not None
-                                                       or name.startswith("torch::autograd::")))
+    """An ATen operator, or an autograd Function of linattn's native kernels (``_Scan``: the
+    profiler lists it by its class name, the kernel's time its self time); in a backward pass also
+    an autograd node (``TrilBackward0``, or ``torch::autograd::CopySlices`` for an in-place write
+    into a view), which the profiler lists with its own self time."""
+    return (name.startswith("aten::") or re.fullmatch(r"_[A-Z]\w*", name) is not None
+            or (backward and (re.search(r"Backward\d*$", name) is not None or name.startswith("torch::autograd::"))))
 
 
 def test_bench_attention_profile_writes_the_top_operators(tmp_path):

@@ -86,12 +86,13 @@ def test_training_forward_compiles_as_one_graph_and_equals_eager(attention, monk
     """fullgraph=True: no graph break with and without a carried state (ids unchecked: the
     trainer checks them where they are loaded). Same logits and gradients as eager, after
     the eager pass has run the one-time k-means initialisation. The trace runs the torch
-    forms, and so does the eager pass here (``LINATTN_VQ_IMPL=torch``; by default eager VQ
-    layers on a CPU take the native kernels, equal to the torch forms within rounding:
-    ``test_vq_native_backward.py``)."""
+    forms, and so does the eager pass here (``LINATTN_VQ_IMPL=torch``, ``LINATTN_LINEAR_IMPL=torch``;
+    by default eager VQ and kernel attention layers on a CPU take the native kernels, equal to the
+    torch forms within rounding: ``test_vq_native_backward.py``, ``test_linear_native.py``)."""
     model = tiny_lm(attention)
     with monkeypatch.context() as patch:
         patch.setenv("LINATTN_VQ_IMPL", "torch")
+        patch.setenv("LINATTN_LINEAR_IMPL", "torch")
         eager_logits, eager_losses = two_windows(model, model)
     eager_grads = gradients(model)
     model.zero_grad(set_to_none=True)
@@ -267,10 +268,11 @@ def test_favor_projection_enters_the_graph_and_follows_a_redraw():
     q, k, v = make_qkv(B=1, H=2, Hkv=1, T=8, Dk=4, Dv=3, dtype=torch.float32)
     compiled = torch.compile(lambda q, k, v: linear_attention(q, k, v, feature_map=fmap, chunk_size=4)[0],
                              backend="eager", fullgraph=True)
-    expected = linear_attention(q, k, v, feature_map=FAVOR(8, seed=3), chunk_size=4)[0]
+    # compiled calls run the torch forms (the native kernel reads tensors' data): so do the references
+    expected = linear_attention(q, k, v, feature_map=FAVOR(8, seed=3), chunk_size=4, impl="torch")[0]
     torch.testing.assert_close(compiled(q, k, v), expected, rtol=1e-6, atol=0)
     fmap.redraw(4)
-    redrawn = linear_attention(q, k, v, feature_map=FAVOR(8, seed=4), chunk_size=4)[0]
+    redrawn = linear_attention(q, k, v, feature_map=FAVOR(8, seed=4), chunk_size=4, impl="torch")[0]
     assert not torch.allclose(redrawn, expected)
     torch.testing.assert_close(compiled(q, k, v), redrawn, rtol=1e-6, atol=0)
 

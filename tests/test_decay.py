@@ -6,7 +6,9 @@ per step (``g [B, Hkv, T]``) and one per feature channel (``[B, Hkv, T, F]``):
     out_t = phi(q_t)^T S_t  [/ (phi(q_t).z_t + eps)]
 
 Also: strong decay (g = -30, over 64k steps), resets (g = -inf), g = 0, carried states,
-decoding, causality, GQA, scale, and every bad g named.
+decoding, causality, GQA, scale, and every bad g named. Every test runs twice: as
+``impl="auto"`` chooses (the native decayed chunk form for calls without gradients) and with
+``LINATTN_LINEAR_IMPL=torch``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ torch.set_num_threads(1)
 
 EPS = 1e-6
 MODES = ("parallel", "chunk", "recurrent")
+
+
+@pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
+def chunk_impl(request, monkeypatch):
+    """Which chunk form the test's calls run: ``impl="auto"`` (the native kernel for calls without
+    gradients on a CPU) or the torch form (``LINATTN_LINEAR_IMPL=torch``)."""
+    monkeypatch.delenv("LINATTN_LINEAR_IMPL", raising=False)
+    if request.param == "torch":
+        monkeypatch.setenv("LINATTN_LINEAR_IMPL", "torch")
+    return request.param
 # (feature map, normalize, feature width F for Dk = 4)
 SETTINGS = {
     "identity-none": ("identity", None, 4),

@@ -1,7 +1,9 @@
 """Kernel attention (``linattn.linear_attention``): the parallel, chunk and recurrent
 forms agree with each other and with the formula, for every feature map and
 normalisation; gradients agree; carried state reproduces one call; causality and GQA
-hold; half precision does not overflow at T = 65536.
+hold; half precision does not overflow at T = 65536. Every test runs twice: with the
+causal chunk form by the native kernel where ``impl="auto"`` takes it, and with
+``LINATTN_LINEAR_IMPL=torch`` (the torch chunk form).
 
     S_i = S_0 + sum_{j<=i} phi(k_j) v_j^T,   z_i = z_0 + sum_{j<=i} phi(k_j)
     out_i = phi(q_i).S_i / (phi(q_i).z_i + eps)   ("attention")
@@ -43,6 +45,16 @@ MAPS = {
     "dpfp2": lambda: DPFP(2),
     "taylor": lambda: "taylor",
 }
+
+
+@pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
+def chunk_impl(request, monkeypatch):
+    """Which chunk form the test's calls run: ``impl="auto"`` (the native kernel for the causal
+    chunk form without decay on a CPU) or the torch form (``LINATTN_LINEAR_IMPL=torch``)."""
+    monkeypatch.delenv("LINATTN_LINEAR_IMPL", raising=False)
+    if request.param == "torch":
+        monkeypatch.setenv("LINATTN_LINEAR_IMPL", "torch")
+    return request.param
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -562,5 +574,5 @@ def test_mode_runs_the_form_it_names(monkeypatch, causal, T, mode, expected):
         monkeypatch.setattr(module, name, functools.partial(lambda form, name, *a: ran.append(name) or form(*a),
                                                             form, name))
     q, k, v = (torch.randn(1, 2, T, 4, dtype=torch.float64) for _ in range(3))
-    linear_attention(q, k, v, causal=causal, mode=mode, chunk_size=2)
+    linear_attention(q, k, v, causal=causal, mode=mode, chunk_size=2, impl="torch")
     assert ran == [expected]

@@ -385,3 +385,20 @@ def test_a_built_library_loads_past_a_stale_torch_lock(tmp_path, monkeypatch):
     module = native.extension()
     assert hasattr(module, "vq_block_forward") and hasattr(module, "vq_decode_step")
     assert (copy / "lock").exists(), "another process's lock is never deleted"
+
+
+def test_every_source_of_the_build_is_in_the_package_data():
+    """An installed (not editable) linattn ships every file the build reads: each source and
+    header of ``native.py`` matches a ``package-data`` pattern of its package in pyproject.toml."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(linattn.__file__).parent
+    config = tomllib.loads((root.parents[1] / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]
+    for path in native.SOURCES + native.HEADERS:
+        package_dir = path.parent.parent
+        package = ".".join(("linattn",) + package_dir.relative_to(root).parts)
+        relative = str(path.relative_to(package_dir))
+        assert any(fnmatch.fnmatch(relative, p) for p in patterns.get(package, [])), (package, relative)

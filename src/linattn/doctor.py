@@ -33,6 +33,7 @@ from . import __version__, _selftest
 from ._checks import available_device_name
 from .models import _block_generation
 from .ops.common import native
+from .ops.kernel import native_scan
 from .ops.vq import native_block_check, native_choice, schedule, triton_choice
 from .reporting import device_name
 
@@ -203,8 +204,9 @@ def run(selected: list[str] | None = None, as_json: bool = False) -> int:
 def build_native() -> int:
     """Build (or load) the native kernels and run their self-checks in float32 and float64
     (the VQ decoding step's, ``ops/vq/native_choice.py``, the VQ block form's,
-    ``ops/vq/native_block_check.py``, and the whole-model step of pre-norm blocks',
-    ``models/_block_generation.py``), one line each; 0 when they build and agree with the
+    ``ops/vq/native_block_check.py``, the whole-model step of pre-norm blocks',
+    ``models/_block_generation.py``, and kernel attention's chunk form, ``ops/kernel/native_scan.py``),
+    one line each; 0 when they build and agree with the
     torch forms, 1 otherwise (each failure on a ``FAIL`` line)."""
     try:
         native.extension()
@@ -214,7 +216,8 @@ def build_native() -> int:
     print(f"native kernels: built in {native.build_directory()}")
     failed = False
     checks = (("decoding step", native_choice.verdict), ("block form", native_block_check.verdict),
-              ("model step of pre-norm blocks", _block_generation.verdict))
+              ("model step of pre-norm blocks", _block_generation.verdict),
+              ("kernel attention's chunk form", native_scan.verdict))
     for kernel, check in checks:
         for dtype in native_choice.DTYPES:
             failure = check(dtype)

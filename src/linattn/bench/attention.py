@@ -76,9 +76,11 @@ def _softmax_case(name: str, label: str, impl: str, **extra) -> Case:
     return Case(name, label, attend, **extra)
 
 
-def _linear_case(name: str, label: str, feature_map: FeatureMap) -> Case:
+def _linear_case(name: str, label: str, feature_map: FeatureMap, impl: str = "auto") -> Case:
+    """Kernel attention's causal chunk form: ``impl="auto"`` is the native kernel on a CPU."""
+
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return linear_attention(q, k, v, feature_map=feature_map, causal=True, mode="chunk")[0]
+        return linear_attention(q, k, v, feature_map=feature_map, causal=True, mode="chunk", impl=impl)[0]
 
     return Case(name, label, attend)
 
@@ -154,6 +156,8 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
     "tiled": lambda config: _softmax_case("tiled", "softmax (tiled, online)", "tiled"),
     "reference": _reference,
     "linear-elu": lambda config: _linear_case("linear-elu", "linear elu+1 (chunk)", EluPlusOne()),
+    "linear-elu-torch": lambda config: _linear_case("linear-elu-torch", "linear elu+1 (chunk, torch form)",
+                                                    EluPlusOne(), impl="torch"),
     "linear-dpfp1": lambda config: _linear_case("linear-dpfp1", "linear DPFP(1) (chunk)", DPFP(1)),
     "linear-favor64": lambda config: _linear_case("linear-favor64", "linear FAVOR+(64) (chunk)", FAVOR(64)),
     "delta-chunk": lambda config: _delta_case("delta-chunk", "delta rule (chunk, WY/UT)", "chunk"),

@@ -19,11 +19,17 @@ as one call of an object that holds the constants and buffers (``models/_vq_gene
 ``vq_kernels.h`` declares the VQ entry points, ``vq_block_inputs.h`` checks the block form's
 inputs, ``vq_cache_scan.h`` gives the cache at the start of each segment of a row.
 
+Kernel attention's (``ops/kernel/_native``, ``kernel/native_scan.py`` checks them):
+``linear_scan.cpp``, the causal chunk form with its gradients, and ``decayed_scan.cpp``, the
+decayed chunk form without gradients (``linear_scan.h`` declares both, ``scan_problem.h`` holds
+what they share: the sizes, the feature maps they make, the division).
+
 The shared ones (``ops/common/_native``): ``block_model_step.cpp`` (``block_model_step.h``), a
 whole token of a model of pre-norm blocks (the softmax, sliding-window, kernel attention,
 retention, GLA, delta-rule and gated delta-rule layers) as one call (``models/_block_generation.py``);
 ``row_products.h``, the small matrix products of the steps (a few rows against a matrix read
-once, in a fixed order of terms); ``fast_exp.h``, the float32 exp of the softmax passes and the
+once, in a fixed order of terms); ``tile_products.h``, those of the chunk kernels (tiles that fit
+the first cache, sums kept in registers); ``fast_exp.h``, the float32 exp of the softmax passes and the
 SiLU; ``native_checks.h``, the check of a tensor a kernel writes through; ``module.cpp``, the
 Python module of all of them.
 
@@ -75,14 +81,18 @@ import torch
 
 _SHARED = Path(__file__).parent / "_native"
 _VQ = Path(__file__).parents[1] / "vq" / "_native"
-SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _VQ / "vq_decode_step.cpp",
+_KERNEL = Path(__file__).parents[1] / "kernel" / "_native"
+SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _KERNEL / "linear_scan.cpp",
+           _KERNEL / "decayed_scan.cpp",
+           _VQ / "vq_decode_step.cpp",
            _VQ / "vq_block_forward.cpp", _VQ / "vq_block_backward.cpp", _VQ / "vq_codes.cpp", _VQ / "vq_gau_step.cpp",
            _VQ / "vq_model_step.cpp")
 # included by the sources (from these folders): part of the build's inputs
-INCLUDES = (_SHARED, _VQ)
-HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "native_checks.h",
+INCLUDES = (_SHARED, _VQ, _KERNEL)
+HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "tile_products.h", _SHARED / "native_checks.h",
            _SHARED / "block_model_step.h", _VQ / "vq_block_inputs.h", _VQ / "vq_cache_scan.h",
-           _VQ / "vq_model_step.h", _VQ / "vq_kernels.h")
+           _VQ / "vq_model_step.h", _VQ / "vq_kernels.h",
+           _KERNEL / "linear_scan.h", _KERNEL / "scan_problem.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)

@@ -17,6 +17,7 @@ With log decays ``g`` (causal only; ``decay_forms.py``), the sums forget:
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,7 +35,7 @@ from ..._checks import (
     check_state_tensor,
     compute_dtype,
 )
-from . import decay_forms, forms
+from . import decay_forms, forms, native_scan
 from .feature_maps import FeatureMap, get_feature_map
 
 _MODES = ("parallel", "chunk", "recurrent")
@@ -61,6 +62,7 @@ def linear_attention(
     g: torch.Tensor | None = None,
     scale: float = 1.0,
     check_inputs: bool = True,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Kernel attention ``out_i = phi(q_i)^T S_i / phi(q_i).z_i`` in linear time.
 
@@ -101,6 +103,11 @@ def linear_attention(
             host sync on a GPU, a graph break under ``torch.compile``); ``False`` for callers
             whose g is in range by construction (a ``logsigmoid``). Shapes, dtypes and devices
             are always checked.
+        impl: ``"auto"`` (the native kernels for the causal chunk form on CPU tensors in
+            float32 or float64: without decay always, with decay when the call records no
+            gradients; the torch forms otherwise; ``LINATTN_LINEAR_IMPL=torch`` or ``native``
+            replaces the choice), ``"native"`` (those kernels; a call they do not compute is a
+            ValueError naming why) or ``"torch"``. See ``native_scan.py``.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``. Sums and states are
@@ -125,8 +132,9 @@ def linear_attention(
     check_non_negative_number("eps", eps)
     check_scale(scale)
     check_bool("check_inputs", check_inputs)
+    check_choice("impl", impl, native_scan.IMPLS)
     if mode is None:
-        mode = "recurrent" if causal and shapes.length == 1 else "chunk"
+        mode = "recurrent" if causal and shapes.length == 1 and impl != "native" else "chunk"
 
     B, Hkv, Dk, Dv = shapes.batch, shapes.kv_heads, shapes.key_dim, shapes.value_dim
     F = fmap.dim_out(Dk)
@@ -140,7 +148,7 @@ def linear_attention(
     if initial_state is not None:
         _check_state(initial_state, (B, Hkv, F, Dv), q, with_denominator, tracks_shift, identity, normalize)
 
-    form = (fmap, causal, normalize, mode, chunk_size, eps, scale, output_final_state)
+    form = (fmap, causal, normalize, mode, chunk_size, eps, scale, output_final_state, impl)
     guarded = tracks_shift and compute_dtype(q.dtype) != torch.float64 and eps > 0
     limit = math.log(eps) + _FLOAT32_SHIFT_LIMIT if guarded else math.inf
     if guarded and torch.compiler.is_compiling():
@@ -188,10 +196,12 @@ def _check_state(state, kv_shape: tuple[int, ...], q: torch.Tensor, with_denomin
         check_state_tensor("initial_state.key_shift", state.key_shift, kv_shape[:2], q)
 
 
-def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size, eps, scale, final_state):
+def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size, eps, scale, final_state,
+            impl="torch"):
     """The computation of ``linear_attention`` on checked arguments, in float32 (float64 for
     float64 inputs) -> ``(out [B, H, T, Dv] in q's dtype, S [B Hkv, F, Dv], z [B Hkv, F],
-    key_shift [B Hkv], peak)``: ``z`` only with a denominator, ``key_shift`` only for
+    key_shift [B Hkv], peak)``; ``impl`` as ``linear_attention``'s, decided here for the dtype
+    computed in (``native_scan.use_native``). ``z`` only with a denominator, ``key_shift`` only for
     exponential maps under it, ``S`` and ``z`` after the last position (``S`` may be None
     for the parallel form without ``final_state``), ``peak`` the largest ``q_shift +
     key_shift`` of a row (None without shifts)."""
@@ -201,6 +211,10 @@ def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size
     dtype = compute_dtype(q.dtype)
     with_denominator = normalize == "attention"
     tracks_shift = fmap.exponential and with_denominator
+    carried = () if initial_state is None else (initial_state.kv, initial_state.normalizer)
+    differentiable = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, *carried))
+    native = native_scan.use_native(impl, q, dtype, causal, mode, g is not None, differentiable)
 
     S = z = state_shift = None
     if initial_state is not None:
@@ -214,8 +228,9 @@ def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size
     if with_denominator and z is None:
         z = q.new_zeros(B * Hkv, F, dtype=dtype)
 
+    made_map = native_scan.kernel_map(fmap, normalize) if native else None  # a map the kernel makes itself
     qf = q.to(dtype).reshape(B * Hkv, G, T, Dk)
-    if scale != 1.0:
+    if scale != 1.0 and made_map is None:
         qf = qf * scale
     kf = k.to(dtype).reshape(B * Hkv, T_keys, Dk)
     values = v.to(dtype).reshape(B * Hkv, T_keys, Dv)
@@ -223,7 +238,7 @@ def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size
     if tracks_shift:
         key_logs = fmap.log_features(kf, is_query=False)
         key_shift = key_logs.detach().amax(dim=(-1, -2))  # [N]
-        if causal and mode == "chunk" and g is None:
+        if causal and mode == "chunk" and g is None and not native:
             key_logs = None  # the causal chunk form makes features chunk by chunk
         if state_shift is not None:
             old_shift = state_shift.reshape(B * Hkv)
@@ -248,7 +263,17 @@ def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size
     family, causal_or_decay = forms, causal
     if g is not None:
         family, causal_or_decay = decay_forms, g.to(dtype).reshape(B * Hkv, *g.shape[2:])
-    if mode == "parallel":
+    if native:
+        S = values.new_zeros(B * Hkv, F, Dv) if S is None else S
+        kernel = native_scan.scan if g is None else functools.partial(native_scan.decayed, g=causal_or_decay)
+        if made_map is not None:
+            out, _, S, z = kernel(qf, kf, values, S=S, z=z, chunk_size=chunk_size, feature_map=made_map, scale=scale,
+                                  eps=eps if with_denominator else None)
+        else:
+            phi_q, q_shift = features.queries(qf)
+            num, den, S, z = kernel(phi_q, features.keys(kf), values, S=S, z=z, chunk_size=chunk_size)
+            out = finish(num, den, q_shift)
+    elif mode == "parallel":
         out, S, z = family.parallel(qf, kf, values, S, z, causal_or_decay, features, finish, final_state)
     elif mode == "recurrent":
         out, S, z = family.recurrent(qf, kf, values, S, z, causal_or_decay, features, finish)
@@ -279,7 +304,7 @@ def _float64_if(wide: torch.Tensor, q, k, v, g, initial_state, form: tuple) -> t
     """``torch.cond``: ``_in_float64`` where ``wide``, else ``_attend`` in float32 ->
     ``(out, S, z, key_shift)``. Every tensor crossing the cond gets contiguous gradients:
     the backward of a cond needs the same strides from both branches."""
-    crossing = 4 if form[-1] else 1  # without a final state only out crosses (S may be None)
+    crossing = 4 if form[7] else 1  # without a final state only out crosses (S may be None)
     contiguous_grad = _ContiguousGrad.apply
 
     def branch(compute):

@@ -2,10 +2,13 @@
 // decoding step (vq_decode_step.cpp), the block form and its gradients (vq_block_forward.cpp,
 // vq_block_backward.cpp), the nearest-code search with the check that keys are their codes
 // (vq_codes.cpp), one token through a gated attention unit (vq_gau_step.cpp) or a whole VQ model
-// (vq_model_step.cpp), and one token through a whole model of pre-norm blocks (block_model_step.cpp).
+// (vq_model_step.cpp), one token through a whole model of pre-norm blocks (block_model_step.cpp), and
+// causal kernel attention's chunk form with its gradients (kernel/_native/linear_scan.cpp) and its
+// decayed chunk form (kernel/_native/decayed_scan.cpp).
 #include <torch/extension.h>
 
 #include "block_model_step.h"
+#include "linear_scan.h"
 #include "vq_kernels.h"
 #include "vq_model_step.h"
 
@@ -22,6 +25,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether keys are the codebook's rows at their codes (vq_codes.cpp).");
   m.def("vq_gau_step", &linattn::vq_gau_step, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "One token through a Transformer-VQ gated attention unit (vq_gau_step.cpp).");
+  m.def("linear_scan_forward", &linattn::linear_scan_forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Causal kernel attention's chunk form (linear_scan.cpp).");
+  m.def("linear_scan_backward", &linattn::linear_scan_backward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "The gradients of the chunk form (linear_scan.cpp).");
+  m.def("decayed_scan_forward", &linattn::decayed_scan_forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "Causal kernel attention's decayed chunk form, without gradients (decayed_scan.cpp).");
   pybind11::class_<linattn::VQModelStep>(m, "VQModelStep",
                                          "One token through a whole Transformer-VQ model (vq_model_step.cpp).")
       .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor, int64_t>())
