@@ -103,10 +103,13 @@ def _state(B, Hkv, F, E, seed, normalize, requires_grad=True):
                                 normalize="none" if normalize is None else normalize)
 
 
-SHAPES = {  # (B, H, Hkv, T, chunk): T = 1; T not a multiple of the chunk; one key/value head for 4 queries
-    "T1": (2, 4, 2, 1, 4),
-    "ragged": (2, 2, 2, 23, 4),
-    "gqa": (1, 4, 1, 13, 3),
+SHAPES = {  # (B, H, Hkv, T, chunk, Dk, Dv): T = 1; T not a multiple of the chunk; one key/value head for
+    # 4 queries; widths that take every path of the tile products (in float64, 40 = 4 vectors + 1,
+    # 21 = 2 vectors + 5 columns; chunks of 16 rows, so blocks of rows meet the triangles' diagonals)
+    "T1": (2, 4, 2, 1, 4, 4, 3),
+    "ragged": (2, 2, 2, 23, 4, 4, 3),
+    "gqa": (1, 4, 1, 13, 3, 4, 3),
+    "wide": (1, 2, 1, 45, 16, 40, 21),
 }
 
 
@@ -121,13 +124,15 @@ def test_equals_the_formula_with_gradients(fmap, normalize, shape, carried, kern
     """Outputs, final states and the gradients of q, k, v and the carried state equal the
     formula's in float64; rows are cut into segments of 2 chunks, so the ragged shape crosses
     three segment ends."""
-    B, H, Hkv, T, chunk = shape_args = SHAPES[shape]
+    B, H, Hkv, T, chunk, Dk, Dv = shape_args = SHAPES[shape]
     maps = {"favor": FAVOR(8, seed=1), "dpfp1": DPFP(1)}
     feature_map = maps.get(fmap, fmap)
-    q, k, v = make_qkv(B=B, H=H, Hkv=Hkv, T=T, Dk=4, Dv=3, positive=fmap == "identity", seed=len(shape) + T)
+    q, k, v = make_qkv(B=B, H=H, Hkv=Hkv, T=T, Dk=Dk, Dv=Dv, positive=fmap == "identity", seed=len(shape) + T)
+    if Dk > 8:  # keep exp's and the unnormalised sums' magnitudes as at Dk = 4
+        q, k = q * 0.3, k * 0.3
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    F = {"dpfp1": 8, "favor": 8}.get(fmap, 4)
-    state = _state(B, Hkv, F, 3, seed=T, normalize=normalize) if carried else None
+    F = {"dpfp1": 2 * Dk, "favor": 8}.get(fmap, Dk)
+    state = _state(B, Hkv, F, Dv, seed=T, normalize=normalize) if carried else None
     scale = 0.7
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(native_scan, "segment_chunks_for", lambda rows, chunks: 2)
@@ -368,6 +373,28 @@ def test_decayed_equals_the_recurrence(setting, per_channel, T, chunk, low, kern
     assert_close_rel(final.kv * factor[..., None, None], want_S, rtol=1e-11, name="final S")
     if normalize == "attention":
         assert_close_rel(final.normalizer * factor[..., None], want_z, rtol=1e-11, name="final z")
+
+
+@pytest.mark.parametrize("setting", ["identity-none", "elu-attention"])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["scalar", "channel"])
+def test_decayed_wide_equals_the_recurrence(setting, per_channel, kernel_calls):
+    """Widths that take every path of the tile products (Dk 40, Dv 21 in float64), chunks of 16
+    rows (a per-step decay's chunk of 32 too), a reset."""
+    from test_decay import SETTINGS
+
+    fmap, normalize, _ = SETTINGS[setting]
+    q, k, v = make_qkv(B=1, H=2, Hkv=1, T=70, Dk=40, Dv=21, seed=9, positive=normalize is None)
+    q, k = q * 0.3, k * 0.3
+    g = make_g(1, 1, 70, 40 if per_channel else None, low=-1.0)
+    g[:, :, 20] = -torch.inf
+    want, want_S, _ = decay_loop(q, k, v, g, fmap, normalize)
+    for chunk in (16, 32):
+        with torch.no_grad():
+            out, final = linear_attention(q, k, v, g=g, feature_map=fmap, normalize=normalize, chunk_size=chunk,
+                                          output_final_state=True, impl="native")
+        assert_close_rel(out, want, rtol=1e-11, name=f"out, chunk {chunk}")
+        assert_close_rel(final.kv, want_S, rtol=1e-11, name=f"final S, chunk {chunk}")
+    assert kernel_calls == ["decayed " + DECAY_SETTINGS[setting]] * 2
 
 
 def test_decayed_with_gradients_runs_the_torch_form(kernel_calls):
