@@ -79,6 +79,8 @@ from typing import Any
 
 import torch
 
+from ..._checks import env_choice
+
 _SHARED = Path(__file__).parent / "_native"
 _VQ = Path(__file__).parents[1] / "vq" / "_native"
 _KERNEL = Path(__file__).parents[1] / "kernel" / "_native"
@@ -292,6 +294,19 @@ def tracing() -> bool:
     return torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
+def unsupported_tensors(device: torch.device, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> str | None:
+    """Why a kernel that reads its tensors' data does not run on tensors on ``device`` computed in
+    ``dtype`` (None when it may): not a CPU, under ``torch.compile`` or ``torch.export``, or a dtype
+    outside ``dtypes``."""
+    if device.type != "cpu":
+        return f"runs on CPU tensors, got {device.type}"
+    if tracing():
+        return "does not run under torch.compile or torch.export (it reads the tensors' data)"
+    if dtype not in dtypes:
+        return f"computes in {' or '.join(str(d).replace('torch.', '') for d in dtypes)}, got {dtype}"
+    return None
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``max |got - want| / max |want|``: how a self-check compares a kernel's result with the torch form's."""
     return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
@@ -325,6 +340,26 @@ class Trust:
             except Exception as error:  # the build's RuntimeError, or the kernel raising on the check
                 self.verdicts[key] = " ".join(str(error).split())[:500]
         return self.verdicts[key]
+
+    def choose(self, impl: str, variable: str, reason: str | None, key: Any, kernel: str, fallback: str) -> bool:
+        """Whether a call asking for ``impl`` (``"auto"``, ``"torch"`` or ``"native"``) runs the
+        kernel: ``variable`` (``torch`` or ``native``, read only for ``"auto"``) replaces the choice;
+        ``"torch"`` never runs it; otherwise it runs when ``reason`` (why it does not compute the
+        call) is None and its self-check for ``key`` passed. Asked for (``"native"``, or the variable
+        set to it), a reason is a ValueError and a failed check a RuntimeError, each naming the
+        ``kernel``; under ``"auto"`` the torch form runs, a failed check warned once with ``fallback``."""
+        forced = env_choice(variable, ("torch", "native")) if impl == "auto" else None
+        impl = forced or impl
+        if impl == "torch":
+            return False
+        strict = impl == "native"
+        if reason is not None:
+            if strict:
+                source = f"{variable}=native" if forced else "impl='native'"
+                raise ValueError(f"{source}: the native {kernel} {reason}; use impl='torch' or 'auto'")
+            return False
+        return self.trusted(key, strict, f"the native {kernel} failed in {key}",
+                            f"Use impl='torch' (or impl='auto' without {variable}=native)", fallback)
 
     def trusted(self, key: Any, strict: bool, failed: str, strict_hint: str, fallback: str) -> bool:
         """Whether the kernel may run for ``key``: True when its verdict passed; else, ``strict``

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..._checks import env_choice
 from ..common import native
 from ..common.decay import CHANNEL_CHUNK
 from ..common.native import relative_error
@@ -75,12 +74,9 @@ def unsupported(q: torch.Tensor, dtype: torch.dtype, causal: bool, mode: str, de
     """Why the kernels do not compute a ``linear_attention`` call (None when they do): ``q`` its
     queries, ``dtype`` the dtype it computes in, ``mode`` its resolved form, ``decayed`` whether
     it has log decays, ``differentiable`` whether it must record gradients."""
-    if q.device.type != "cpu":
-        return f"runs on CPU tensors, got {q.device.type}"
-    if native.tracing():
-        return "does not run under torch.compile or torch.export (it reads the tensors' data)"
-    if dtype not in DTYPES:
-        return f"computes in float32 or float64, got {dtype}"
+    reason = native.unsupported_tensors(q.device, dtype, DTYPES)
+    if reason is not None:
+        return reason
     if not causal:
         return "computes the causal form (causal=True)"
     if mode != "chunk":
@@ -94,21 +90,9 @@ def unsupported(q: torch.Tensor, dtype: torch.dtype, causal: bool, mode: str, de
 def use_native(impl: str, q: torch.Tensor, dtype: torch.dtype, causal: bool, mode: str, decayed: bool,
                differentiable: bool = False) -> bool:
     """Whether a ``linear_attention(impl=...)`` call runs the kernels (module docstring)."""
-    forced = env_choice(ENV, ("torch", "native")) if impl == "auto" else None
-    impl = forced or impl
-    if impl == "torch":
-        return False
-    strict = impl == "native"
-    reason = unsupported(q, dtype, causal, mode, decayed, differentiable)
-    if reason is not None:
-        if strict:
-            source = f"{ENV}=native" if forced else "impl='native'"
-            raise ValueError(f"{source}: the native kernel attention {reason}; use impl='torch' or 'auto'")
-        return False
-    return _trust.trusted(dtype, strict, f"the native kernel attention failed in {dtype}",
-                          f"Use impl='torch' (or impl='auto' without {ENV}=native)",
-                          f"linear_attention uses the torch chunk form in {dtype} from now on ({ENV}=torch "
-                          "chooses it without trying the kernel)")
+    return _trust.choose(impl, ENV, unsupported(q, dtype, causal, mode, decayed, differentiable), dtype,
+                         "kernel attention", f"linear_attention uses the torch chunk form in {dtype} from now on "
+                         f"({ENV}=torch chooses it without trying the kernel)")
 
 
 def verdict(dtype: torch.dtype) -> str | None:

@@ -43,12 +43,9 @@ def unsupported(q: torch.Tensor, dtype: torch.dtype, codes: torch.Tensor, rerope
     """Why the kernels do not compute a call (None when they do): ``q`` the queries, ``dtype``
     the dtype the call computes in, ``codes`` its codes, ``rerope`` its ReRoPE window (or None),
     ``scope`` its grad_scope, ``state`` the state it continues (or None)."""
-    if q.device.type != "cpu":
-        return f"runs on CPU tensors, got {q.device.type}"
-    if native.tracing():
-        return "does not run under torch.compile or torch.export (it reads the tensors' data)"
-    if dtype not in DTYPES:
-        return f"computes in float32 or float64, got {dtype}"
+    reason = native.unsupported_tensors(q.device, dtype, DTYPES)
+    if reason is not None:
+        return reason
     if codes.is_floating_point():
         return "takes hard codes, not soft ones"
     if rerope is not None:

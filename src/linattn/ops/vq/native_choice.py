@@ -60,21 +60,10 @@ def use_native(impl: str, device: torch.device, dtype: torch.dtype, rerope: bool
     which the native step does not compute (``"auto"`` takes torch, ``"native"`` is refused)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
-    forced = forced_impl() if impl == "auto" else None
-    impl = forced or impl
-    if impl == "torch":
-        return False
-    strict = impl == "native"
     reason = "has no ReRoPE form (rerope=)" if rerope else unsupported(device, dtype)
-    if reason is not None:
-        if strict:
-            source = f"{ENV}=native" if forced else "impl='native'"
-            raise ValueError(f"{source}: the native VQ decoding step {reason}; use impl='torch' or 'auto'")
-        return False
-    return _trust.trusted(dtype, strict, f"the native VQ decoding step failed in {dtype}",
-                          f"Use impl='torch' (or impl='auto' without {ENV}=native)",
-                          f"vq_decode_step uses the torch form in {dtype} from now on ({ENV}=torch chooses it "
-                          f"without trying the native step, {ENV}=native makes this an error)")
+    return _trust.choose(impl, ENV, reason, dtype, "VQ decoding step",
+                         f"vq_decode_step uses the torch form in {dtype} from now on ({ENV}=torch chooses it "
+                         f"without trying the native step, {ENV}=native makes this an error)")
 
 
 def choice(device: torch.device, dtype: torch.dtype) -> tuple[str, str]:

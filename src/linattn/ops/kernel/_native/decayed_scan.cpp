@@ -129,16 +129,7 @@ struct DecayedChunks {
     }
     keep_triangle(Triangle::kLower, L, scores.data());
     tile_product(L, s.E, L, scores.data(), L, vc, s.E, o, s.E, true, Triangle::kLower);
-    if (!p.normalized) return;
-    for (int64_t i = 0; i < L; ++i) {
-      scalar_t sum = 0;
-      for (int64_t f = 0; f < s.F; ++f) sum += reads[i * s.F + f] * z[f];
-      for (int64_t j = 0; j <= i; ++j) sum += scores[i * L + j];
-      den[row + i] = sum;
-      if (!p.divide) continue;
-      const scalar_t inverse = scalar_t(1) / (sum + p.eps);
-      for (int64_t e = 0; e < s.E; ++e) o[i * s.E + e] *= inverse;
-    }
+    if (p.normalized) p.denominators(row, L, reads.data(), z, scores.data(), den, o);
   }
 };
 

@@ -107,16 +107,7 @@ void forward_rows(const Problem<scalar_t>& p, const scalar_t* seg_S, const scala
           scalar_t* o = out + row * s.E;
           tile_product(L, s.E, s.F, qg, s.F, S.data(), s.E, o, s.E, false);
           tile_product(L, s.E, L, scores.data(), L, vc, s.E, o, s.E, true, Triangle::kLower);
-          if (!p.normalized) continue;
-          for (int64_t i = 0; i < L; ++i) {
-            scalar_t total = 0;
-            for (int64_t f = 0; f < s.F; ++f) total += qg[i * s.F + f] * z[f];
-            for (int64_t j = 0; j <= i; ++j) total += scores[i * L + j];
-            den[row + i] = total;
-            if (!p.divide) continue;
-            const scalar_t inverse = scalar_t(1) / (total + p.eps);
-            for (int64_t e = 0; e < s.E; ++e) o[i * s.E + e] *= inverse;
-          }
+          if (p.normalized) p.denominators(row, L, qg, z.data(), scores.data(), den, o);
         }
         tile_product(s.F, s.E, L, kt.data(), L, vc, s.E, S.data(), s.E, true);
         if (p.normalized) add_rows(L, s.F, kc, z.data());

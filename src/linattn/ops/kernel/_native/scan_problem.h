@@ -74,6 +74,22 @@ struct Problem {
     }
   }
 
+  // den[row + i] = reads_i . z + sum_{j <= i} scores[i, j] over the L rows of a chunk (reads [L, F]:
+  // the query rows as they read the state entering it, z that state's normalizer, scores [L, L]),
+  // and with the division out_i /= den_i + eps (out [L, E]).
+  void denominators(int64_t row, int64_t L, const scalar_t* reads, const scalar_t* z, const scalar_t* scores,
+                    scalar_t* den, scalar_t* out) const {
+    for (int64_t i = 0; i < L; ++i) {
+      scalar_t total = 0;
+      for (int64_t f = 0; f < s.F; ++f) total += reads[i * s.F + f] * z[f];
+      for (int64_t j = 0; j <= i; ++j) total += scores[i * L + j];
+      den[row + i] = total;
+      if (!divide) continue;
+      const scalar_t inverse = scalar_t(1) / (total + eps);
+      for (int64_t e = 0; e < s.E; ++e) out[i * s.E + e] *= inverse;
+    }
+  }
+
   // The gradients of num and den of query head g's rows of chunk c: d_out and d_den themselves, or
   // with the division dO = d_out / (den + eps), dd = -(d_out . out) / (den + eps) in the buffers.
   void output_gradients(int64_t n, int64_t g, int64_t c, scalar_t* dO_buffer, scalar_t* dd_buffer,
