@@ -207,14 +207,7 @@ void decayed_scan_forward(const at::Tensor& q, const at::Tensor& k, const at::Te
               "], got ", g.sizes());
   const int64_t Fg = g.size(2);
   check_tensor(what, g, "g", dtype, {s.N, s.T, Fg});
-  TORCH_CHECK(den.has_value() == normalized && final_normalizer.has_value() == normalized, what,
-              ": den and final_normalizer go with a normalizer, and only with one");
-  check_tensor(what, out, "out", dtype, {s.N, s.G, s.T, s.E});
-  check_tensor(what, final_state, "final_state", dtype, {s.N, s.F, s.E});
-  if (normalized) {
-    check_tensor(what, *den, "den", dtype, {s.N, s.G, s.T});
-    check_tensor(what, *final_normalizer, "final_normalizer", dtype, {s.N, s.F});
-  }
+  linattn_native::check_outputs(what, s, dtype, normalized, out, den, final_state, final_normalizer);
   AT_DISPATCH_FLOATING_TYPES(dtype, "decayed_scan_forward", [&] {
     const Problem<scalar_t> p{s, feature_map, static_cast<scalar_t>(scale), static_cast<scalar_t>(eps), normalized,
                               divide, q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>()};

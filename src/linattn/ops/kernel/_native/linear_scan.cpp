@@ -268,14 +268,7 @@ void linear_scan_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const Sizes s = sizes_of(what, q, k, v, state, normalizer, chunk, segment_chunks, feature_map, scale, divide);
   const auto dtype = q.scalar_type();
   const bool normalized = normalizer.has_value();
-  TORCH_CHECK(den.has_value() == normalized && final_normalizer.has_value() == normalized, what,
-              ": den and final_normalizer go with a normalizer, and only with one");
-  check_tensor(what, out, "out", dtype, {s.N, s.G, s.T, s.E});
-  check_tensor(what, final_state, "final_state", dtype, {s.N, s.F, s.E});
-  if (normalized) {
-    check_tensor(what, *den, "den", dtype, {s.N, s.G, s.T});
-    check_tensor(what, *final_normalizer, "final_normalizer", dtype, {s.N, s.F});
-  }
+  linattn_native::check_outputs(what, s, dtype, normalized, out, den, final_state, final_normalizer);
   at::Tensor seg_S = at::empty({s.N, s.segments, s.F, s.E}, q.options());
   c10::optional<at::Tensor> seg_z;
   if (normalized) seg_z = at::empty({s.N, s.segments, s.F}, q.options());

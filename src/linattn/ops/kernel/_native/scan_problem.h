@@ -166,6 +166,21 @@ void keep_triangle(Triangle triangle, int64_t L, scalar_t* tile) {
   }
 }
 
+// The outputs of a forward kernel fit its sizes: out [N, G, T, E], final_state [N, F, E] and, with a
+// normalizer (and only with one), den [N, G, T] and final_normalizer [N, F].
+inline void check_outputs(const char* what, const Sizes& s, at::ScalarType dtype, bool normalized,
+                          const at::Tensor& out, const c10::optional<at::Tensor>& den, const at::Tensor& final_state,
+                          const c10::optional<at::Tensor>& final_normalizer) {
+  TORCH_CHECK(den.has_value() == normalized && final_normalizer.has_value() == normalized, what,
+              ": den and final_normalizer go with a normalizer, and only with one");
+  check_tensor(what, out, "out", dtype, {s.N, s.G, s.T, s.E});
+  check_tensor(what, final_state, "final_state", dtype, {s.N, s.F, s.E});
+  if (normalized) {
+    check_tensor(what, *den, "den", dtype, {s.N, s.G, s.T});
+    check_tensor(what, *final_normalizer, "final_normalizer", dtype, {s.N, s.F});
+  }
+}
+
 template <typename scalar_t>
 scalar_t* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr<scalar_t>() : nullptr;
