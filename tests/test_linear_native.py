@@ -284,23 +284,28 @@ def test_auto_takes_the_kernel_and_the_variable_the_torch_form(monkeypatch, kern
 
 
 class _Off:
-    """The compiled module with its forward's output nudged: a kernel that is wrong here."""
+    """The compiled module with the output of its forward kernel ``kernel`` nudged: a kernel that is
+    wrong here (both forward kernels take ``out`` fourth from the end)."""
 
-    def __init__(self, module):
-        self.module = module
-
-    def linear_scan_forward(self, *args):
-        self.module.linear_scan_forward(*args)
-        args[-4].add_(1e-6)  # out
+    def __init__(self, module, kernel: str):
+        self.module, self.kernel = module, kernel
 
     def __getattr__(self, name):
-        return getattr(self.module, name)
+        function = getattr(self.module, name)
+        if name != self.kernel:
+            return function
+
+        def nudged(*args):
+            function(*args)
+            args[-4].add_(1e-6)  # out
+
+        return nudged
 
 
 def test_a_kernel_that_differs_is_caught_by_the_self_check(fresh_verdicts, monkeypatch):
     q, k, v = make_qkv(B=1, H=2, Hkv=1, T=6, Dk=3, Dv=2)
     expected, _ = linear_attention(q, k, v, impl="torch")
-    monkeypatch.setattr(native, "extension", lambda module=native.extension(): _Off(module))
+    monkeypatch.setattr(native, "extension", lambda module=native.extension(): _Off(module, "linear_scan_forward"))
     with pytest.warns(RuntimeWarning, match=r"native kernel attention failed in torch.float64: output 0: differs"):
         out, _ = linear_attention(q, k, v)
     assert torch.equal(out, expected)
@@ -429,21 +434,7 @@ def test_decayed_thread_count_does_not_change_a_bit():
         assert torch.equal(a, b)
 
 
-class _DecayedOff:
-    """The compiled module with the decayed kernel's output nudged."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def decayed_scan_forward(self, *args):
-        self.module.decayed_scan_forward(*args)
-        args[-4].add_(1e-6)  # out
-
-    def __getattr__(self, name):
-        return getattr(self.module, name)
-
-
 def test_a_decayed_kernel_that_differs_is_caught_by_the_self_check(fresh_verdicts, monkeypatch):
-    monkeypatch.setattr(native, "extension", lambda module=native.extension(): _DecayedOff(module))
+    monkeypatch.setattr(native, "extension", lambda module=native.extension(): _Off(module, "decayed_scan_forward"))
     with pytest.raises(RuntimeError, match="decayed output 0: differs"):
         native_scan.use_native("native", torch.zeros(1), torch.float64, True, "chunk", True)

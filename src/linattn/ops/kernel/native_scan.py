@@ -46,16 +46,12 @@ from ..common import native
 from ..common.decay import CHANNEL_CHUNK
 from ..common.native import relative_error
 from . import decay_forms, forms
-from .feature_maps import EluPlusOne, FeatureMap, Identity, ReLU
+from .feature_maps import EluPlusOne, FeatureMap, Identity, ReLU, get_feature_map
 
 ENV = "LINATTN_LINEAR_IMPL"
 IMPLS = ("auto", "torch", "native")
 DTYPES = (torch.float32, torch.float64)
 RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
-SEGMENT_CHUNKS = 32
-"""Chunks per task of the kernels (a row is cut into segments of this many chunks, each computed
-by one thread from the state at its start). Fixed, not taken from the thread count, so results do
-not depend on it."""
 _SHAPE = dict(N=3, G=2, F=5, E=4, chunk=4, segment_chunks=2)
 # (T, feature map, scale, eps) of the self-check's calls: a map made by the kernel with the
 # division, then given features with the denominator returned
@@ -168,11 +164,7 @@ def decayed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
         segment_chunks = segment_chunks_for(k.shape[0], -(-q.shape[2] // chunk_size))
     q, k, v, S, z = _kernel_inputs(q, k, v, S, z)
     g = (g if per_channel else g.unsqueeze(-1)).detach().contiguous()
-    N, G, T, _ = q.shape
-    out = q.new_empty(N, G, T, v.shape[-1])
-    S_final = torch.empty_like(S)
-    den = q.new_empty(N, G, T) if z is not None else None
-    z_final = torch.empty_like(z) if z is not None else None
+    out, den, S_final, z_final = _outputs(q, v, S, z)
     native.extension().decayed_scan_forward(q, k, v, g, S, z, chunk_size, segment_chunks, MAPS[feature_map],
                                             float(scale), eps is not None, eps or 0.0, out, den, S_final, z_final)
     den = None if den is None or eps is not None else den.unsqueeze(-1)
@@ -189,14 +181,18 @@ def _check_options(feature_map: str, scale: float, eps: float | None, z: torch.T
         raise ValueError(f"given features take no scale, got scale={scale}")
 
 
+def _outputs(q, v, S, z):
+    """Empty outputs of a forward kernel: ``(out [N, G, T, E], den [N, G, T] or None, S_final,
+    z_final or None)``, den and z_final with a normalizer z."""
+    N, G, T, _ = q.shape
+    den = q.new_empty(N, G, T) if z is not None else None
+    return q.new_empty(N, G, T, v.shape[-1]), den, torch.empty_like(S), None if z is None else torch.empty_like(z)
+
+
 def _forward(q, k, v, S, z, o: _Options):
     """One call of the forward kernel -> ``(out, den [N, G, T] or None, S_final, z_final or None)``."""
     q, k, v, S, z = _kernel_inputs(q, k, v, S, z)
-    N, G, T, _ = q.shape
-    out = q.new_empty(N, G, T, v.shape[-1])
-    S_final = torch.empty_like(S)
-    den = q.new_empty(N, G, T) if z is not None else None
-    z_final = torch.empty_like(z) if z is not None else None
+    out, den, S_final, z_final = _outputs(q, v, S, z)
     native.extension().linear_scan_forward(q, k, v, S, z, o.chunk_size, o.segment_chunks, MAPS[o.feature_map],
                                            o.scale, o.eps is not None, o.eps or 0.0, out, den, S_final, z_final)
     return out, den, S_final, z_final
@@ -258,18 +254,15 @@ class _GivenFeatures:
 
 
 def _features(x: torch.Tensor, feature_map: str, scale: float = 1.0) -> torch.Tensor:
-    """The map of ``MAPS`` on ``scale * x``, in torch."""
+    """The map of ``MAPS`` on ``scale * x``, by the library's own map (``"given"``: x itself)."""
     if scale != 1.0:
         x = x * scale
-    if feature_map == "elu":
-        return torch.nn.functional.elu(x) + 1.0
-    if feature_map == "relu":
-        return torch.relu(x)
-    return x
+    return x if feature_map == "given" else get_feature_map(feature_map)(x, is_query=True)
 
 
-def _torch_scan(q, k, v, S, z, o: _Options):
-    """The kernel's outputs by ``forms.chunk`` (den ``[N, G, T]``, None with the division)."""
+def _torch_scan(q, k, v, S, z, o: _Options, g: torch.Tensor | None = None):
+    """The kernels' outputs by ``forms.chunk``, or with log decays ``g`` by ``decay_forms.chunk``
+    (den ``[N, G, T]``, None with the division)."""
     E = v.shape[-1]
     phi_q, phi_k = _features(q, o.feature_map, o.scale), _features(k, o.feature_map)
 
@@ -278,7 +271,10 @@ def _torch_scan(q, k, v, S, z, o: _Options):
             return num
         return num / (den + o.eps) if o.eps is not None else torch.cat([num, den], -1)
 
-    out, S_final, z_final = forms.chunk(phi_q, phi_k, v, S, z, True, o.chunk_size, _GivenFeatures(), finish)
+    if g is None:
+        out, S_final, z_final = forms.chunk(phi_q, phi_k, v, S, z, True, o.chunk_size, _GivenFeatures(), finish)
+    else:
+        out, S_final, z_final = decay_forms.chunk(phi_q, phi_k, v, S, z, g, o.chunk_size, _GivenFeatures(), finish)
     if z is None or o.eps is not None:
         return out, None, S_final, z_final
     return out[..., :E], out[..., E], S_final, z_final
@@ -358,27 +354,12 @@ def _decayed_outcomes(dtype: torch.dtype, way: str) -> dict[str, torch.Tensor]:
             out, den, S, z = decayed(q, k, v, g, S, z, s["chunk"], feature_map=feature_map, scale=scale, eps=eps,
                                      segment_chunks=s["segment_chunks"])
         else:
-            out, den, S, z = _torch_decayed(q, k, v, g, S, z, _Options(s["chunk"], 0, feature_map, scale, eps))
+            out, den, S, z = _torch_scan(q, k, v, S, z, _Options(s["chunk"], 0, feature_map, scale, eps), g)
+            den = None if den is None else den.unsqueeze(-1)
         for name, value in (("output", out), ("denominator", den), ("state", S), ("normalizer", z)):
             if value is not None:
                 results[f"decayed {name} {call}"] = value
     return results
-
-
-def _torch_decayed(q, k, v, g, S, z, o: _Options):
-    """``decayed``'s outputs by ``decay_forms.chunk`` (den ``[N, G, T, 1]``, None with the division)."""
-    E = v.shape[-1]
-
-    def finish(num, den, _shift):
-        if den is None:
-            return num
-        return num / (den + o.eps) if o.eps is not None else torch.cat([num, den], -1)
-
-    phi_q, phi_k = _features(q, o.feature_map, o.scale), _features(k, o.feature_map)
-    out, S_final, z_final = decay_forms.chunk(phi_q, phi_k, v, S, z, g, o.chunk_size, _GivenFeatures(), finish)
-    if z is None or o.eps is not None:
-        return out, None, S_final, z_final
-    return out[..., :E], out[..., E:], S_final, z_final
 
 
 _trust = native.Trust(lambda dtype: _run_check(dtype))
