@@ -1,6 +1,8 @@
 """``LM.generate``'s native token loop for models of pre-norm blocks (``models/_block_generation.py``,
 the native ``BlockModelStep``) against the step through ``LM._run``: the same logits and states
-in float64 for every mixer it takes (the sum and delta rules with their maps, normalisations,
+in float64 for every mixer it takes (the sum and delta rules with their maps (elementwise, DPFP,
+Taylor, Hedgehog's learned map, the exponential maps exp and FAVOR+ with their running key shift),
+normalisations,
 decays, short convolutions and head norms; softmax over a KV cache and over a window, with
 rotary positions, rope scaling, NoPE, the entropy scale and projection biases), with grouped
 heads, batch > 1, untied heads, a window that the tokens pass; the same tokens from ``generate``;
@@ -26,6 +28,7 @@ from test_vq_native_block import at_one_and_two_threads
 
 F64 = torch.float64
 VOCAB = 40
+VQ = dict(codebook_size=8, gau_d_k=8, gau_d_v=16)  # small VQ units
 
 
 def _model(attention: str, seed: int = 0, dtype=F64, **overrides) -> LM:
@@ -90,6 +93,9 @@ CASES = {
     "linear:elu": {}, "linear:relu": dict(n_kv_heads=2), "linear:identity": dict(qkv_bias=True, out_bias=True),
     "delta": dict(n_kv_heads=2), "delta:elu": {}, "delta:relu": dict(delta_short_conv=None),
     "delta:identity": dict(delta_short_conv=1),
+    "linear:hedgehog": dict(n_kv_heads=2), "linear:dpfp": {}, "linear:dpfp:2": dict(n_kv_heads=2),
+    "linear:taylor": dict(n_kv_heads=2), "delta:dpfp": dict(n_kv_heads=2), "delta:taylor": {},
+    "favor": dict(n_kv_heads=2), "favor:12": {}, "linear:exp": dict(n_kv_heads=2), "delta:exp": {},
     "gated-delta": dict(n_kv_heads=2), "gated-delta,gated-delta": dict(delta_short_conv=None),
     "gla": dict(n_kv_heads=2), "retnet": dict(n_kv_heads=2, rotary_base=500.0),
     "softmax": dict(n_kv_heads=2), "softmax:nope": {}, "softmax:entropy": dict(qkv_bias=True, out_bias=True),
@@ -97,6 +103,8 @@ CASES = {
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8}),
     "local:3": dict(n_kv_heads=2), "local:1": {}, "local:5:entropy": {}, "local:2:nope": dict(qkv_bias=True),
     "linear:elu,delta,gated-delta,gla,retnet,softmax,local:4": dict(n_kv_heads=2, tie_embeddings=False),
+    # VQ GAU pairs among the blocks, their blocks completed by the tokens (L 4 and 3)
+    "local:3,vq": dict(VQ, block_size=4), "vq,softmax,gated-delta": dict(VQ, block_size=3, n_kv_heads=2),
 }
 
 
@@ -157,9 +165,10 @@ def test_a_claimed_cache_is_not_appended_to_in_place_by_another_step():
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8, top_k=10, seed=3)])
-@pytest.mark.parametrize("attention", ["gated-delta,softmax", "retnet,local:3"])
-def test_generate_gives_the_tokens_of_the_general_step(attention, sampling, native_steps, monkeypatch):
-    model = _model(attention)
+@pytest.mark.parametrize("attention, options", [("gated-delta,softmax", {}), ("retnet,local:3", {}),
+                                                ("local:3,vq", dict(VQ, block_size=4))])
+def test_generate_gives_the_tokens_of_the_general_step(attention, options, sampling, native_steps, monkeypatch):
+    model = _model(attention, **options)
     prompt = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
     native = generated(model, prompt, 13, **sampling)
     assert native_steps == [2] * 12  # every token after the first
@@ -204,9 +213,8 @@ def _state_of(model, batch=2, reserve=4):
 
 
 @pytest.mark.parametrize("attention, reason", [
-    ("softmax:rerope=2", "ReRoPE"), ("linear:hedgehog", "hedgehog"), ("favor", "favor"),
-    ("linear:dpfp", "dpfp"), ("vq-attn:bias", "MultiHeadVQAttention"), ("softmax,gau-softmax", "GAUPair"),
-    ("delta:dpfp", "dpfp"),
+    ("softmax:rerope=2", "ReRoPE"),
+    ("vq-attn:bias", "MultiHeadVQAttention"), ("softmax,gau-softmax", "GAU pair"), ("local:2,vq:rerope", "GAU pair"),
 ])
 def test_not_taken_for_the_mixers_it_does_not_compute(attention, reason, monkeypatch):
     model = _model(attention)
@@ -214,10 +222,24 @@ def test_not_taken_for_the_mixers_it_does_not_compute(attention, reason, monkeyp
     with torch.no_grad():
         assert BlockGeneration.start(model, state, 2) is None
         assert reason in why_not(model, state)
-        if "gau" not in attention:  # a model with a layer other than a block is not this loop's to refuse
-            monkeypatch.setenv("LINATTN_BLOCK_STEP_IMPL", "native")
-            with pytest.raises(ValueError, match=f"LINATTN_BLOCK_STEP_IMPL=native: .*{reason}"):
-                BlockGeneration.start(model, state, 2)
+        monkeypatch.setenv("LINATTN_BLOCK_STEP_IMPL", "native")
+        with pytest.raises(ValueError, match=f"LINATTN_BLOCK_STEP_IMPL=native: .*{reason}"):
+            BlockGeneration.start(model, state, 2)
+
+
+def test_vq_units_without_the_native_vq_step_are_refused(monkeypatch):
+    model = _model("local:3,vq", **VQ, block_size=4)
+    state = _state_of(model)
+    monkeypatch.setenv("LINATTN_VQ_STEP_IMPL", "torch")
+    with torch.no_grad():
+        assert BlockGeneration.start(model, state, 2) is None
+        assert "LINATTN_VQ_STEP_IMPL" in why_not(model, state)
+
+
+def test_a_model_of_vq_pairs_alone_is_the_vq_loop_s():
+    model = _model("vq,vq", **VQ, block_size=4, n_heads=None)
+    with torch.no_grad():
+        assert BlockGeneration.start(model, _state_of(model), 2) is None
 
 
 def test_taken_only_where_it_applies(monkeypatch):

@@ -86,13 +86,15 @@ def test_training_forward_compiles_as_one_graph_and_equals_eager(attention, monk
     """fullgraph=True: no graph break with and without a carried state (ids unchecked: the
     trainer checks them where they are loaded). Same logits and gradients as eager, after
     the eager pass has run the one-time k-means initialisation. The trace runs the torch
-    forms, and so does the eager pass here (``LINATTN_VQ_IMPL=torch``, ``LINATTN_LINEAR_IMPL=torch``;
+    forms, and so does the eager pass here (``LINATTN_VQ_IMPL=torch``, ``LINATTN_LINEAR_IMPL=torch``,
+    ``LINATTN_DELTA_IMPL=torch``;
     by default eager VQ and kernel attention layers on a CPU take the native kernels, equal to the
     torch forms within rounding: ``test_vq_native_backward.py``, ``test_linear_native.py``)."""
     model = tiny_lm(attention)
     with monkeypatch.context() as patch:
         patch.setenv("LINATTN_VQ_IMPL", "torch")
         patch.setenv("LINATTN_LINEAR_IMPL", "torch")
+        patch.setenv("LINATTN_DELTA_IMPL", "torch")
         eager_logits, eager_losses = two_windows(model, model)
     eager_grads = gradients(model)
     model.zero_grad(set_to_none=True)

@@ -17,6 +17,16 @@ from linattn.state import DeltaRuleState, LinearAttentionState
 
 F64 = torch.float64
 
+
+@pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
+def chunk_impl(request, monkeypatch):
+    """Which chunk form the test's calls run: ``impl="auto"`` (the native kernel for calls without
+    gradients on a CPU) or the torch forms (``LINATTN_DELTA_IMPL=torch``)."""
+    monkeypatch.delenv("LINATTN_DELTA_IMPL", raising=False)
+    if request.param == "torch":
+        monkeypatch.setenv("LINATTN_DELTA_IMPL", "torch")
+    return request.param
+
 # (feature_map, normalize, feature dimension as a function of Dk)
 FMAPS = {
     "identity-l2": ("identity", "l2", lambda d: d),

@@ -95,7 +95,7 @@ print("decoded")
 def test_doctor_build_compiles_ahead_so_a_first_decode_compiles_nothing(monkeypatch, tmp_path):
     """``linattn doctor --build`` builds the native kernels (into a build root of the test's own
     here: a real build, about a minute) and checks the decoding step, the block form, the
-    model step of pre-norm blocks and kernel attention's chunk form in float32 and float64; a
+    model step of pre-norm blocks, kernel attention's and the delta rule's chunk forms in float32 and float64; a
     later process's first decoding step loads that build and compiles nothing."""
     from linattn.ops.common import native
     from linattn.ops.vq import native_choice
@@ -108,7 +108,8 @@ def test_doctor_build_compiles_ahead_so_a_first_decode_compiles_nothing(monkeypa
     assert "compiling the native kernels" in doctor_run.stderr
     assert doctor_run.stdout.splitlines() == [f"native kernels: built in {native.build_directory()}"] + [
         f"  ok    {kernel}, {dtype}: agrees with the torch form"
-        for kernel in ("decoding step", "block form", "model step of pre-norm blocks", "kernel attention's chunk form")
+        for kernel in ("decoding step", "block form", "model step of pre-norm blocks", "kernel attention's chunk form",
+                       "the delta rule's chunk form")
         for dtype in ("float32", "float64")]
     later = subprocess.run([sys.executable, "-c", _FIRST_DECODE], capture_output=True, text=True, timeout=300)
     assert later.returncode == 0 and later.stdout == "decoded\n", later.stderr

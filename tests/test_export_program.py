@@ -57,8 +57,9 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("attention", KINDS)
 def test_the_exported_forward_equals_eager_over_the_lengths_its_layers_allow(attention, monkeypatch):
     """The program traces the torch forms: it equals eager on them (``LINATTN_VQ_IMPL=torch``,
-    ``LINATTN_LINEAR_IMPL=torch``) bit for bit, and eager as it runs by default (a VQ or kernel
-    attention layer on a CPU: the native kernels) within float32 rounding."""
+    ``LINATTN_LINEAR_IMPL=torch``, ``LINATTN_DELTA_IMPL=torch``) bit for bit, and eager as it runs
+    by default (a VQ, kernel attention or delta-rule layer on a CPU: the native kernels) within
+    float32 rounding."""
     model = tiny_model(attention)
     traced, length, accepted, refused = lengths(attention)
     generator = torch.Generator().manual_seed(1)
@@ -71,6 +72,7 @@ def test_the_exported_forward_equals_eager_over_the_lengths_its_layers_allow(att
             with monkeypatch.context() as patch:
                 patch.setenv("LINATTN_VQ_IMPL", "torch")
                 patch.setenv("LINATTN_LINEAR_IMPL", "torch")
+                patch.setenv("LINATTN_DELTA_IMPL", "torch")
                 assert torch.equal(exported, logits(model, ids)), count
         for count in refused:
             with pytest.raises(Exception, match="Guard failed|to be equal to|to be <= 64"):

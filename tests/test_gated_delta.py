@@ -21,6 +21,16 @@ from linattn import DeltaRuleState, delta_rule
 # Small matmuls: one thread (as the suite runs once test_activation_checkpointing.py is collected).
 torch.set_num_threads(1)
 
+
+@pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
+def chunk_impl(request, monkeypatch):
+    """Which chunk form the test's calls run: ``impl="auto"`` (the native kernel for calls without
+    gradients on a CPU) or the torch forms (``LINATTN_DELTA_IMPL=torch``)."""
+    monkeypatch.delenv("LINATTN_DELTA_IMPL", raising=False)
+    if request.param == "torch":
+        monkeypatch.setenv("LINATTN_DELTA_IMPL", "torch")
+    return request.param
+
 EPS = 1e-6
 # (feature map, normalize, feature width F for Dk = 4)
 SETTINGS = {

@@ -33,6 +33,7 @@ from . import __version__, _selftest
 from ._checks import available_device_name
 from .models import _block_generation
 from .ops.common import native
+from .ops.delta import native_chunk
 from .ops.kernel import native_scan
 from .ops.vq import native_block_check, native_choice, schedule, triton_choice
 from .reporting import device_name
@@ -119,8 +120,13 @@ def implementations(device: torch.device) -> list[tuple[str, str]]:
                      f"impl='auto': torch SDPA (the tiled form only for a callable bias); SDPA runs "
                      f"{sdpa_backend(device, dtype, 128, 128)} for a causal prefill, "
                      f"{sdpa_backend(device, dtype, 1, 128)} for one decoded token"))
-    rows.append(("linear_attention", "mode=None: chunk form (chunk_size 64), recurrent for one causal token"))
-    rows.append(("delta_rule", "mode=None: chunk form (WY/UT), recurrent for one token"))
+    on_cpu = device.type == "cpu"
+    rows.append(("linear_attention", "mode=None: chunk form (chunk_size 64), recurrent for one causal token"
+                 + ("; impl='auto': the native chunk kernels for causal chunk calls in float32 / float64 (decayed: "
+                    f"without gradients; {native_scan.ENV})" if on_cpu else "")))
+    rows.append(("delta_rule", "mode=None: chunk form (WY/UT), recurrent for one token"
+                 + ("; impl='auto': the native chunk kernel for chunk calls without gradients in float32 / float64 "
+                    f"({native_chunk.ENV})" if on_cpu else "")))
     for dtype in dtypes:
         impl, why = triton_choice.choice(device, dtype)
         rows.append((f"vq_attention ({str(dtype).replace('torch.', '')})", f"impl='auto': {impl} ({why})"))
@@ -205,7 +211,8 @@ def build_native() -> int:
     """Build (or load) the native kernels and run their self-checks in float32 and float64
     (the VQ decoding step's, ``ops/vq/native_choice.py``, the VQ block form's,
     ``ops/vq/native_block_check.py``, the whole-model step of pre-norm blocks',
-    ``models/_block_generation.py``, and kernel attention's chunk form, ``ops/kernel/native_scan.py``),
+    ``models/_block_generation.py``, kernel attention's chunk form, ``ops/kernel/native_scan.py``,
+    and the delta rule's, ``ops/delta/native_chunk.py``),
     one line each; 0 when they build and agree with the
     torch forms, 1 otherwise (each failure on a ``FAIL`` line)."""
     try:
@@ -217,7 +224,8 @@ def build_native() -> int:
     failed = False
     checks = (("decoding step", native_choice.verdict), ("block form", native_block_check.verdict),
               ("model step of pre-norm blocks", _block_generation.verdict),
-              ("kernel attention's chunk form", native_scan.verdict))
+              ("kernel attention's chunk form", native_scan.verdict),
+              ("the delta rule's chunk form", native_chunk.verdict))
     for kernel, check in checks:
         for dtype in native_choice.DTYPES:
             failure = check(dtype)

@@ -103,12 +103,13 @@ def _reference(config: AttentionBenchConfig) -> Case:
     )
 
 
-def _delta_case(name: str, label: str, mode: str, **extra) -> Case:
-    """Delta rule (identity features, l2-normalised q/k) with a fixed beta = 0.5."""
+def _delta_case(name: str, label: str, mode: str, impl: str = "auto", **extra) -> Case:
+    """Delta rule (identity features, l2-normalised q/k) with a fixed beta = 0.5; ``impl="auto"``
+    is the native chunk kernel on a CPU for the forward pass alone."""
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         beta = torch.full(k.shape[:3], 0.5, dtype=k.dtype, device=k.device)
-        return delta_rule(q, k, v, beta, mode=mode)[0]
+        return delta_rule(q, k, v, beta, mode=mode, impl=impl)[0]
 
     return Case(name, label, attend, **extra)
 
@@ -120,7 +121,7 @@ def _decay(k: torch.Tensor, per_channel: bool) -> torch.Tensor:
     return F.logsigmoid(k) / 16 if per_channel else F.logsigmoid(k[..., 0])
 
 
-def _decay_case(name: str, label: str, per_channel: bool, delta: bool = False) -> Case:
+def _decay_case(name: str, label: str, per_channel: bool, delta: bool = False, impl: str = "auto") -> Case:
     """Kernel attention with decay (identity features, no normaliser, scale D^-1/2: RetNet /
     GLA) or the gated delta rule (beta = 0.5), chunk form, the log decay from ``_decay``."""
 
@@ -128,9 +129,9 @@ def _decay_case(name: str, label: str, per_channel: bool, delta: bool = False) -
         g = _decay(k, per_channel)
         if delta:
             beta = torch.full(k.shape[:3], 0.5, dtype=k.dtype, device=k.device)
-            return delta_rule(q, k, v, beta, g=g, mode="chunk")[0]
+            return delta_rule(q, k, v, beta, g=g, mode="chunk", impl=impl)[0]
         return linear_attention(q, k, v, feature_map="identity", normalize=None, scale=q.shape[-1] ** -0.5,
-                                g=g, mode="chunk")[0]
+                                g=g, mode="chunk", impl=impl)[0]
 
     return Case(name, label, attend)
 
@@ -161,6 +162,8 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
     "linear-dpfp1": lambda config: _linear_case("linear-dpfp1", "linear DPFP(1) (chunk)", DPFP(1)),
     "linear-favor64": lambda config: _linear_case("linear-favor64", "linear FAVOR+(64) (chunk)", FAVOR(64)),
     "delta-chunk": lambda config: _delta_case("delta-chunk", "delta rule (chunk, WY/UT)", "chunk"),
+    "delta-chunk-torch": lambda config: _delta_case("delta-chunk-torch", "delta rule (chunk, torch form)", "chunk",
+                                                    impl="torch"),
     "delta-recurrent": lambda config: _delta_case(
         "delta-recurrent", "delta rule (recurrent)", "recurrent",
         max_length=config.recurrent_max_length, max_length_note="--recurrent-max-length",
@@ -170,6 +173,10 @@ CASES: dict[str, Callable[[AttentionBenchConfig], Case]] = {
     "decay-channel": lambda config: _decay_case("decay-channel", "linear, per-channel decay (chunk; GLA)", True),
     "gated-delta": lambda config: _decay_case("gated-delta", "gated delta rule (chunk; Gated DeltaNet)", False,
                                               delta=True),
+    "gated-delta-torch": lambda config: _decay_case("gated-delta-torch", "gated delta rule (chunk, torch form)",
+                                                    False, delta=True, impl="torch"),
+    "gated-delta-channel": lambda config: _decay_case("gated-delta-channel", "gated delta rule, per channel (chunk; "
+                                                      "KDA)", True, delta=True),
     "local-256": lambda config: Case(
         "local-256", "local softmax (window 256)",
         lambda q, k, v: local_attention(q, k, v, window=256)[0],

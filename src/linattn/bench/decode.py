@@ -182,7 +182,9 @@ _TURN = 4  # timed steps per turn of a (case, context), after as many untimed on
 
 # Whole models: CLI name -> layer spec; demo-sized (configs/demo.toml), equal parameter counts.
 MODEL_SPECS = {"vq": "vq", "softmax": "softmax", "delta": "delta", "linear-elu": "linear:elu", "local": "local",
-               "retnet": "retnet", "gla": "gla", "gated-delta": "gated-delta"}
+               "retnet": "retnet", "gla": "gla", "gated-delta": "gated-delta", "hedgehog": "linear:hedgehog",
+               "dpfp": "linear:dpfp", "taylor": "linear:taylor", "favor": "favor",
+               "local-vq": "local,vq"}
 DEFAULT_PROMPTS = (1024, 16384, 65536)
 
 

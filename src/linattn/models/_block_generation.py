@@ -4,8 +4,14 @@ For models whose every layer is a ``PreNormBlock`` (``x + mixer(norm(x))``, then
 of these mixers: exact softmax attention over its preallocated KV cache and sliding-window
 attention (``softmax``, ``local``, with rotary positions, rope scaling, ``nope`` or the entropy
 scale, projection biases; not ReRoPE), kernel attention with a fixed elementwise map
-(``linear:elu``, ``linear:relu``, ``linear:identity``), DeltaNet (``delta``, ``delta:elu``,
-``delta:relu``), Gated DeltaNet (``gated-delta``), GLA (``gla``) and RetNet (``retnet``).
+(``linear:elu``, ``linear:relu``, ``linear:identity``), DPFP (``linear:dpfp``), Taylor's
+(``linear:taylor``), the exponential maps with their running key shift (``linear:exp``, FAVOR+:
+``favor``) or Hedgehog's learned map (``linear:hedgehog``), DeltaNet (``delta`` and its maps:
+``delta:elu``, ``delta:relu``, ``delta:dpfp``, ``delta:taylor``, ``delta:exp``), Gated DeltaNet
+(``gated-delta``), GLA (``gla``) and RetNet (``retnet``); Transformer-VQ's GAU pairs may sit among
+the blocks (``local,local,vq``), each unit a block of the native object that ``vq_gau_step``
+computes over its resident buffer, moved into its cache every ``L`` tokens as
+``_vq_generation.py`` does (a model of VQ pairs alone is ``VQGeneration``'s).
 ``BlockGeneration`` reads every block's parameters once (the projections of a mixer's input as
 one matrix, the norms' gains folded into the matrices after them), takes each block's state
 tensors from the prompt's state, and hands both to the native ``BlockModelStep``
@@ -30,30 +36,34 @@ import torch
 from torch import nn
 
 from .._checks import env_choice
-from ..nn._gau_decode import norm_eps
+from ..nn._gau_decode import can_decode_token, decode_constants, norm_eps
 from ..nn.attention import Attention
 from ..nn.delta_net import DeltaNet
 from ..nn.gated_delta_net import GatedDeltaNet
-from ..nn.gau import computes_its_parameters
+from ..nn.gau import GAU, computes_its_parameters
 from ..nn.gla import GatedLinearAttention
 from ..nn.retention import MultiScaleRetention, retention_log_decays
 from ..nn.short_conv import ShortConvolution
 from ..ops.common.native import Trust, extension, relative_error
 from ..ops.common.rotary import rotary_frequencies
-from ..ops.kernel.feature_maps import EluPlusOne, Identity, ReLU
+from ..nn.hedgehog import HedgehogFeatureMap
+from ..ops.kernel.feature_maps import DPFP, FAVOR, EluPlusOne, Exp, FeatureMap, Identity, ReLU, Taylor
 from ..ops.softmax import kv_cache
+from ..ops.vq.native_choice import ENV as VQ_STEP_ENV
+from ..ops.vq.native_choice import use_native as use_native_vq_step
+from ..ops.vq.resident import HARD_CODES, state_after, window_for
 from ..state import KVCacheState, LMState, _State
 from ._native_generation import NativeGeneration, head_t, plain_ends
-from .layers import PreNormBlock, SwiGLU
+from .layers import GAUPair, PreNormBlock, SwiGLU
 
 ENV = "LINATTN_BLOCK_STEP_IMPL"
-_FEATURES = {Identity: 0, EluPlusOne: 1, ReLU: 2}
+_FEATURES = {Identity: 0, EluPlusOne: 1, ReLU: 2, DPFP: 4, Taylor: 5, Exp: 6, FAVOR: 7}  # 3: Hedgehog's learned map
 _NORMALIZE = {None: 0, "attention": 1, "sum": 2, "l2": 3}
 _FEATURE_EPS = 1e-6  # linear_attention's and delta_rule's eps, which the layers leave at their default
 _MIXERS = (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, MultiScaleRetention)
 # the state tensors of each mixer's state, by the names the native object takes them
-_STATE_FIELDS = {"memory": ("kv", "memory"), "normalizer": ("normalizer",), "conv": ("conv",), "keys": ("keys",),
-                 "values": ("values",)}
+_STATE_FIELDS = {"memory": ("kv", "memory"), "normalizer": ("normalizer",), "shift": ("key_shift",),
+                 "conv": ("conv",), "keys": ("keys",), "values": ("values",)}
 
 
 @dataclasses.dataclass
@@ -67,6 +77,21 @@ class _Recipe:
 
 def _plain(module: nn.Module | None, kinds: tuple[type, ...]) -> bool:
     return module is not None and computes_its_parameters(module, kinds)
+
+
+def _feature_numbers(fmap: FeatureMap) -> dict[str, int] | None:
+    """The numbers of a fixed feature map the native step makes (``block_model_step.cpp``), or None."""
+    code = _FEATURES.get(type(fmap))
+    if code == 4:
+        return dict(feature=code, dpfp_nu=fmap.nu)
+    if code == 7:
+        return dict(feature=code, favor_features=fmap.num_features)
+    return None if code is None else dict(feature=code)
+
+
+def _feature_tensors(fmap: FeatureMap, head_dim: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of a fixed feature map (FAVOR+'s projection, transposed), by the native step's names."""
+    return dict(projection_t=fmap.projection(head_dim, dtype=dtype).t()) if isinstance(fmap, FAVOR) else {}
 
 
 def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
@@ -86,23 +111,33 @@ def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
                 return f"{mixer.mechanism} attention with ReRoPE (rerope={mixer.rerope})"
             rule = mixer.mechanism
             numbers.update(window=mixer.window if rule == "local" else 0, entropy=int(mixer.scale == "entropy"))
-            if mixer.rotary:
-                tensors.update(frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, mixer.rotary_scaling,
-                                                              dtype=dtype))
-        elif mixer.query_map is not None or type(mixer.feature_map) not in _FEATURES:
+        elif mixer.query_map is not None:
+            if not all(_plain(m, (HedgehogFeatureMap,)) for m in (mixer.query_map, mixer.key_map)):
+                return "kernel attention with a Hedgehog map that is not a plain HedgehogFeatureMap"
+            numbers.update(feature=3, normalize=_NORMALIZE["attention"], scale=1.0)
+            tensors.update(query_map=mixer.query_map.weight, key_map=mixer.key_map.weight)
+        elif _feature_numbers(mixer.feature_map) is None:
             return (f"kernel attention with the feature map {getattr(mixer.feature_map, 'name', None)!r} (the native "
-                    "step takes the elu, relu and identity maps)")
+                    "step takes the elu, relu, identity, DPFP, Taylor, exp, FAVOR+ and Hedgehog maps)")
         else:
-            numbers.update(feature=_FEATURES[type(mixer.feature_map)], normalize=_NORMALIZE["attention"], scale=1.0)
+            numbers.update(**_feature_numbers(mixer.feature_map), normalize=_NORMALIZE["attention"], scale=1.0)
+            tensors.update(_feature_tensors(mixer.feature_map, mixer.head_dim, dtype))
+        if mixer.rotary:  # softmax and local by default; kernel attention where asked (linear:hedgehog)
+            tensors.update(frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, mixer.rotary_scaling,
+                                                          dtype=dtype))
         if mixer.q_proj.bias is not None:
             tensors["in_bias"] = torch.cat([mixer.q_proj.bias, mixer.k_proj.bias, mixer.v_proj.bias])
         if mixer.o_proj.bias is not None:
             tensors["out_bias"] = mixer.o_proj.bias
     elif isinstance(mixer, DeltaNet):
-        if type(mixer.feature_map) not in _FEATURES:
+        if _feature_numbers(mixer.feature_map) is None:
             return f"DeltaNet with the feature map {mixer.feature_map.name!r}"
         rule = "delta"
-        numbers.update(feature=_FEATURES[type(mixer.feature_map)], normalize=_NORMALIZE[mixer.normalize])
+        if mixer.feature_map.exponential and mixer.normalize != "sum":
+            return f"DeltaNet with the exponential map {mixer.feature_map.name!r} under normalize={mixer.normalize!r}"
+        numbers.update(**_feature_numbers(mixer.feature_map), normalize=_NORMALIZE[mixer.normalize],
+                       scale=mixer.feature_map.dim_out(mixer.head_dim) ** -0.5)  # delta_rule's: F^-1/2
+        tensors.update(_feature_tensors(mixer.feature_map, mixer.head_dim, dtype))
         if mixer.beta_proj is not None:
             linears.append(mixer.beta_proj)
             inputs.append(mixer.beta_proj.weight)
@@ -171,14 +206,39 @@ def _block_recipe(block: nn.Module, dtype: torch.dtype) -> _Recipe | str:
     return recipe
 
 
+@dataclasses.dataclass
+class _VQUnits:
+    """A layer of two Transformer-VQ gated attention units, each a block of the native object."""
+
+    units: list[GAU]
+
+
+def _vq_units(layer: nn.Module, layer_state, token: torch.Tensor) -> _VQUnits | str:
+    """A VQ GAU pair's units when each takes its one-token path (``can_decode_token`` for
+    ``token``, an empty ``[B, 1, d_model]`` in the model's dtype), else why not."""
+    if not computes_its_parameters(layer, (GAUPair,)):
+        return f"a layer of type {type(layer).__name__} that is not a plain GAUPair"
+    for unit, unit_state in zip(layer.units, layer_state):
+        if not (computes_its_parameters(unit, (GAU,)) and can_decode_token(unit, token, unit_state)):
+            return ("a GAU pair whose units do not take the VQ one-token step (another attention, ReRoPE, a hook "
+                    "or adapter, or a state that does not continue them)")
+    return _VQUnits(list(layer.units))
+
+
+def _layer_steps(layer_state) -> set[int]:
+    """The positions a layer's state has consumed (a GAU pair's: each unit's)."""
+    return {unit.steps for unit in layer_state} if isinstance(layer_state, tuple) else {layer_state.steps}
+
+
 def why_not(model, state: LMState) -> str | None:
     """Why the native block loop does not apply to ``model`` continuing ``state`` (None when it does)."""
     plan = _plan(model, state)
     return plan if isinstance(plan, str) else None
 
 
-def _plan(model, state: LMState) -> list[_Recipe] | str:
-    """Every block's recipe when the native loop applies to ``model`` continuing ``state``, else why not."""
+def _plan(model, state: LMState) -> list[_Recipe | _VQUnits] | str:
+    """Every layer's recipe (a pre-norm block's, or a VQ GAU pair's units) when the native loop
+    applies to ``model`` continuing ``state``, else why not."""
     dtype, device = model.embed.weight.dtype, model.embed.weight.device
     if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
         return f"the native step computes on CPU tensors in float32 or float64, got {dtype} on {device.type}"
@@ -189,13 +249,29 @@ def _plan(model, state: LMState) -> list[_Recipe] | str:
                 "tensors")
     if any(p.dtype != dtype for p in model.parameters()):
         return "the model's parameters are of several dtypes"
-    recipes = [_block_recipe(layer, dtype) for layer in model.layers]
+    token = model.embed.weight.new_empty(state.batch_size(), 1, model.config.d_model)
+    recipes = [_vq_units(layer, layer_state, token) if isinstance(layer, GAUPair)
+               else _block_recipe(layer, dtype) for layer, layer_state in zip(model.layers, state.layers)]
     for index, recipe in enumerate(recipes):
         if isinstance(recipe, str):
             return f"layer {index} is {recipe}"
+    units = [unit for recipe in recipes if isinstance(recipe, _VQUnits) for unit in recipe.units]
+    if units:
+        vq_states = [unit_state for recipe, layer_state in zip(recipes, state.layers)
+                     if isinstance(recipe, _VQUnits) for unit_state in layer_state]
+        if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in vq_states}) != 1:
+            return "the VQ units have different block sizes or positions in their blocks"
+        if not use_native_vq_step("auto", device, dtype):  # builds and checks the VQ step
+            return (f"a VQ GAU pair, whose native decoding step is off ({VQ_STEP_ENV}=torch) or failed its check "
+                    "(warned of)")
     for index, (layer, layer_state) in enumerate(zip(model.layers, state.layers)):
+        if isinstance(recipes[index], _VQUnits):
+            continue
         if any(t.dtype != dtype for t in _state_tensors(layer_state, copy=False).values()):
             return f"layer {index}'s state is not in the model's dtype {dtype}"
+        shifted = recipes[index].numbers["feature"] in (6, 7) and getattr(layer_state, "normalize", None) == "attention"
+        if shifted and layer_state.key_shift is None:
+            return f"layer {index}'s state has no key shift (an exponential map's sums are kept shifted)"
         mechanism = getattr(layer.mixer, "mechanism", None)
         if mechanism == "softmax" and not (layer_state.window is None and kv_cache.claimable(layer_state)):
             return (f"layer {index}'s KV cache is not the last state of its buffer (kv_cache.reserve makes one "
@@ -203,7 +279,7 @@ def _plan(model, state: LMState) -> list[_Recipe] | str:
         if mechanism == "local" and (layer_state.window != layer.mixer.window or layer_state.keys.shape[2]
                                      != min(layer_state.steps, layer.mixer.window - 1)):
             return f"layer {index}'s cache is not the last window - 1 positions of its window {layer.mixer.window}"
-    if len({layer_state.steps for layer_state in state.layers}) != 1:
+    if len(set().union(*map(_layer_steps, state.layers))) != 1:
         return "the layers' states have consumed different numbers of positions"
     return recipes
 
@@ -211,15 +287,39 @@ def _plan(model, state: LMState) -> list[_Recipe] | str:
 class BlockGeneration(NativeGeneration):
     """The state of ``LM.generate`` after the prompt, held in the native ``BlockModelStep``."""
 
-    def __init__(self, model, state: LMState, dtype: torch.dtype, recipes: list[_Recipe]):
+    def __init__(self, model, state: LMState, dtype: torch.dtype, recipes: list[_Recipe | _VQUnits]):
         super().__init__(model, state, dtype)
         self.native = extension().BlockModelStep(model.embed.weight.detach().to(dtype).contiguous(),
                                                  model.norm.weight.detach().to(dtype).contiguous(),
                                                  norm_eps(model.norm, dtype), head_t(model, dtype).detach())
-        self.layer_states, self.held, self.buffers = state.layers, [], {}
-        self.position = state.layers[0].steps
+        self.layer_states, self.held, self.buffers, self.layer_blocks = state.layers, [], {}, []
+        self.position = self.start = min(_layer_steps(state.layers[0]))
+        # the VQ units: their native blocks, buffers, unit states' steps and previous blocks
+        self.vq_blocks, self.vq_units, self.windows, self.has_prev, self.unit_steps = [], [], [], [], []
+        self.p = 0
+        block = 0
         for index, (layer, layer_state, recipe) in enumerate(zip(model.layers, state.layers, recipes)):
+            if isinstance(recipe, _VQUnits):
+                for unit, unit_state in zip(recipe.units, layer_state):
+                    c = decode_constants(unit, dtype)
+                    self.native.add_vq_unit([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed,
+                                             c.output_t, c.native_search_t, c.native_norms, c.native_codebook_t],
+                                            c.input_shift, c.eps, unit.block_size)
+                    self.vq_blocks.append(block)
+                    self.vq_units.append(unit)
+                    self.windows.append(None)
+                    self.has_prev.append(unit_state.prev_keys is not None)
+                    self.unit_steps.append(unit_state.steps)
+                    self.p = unit_state.partial_keys.shape[2]
+                    self._enter(len(self.vq_units) - 1, unit_state)
+                    block += 1
+                self.held.append(None)
+                self.layer_blocks.append(None)
+                continue
             self.native.add_block(recipe.rule, recipe.tensors, recipe.numbers)
+            index = block  # the native object's blocks: a VQ pair is two
+            self.layer_blocks.append(index)
+            block += 1
             if recipe.rule == "softmax":
                 buffer = self.buffers[index] = kv_cache.claim(layer_state)
                 held = {"keys": buffer.keys, "values": buffer.values}
@@ -237,7 +337,8 @@ class BlockGeneration(NativeGeneration):
         """The native token loop for ``model`` continuing ``state`` (``batch`` rows), or None
         (a ValueError naming why under ``LINATTN_BLOCK_STEP_IMPL=native``)."""
         forced = env_choice(ENV, ("torch", "native"))
-        if forced == "torch" or not all(isinstance(layer, PreNormBlock) for layer in model.layers):
+        if forced == "torch" or not all(isinstance(layer, (PreNormBlock, GAUPair)) for layer in model.layers) or \
+                not any(isinstance(layer, PreNormBlock) for layer in model.layers):  # VQ pairs alone: VQGeneration's
             return None
         plan = _plan(model, state)
         if isinstance(plan, str):
@@ -258,19 +359,46 @@ class BlockGeneration(NativeGeneration):
                                           for index, buffer in self.buffers.items())
 
     def _call(self, ids: torch.Tensor, tokens: torch.Tensor | None) -> None:
-        self.native.step(ids, self.position, self.logits, tokens)
+        self.native.step(ids, self.position, self.logits, tokens, self.p)
 
     def _advance(self) -> None:
+        """One token further; every ``L`` the VQ units' completed block moves into their caches
+        (as ``VQGeneration._advance``)."""
         super()._advance()
         self.position += 1
+        if not self.vq_units:
+            return
+        self.p += 1
+        self.unit_steps = [steps + 1 for steps in self.unit_steps]
+        for window in self.windows:
+            window.written = self.p
+        if self.p == self.vq_units[0].block_size:
+            for index in range(len(self.vq_units)):
+                self._enter(index, self._unit_state(index))
+            self.p, self.has_prev = 0, [True] * len(self.vq_units)
+
+    def _unit_state(self, index: int):
+        return state_after(self.windows[index], self.p, self.has_prev[index], self.unit_steps[index])
+
+    def _enter(self, index: int, unit_state) -> None:
+        """Take ``unit_state``'s resident buffer (as the unit's next step would) into the native object."""
+        unit = self.vq_units[index]
+        window = window_for(unit_state, unit.block_size, unit.quantizer.codebook,
+                            (unit_state.partial_keys.shape[0], 1, unit.d_k, unit.d_v), HARD_CODES, self.dtype)
+        self.windows[index] = window
+        self.native.set_window(self.vq_blocks[index], window.keys, window.values, window.codes, window.mask,
+                               window.keys_are_codes)
 
     def state(self) -> LMState:
         """The ``LMState`` after every token so far: the prompt's, with the held tensors (copies:
         the native object goes on writing its own) and the steps counted on."""
-        added = self.position - self.layer_states[0].steps
-        layers = []
-        for index, (layer_state, held) in enumerate(zip(self.layer_states, self.held)):
-            if index in self.buffers:
+        added = self.position - self.start
+        layers, unit = [], 0
+        for layer_state, held, index in zip(self.layer_states, self.held, self.layer_blocks):
+            if index is None:  # a VQ GAU pair: its units' states as their one-token steps leave them
+                layers.append((self._unit_state(unit), self._unit_state(unit + 1)))
+                unit += 2
+            elif index in self.buffers:
                 layers.append(kv_cache.claimed_state(layer_state, self.buffers[index], added))
             elif isinstance(layer_state, KVCacheState):  # a local layer's ring, in the order of its positions
                 rows = held["keys"].shape[2]
@@ -336,14 +464,17 @@ def _with_tensors(state: _State, tensors: dict[str, torch.Tensor], added: int) -
 
 def _self_check(dtype: torch.dtype) -> str | None:
     """A small model of every mixer the step takes (GQA, short convolutions, a window that the
-    tokens pass), a prompt and three tokens, through the native step and through ``LM._run``: None when the logits agree
-    (``max |native - torch| <= 1e-5 max |torch|`` in float32, 1e-12 in float64), else the difference."""
+    tokens pass, a VQ GAU pair whose block the tokens complete), a prompt and three tokens,
+    through the native step and through ``LM._run``: None when the logits agree (``max |native -
+    torch| <= 1e-5 max |torch|`` in float32, 1e-12 in float64), else the difference."""
     from .config import LMConfig
     from .lm import LM
 
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
-    config = LMConfig(vocab_size=32, d_model=16, n_layers=7, n_heads=4, n_kv_heads=2,
-                      attention="linear:elu,delta,gated-delta,gla,retnet,softmax:entropy,local:3")
+    config = LMConfig(vocab_size=32, d_model=16, n_layers=13, n_heads=4, n_kv_heads=2,
+                      attention="linear:elu,delta,gated-delta,gla,retnet,softmax:entropy,local:3,linear:hedgehog,"
+                                "delta:dpfp,linear:taylor,favor:8,linear:exp,vq", block_size=2, codebook_size=8,
+                      gau_d_k=8, gau_d_v=16)
     with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
         torch.manual_seed(0)
         model = LM(config).to(dtype).eval()

@@ -24,6 +24,9 @@ Kernel attention's (``ops/kernel/_native``, ``kernel/native_scan.py`` checks the
 decayed chunk form without gradients (``linear_scan.h`` declares both, ``scan_problem.h`` holds
 what they share: the sizes, the feature maps they make, the division).
 
+The delta rule's (``ops/delta/_native``, ``delta/native_chunk.py`` checks it): ``delta_scan.cpp``
+(``delta_scan.h``), the chunk form of the delta rule and the gated delta rule without gradients.
+
 The shared ones (``ops/common/_native``): ``block_model_step.cpp`` (``block_model_step.h``), a
 whole token of a model of pre-norm blocks (the softmax, sliding-window, kernel attention,
 retention, GLA, delta-rule and gated delta-rule layers) as one call (``models/_block_generation.py``);
@@ -84,17 +87,18 @@ from ..._checks import env_choice
 _SHARED = Path(__file__).parent / "_native"
 _VQ = Path(__file__).parents[1] / "vq" / "_native"
 _KERNEL = Path(__file__).parents[1] / "kernel" / "_native"
+_DELTA = Path(__file__).parents[1] / "delta" / "_native"
 SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _KERNEL / "linear_scan.cpp",
-           _KERNEL / "decayed_scan.cpp",
+           _KERNEL / "decayed_scan.cpp", _DELTA / "delta_scan.cpp",
            _VQ / "vq_decode_step.cpp",
            _VQ / "vq_block_forward.cpp", _VQ / "vq_block_backward.cpp", _VQ / "vq_codes.cpp", _VQ / "vq_gau_step.cpp",
            _VQ / "vq_model_step.cpp")
 # included by the sources (from these folders): part of the build's inputs
-INCLUDES = (_SHARED, _VQ, _KERNEL)
+INCLUDES = (_SHARED, _VQ, _KERNEL, _DELTA)
 HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "tile_products.h", _SHARED / "native_checks.h",
            _SHARED / "block_model_step.h", _VQ / "vq_block_inputs.h", _VQ / "vq_cache_scan.h",
            _VQ / "vq_model_step.h", _VQ / "vq_kernels.h",
-           _KERNEL / "linear_scan.h", _KERNEL / "scan_problem.h")
+           _KERNEL / "linear_scan.h", _KERNEL / "scan_problem.h", _DELTA / "delta_scan.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 BUILD_WAIT_SECONDS = 300.0  # how long a process waits for another one's build (module docstring)
@@ -310,6 +314,19 @@ def unsupported_tensors(device: torch.device, dtype: torch.dtype, dtypes: tuple[
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """``max |got - want| / max |want|``: how a self-check compares a kernel's result with the torch form's."""
     return float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
+
+
+def first_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tolerance: float,
+                     suffix: str = "") -> str | None:
+    """None when every tensor of ``got`` is finite and within ``tolerance`` of ``want``'s by
+    ``relative_error``, else what differs first (its name and ``suffix``)."""
+    for name, value in got.items():
+        if not bool(torch.isfinite(value).all()):
+            return f"{name}{suffix}: non-finite values"
+        error = relative_error(value, want[name])
+        if not error <= tolerance:
+            return f"{name}{suffix}: differs by {error:.3g} of its largest value (tolerance {tolerance:g})"
+    return None
 
 
 class Trust:

@@ -40,7 +40,7 @@ from ..._checks import (
     resolve_scale,
 )
 from ..kernel import FeatureMap, get_feature_map, normalized_features
-from . import chunk, gated
+from . import chunk, gated, native_chunk
 
 _MODES = ("chunk", "recurrent")
 _NORMALIZE = ("l2", "sum", None)
@@ -76,6 +76,7 @@ def delta_rule(
     eps: float = 1e-6,
     check_inputs: bool = True,
     g: torch.Tensor | None = None,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, DeltaRuleState | None]:
     """Causal delta-rule attention (DeltaNet / fast weight programmer with the delta rule).
 
@@ -110,6 +111,10 @@ def delta_rule(
             update above reads and writes the decayed memory. Per key/value head, like beta.
             In q's dtype or its accumulation dtype (float32 g with half-precision q).
             ``None``: no decay. With per-channel g the chunk form has no second derivatives.
+        impl: ``"auto"`` (the native kernel for the chunk form on CPU tensors in float32 /
+            float64 when the call records no gradients: prefill, evaluation; else the torch
+            forms), ``"native"`` (the kernel, or a ValueError naming why it does not compute the
+            call) or ``"torch"``. See ``native_chunk.py``.
 
     Returns:
         ``(out [B, H, T, Dv] in q's dtype, final state or None)``.
@@ -118,6 +123,7 @@ def delta_rule(
     fmap = get_feature_map(feature_map)
     check_choice("normalize", normalize, _NORMALIZE)
     check_choice("mode", mode, (None,) + _MODES)
+    check_choice("impl", impl, native_chunk.IMPLS)
     check_positive_int("chunk_size", chunk_size)
     B, H, Hkv, T = shapes.batch, shapes.heads, shapes.kv_heads, shapes.length
     G, Dk, Dv = shapes.group_size, shapes.key_dim, shapes.value_dim
@@ -136,7 +142,7 @@ def delta_rule(
             )
     check_non_negative_number("eps", eps)
     if mode is None:
-        mode = "recurrent" if T == 1 else "chunk"
+        mode = "recurrent" if T == 1 and impl != "native" else "chunk"
     Fd = fmap.dim_out(Dk)
     if g is not None:
         check_log_decay("g", g, heads_of=shapes, channels=Fd, like=q, values=check_inputs)
@@ -161,8 +167,12 @@ def delta_rule(
     values = v.to(dtype).reshape(B * Hkv, T, Dv)
     betas = beta.to(dtype).reshape(B * Hkv, T)
 
-    if g is not None:
-        decay = g.to(dtype).reshape(B * Hkv, *g.shape[2:])
+    decay = None if g is None else g.to(dtype).reshape(B * Hkv, *g.shape[2:])
+    differentiable = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (phi_q, phi_k, values, betas, decay, memory))
+    if native_chunk.use_native(impl, q, dtype, mode, differentiable):
+        out, memory = native_chunk.chunk(phi_q, phi_k, values, betas, decay, memory, chunk_size, scale)
+    elif decay is not None:
         if mode == "recurrent":
             out, memory = gated.recurrent(phi_q, phi_k, values, betas, decay, memory)
         else:

@@ -44,7 +44,7 @@ import torch
 
 from ..common import native
 from ..common.decay import CHANNEL_CHUNK
-from ..common.native import relative_error
+from ..common.native import first_difference
 from . import decay_forms, forms
 from .feature_maps import EluPlusOne, FeatureMap, Identity, ReLU, get_feature_map
 
@@ -290,14 +290,7 @@ def _run_check(dtype: torch.dtype) -> str | None:
     gradients, and the decayed calls by ``decayed`` and ``decay_forms.chunk``: None when outputs,
     final states and the gradients of every input agree, else the first difference."""
     results = {way: {**_outcomes(dtype, way), **_decayed_outcomes(dtype, way)} for way in ("native", "torch")}
-    for name, got in results["native"].items():
-        want = results["torch"][name]
-        if not bool(torch.isfinite(got).all()):
-            return f"{name}: non-finite values"
-        error = relative_error(got, want)
-        if not error <= RTOL[dtype]:
-            return f"{name}: differs by {error:.3g} of its largest value (tolerance {RTOL[dtype]:g})"
-    return None
+    return first_difference(results["native"], results["torch"], RTOL[dtype])
 
 
 def _outcomes(dtype: torch.dtype, way: str) -> dict[str, torch.Tensor]:

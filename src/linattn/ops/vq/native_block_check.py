@@ -25,7 +25,7 @@ import torch
 
 from ...state import VQAttentionState
 from ..common import native
-from ..common.native import relative_error
+from ..common.native import first_difference
 from .block import block_form
 
 DTYPES = (torch.float32, torch.float64)
@@ -87,14 +87,10 @@ def _run_check(dtype: torch.dtype) -> str | None:
     every input agree (module docstring), else the first difference."""
     for grad in (False, True):
         results = {schedule: _outcomes(dtype, schedule, grad) for schedule in ("native", "batched")}
-        for name, got in results["native"].items():
-            want = results["batched"][name]
-            what = f"{name}{' (with gradients)' if grad else ''}"
-            if not bool(torch.isfinite(got).all()):
-                return f"{what}: non-finite values"
-            error = relative_error(got, want)
-            if not error <= RTOL[dtype]:
-                return f"{what}: differs by {error:.3g} of its largest value (tolerance {RTOL[dtype]:g})"
+        failure = first_difference(results["native"], results["batched"], RTOL[dtype],
+                                   " (with gradients)" if grad else "")
+        if failure is not None:
+            return failure
     return None
 
 

@@ -4,6 +4,7 @@
 //   x       = E[ids]                                                          [B, d]
 //   x       = x + W_o mixer(RMSNorm(x)) (+ b_o)    for every block, in order
 //   x       = x + W_down (SiLU(W_gate h) * W_up h),  h = RMSNorm(x)
+//             (a Transformer-VQ gated attention unit among the blocks: x = x + unit(x), vq_gau_step.cpp)
 //   logits  = RMSNorm(x) H^T,  and the argmax when asked (lm_ends.h)
 //
 // The norms' gains are folded into the matrices after them (`in_t`, `gate_up_t`): with
@@ -20,14 +21,25 @@
 //   a         = exp(g): "decay" 1: g = log_decay [Hkv] (fixed, per kv head); 2: g = -decay_rate
 //               softplus(p_decay + dt_bias) (Mamba-2, per kv head); 3: g = logsigmoid(p_decay
 //               decay_up_t + decay_bias) / temperature (per key channel, low rank: GLA); 0: a = 1
-//   phi       = "feature" 0: x, 1: elu(x) + 1, 2: max(x, 0); then "normalize" 2: phi / (sum phi + eps),
-//               3: phi / max(|phi|, eps) (eps "feature_eps")
+//   phi       = "feature" 0: x, 1: elu(x) + 1, 2: max(x, 0) (F = D features); 3: Hedgehog's
+//               [softmax(x W_h), softmax(-x W_h)] with W_h the head's [D, D] map of "query_map"
+//               [H, D, D] or "key_map" [Hkv, D, D] (F = 2 D); 4: DPFP, r = [max(x, 0), max(-x, 0)],
+//               then r * roll(r, i) for i = 1 .. "dpfp_nu" side by side (F = 2 D nu); 5: Taylor's
+//               [1, x / D^(1/4), vec(x x^T) / (sqrt(2) sqrt(D))] (F = 1 + D + D^2); then "normalize"
+//               2: phi / (sum phi + eps), 3: phi / max(|phi|, eps) (eps "feature_eps").
+//               The exponential maps give log-features l: 6: l = x (F = D); 7: FAVOR+, with x' = x D^-1/4
+//               and the "projection_t" W^T [D, F], l = W x' - |x'|^2 / 2 - log(F) / 2; phi = exp(l), under
+//               "normalize" 2 as softmax(l), under 1 shifted as below
 //
-// and per key/value head, with S = "memory" [B, Hkv, D, D] (rows: key features) and z =
-// "normalizer" [B, Hkv, D]:
+// and per key/value head, with S = "memory" [B, Hkv, F, D] (rows: key features) and z =
+// "normalizer" [B, Hkv, F]:
 //
 //   sum rule:    S <- diag(a) S + phi(k) v^T,  z <- a z + phi(k);  for each query head of the group,
-//                o = S^T phi(scale q) (/ (phi(scale q).z + eps) with "normalize" 1)
+//                o = S^T phi(scale q) (/ (phi(scale q).z + eps) with "normalize" 1). An exponential
+//                map under "normalize" 1 keeps S and z scaled by exp(-c), c the row's running key shift
+//                ("shift" [B, Hkv]): c' = max(c, max_f l(k)), S and z times exp(c - c'), phi(k) =
+//                exp(l(k) - c'); a query's phi(q) = exp(l(q) - m), m = max_f l(q), and o = S^T phi(q) /
+//                (phi(q).z + eps exp(-(m + c'))): the shifts cancel in the ratio
 //   delta rule:  S' = diag(a) S,  u = beta (v - S'^T phi(k)),  S <- S' + phi(k) u^T,  o = scale S^T phi(q)
 //
 // The softmax mixers ("softmax", "local") keep keys and values instead, "keys", "values"
@@ -55,6 +67,7 @@
 #include "lm_ends.h"
 #include "native_checks.h"
 #include "row_products.h"
+#include "vq_kernels.h"
 
 namespace linattn {
 
@@ -100,22 +113,95 @@ T dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
-// phi(x) for the n values of x, then normalised as the block's "normalize" says, in place.
+// softmax(sign * z) over n values into out.
 template <typename T>
-void features(T* x, int64_t n, int64_t feature, int64_t normalize, T eps) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (feature == 1) x[i] = x[i] > T(0) ? x[i] + T(1) : std::expm1(x[i]) + T(1);
-    else if (feature == 2) x[i] = std::max(x[i], T(0));
+void softmax_of(const T* z, int64_t n, T sign, T* out) {
+  T largest = -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < n; ++i) largest = std::max(largest, sign * z[i]);
+  T total = 0;
+  for (int64_t i = 0; i < n; ++i) total += (out[i] = linattn_native::exp_of(sign * z[i] - largest));
+  for (int64_t i = 0; i < n; ++i) out[i] /= total;
+}
+
+// The F log-features of an exponential map (feature 6 or 7) of a head's D values x into logs.
+template <typename T>
+void log_features(const BlockModelStep::Block& block, const T* x, T* logs, T* scratch) {
+  const int64_t D = block.head_dim, F = block.feature_width;
+  if (block.feature == 6) {
+    std::copy_n(x, D, logs);
+    return;
   }
-  if (normalize == 2) {
+  const T quarter = static_cast<T>(std::pow(static_cast<double>(D), -0.25));
+  T squares = 0;
+  for (int64_t i = 0; i < D; ++i) {
+    scratch[i] = x[i] * quarter;
+    squares += scratch[i] * scratch[i];
+  }
+  const T offset = squares * T(-0.5) - static_cast<T>(0.5 * std::log(static_cast<double>(F)));
+  const T* W_t = block.projection_t.data_ptr<T>();  // [D, F]: rows of F, so the loop over f vectorises
+  std::fill_n(logs, F, T(0));
+  for (int64_t i = 0; i < D; ++i) {
+    const T xi = scratch[i];
+    for (int64_t f = 0; f < F; ++f) logs[f] += xi * W_t[i * F + f];
+  }
+  for (int64_t f = 0; f < F; ++f) logs[f] += offset;
+}
+
+bool exponential(const BlockModelStep::Block& block) { return block.feature == 6 || block.feature == 7; }
+
+// The F = feature_width(block) features phi(x) of a head's D values x into phi, normalised as the
+// block's "normalize" says; `map` is the head's [D, D] Hedgehog map (feature 3), `scratch` 2 D values.
+template <typename T>
+void features(const BlockModelStep::Block& block, const T* x, const T* map, T* phi, T* scratch) {
+  const int64_t D = block.head_dim, feature = block.feature;
+  const T eps = static_cast<T>(block.feature_eps);
+  if (exponential(block)) {  // "normalize" 2 (1 shifts in recur)
+    log_features(block, x, phi, scratch);
+    softmax_of(phi, block.feature_width, T(1), phi);
+    return;
+  }
+  if (feature == 3) {
+    std::fill_n(scratch, D, T(0));
+    for (int64_t i = 0; i < D; ++i) {
+      for (int64_t f = 0; f < D; ++f) scratch[f] += x[i] * map[i * D + f];
+    }
+    softmax_of(scratch, D, T(1), phi);
+    softmax_of(scratch, D, T(-1), phi + D);
+  } else if (feature == 4) {
+    const int64_t R = 2 * D;
+    for (int64_t i = 0; i < D; ++i) {
+      scratch[i] = std::max(x[i], T(0));
+      scratch[D + i] = std::max(-x[i], T(0));
+    }
+    for (int64_t shift = 1; shift <= block.dpfp_nu; ++shift) {
+      T* out = phi + (shift - 1) * R;
+      for (int64_t i = 0; i < R; ++i) out[i] = scratch[i] * scratch[(i - shift % R + R) % R];
+    }
+  } else if (feature == 5) {
+    const T first = static_cast<T>(std::pow(static_cast<double>(D), -0.25));
+    const T second = static_cast<T>(std::sqrt(2.0) * std::sqrt(static_cast<double>(D)));
+    phi[0] = T(1);
+    for (int64_t i = 0; i < D; ++i) phi[1 + i] = x[i] * first;
+    for (int64_t i = 0; i < D; ++i) {
+      for (int64_t j = 0; j < D; ++j) phi[1 + D + i * D + j] = x[i] * x[j] / second;
+    }
+  } else {
+    for (int64_t i = 0; i < D; ++i) {
+      if (feature == 1) phi[i] = x[i] > T(0) ? x[i] + T(1) : std::expm1(x[i]) + T(1);
+      else if (feature == 2) phi[i] = std::max(x[i], T(0));
+      else phi[i] = x[i];
+    }
+  }
+  const int64_t n = block.feature_width;
+  if (block.normalize == 2) {
     T sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += x[i];
-    for (int64_t i = 0; i < n; ++i) x[i] = x[i] / (sum + eps);
-  } else if (normalize == 3) {
+    for (int64_t i = 0; i < n; ++i) sum += phi[i];
+    for (int64_t i = 0; i < n; ++i) phi[i] = phi[i] / (sum + eps);
+  } else if (block.normalize == 3) {
     T sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+    for (int64_t i = 0; i < n; ++i) sum += phi[i] * phi[i];
     const T norm = std::max(std::sqrt(sum), eps);
-    for (int64_t i = 0; i < n; ++i) x[i] = x[i] / norm;
+    for (int64_t i = 0; i < n; ++i) phi[i] = phi[i] / norm;
   }
 }
 
@@ -185,64 +271,94 @@ Columns columns(const BlockModelStep::Block& block) {
 template <typename T>
 void recur(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& c, const T* a, const T* beta,
            int64_t B, T* o) {
-  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim, G = H / Hkv;
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim, G = H / Hkv, F = block.feature_width;
   T* memory = block.memory.data_ptr<T>();
   T* normalizer = block.normalize == 1 ? block.normalizer.data_ptr<T>() : nullptr;
+  const T* query_maps = block.query_map.defined() ? block.query_map.data_ptr<T>() : nullptr;
+  const T* key_maps = block.key_map.defined() ? block.key_map.data_ptr<T>() : nullptr;
   const T eps = static_cast<T>(block.feature_eps), scale = static_cast<T>(block.scale);
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, D * D * (G + 2)));
+  const bool shifted = exponential(block) && block.normalize == 1;
+  T* shifts = shifted ? block.shift.data_ptr<T>() : nullptr;
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, F * D * (G + 2)));
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> key(D), query(D), update(D);
+    std::vector<T> key(F), query(F), scaled(D), scratch(2 * D), update(D);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / Hkv, j = n % Hkv;
       const T* row = p + b * P;
       const T* value = row + c.v + j * D;
-      const T* decay = a + n * D;
-      T* S = memory + n * D * D;
-      std::copy_n(row + c.k + j * D, D, key.data());
-      features(key.data(), D, block.feature, block.normalize, eps);
+      const T* decay = block.decay != 0 ? a + n * D : nullptr;  // per key channel (F = D)
+      T* S = memory + n * F * D;
+      if (shifted) {  // the row's shift grows to this key's largest log-feature
+        log_features(block, row + c.k + j * D, key.data(), scratch.data());
+        T top = -std::numeric_limits<T>::infinity();
+        for (int64_t f = 0; f < F; ++f) top = std::max(top, key[f]);
+        const T old = shifts[n], fresh = std::max(old, top), rescale = linattn_native::exp_of(old - fresh);
+        for (int64_t i = 0; i < F * D; ++i) S[i] *= rescale;
+        for (int64_t f = 0; f < F; ++f) normalizer[n * F + f] *= rescale;
+        shifts[n] = fresh;
+        for (int64_t f = 0; f < F; ++f) key[f] = linattn_native::exp_of(key[f] - fresh);
+      } else {
+        features(block, row + c.k + j * D, key_maps != nullptr ? key_maps + j * D * D : nullptr, key.data(),
+                 scratch.data());
+      }
       if (block.delta) {
-        for (int64_t f = 0; f < D; ++f) {
-          for (int64_t e = 0; e < D; ++e) S[f * D + e] *= decay[f];
+        if (decay != nullptr) {
+          for (int64_t f = 0; f < F; ++f) {
+            for (int64_t e = 0; e < D; ++e) S[f * D + e] *= decay[f];
+          }
         }
         std::fill(update.begin(), update.end(), T(0));
-        for (int64_t f = 0; f < D; ++f) {
+        for (int64_t f = 0; f < F; ++f) {
           for (int64_t e = 0; e < D; ++e) update[e] += key[f] * S[f * D + e];
         }
         for (int64_t e = 0; e < D; ++e) update[e] = beta[n] * (value[e] - update[e]);
-        for (int64_t f = 0; f < D; ++f) {
+        for (int64_t f = 0; f < F; ++f) {
           for (int64_t e = 0; e < D; ++e) S[f * D + e] += key[f] * update[e];
         }
       } else {
-        for (int64_t f = 0; f < D; ++f) {
-          for (int64_t e = 0; e < D; ++e) S[f * D + e] = decay[f] * S[f * D + e] + key[f] * value[e];
+        for (int64_t f = 0; f < F; ++f) {
+          const T kept = decay != nullptr ? decay[f] : T(1);
+          for (int64_t e = 0; e < D; ++e) S[f * D + e] = kept * S[f * D + e] + key[f] * value[e];
         }
         if (normalizer != nullptr) {
-          T* z = normalizer + n * D;
-          for (int64_t f = 0; f < D; ++f) z[f] = decay[f] * z[f] + key[f];
+          T* z = normalizer + n * F;
+          for (int64_t f = 0; f < F; ++f) z[f] = (decay != nullptr ? decay[f] : T(1)) * z[f] + key[f];
         }
       }
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = j * G + g;
         const T* q = row + c.q + h * D;
-        for (int64_t f = 0; f < D; ++f) query[f] = block.delta ? q[f] : q[f] * scale;
-        features(query.data(), D, block.feature, block.normalize, eps);
+        if (!block.delta) {  // the sum rule's scale is on q, before the map
+          for (int64_t i = 0; i < D; ++i) scaled[i] = q[i] * scale;
+          q = scaled.data();
+        }
+        T stabilizer = eps;  // eps, shifted like the features for an exponential map
+        if (shifted) {
+          log_features(block, q, query.data(), scratch.data());
+          T top = -std::numeric_limits<T>::infinity();
+          for (int64_t f = 0; f < F; ++f) top = std::max(top, query[f]);
+          for (int64_t f = 0; f < F; ++f) query[f] = linattn_native::exp_of(query[f] - top);
+          stabilizer = static_cast<T>(static_cast<double>(eps) *
+                                      std::exp(-(static_cast<double>(top) + static_cast<double>(shifts[n]))));
+        } else {
+          features(block, q, query_maps != nullptr ? query_maps + h * D * D : nullptr, query.data(), scratch.data());
+        }
         T* out = o + (b * H + h) * D;
         std::fill_n(out, D, T(0));
-        for (int64_t f = 0; f < D; ++f) {
+        for (int64_t f = 0; f < F; ++f) {
           for (int64_t e = 0; e < D; ++e) out[e] += query[f] * S[f * D + e];
         }
         if (block.delta) {
           for (int64_t e = 0; e < D; ++e) out[e] *= scale;
         } else if (normalizer != nullptr) {
-          const T* z = normalizer + n * D;
+          const T* z = normalizer + n * F;
           T den = 0;
-          for (int64_t f = 0; f < D; ++f) den += query[f] * z[f];
-          for (int64_t e = 0; e < D; ++e) out[e] = out[e] / (den + eps);
+          for (int64_t f = 0; f < F; ++f) den += query[f] * z[f];
+          for (int64_t e = 0; e < D; ++e) out[e] = out[e] / (den + stabilizer);
         }
       }
     }
   });
-
 }
 
 // Softmax attention of every (batch, kv head) row over its cache, one row per task -> o [B, H D];
@@ -451,8 +567,16 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
   block.head_dim = count(numbers, "head_dim", 1, 1 << 20);
   TORCH_CHECK(block.heads % block.kv_heads == 0, kWhat, ": kv_heads must divide heads");
   const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim;
-  block.feature = count(numbers, "feature", 0, 2);
+  block.feature = count(numbers, "feature", 0, 7);
+  block.dpfp_nu = block.feature == 4 ? count(numbers, "dpfp_nu", 1, 1 << 10) : 0;
+  block.feature_width = block.feature == 3   ? 2 * D
+                        : block.feature == 4 ? 2 * D * block.dpfp_nu
+                        : block.feature == 5 ? 1 + D + D * D
+                        : block.feature == 7 ? count(numbers, "favor_features", 1, 1 << 20)
+                                             : D;
   block.normalize = count(numbers, "normalize", 0, 3);
+  TORCH_CHECK(!exponential(block) || block.normalize == 1 || block.normalize == 2, kWhat,
+              ": an exponential map (feature 6 or 7) is normalised by the denominator (1) or by its sum (2)");
   TORCH_CHECK(!(block.delta && block.normalize == 1), kWhat, ": the delta rule has no denominator (normalize 1)");
   block.feature_eps = number(numbers, "feature_eps");
   block.scale = number(numbers, "scale");
@@ -467,6 +591,8 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
   block.temperature = number(numbers, "temperature", 1.0);
   block.head_norm = count(numbers, "head_norm", 0, 2);
   block.head_eps = number(numbers, "head_eps", 0.0);
+  TORCH_CHECK(block.decay == 0 || block.feature_width == D, kWhat, ": a decay is per key channel of the head (",
+              D, "), the features are ", block.feature_width, " wide");
   const Columns c = columns(block);
   block.in_t = tensor(tensors, "in_t");
   check(block.in_t, "in_t", {d, c.width});
@@ -492,6 +618,16 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
     block.conv_bias = tensor(tensors, "conv_bias");
     check(block.conv_weight, "conv_weight", {c.gate, block.conv_kernel});
     check(block.conv_bias, "conv_bias", {c.gate});
+  }
+  if (block.feature == 7) {
+    block.projection_t = tensor(tensors, "projection_t");
+    check(block.projection_t, "projection_t", {D, block.feature_width});
+  }
+  if (block.feature == 3) {
+    block.query_map = tensor(tensors, "query_map");
+    block.key_map = tensor(tensors, "key_map");
+    check(block.query_map, "query_map", {H, D, D});
+    check(block.key_map, "key_map", {Hkv, D, D});
   }
   if (block.decay == 1) {
     block.log_decay = tensor(tensors, "log_decay");
@@ -519,7 +655,8 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
 }
 
 void BlockModelStep::set_state(int64_t index, const std::map<std::string, at::Tensor>& state, int64_t length) {
-  TORCH_CHECK(index >= 0 && index < blocks(), kWhat, ": no block ", index);
+  TORCH_CHECK(index >= 0 && index < blocks() && !blocks_[index].vq, kWhat, ": no block ", index,
+              " of a mixer's state");
   Block& block = blocks_[index];
   const auto type = embed_.scalar_type();
   const int64_t Hkv = block.kv_heads, D = block.head_dim;
@@ -537,16 +674,39 @@ void BlockModelStep::set_state(int64_t index, const std::map<std::string, at::Te
     block.length = length;
     return;
   }
+  const int64_t F = block.feature_width;
   block.memory = tensor(state, "memory");
-  TORCH_CHECK(block.memory.dim() == 4, kWhat, ": memory is [B, Hkv, D, D]");
+  TORCH_CHECK(block.memory.dim() == 4, kWhat, ": memory is [B, Hkv, F, D]");
   const int64_t B = block.memory.size(0);
-  linattn_native::check_tensor(kWhat, block.memory, "memory", type, {B, Hkv, D, D});
+  linattn_native::check_tensor(kWhat, block.memory, "memory", type, {B, Hkv, F, D});
   block.normalizer = block.normalize == 1 ? tensor(state, "normalizer") : at::Tensor();
-  if (block.normalizer.defined()) linattn_native::check_tensor(kWhat, block.normalizer, "normalizer", type, {B, Hkv, D});
+  if (block.normalizer.defined()) linattn_native::check_tensor(kWhat, block.normalizer, "normalizer", type, {B, Hkv, F});
+  block.shift = exponential(block) && block.normalize == 1 ? tensor(state, "shift") : at::Tensor();
+  if (block.shift.defined()) linattn_native::check_tensor(kWhat, block.shift, "shift", type, {B, Hkv});
   block.conv = block.conv_kernel > 1 ? tensor(state, "conv") : at::Tensor();
   if (block.conv.defined()) {
     linattn_native::check_tensor(kWhat, block.conv, "conv", type, {B, columns(block).gate, block.conv_kernel - 1});
   }
+}
+
+void BlockModelStep::add_vq_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift,
+                                 double eps, int64_t block_size) {
+  TORCH_CHECK(constants.size() == 8, kWhat, ": a VQ unit has 8 constants, got ", constants.size());
+  TORCH_CHECK(block_size >= 1, kWhat, ": a VQ unit's block size must be positive, got ", block_size);
+  Block block;
+  block.vq = true;
+  block.vq_constants = std::move(constants);
+  block.input_shift = input_shift;
+  block.vq_eps = eps;
+  block.vq_block = block_size;
+  blocks_.push_back(std::move(block));
+}
+
+void BlockModelStep::set_window(int64_t index, at::Tensor keys, at::Tensor values, at::Tensor codes, at::Tensor mask,
+                                bool keys_are_codes) {
+  TORCH_CHECK(index >= 0 && index < blocks() && blocks_[index].vq, kWhat, ": block ", index, " is not a VQ unit");
+  blocks_[index].vq_window = {std::move(keys), std::move(values), std::move(codes), std::move(mask)};
+  blocks_[index].keys_are_codes = keys_are_codes;
 }
 
 int64_t BlockModelStep::cache_length(int64_t index) const {
@@ -555,27 +715,43 @@ int64_t BlockModelStep::cache_length(int64_t index) const {
 }
 
 void BlockModelStep::step(const at::Tensor& ids, int64_t position, at::Tensor logits,
-                          const c10::optional<at::Tensor>& greedy) {
+                          const c10::optional<at::Tensor>& greedy, int64_t vq_position) {
   TORCH_CHECK(ids.dim() == 1, kWhat, ": ids must be [B] int64");
   const int64_t B = ids.size(0), d = embed_.size(1);
   linattn_native::check_outputs(kWhat, logits, B, head_t_.size(1), embed_.scalar_type(), greedy);
   const at::Tensor id_rows = linattn_native::checked_ids(kWhat, ids, embed_.size(0));
   const int64_t* id = id_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < blocks(); ++i) {
-    const at::Tensor& held = blocks_[i].softmax > 0 ? blocks_[i].keys : blocks_[i].memory;
+    const Block& block = blocks_[i];
+    const at::Tensor& held = block.vq ? (block.vq_window.empty() ? at::Tensor() : block.vq_window[0])
+                                      : (block.softmax > 0 ? block.keys : block.memory);
     TORCH_CHECK(held.defined() && held.size(0) == B, kWhat, ": block ", i, " holds no state of ", B,
-                " rows (set_state)");
+                " rows (set_state or set_window)");
+    TORCH_CHECK(!block.vq || (vq_position >= 0 && vq_position < block.vq_block), kWhat, ": vq_position ",
+                vq_position, " is not in [0, ", block.vq_block, ")");
   }
+  at::Tensor x_rows = at::empty({B, d}, embed_.options()), y_rows = at::empty({B, d}, embed_.options());
+  at::Tensor new_codes = at::empty({B, 1}, ids.options().dtype(at::kLong)), commit = at::empty({}, embed_.options());
   AT_DISPATCH_FLOATING_TYPES(embed_.scalar_type(), "BlockModelStep", [&] {
-    std::vector<scalar_t> x(B * d), y(B * d);
-    linattn_native::embed_rows(embed_.data_ptr<scalar_t>(), id, B, d, x.data());
+    scalar_t* x = x_rows.data_ptr<scalar_t>();
+    scalar_t* y = y_rows.data_ptr<scalar_t>();
+    linattn_native::embed_rows(embed_.data_ptr<scalar_t>(), id, B, d, x);
     for (Block& block : blocks_) {
-      mixer(block, static_cast<const scalar_t*>(x.data()), B, d, position, y.data());
+      if (block.vq) {  // x + unit(x), the unit's norm inside it
+        const std::vector<at::Tensor>& c = block.vq_constants;
+        vq_gau_step(x_rows, c[0], block.input_shift, block.vq_eps, c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+                    block.vq_window[0], block.vq_window[1], block.vq_window[2], block.vq_window[3], block.vq_block,
+                    vq_position,
+                    block.keys_are_codes, 0.0, y_rows, new_codes, commit);
+        for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
+        continue;
+      }
+      mixer(block, static_cast<const scalar_t*>(x), B, d, position, y);
       for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
-      feed_forward(block, static_cast<const scalar_t*>(x.data()), B, d, y.data());
+      feed_forward(block, static_cast<const scalar_t*>(x), B, d, y);
       for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
     }
-    linattn_native::final_logits(x.data(), B, d, norm_weight_.data_ptr<scalar_t>(), norm_eps_,
+    linattn_native::final_logits(x, B, d, norm_weight_.data_ptr<scalar_t>(), norm_eps_,
                                  head_t_.data_ptr<scalar_t>(), head_t_.size(1), logits.data_ptr<scalar_t>(),
                                  greedy.has_value() ? greedy->data_ptr<int64_t>() : nullptr);
   });

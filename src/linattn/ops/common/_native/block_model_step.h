@@ -22,16 +22,29 @@ class BlockModelStep {
                  const std::map<std::string, double>& numbers);
 
   // The state tensors block `block` reads and writes in place: "memory", and "normalizer",
-  // "conv" where its mixer has them; "keys" and "values" for the softmax mixers, whose first
+  // "shift" (an exponential map's running key shift), "conv" where its mixer has them; "keys" and "values" for the softmax mixers, whose first
   // `length` rows hold the cache (softmax), or a ring of the last window - 1 positions (local).
   void set_state(int64_t block, const std::map<std::string, at::Tensor>& state, int64_t length);
 
   // The rows of block `block`'s softmax cache (its `length` after the tokens stepped so far).
   int64_t cache_length(int64_t block) const;
 
+  // A Transformer-VQ gated attention unit as the next block: x <- x + unit(x) (its own pre-norm,
+  // no feed-forward), by vq_gau_step; its constants as VQModelStep::add_unit takes them, L its
+  // block size.
+  void add_vq_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift, double eps,
+                   int64_t block_size);
+
+  // The resident buffer the VQ unit `block` reads and writes (vq_decode_step's keys, values,
+  // codes, mask).
+  void set_window(int64_t block, at::Tensor keys, at::Tensor values, at::Tensor codes, at::Tensor mask,
+                  bool keys_are_codes);
+
   // ids [B] int64 at sequence position `position` (the tokens before it) -> logits [B, V];
-  // greedy [B] int64, when given, each row's argmax (-1 where a logit is not finite).
-  void step(const at::Tensor& ids, int64_t position, at::Tensor logits, const c10::optional<at::Tensor>& greedy);
+  // greedy [B] int64, when given, each row's argmax (-1 where a logit is not finite);
+  // vq_position, the position of the token in the current block of every VQ unit.
+  void step(const at::Tensor& ids, int64_t position, at::Tensor logits, const c10::optional<at::Tensor>& greedy,
+            int64_t vq_position);
 
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
 
@@ -53,6 +66,9 @@ struct BlockModelStep::Block {
   double mixer_eps = 0, ffn_eps = 0;
   int64_t heads = 0, kv_heads = 0, head_dim = 0, ffn = 0;
   int64_t feature = 0, normalize = 0;  // the codes of block_model_step.cpp
+  int64_t feature_width = 0, dpfp_nu = 0;  // F, the features of a head; DPFP's nu (feature 4)
+  at::Tensor query_map, key_map;  // Hedgehog's maps [H, D, D], [Hkv, D, D] (feature 3)
+  at::Tensor projection_t;  // FAVOR+'s projection, transposed: [D, F] (feature 7)
   double feature_eps = 0, scale = 1;
   at::Tensor frequencies;  // [D/2]: rotary q and k (undefined: none)
   at::Tensor conv_weight, conv_bias;  // [C, K], [C]
@@ -64,7 +80,15 @@ struct BlockModelStep::Block {
   int64_t head_norm = 0;
   at::Tensor head_gain, head_bias;
   double head_eps = 0;
-  at::Tensor memory, normalizer, conv, keys, values;  // the state
+  at::Tensor memory, normalizer, shift, conv, keys, values;  // the state
+  // A VQ gated attention unit (add_vq_unit): its constants, input shift, eps and block size, its
+  // resident buffer (keys, values, codes, mask) and whether every key there is a code.
+  bool vq = false;
+  std::vector<at::Tensor> vq_constants, vq_window;
+  c10::optional<at::Tensor> input_shift;
+  double vq_eps = 0;
+  int64_t vq_block = 0;
+  bool keys_are_codes = false;
 };
 
 }  // namespace linattn

@@ -4,10 +4,12 @@
 // (vq_codes.cpp), one token through a gated attention unit (vq_gau_step.cpp) or a whole VQ model
 // (vq_model_step.cpp), one token through a whole model of pre-norm blocks (block_model_step.cpp), and
 // causal kernel attention's chunk form with its gradients (kernel/_native/linear_scan.cpp) and its
-// decayed chunk form (kernel/_native/decayed_scan.cpp).
+// decayed chunk form (kernel/_native/decayed_scan.cpp), and the delta rule's chunk form with or
+// without decay (delta/_native/delta_scan.cpp).
 #include <torch/extension.h>
 
 #include "block_model_step.h"
+#include "delta_scan.h"
 #include "linear_scan.h"
 #include "vq_kernels.h"
 #include "vq_model_step.h"
@@ -31,6 +33,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "The gradients of the chunk form (linear_scan.cpp).");
   m.def("decayed_scan_forward", &linattn::decayed_scan_forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "Causal kernel attention's decayed chunk form, without gradients (decayed_scan.cpp).");
+  m.def("delta_scan_forward", &linattn::delta_scan_forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "The (gated) delta rule's chunk form, without gradients (delta_scan.cpp).");
   pybind11::class_<linattn::VQModelStep>(m, "VQModelStep",
                                          "One token through a whole Transformer-VQ model (vq_model_step.cpp).")
       .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor, int64_t>())
@@ -47,8 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_state", &linattn::BlockModelStep::set_state, pybind11::arg("block"), pybind11::arg("state"),
            pybind11::arg("length") = 0)
       .def("cache_length", &linattn::BlockModelStep::cache_length)
+      .def("add_vq_unit", &linattn::BlockModelStep::add_vq_unit)
+      .def("set_window", &linattn::BlockModelStep::set_window)
       .def("step", &linattn::BlockModelStep::step, pybind11::arg("ids"), pybind11::arg("position"),
-           pybind11::arg("logits"), pybind11::arg("greedy") = pybind11::none(),
+           pybind11::arg("logits"), pybind11::arg("greedy") = pybind11::none(), pybind11::arg("vq_position") = 0,
            pybind11::call_guard<pybind11::gil_scoped_release>())
       .def_property_readonly("blocks", &linattn::BlockModelStep::blocks);
 }
