@@ -1,6 +1,7 @@
 """Small helpers shared by the tests: random inputs, tolerant comparisons, feature maps
 written out independently of the library, a causality check on Jacobians, a recorder of the
-largest tensor an op builds, and the tokens a model generates."""
+largest tensor an op builds, the tokens a model generates, and the fixture that runs a
+module's tests on both chunk forms."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import re
 from collections import Counter
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -18,6 +20,21 @@ from linattn.models import uses_heads
 from linattn.models.config import HEAD_FIELDS
 
 F64 = torch.float64
+
+
+def both_chunk_forms(variable: str):
+    """An autouse fixture that runs every test of the module assigning it twice: ``impl="auto"``
+    (the native chunk kernel where it applies, e.g. calls without gradients on a CPU) and the
+    torch form (``variable=torch``, e.g. ``LINATTN_LINEAR_IMPL``); the fixture's value is which."""
+
+    @pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
+    def chunk_impl(request, monkeypatch):
+        monkeypatch.delenv(variable, raising=False)
+        if request.param == "torch":
+            monkeypatch.setenv(variable, "torch")
+        return request.param
+
+    return chunk_impl
 # The project's internal shorthand, which user-facing text must not use: source-document numbers
 # ("seed 003") and issue numbers ("issue 21").
 SHORTHAND = re.compile(r"\bseeds? 0\d\d\b|\bissues? #?\d+\b", re.IGNORECASE)

@@ -1,14 +1,14 @@
 """``LM.generate``'s native token loop for models of pre-norm blocks (``models/_block_generation.py``,
 the native ``BlockModelStep``) against the step through ``LM._run``: the same logits and states
 in float64 for every mixer it takes (the sum and delta rules with their maps (elementwise, DPFP,
-Taylor, Hedgehog's learned map, the exponential maps exp and FAVOR+ with their running key shift),
-normalisations,
-decays, short convolutions and head norms; softmax over a KV cache and over a window, with
-rotary positions, rope scaling, NoPE, the entropy scale and projection biases), with grouped
-heads, batch > 1, untied heads, a window that the tokens pass; the same tokens from ``generate``;
-a parameter written between two tokens is seen; the KV cache's rows are claimed and handed
-back; the thread count changes no bit; the loop is taken only where it applies, and the native
-object's own checks name what is wrong."""
+Taylor, Hedgehog's learned map, the exponential maps exp and FAVOR+ with their running key
+shift), normalisations, decays, short convolutions and head norms; softmax over a KV cache and
+over a window, with rotary positions, rope scaling, NoPE, ReRoPE, the entropy scale and
+projection biases; VQ GAU pairs among the blocks, their blocks completed by the tokens), with
+grouped heads, batch > 1, untied heads, a window that the tokens pass; the same tokens from
+``generate``; a parameter written between two tokens is seen; the KV cache's rows are claimed
+and handed back; the thread count changes no bit; the loop is taken only where it applies, and
+the native object's own checks name what is wrong."""
 
 from __future__ import annotations
 
@@ -105,6 +105,9 @@ CASES = {
     "linear:elu,delta,gated-delta,gla,retnet,softmax,local:4": dict(n_kv_heads=2, tie_embeddings=False),
     # VQ GAU pairs among the blocks, their blocks completed by the tokens (L 4 and 3)
     "local:3,vq": dict(VQ, block_size=4), "vq,softmax,gated-delta": dict(VQ, block_size=3, n_kv_heads=2),
+    # ReRoPE: keys within w at their distance, the rest at w (the window passed by the tokens)
+    "softmax:rerope=3": dict(n_kv_heads=2), "softmax:rerope=2:entropy": {}, "local:6:rerope=3": dict(n_kv_heads=2),
+    "local:3:rerope=5": {},
 }
 
 
@@ -213,7 +216,6 @@ def _state_of(model, batch=2, reserve=4):
 
 
 @pytest.mark.parametrize("attention, reason", [
-    ("softmax:rerope=2", "ReRoPE"),
     ("vq-attn:bias", "MultiHeadVQAttention"), ("softmax,gau-softmax", "GAU pair"), ("local:2,vq:rerope", "GAU pair"),
 ])
 def test_not_taken_for_the_mixers_it_does_not_compute(attention, reason, monkeypatch):

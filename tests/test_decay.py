@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from _helpers import (
+    both_chunk_forms,
     F64,
     assert_causal_jacobian,
     assert_close_rel,
@@ -33,14 +34,7 @@ EPS = 1e-6
 MODES = ("parallel", "chunk", "recurrent")
 
 
-@pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
-def chunk_impl(request, monkeypatch):
-    """Which chunk form the test's calls run: ``impl="auto"`` (the native kernel for calls without
-    gradients on a CPU) or the torch form (``LINATTN_LINEAR_IMPL=torch``)."""
-    monkeypatch.delenv("LINATTN_LINEAR_IMPL", raising=False)
-    if request.param == "torch":
-        monkeypatch.setenv("LINATTN_LINEAR_IMPL", "torch")
-    return request.param
+chunk_impl = both_chunk_forms("LINATTN_LINEAR_IMPL")  # every test on the native kernel and on the torch form
 # (feature map, normalize, feature width F for Dk = 4)
 SETTINGS = {
     "identity-none": ("identity", None, 4),

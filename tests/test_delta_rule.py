@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _helpers import both_chunk_forms
+
 from linattn import linear_attention
 from linattn.feature_maps import FAVOR, SoftVQ
 from linattn.ops.delta import delta_rule
@@ -18,14 +20,7 @@ from linattn.state import DeltaRuleState, LinearAttentionState
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
-def chunk_impl(request, monkeypatch):
-    """Which chunk form the test's calls run: ``impl="auto"`` (the native kernel for calls without
-    gradients on a CPU) or the torch forms (``LINATTN_DELTA_IMPL=torch``)."""
-    monkeypatch.delenv("LINATTN_DELTA_IMPL", raising=False)
-    if request.param == "torch":
-        monkeypatch.setenv("LINATTN_DELTA_IMPL", "torch")
-    return request.param
+chunk_impl = both_chunk_forms("LINATTN_DELTA_IMPL")  # every test on the native kernel and on the torch form
 
 # (feature_map, normalize, feature dimension as a function of Dk)
 FMAPS = {

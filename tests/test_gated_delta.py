@@ -15,21 +15,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import F64, assert_causal_jacobian, assert_close_rel, independent_features
+from _helpers import F64, assert_causal_jacobian, assert_close_rel, both_chunk_forms, independent_features
 from linattn import DeltaRuleState, delta_rule
 
 # Small matmuls: one thread (as the suite runs once test_activation_checkpointing.py is collected).
 torch.set_num_threads(1)
 
 
-@pytest.fixture(autouse=True, params=["auto", "torch"], ids=["chunk-auto", "chunk-torch"])
-def chunk_impl(request, monkeypatch):
-    """Which chunk form the test's calls run: ``impl="auto"`` (the native kernel for calls without
-    gradients on a CPU) or the torch forms (``LINATTN_DELTA_IMPL=torch``)."""
-    monkeypatch.delenv("LINATTN_DELTA_IMPL", raising=False)
-    if request.param == "torch":
-        monkeypatch.setenv("LINATTN_DELTA_IMPL", "torch")
-    return request.param
+chunk_impl = both_chunk_forms("LINATTN_DELTA_IMPL")  # every test on the native kernel and on the torch form
 
 EPS = 1e-6
 # (feature map, normalize, feature width F for Dk = 4)

@@ -3,7 +3,7 @@
 For models whose every layer is a ``PreNormBlock`` (``x + mixer(norm(x))``, then SwiGLU) with one
 of these mixers: exact softmax attention over its preallocated KV cache and sliding-window
 attention (``softmax``, ``local``, with rotary positions, rope scaling, ``nope`` or the entropy
-scale, projection biases; not ReRoPE), kernel attention with a fixed elementwise map
+scale or ReRoPE, projection biases), kernel attention with a fixed elementwise map
 (``linear:elu``, ``linear:relu``, ``linear:identity``), DPFP (``linear:dpfp``), Taylor's
 (``linear:taylor``), the exponential maps with their running key shift (``linear:exp``, FAVOR+:
 ``favor``) or Hedgehog's learned map (``linear:hedgehog``), DeltaNet (``delta`` and its maps:
@@ -107,10 +107,11 @@ def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
     rule = "sum"
     if isinstance(mixer, Attention):
         if mixer.mechanism in ("softmax", "local"):
-            if mixer.rerope is not None:
-                return f"{mixer.mechanism} attention with ReRoPE (rerope={mixer.rerope})"
             rule = mixer.mechanism
             numbers.update(window=mixer.window if rule == "local" else 0, entropy=int(mixer.scale == "entropy"))
+            if mixer.rerope is not None:  # the keys stay unrotated; the step turns each query by its distance
+                numbers.update(rerope=mixer.rerope)
+                tensors.update(rerope_frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, dtype=dtype))
         elif mixer.query_map is not None:
             if not all(_plain(m, (HedgehogFeatureMap,)) for m in (mixer.query_map, mixer.key_map)):
                 return "kernel attention with a Hedgehog map that is not a plain HedgehogFeatureMap"
@@ -471,10 +472,10 @@ def _self_check(dtype: torch.dtype) -> str | None:
     from .lm import LM
 
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
-    config = LMConfig(vocab_size=32, d_model=16, n_layers=13, n_heads=4, n_kv_heads=2,
+    config = LMConfig(vocab_size=32, d_model=16, n_layers=15, n_heads=4, n_kv_heads=2,
                       attention="linear:elu,delta,gated-delta,gla,retnet,softmax:entropy,local:3,linear:hedgehog,"
-                                "delta:dpfp,linear:taylor,favor:8,linear:exp,vq", block_size=2, codebook_size=8,
-                      gau_d_k=8, gau_d_v=16)
+                                "delta:dpfp,linear:taylor,favor:8,linear:exp,vq,softmax:rerope=2,local:4:rerope=2",
+                      block_size=2, codebook_size=8, gau_d_k=8, gau_d_v=16)
     with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
         torch.manual_seed(0)
         model = LM(config).to(dtype).eval()

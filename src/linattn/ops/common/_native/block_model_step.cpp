@@ -47,7 +47,9 @@
 // preallocated cache and each query head reads rows 0 .. length; "local" ("window" W) reads the
 // ring of the last W - 1 positions (position i at row i mod (W - 1)) and the new key, then writes
 // the new key over the oldest. With a = scale q (or, "entropy", q log(n) / log(512) / sqrt(D), n
-// the keys it reads): o = sum_j exp(a.k_j - m) v_j / sum_j exp(a.k_j - m), m = max_j a.k_j.
+// the keys it reads): o = sum_j exp(a.k_j - m) v_j / sum_j exp(a.k_j - m), m = max_j a.k_j; with
+// ReRoPE ("rerope" w, "rerope_frequencies" [D/2]) the keys are kept unrotated and a.k_j is
+// (R(min(d_j, w)) a).k_j, d_j the key's distance from the query.
 //
 // then per query head "head_norm" 1: o / sqrt(mean(o^2) + eps) * head_gain [D]; 2: (o - mean(o)) /
 // sqrt(var(o) + eps) * head_gain [H D] + head_bias [H D] (eps "head_eps"); then o * SiLU(p_gate)
@@ -379,8 +381,16 @@ void attend(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& 
     scale = std::log(static_cast<T>(cached + 1)) / static_cast<T>(std::log(512.0)) / std::sqrt(static_cast<T>(D));
   }
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, (cached + 1) * D * G));
+  // ReRoPE: key i at distance d_i from the query is scored by R(min(d_i, w)) q (keys unrotated)
+  const int64_t w = block.rerope;
+  const int64_t turns = w > 0 ? std::min(w, cached) + 1 : 0;  // the distances 0 .. min(w, cached) that occur
+  const T* turn_frequencies = w > 0 ? block.rerope_frequencies.data_ptr<T>() : nullptr;
+  const auto distance = [&](int64_t i) -> int64_t {  // of key i (row i, or the new key at i == cached)
+    if (i == cached) return 0;
+    return ring ? (((position - i - 1) % rows) + rows) % rows + 1 : cached - i;
+  };
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<T> scores(cached + 1), query(D);
+    std::vector<T> scores(cached + 1), query(D), turned(turns * D);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t b = n / Hkv, j = n % Hkv;
       const T* row = p + b * P;
@@ -395,10 +405,15 @@ void attend(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& 
       for (int64_t g = 0; g < G; ++g) {
         const int64_t h = j * G + g;
         for (int64_t f = 0; f < D; ++f) query[f] = row[c.q + h * D + f] * scale;
+        for (int64_t d = 0; d < turns; ++d) {  // R(d) q, the last one R(min(w, cached)) q
+          std::copy_n(query.data(), D, turned.data() + d * D);
+          rotate(turned.data() + d * D, 1, D, turn_frequencies, d);
+        }
         T largest = -std::numeric_limits<T>::infinity();
         for (int64_t i = 0; i <= cached; ++i) {
           const T* k_i = ring && i == cached ? key : K + i * D;
-          scores[i] = dot(query.data(), k_i, D);
+          const T* q_i = w > 0 ? turned.data() + std::min(distance(i), turns - 1) * D : query.data();
+          scores[i] = dot(q_i, k_i, D);
           largest = std::max(largest, scores[i]);
         }
         T total = 0;
@@ -562,6 +577,7 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
   block.softmax = mixer == "softmax" ? 1 : (mixer == "local" ? 2 : 0);
   block.window = block.softmax == 2 ? count(numbers, "window", 1, int64_t(1) << 40) : 0;
   block.entropy = count(numbers, "entropy", 0, 1) == 1;
+  block.rerope = block.softmax > 0 ? count(numbers, "rerope", 0, int64_t(1) << 40) : 0;
   block.heads = count(numbers, "heads", 1, 1 << 20);
   block.kv_heads = count(numbers, "kv_heads", 1, block.heads);
   block.head_dim = count(numbers, "head_dim", 1, 1 << 20);
@@ -612,6 +628,12 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
   if (block.frequencies.defined()) {
     TORCH_CHECK(D % 2 == 0, kWhat, ": rotary positions need an even head_dim");
     check(block.frequencies, "frequencies", {D / 2});
+  }
+  if (block.rerope > 0) {  // the keys stay unrotated: the softmax turns each query by its distance
+    TORCH_CHECK(!block.frequencies.defined(), kWhat, ": ReRoPE turns q in the softmax; the block has no frequencies");
+    TORCH_CHECK(D % 2 == 0, kWhat, ": ReRoPE needs an even head_dim");
+    block.rerope_frequencies = tensor(tensors, "rerope_frequencies");
+    check(block.rerope_frequencies, "rerope_frequencies", {D / 2});
   }
   if (block.conv_kernel > 0) {
     block.conv_weight = tensor(tensors, "conv_weight");

@@ -60,7 +60,8 @@ class BlockModelStep {
 struct BlockModelStep::Block {
   bool delta = false;  // the delta rule's write; else the sum rule's
   int64_t softmax = 0;  // 1: softmax over a cache of every position; 2: over a window; 0: neither
-  int64_t window = 0, length = 0;
+  int64_t window = 0, length = 0, rerope = 0;  // rerope: ReRoPE's w (0: off)
+  at::Tensor rerope_frequencies;  // [D/2], ReRoPE's (the keys unrotated)
   bool entropy = false;
   at::Tensor in_t, in_bias, out_t, out_bias, gate_up_t, down_t;
   double mixer_eps = 0, ffn_eps = 0;
