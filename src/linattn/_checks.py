@@ -421,6 +421,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def records_gradients(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on ``tensors`` (None skipped) records gradients: grad mode on and one of
+    them requiring grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # -- config dataclasses ----------------------------------------------------------------------
 
 

@@ -10,8 +10,8 @@ scale or ReRoPE, projection biases), kernel attention with a fixed elementwise m
 ``delta:elu``, ``delta:relu``, ``delta:dpfp``, ``delta:taylor``, ``delta:exp``), Gated DeltaNet
 (``gated-delta``), GLA (``gla``) and RetNet (``retnet``); Transformer-VQ's GAU pairs may sit among
 the blocks (``local,local,vq``), each unit a block of the native object that ``vq_gau_step``
-computes over its resident buffer, moved into its cache every ``L`` tokens as
-``_vq_generation.py`` does (a model of VQ pairs alone is ``VQGeneration``'s).
+computes over its resident buffer, moved into its cache every ``L`` tokens by the VQ loop's own
+``UnitBuffers`` (``_vq_generation.py``; a model of VQ pairs alone is ``VQGeneration``'s).
 ``BlockGeneration`` reads every block's parameters once (the projections of a mixer's input as
 one matrix, the norms' gains folded into the matrices after them), takes each block's state
 tensors from the prompt's state, and hands both to the native ``BlockModelStep``
@@ -36,24 +36,24 @@ import torch
 from torch import nn
 
 from .._checks import env_choice
-from ..nn._gau_decode import can_decode_token, decode_constants, norm_eps
+from ..nn._gau_decode import norm_eps
 from ..nn.attention import Attention
 from ..nn.delta_net import DeltaNet
 from ..nn.gated_delta_net import GatedDeltaNet
 from ..nn.gau import GAU, computes_its_parameters
 from ..nn.gla import GatedLinearAttention
+from ..nn.hedgehog import HedgehogFeatureMap
 from ..nn.retention import MultiScaleRetention, retention_log_decays
 from ..nn.short_conv import ShortConvolution
 from ..ops.common.native import Trust, extension, relative_error
 from ..ops.common.rotary import rotary_frequencies
-from ..nn.hedgehog import HedgehogFeatureMap
 from ..ops.kernel.feature_maps import DPFP, FAVOR, EluPlusOne, Exp, FeatureMap, Identity, ReLU, Taylor
 from ..ops.softmax import kv_cache
 from ..ops.vq.native_choice import ENV as VQ_STEP_ENV
 from ..ops.vq.native_choice import use_native as use_native_vq_step
-from ..ops.vq.resident import HARD_CODES, state_after, window_for
 from ..state import KVCacheState, LMState, _State
 from ._native_generation import NativeGeneration, head_t, plain_ends
+from ._vq_generation import UnitBuffers, unit_constants, why_units_do_not_step
 from .layers import GAUPair, PreNormBlock, SwiGLU
 
 ENV = "LINATTN_BLOCK_STEP_IMPL"
@@ -215,15 +215,12 @@ class _VQUnits:
 
 
 def _vq_units(layer: nn.Module, layer_state, token: torch.Tensor) -> _VQUnits | str:
-    """A VQ GAU pair's units when each takes its one-token path (``can_decode_token`` for
-    ``token``, an empty ``[B, 1, d_model]`` in the model's dtype), else why not."""
+    """A VQ GAU pair's units when they take the native one-token step (``why_units_do_not_step``
+    for ``token``, an empty ``[B, 1, d_model]`` in the model's dtype), else why not."""
     if not computes_its_parameters(layer, (GAUPair,)):
         return f"a layer of type {type(layer).__name__} that is not a plain GAUPair"
-    for unit, unit_state in zip(layer.units, layer_state):
-        if not (computes_its_parameters(unit, (GAU,)) and can_decode_token(unit, token, unit_state)):
-            return ("a GAU pair whose units do not take the VQ one-token step (another attention, ReRoPE, a hook "
-                    "or adapter, or a state that does not continue them)")
-    return _VQUnits(list(layer.units))
+    reason = why_units_do_not_step(list(layer.units), list(layer_state), token)
+    return reason if reason is not None else _VQUnits(list(layer.units))
 
 
 def _layer_steps(layer_state) -> set[int]:
@@ -260,8 +257,9 @@ def _plan(model, state: LMState) -> list[_Recipe | _VQUnits] | str:
     if units:
         vq_states = [unit_state for recipe, layer_state in zip(recipes, state.layers)
                      if isinstance(recipe, _VQUnits) for unit_state in layer_state]
-        if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in vq_states}) != 1:
-            return "the VQ units have different block sizes or positions in their blocks"
+        reason = why_units_do_not_step(units, vq_states, token)  # across the layers: one block size and position
+        if reason is not None:
+            return reason
         if not use_native_vq_step("auto", device, dtype):  # builds and checks the VQ step
             return (f"a VQ GAU pair, whose native decoding step is off ({VQ_STEP_ENV}=torch) or failed its check "
                     "(warned of)")
@@ -295,24 +293,15 @@ class BlockGeneration(NativeGeneration):
                                                  norm_eps(model.norm, dtype), head_t(model, dtype).detach())
         self.layer_states, self.held, self.buffers, self.layer_blocks = state.layers, [], {}, []
         self.position = self.start = min(_layer_steps(state.layers[0]))
-        # the VQ units: their native blocks, buffers, unit states' steps and previous blocks
-        self.vq_blocks, self.vq_units, self.windows, self.has_prev, self.unit_steps = [], [], [], [], []
-        self.p = 0
+        vq_blocks, vq_units, vq_states = [], [], []  # the VQ units: their native blocks and states
         block = 0
         for index, (layer, layer_state, recipe) in enumerate(zip(model.layers, state.layers, recipes)):
             if isinstance(recipe, _VQUnits):
                 for unit, unit_state in zip(recipe.units, layer_state):
-                    c = decode_constants(unit, dtype)
-                    self.native.add_vq_unit([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed,
-                                             c.output_t, c.native_search_t, c.native_norms, c.native_codebook_t],
-                                            c.input_shift, c.eps, unit.block_size)
-                    self.vq_blocks.append(block)
-                    self.vq_units.append(unit)
-                    self.windows.append(None)
-                    self.has_prev.append(unit_state.prev_keys is not None)
-                    self.unit_steps.append(unit_state.steps)
-                    self.p = unit_state.partial_keys.shape[2]
-                    self._enter(len(self.vq_units) - 1, unit_state)
+                    self.native.add_vq_unit(*unit_constants(unit, dtype), unit.block_size)
+                    vq_blocks.append(block)
+                    vq_units.append(unit)
+                    vq_states.append(unit_state)
                     block += 1
                 self.held.append(None)
                 self.layer_blocks.append(None)
@@ -332,6 +321,9 @@ class BlockGeneration(NativeGeneration):
                 held = _state_tensors(layer_state)
                 self.native.set_state(index, held)
             self.held.append(held)
+        self.vq = None if not vq_units else UnitBuffers(vq_units, vq_states, dtype, lambda unit, window: (
+            self.native.set_window(vq_blocks[unit], window.keys, window.values, window.codes, window.mask,
+                                   window.keys_are_codes)))
 
     @classmethod
     def start(cls, model, state: LMState, batch: int) -> "BlockGeneration | None":
@@ -360,35 +352,13 @@ class BlockGeneration(NativeGeneration):
                                           for index, buffer in self.buffers.items())
 
     def _call(self, ids: torch.Tensor, tokens: torch.Tensor | None) -> None:
-        self.native.step(ids, self.position, self.logits, tokens, self.p)
+        self.native.step(ids, self.position, self.logits, tokens, 0 if self.vq is None else self.vq.p)
 
     def _advance(self) -> None:
-        """One token further; every ``L`` the VQ units' completed block moves into their caches
-        (as ``VQGeneration._advance``)."""
         super()._advance()
         self.position += 1
-        if not self.vq_units:
-            return
-        self.p += 1
-        self.unit_steps = [steps + 1 for steps in self.unit_steps]
-        for window in self.windows:
-            window.written = self.p
-        if self.p == self.vq_units[0].block_size:
-            for index in range(len(self.vq_units)):
-                self._enter(index, self._unit_state(index))
-            self.p, self.has_prev = 0, [True] * len(self.vq_units)
-
-    def _unit_state(self, index: int):
-        return state_after(self.windows[index], self.p, self.has_prev[index], self.unit_steps[index])
-
-    def _enter(self, index: int, unit_state) -> None:
-        """Take ``unit_state``'s resident buffer (as the unit's next step would) into the native object."""
-        unit = self.vq_units[index]
-        window = window_for(unit_state, unit.block_size, unit.quantizer.codebook,
-                            (unit_state.partial_keys.shape[0], 1, unit.d_k, unit.d_v), HARD_CODES, self.dtype)
-        self.windows[index] = window
-        self.native.set_window(self.vq_blocks[index], window.keys, window.values, window.codes, window.mask,
-                               window.keys_are_codes)
+        if self.vq is not None:
+            self.vq.advance()
 
     def state(self) -> LMState:
         """The ``LMState`` after every token so far: the prompt's, with the held tensors (copies:
@@ -397,7 +367,7 @@ class BlockGeneration(NativeGeneration):
         layers, unit = [], 0
         for layer_state, held, index in zip(self.layer_states, self.held, self.layer_blocks):
             if index is None:  # a VQ GAU pair: its units' states as their one-token steps leave them
-                layers.append((self._unit_state(unit), self._unit_state(unit + 1)))
+                layers.append((self.vq.state(unit), self.vq.state(unit + 1)))
                 unit += 2
             elif index in self.buffers:
                 layers.append(kv_cache.claimed_state(layer_state, self.buffers[index], added))

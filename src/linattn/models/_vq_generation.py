@@ -31,6 +31,68 @@ from ._native_generation import NativeGeneration, head_t, plain_ends
 from .layers import GAUPair
 
 
+def unit_constants(unit: GAU, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor | None, float]:
+    """A VQ unit's one-token constants as the native objects take them (``VQModelStep.add_unit``,
+    ``BlockModelStep.add_vq_unit``): ``(constants, input_shift, eps)``."""
+    c = decode_constants(unit, dtype)
+    return ([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t, c.native_search_t,
+             c.native_norms, c.native_codebook_t], c.input_shift, c.eps)
+
+
+def why_units_do_not_step(units: list[GAU], unit_states: list, token: torch.Tensor) -> str | None:
+    """Why VQ ``units`` continuing ``unit_states`` do not take the native one-token step (None when
+    they do): each a plain GAU on its one-token path (``can_decode_token`` for ``token``, an empty
+    ``[B, 1, d_model]``), one block size and one position in the block. The native step's own
+    check (``use_native``) is the caller's, last: it builds."""
+    if not all(computes_its_parameters(unit, (GAU,)) and can_decode_token(unit, token, unit_state)
+               for unit, unit_state in zip(units, unit_states)):
+        return ("a GAU pair whose units do not take the VQ one-token step (another attention, ReRoPE, a hook "
+                "or adapter, or a state that does not continue them)")
+    if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in unit_states}) != 1:
+        return "VQ units of different block sizes or positions in their blocks"
+    return None
+
+
+class UnitBuffers:
+    """The resident buffers of VQ units that a native object steps one token at a time: each
+    unit's buffer (``window_for``, as the unit's next step would take it), handed to the object
+    by ``set_window(index, window)``; the position ``p`` in the block, and every ``L`` tokens the
+    completed block moved into each unit's cache as ``state_after`` moves it."""
+
+    def __init__(self, units: list[GAU], unit_states: list, dtype: torch.dtype, set_window):
+        self.units, self.dtype, self.set_window = units, dtype, set_window
+        self.L = units[0].block_size
+        self.p = unit_states[0].partial_keys.shape[2]
+        self.has_prev = [unit_state.prev_keys is not None for unit_state in unit_states]
+        self.steps = [unit_state.steps for unit_state in unit_states]
+        self.windows = [None] * len(units)
+        for index, unit_state in enumerate(unit_states):
+            self.enter(index, unit_state)
+
+    def advance(self) -> None:
+        """One token further: every ``L`` the completed block moves into each unit's cache."""
+        self.p += 1
+        self.steps = [steps + 1 for steps in self.steps]
+        for window in self.windows:
+            window.written = self.p
+        if self.p == self.L:
+            for index in range(len(self.units)):
+                self.enter(index, self.state(index))
+            self.p, self.has_prev = 0, [True] * len(self.units)
+
+    def state(self, index: int):
+        """Unit ``index``'s state after the tokens so far (as ``decode_token`` leaves it)."""
+        return state_after(self.windows[index], self.p, self.has_prev[index], self.steps[index])
+
+    def enter(self, index: int, unit_state) -> None:
+        """Take ``unit_state``'s resident buffer (as the unit's next step would) into the native object."""
+        unit = self.units[index]
+        window = window_for(unit_state, self.L, unit.quantizer.codebook, (unit_state.partial_keys.shape[0], 1,
+                            unit.d_k, unit.d_v), HARD_CODES, self.dtype)
+        self.windows[index] = window
+        self.set_window(index, window)
+
+
 class VQGeneration(NativeGeneration):
     """The state of ``LM.generate`` after the prompt, held in the native ``VQModelStep``.
 
@@ -40,21 +102,13 @@ class VQGeneration(NativeGeneration):
 
     def __init__(self, model, state: LMState, units: list[GAU], dtype: torch.dtype):
         super().__init__(model, state, dtype)
-        self.units = units
         unit_states = [unit_state for layer_state in state.layers for unit_state in layer_state]
-        self.L = units[0].block_size
-        self.p = unit_states[0].partial_keys.shape[2]
-        self.has_prev = [unit_state.prev_keys is not None for unit_state in unit_states]
-        self.unit_steps = [unit_state.steps for unit_state in unit_states]
         self.native = extension().VQModelStep(model.embed.weight.to(dtype).contiguous(), model.norm.weight.to(dtype),
-                                              norm_eps(model.norm, dtype), head_t(model, dtype), self.L)
+                                              norm_eps(model.norm, dtype), head_t(model, dtype), units[0].block_size)
         for unit in units:
-            c = decode_constants(unit, dtype)
-            self.native.add_unit([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t,
-                                  c.native_search_t, c.native_norms, c.native_codebook_t], c.input_shift, c.eps)
-        self.windows = [None] * len(units)
-        for index, unit_state in enumerate(unit_states):
-            self._enter(index, unit_state)
+            self.native.add_unit(*unit_constants(unit, dtype))
+        self.buffers = UnitBuffers(units, unit_states, dtype, lambda index, window: self.native.set_window(
+            index, window.keys, window.values, window.codes, window.mask, window.keys_are_codes))
         self.codes = torch.empty(len(units), state.batch_size(), 1, dtype=torch.int64)
 
     @classmethod
@@ -67,43 +121,21 @@ class VQGeneration(NativeGeneration):
         units = [unit for layer in layers for unit in layer.units]
         unit_states = [unit_state for layer_state in state.layers for unit_state in layer_state]
         token = model.embed.weight.new_empty(batch, 1, model.config.d_model)
-        if not all(computes_its_parameters(unit, (GAU,)) and can_decode_token(unit, token, unit_state)
-                   for unit, unit_state in zip(units, unit_states)):
-            return None
-        if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in unit_states}) != 1:
+        if why_units_do_not_step(units, unit_states, token) is not None:
             return None
         if not use_native("auto", model.embed.weight.device, dtype):  # last: it builds and checks the native code
             return None
         return cls(model, state, units, dtype)
 
     def _call(self, ids: torch.Tensor, tokens: torch.Tensor | None) -> None:
-        self.native.step(ids, self.p, self.logits, self.codes, tokens)
+        self.native.step(ids, self.buffers.p, self.logits, self.codes, tokens)
 
     def _advance(self) -> None:
-        """One token further: every ``L`` the completed block moves into each unit's cache."""
         super()._advance()
-        self.p += 1
-        self.unit_steps = [steps + 1 for steps in self.unit_steps]
-        for window in self.windows:
-            window.written = self.p
-        if self.p == self.L:  # the block is complete: it moves into each unit's cache
-            for index in range(len(self.units)):
-                self._enter(index, self._unit_state(index))
-            self.p, self.has_prev = 0, [True] * len(self.units)
+        self.buffers.advance()
 
     def state(self) -> LMState:
         """The ``LMState`` after every token so far (the units' states as ``decode_token`` leaves them)."""
-        unit_states = [self._unit_state(index) for index in range(len(self.units))]
+        unit_states = [self.buffers.state(index) for index in range(len(self.buffers.units))]
         pairs = tuple(tuple(unit_states[2 * i : 2 * i + 2]) for i in range(len(unit_states) // 2))
         return LMState(layers=pairs, steps=self.steps, model=self.settings)
-
-    def _unit_state(self, index: int):
-        return state_after(self.windows[index], self.p, self.has_prev[index], self.unit_steps[index])
-
-    def _enter(self, index: int, unit_state) -> None:
-        """Take ``unit_state``'s resident buffer (as the unit's next step would) into the native object."""
-        unit = self.units[index]
-        window = window_for(unit_state, self.L, unit.quantizer.codebook, (unit_state.partial_keys.shape[0], 1,
-                            unit.d_k, unit.d_v), HARD_CODES, self.dtype)
-        self.windows[index] = window
-        self.native.set_window(index, window.keys, window.values, window.codes, window.mask, window.keys_are_codes)

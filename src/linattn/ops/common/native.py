@@ -32,7 +32,8 @@ whole token of a model of pre-norm blocks (the softmax, sliding-window, kernel a
 retention, GLA, delta-rule and gated delta-rule layers) as one call (``models/_block_generation.py``);
 ``row_products.h``, the small matrix products of the steps (a few rows against a matrix read
 once, in a fixed order of terms); ``tile_products.h``, those of the chunk kernels (tiles that fit
-the first cache, sums kept in registers); ``fast_exp.h``, the float32 exp of the softmax passes and the
+the first cache, sums kept in registers); ``chunk_decays.h``, the decay sums and decayed scores of
+the chunk kernels with log decays; ``fast_exp.h``, the float32 exp of the softmax passes and the
 SiLU; ``native_checks.h``, the check of a tensor a kernel writes through; ``module.cpp``, the
 Python module of all of them.
 
@@ -95,7 +96,8 @@ SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _KERNEL / "
            _VQ / "vq_model_step.cpp")
 # included by the sources (from these folders): part of the build's inputs
 INCLUDES = (_SHARED, _VQ, _KERNEL, _DELTA)
-HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "tile_products.h", _SHARED / "native_checks.h",
+HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "tile_products.h", _SHARED / "chunk_decays.h",
+           _SHARED / "native_checks.h",
            _SHARED / "block_model_step.h", _VQ / "vq_block_inputs.h", _VQ / "vq_cache_scan.h",
            _VQ / "vq_model_step.h", _VQ / "vq_kernels.h",
            _KERNEL / "linear_scan.h", _KERNEL / "scan_problem.h", _DELTA / "delta_scan.h")

@@ -27,9 +27,9 @@ import torch
 from ...state import DeltaRuleState
 from ..._checks import (
     check_bool,
-    check_non_negative_number,
     check_choice,
     check_log_decay,
+    check_non_negative_number,
     check_positive_int,
     check_qkv,
     check_same_dtype_device,
@@ -37,6 +37,7 @@ from ..._checks import (
     check_state_tensor,
     check_tensor,
     compute_dtype,
+    records_gradients,
     resolve_scale,
 )
 from ..kernel import FeatureMap, get_feature_map, normalized_features
@@ -168,8 +169,7 @@ def delta_rule(
     betas = beta.to(dtype).reshape(B * Hkv, T)
 
     decay = None if g is None else g.to(dtype).reshape(B * Hkv, *g.shape[2:])
-    differentiable = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (phi_q, phi_k, values, betas, decay, memory))
+    differentiable = records_gradients(phi_q, phi_k, values, betas, decay, memory)
     if native_chunk.use_native(impl, q, dtype, mode, differentiable):
         out, memory = native_chunk.chunk(phi_q, phi_k, values, betas, decay, memory, chunk_size, scale)
     elif decay is not None:

@@ -24,16 +24,17 @@ import torch
 
 from ...state import LinearAttentionState
 from ..._checks import (
-    check_non_negative_number,
     check_bool,
     check_choice,
     check_log_decay,
+    check_non_negative_number,
     check_positive_int,
     check_qkv,
     check_scale,
     check_state_setting,
     check_state_tensor,
     compute_dtype,
+    records_gradients,
 )
 from . import decay_forms, forms, native_scan
 from .feature_maps import FeatureMap, get_feature_map
@@ -212,8 +213,7 @@ def _attend(q, k, v, g, initial_state, fmap, causal, normalize, mode, chunk_size
     with_denominator = normalize == "attention"
     tracks_shift = fmap.exponential and with_denominator
     carried = () if initial_state is None else (initial_state.kv, initial_state.normalizer)
-    differentiable = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q, k, v, g, *carried))
+    differentiable = records_gradients(q, k, v, g, *carried)
     native = native_scan.use_native(impl, q, dtype, causal, mode, g is not None, differentiable)
 
     S = z = state_shift = None

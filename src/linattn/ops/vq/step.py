@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...state import VQAttentionState
-from ..._checks import check_bool, compute_dtype, resolve_scale
+from ..._checks import check_bool, compute_dtype, records_gradients, resolve_scale
 from . import resident
 from .checks import check_step
 from .native_choice import use_native
@@ -77,7 +77,7 @@ def vq_decode_step(
     if check_inputs:
         check_step(q, k, v, codebook, state, block_size)
     rerope = check_vq_rerope(rerope, rotary_base, q.shape[-1], block_size, True)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, codebook)):
+    if records_gradients(q, k, v, codebook):
         raise ValueError("vq_decode_step has no backward: call it under torch.no_grad() (decoding), or use "
                          "VectorQuantizer and vq_attention for gradients")
     native = use_native(impl, q.device, compute_dtype(q.dtype), rerope=rerope is not None)

@@ -15,8 +15,9 @@
 //   S <- exp(P_{C-1}) * S + (K * exp(E))^T U
 //
 // Every exponent is a sum of decays (never a difference), so each factor is at most 1 and a reset
-// gives 0, not NaN. A row's chunks depend on each other through S (the writes read it), so a row is
-// one task, its chunks in order on one thread: results do not depend on the thread count.
+// gives 0, not NaN (chunk_decays.h). A row's chunks depend on each other through S (the writes read
+// it), so a row is one task, its chunks in order on one thread: results do not depend on the thread
+// count.
 #include "delta_scan.h"
 
 #include <ATen/Parallel.h>
@@ -25,6 +26,7 @@
 #include <cstring>
 #include <vector>
 
+#include "chunk_decays.h"
 #include "fast_exp.h"
 #include "native_checks.h"
 #include "tile_products.h"
@@ -65,52 +67,17 @@ struct DeltaChunks {
     scores.resize(s.C * s.C), writes_t.resize(s.F * s.C);
   }
 
-  // The log decay of channel f (or of the step) at row i of a [L, Fg] table.
-  scalar_t at(const std::vector<scalar_t>& table, int64_t i, int64_t f) const {
-    return table[i * p.s.Fg + (p.s.Fg == 1 ? 0 : f)];
-  }
-
   // rows * exp(table) over L rows of F into `decayed` (the rows themselves without decay).
-  const scalar_t* decay_rows(const scalar_t* rows, int64_t L, const std::vector<scalar_t>& table) {
+  const scalar_t* decayed_rows(const scalar_t* rows, int64_t L, const std::vector<scalar_t>& table) {
     if (p.g == nullptr) return rows;
-    const int64_t F = p.s.F;
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t f = 0; f < F; ++f) decayed[i * F + f] = rows[i * F + f] * exp_of(at(table, i, f));
+    linattn_native::decay_rows(rows, L, p.s.F, table.data(), p.s.Fg, decayed.data());
     return decayed.data();
   }
 
-  // out[i, j] = sum_f a_if k_jf exp(L_ijf) for j <= i (j < i when `strict`), zero elsewhere; a [L, F],
-  // k [L, F] (k_t its transpose [F, L], unused per channel), gc the chunk's decays (null: none).
-  void decayed_scores(int64_t L, const scalar_t* a, const scalar_t* k, const scalar_t* gc, bool strict,
-                      scalar_t* out) {
-    const int64_t F = p.s.F, Fg = p.s.Fg;
-    if (Fg == F && gc != nullptr) {  // per channel, pair by pair, L_ij summed from i down to j
-      for (int64_t i = 0; i < L; ++i) {
-        std::fill(run.begin(), run.end(), scalar_t(0));
-        std::fill(out + i * L, out + (i + 1) * L, scalar_t(0));
-        for (int64_t j = i; j >= 0; --j) {
-          const scalar_t* ai = a + i * F;
-          const scalar_t* kj = k + j * F;
-          const scalar_t* gj = gc + j * F;
-          scalar_t sum = 0;
-          for (int64_t f = 0; f < F; ++f) {
-            sum += ai[f] * kj[f] * exp_of(run[f]);
-            run[f] += gj[f];
-          }
-          if (j < i || !strict) out[i * L + j] = sum;
-        }
-      }
-      return;
-    }
-    tile_product(L, L, F, a, F, k_t.data(), L, out, L, false);
-    for (int64_t i = 0; i < L; ++i) {
-      scalar_t sum = 0;  // L_ij, from j = i down
-      for (int64_t j = i; j >= 0 && gc != nullptr; --j) {
-        out[i * L + j] *= exp_of(sum);
-        sum += gc[j];
-      }
-      std::fill(out + i * L + (strict ? i : i + 1), out + (i + 1) * L, scalar_t(0));
-    }
+  // out[i, j] = sum_f a_if k_jf exp(L_ijf) for j <= i (j < i when `strict`), zero elsewhere
+  // (chunk_decays.h); gc the chunk's decays (null: none).
+  void scores_of(int64_t L, const scalar_t* a, const scalar_t* k, const scalar_t* gc, bool strict, scalar_t* out) {
+    linattn_native::decayed_scores(L, p.s.F, p.s.Fg, a, k, k_t.data(), gc, strict, run.data(), out);
   }
 
   // U_i += sum_{j < i} lower_ij U_j for i = 0 .. L-1 in order (lower = -A, zero on and above its
@@ -139,14 +106,14 @@ struct DeltaChunks {
     const scalar_t* vc = p.v + key_row * s.E;
     const scalar_t* bc = p.beta + key_row;
     const scalar_t* gc = p.g != nullptr ? p.g + key_row * s.Fg : nullptr;
-    if (gc != nullptr) prefix_and_suffix(gc, L);
+    if (gc != nullptr) linattn_native::decay_sums(gc, L, s.Fg, run.data(), prefix.data(), suffix.data());
     if (gc == nullptr || s.Fg == 1) transpose(L, s.F, kc, s.F, k_t.data(), L);
 
     // U = diag(beta) (V - (K * exp(P)) S), then (I + A) U = that by substitution
-    tile_product(L, s.E, s.F, decay_rows(kc, L, prefix), s.F, S, s.E, U.data(), s.E, false);
+    tile_product(L, s.E, s.F, decayed_rows(kc, L, prefix), s.F, S, s.E, U.data(), s.E, false);
     for (int64_t i = 0; i < L; ++i)
       for (int64_t e = 0; e < s.E; ++e) U[i * s.E + e] = bc[i] * (vc[i * s.E + e] - U[i * s.E + e]);
-    decayed_scores(L, kc, kc, gc, true, lower.data());
+    scores_of(L, kc, kc, gc, true, lower.data());
     for (int64_t i = 0; i < L; ++i)
       for (int64_t j = 0; j < i; ++j) lower[i * L + j] *= -bc[i];
     substitute(L);
@@ -156,33 +123,19 @@ struct DeltaChunks {
       const scalar_t* qh = p.q + row * s.F;
       for (int64_t i = 0; i < L * s.F; ++i) scaled_q[i] = p.scale * qh[i];
       scalar_t* o = out + row * s.E;
-      tile_product(L, s.E, s.F, decay_rows(scaled_q.data(), L, prefix), s.F, S, s.E, o, s.E, false);
-      decayed_scores(L, scaled_q.data(), kc, gc, false, scores.data());
+      tile_product(L, s.E, s.F, decayed_rows(scaled_q.data(), L, prefix), s.F, S, s.E, o, s.E, false);
+      scores_of(L, scaled_q.data(), kc, gc, false, scores.data());
       tile_product(L, s.E, L, scores.data(), L, U.data(), s.E, o, s.E, true, linattn_native::Triangle::kLower);
     }
 
     if (gc != nullptr) {  // the memory decays by the chunk's sum; the writes by what follows them
       for (int64_t f = 0; f < s.F; ++f) {
-        const scalar_t a = exp_of(at(prefix, L - 1, f));
+        const scalar_t a = exp_of(linattn_native::decay_at(prefix.data(), s.Fg, L - 1, f));
         for (int64_t e = 0; e < s.E; ++e) S[f * s.E + e] *= a;
       }
-      transpose(L, s.F, decay_rows(kc, L, suffix), s.F, writes_t.data(), L);
+      transpose(L, s.F, decayed_rows(kc, L, suffix), s.F, writes_t.data(), L);
     }
     tile_product(s.F, s.E, L, gc != nullptr ? writes_t.data() : k_t.data(), L, U.data(), s.E, S, s.E, true);
-  }
-
-  // prefix[i] = sum_{m <= i} g_m and suffix[j] = sum_{m > j} g_m over the chunk's L rows.
-  void prefix_and_suffix(const scalar_t* gc, int64_t L) {
-    const int64_t Fg = p.s.Fg;
-    std::fill(run.begin(), run.end(), scalar_t(0));
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t f = 0; f < Fg; ++f) prefix[i * Fg + f] = (run[f] += gc[i * Fg + f]);
-    std::fill(run.begin(), run.end(), scalar_t(0));
-    for (int64_t j = L - 1; j >= 0; --j)
-      for (int64_t f = 0; f < Fg; ++f) {
-        suffix[j * Fg + f] = run[f];
-        run[f] += gc[j * Fg + f];
-      }
   }
 };
 

@@ -11,8 +11,9 @@
 //   S <- exp(P_{C-1}) * S + (phi(K_c) * exp(E))^T V_c
 //
 // Every exponent is a sum of decays (never a difference), so each factor is at most 1 and a reset
-// (-inf) gives 0, not NaN. Per channel, A is built pair by pair, L_ij summed from i down to j; with
-// one decay per step, A = (Q K^T) * exp(L). A row is cut into segments as in linear_scan.cpp: the
+// (-inf) gives 0, not NaN; chunk_decays.h has these terms. Per channel, A is built pair by pair, L_ij
+// summed from i down to j; with one decay per step, A = (Q K^T) * exp(L). A row is cut into segments
+// as in linear_scan.cpp: the
 // state entering each is summed first (each segment's writes decayed to its end, and its total
 // decay), then every (row, segment) is one task.
 #include "linear_scan.h"
@@ -22,6 +23,7 @@
 #include <cstring>
 #include <vector>
 
+#include "chunk_decays.h"
 #include "scan_problem.h"
 #include "tile_products.h"
 
@@ -30,8 +32,9 @@ namespace {
 using linattn_native::add_rows;
 using linattn_native::check_tensor;
 using linattn_native::data_or_null;
+using linattn_native::decay_at;
+using linattn_native::decay_rows;
 using linattn_native::exp_of;
-using linattn_native::keep_triangle;
 using linattn_native::Problem;
 using linattn_native::Sizes;
 using linattn_native::tile_product;
@@ -54,26 +57,13 @@ struct DecayedChunks {
     run.resize(Fg);
   }
 
-  // The decay of channel f (or of the step) at row i of a [L, Fg] table.
-  scalar_t at(const std::vector<scalar_t>& table, int64_t i, int64_t f) const {
-    return table[i * Fg + (Fg == 1 ? 0 : f)];
-  }
-
   // Chunk c of row n: the outputs (when `out` is not null) and the state S [F, E] and normalizer z
   // [F] (null without one) carried through it; `total` [Fg] gains the chunk's decay sum.
   void chunk(int64_t n, int64_t c, scalar_t* S, scalar_t* z, scalar_t* out, scalar_t* den, scalar_t* total) {
     const Sizes& s = p.s;
     const int64_t L = s.length(c), key_row = p.key_row(n, c);
     const scalar_t* gc = g + key_row * Fg;
-    for (int64_t f = 0; f < Fg; ++f) run[f] = 0;
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t f = 0; f < Fg; ++f) prefix[i * Fg + f] = (run[f] += gc[i * Fg + f]);
-    for (int64_t f = 0; f < Fg; ++f) run[f] = 0;
-    for (int64_t j = L - 1; j >= 0; --j)
-      for (int64_t f = 0; f < Fg; ++f) {
-        suffix[j * Fg + f] = run[f];
-        run[f] += gc[j * Fg + f];
-      }
+    linattn_native::decay_sums(gc, L, Fg, run.data(), prefix.data(), suffix.data());
     const scalar_t* kc = p.key_features(n, c, phi_k.data());
     const scalar_t* vc = p.v + key_row * s.E;
     if (out != nullptr) {
@@ -81,12 +71,11 @@ struct DecayedChunks {
       for (int64_t h = 0; h < s.G; ++h) outputs(n, h, c, L, kc, vc, gc, S, z, out, den);
     }
     for (int64_t f = 0; f < s.F; ++f) {  // the state decays by the chunk's sum, then takes its writes
-      const scalar_t a = exp_of(prefix[(L - 1) * Fg + (Fg == 1 ? 0 : f)]);
+      const scalar_t a = exp_of(decay_at(prefix.data(), Fg, L - 1, f));
       for (int64_t e = 0; e < s.E; ++e) S[f * s.E + e] *= a;
       if (z != nullptr) z[f] *= a;
     }
-    for (int64_t j = 0; j < L; ++j)
-      for (int64_t f = 0; f < s.F; ++f) writes[j * s.F + f] = kc[j * s.F + f] * exp_of(at(suffix, j, f));
+    decay_rows(kc, L, s.F, suffix.data(), Fg, writes.data());
     transpose(L, s.F, writes.data(), s.F, writes_t.data(), L);
     tile_product(s.F, s.E, L, writes_t.data(), L, vc, s.E, S, s.E, true);
     if (z != nullptr) add_rows(L, s.F, writes.data(), z);
@@ -98,36 +87,10 @@ struct DecayedChunks {
     const Sizes& s = p.s;
     const int64_t row = p.query_row(n, h, c);
     const scalar_t* qh = p.query_features(n, h, c, phi_q.data());
-    for (int64_t i = 0; i < L; ++i)
-      for (int64_t f = 0; f < s.F; ++f) reads[i * s.F + f] = qh[i * s.F + f] * exp_of(at(prefix, i, f));
+    decay_rows(qh, L, s.F, prefix.data(), Fg, reads.data());
     scalar_t* o = out + row * s.E;
     tile_product(L, s.E, s.F, reads.data(), s.F, S, s.E, o, s.E, false);
-    if (Fg == 1) {  // A = (Q K^T) * exp(L_ij)
-      tile_product(L, L, s.F, qh, s.F, writes_t.data(), L, scores.data(), L, false);
-      for (int64_t i = 0; i < L; ++i) {
-        scalar_t sum = 0;  // L_ij, from j = i down
-        for (int64_t j = i; j >= 0; --j) {
-          scores[i * L + j] *= exp_of(sum);
-          sum += gc[j];
-        }
-      }
-    } else {  // A_ij = sum_f q_if k_jf exp(L_ijf), pair by pair
-      for (int64_t i = 0; i < L; ++i) {
-        for (int64_t f = 0; f < s.F; ++f) run[f] = 0;
-        for (int64_t j = i; j >= 0; --j) {
-          const scalar_t* qi = qh + i * s.F;
-          const scalar_t* kj = kc + j * s.F;
-          const scalar_t* gj = gc + j * s.F;
-          scalar_t sum = 0;
-          for (int64_t f = 0; f < s.F; ++f) {
-            sum += qi[f] * kj[f] * exp_of(run[f]);
-            run[f] += gj[f];
-          }
-          scores[i * L + j] = sum;
-        }
-      }
-    }
-    keep_triangle(Triangle::kLower, L, scores.data());
+    linattn_native::decayed_scores(L, s.F, Fg, qh, kc, writes_t.data(), gc, false, run.data(), scores.data());
     tile_product(L, s.E, L, scores.data(), L, vc, s.E, o, s.E, true, Triangle::kLower);
     if (p.normalized) p.denominators(row, L, reads.data(), z, scores.data(), den, o);
   }
@@ -164,7 +127,7 @@ void decayed_rows(const Problem<scalar_t>& p, const scalar_t* g, int64_t Fg, con
       for (int64_t segment = 1; segment < s.segments; ++segment) {
         const scalar_t* decay = seg_decay.data() + (n * s.segments + segment) * Fg;
         for (int64_t f = 0; f < s.F; ++f) {
-          const scalar_t a = exp_of(decay[Fg == 1 ? 0 : f]);
+          const scalar_t a = exp_of(decay_at(decay, Fg, 0, f));
           for (int64_t e = 0; e < s.E; ++e)
             row[segment * FE + f * s.E + e] += a * row[(segment - 1) * FE + f * s.E + e];
           if (zrow != nullptr) zrow[segment * s.F + f] += a * zrow[(segment - 1) * s.F + f];
