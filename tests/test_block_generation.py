@@ -108,6 +108,13 @@ CASES = {
     # ReRoPE: keys within w at their distance, the rest at w (the window passed by the tokens)
     "softmax:rerope=3": dict(n_kv_heads=2), "softmax:rerope=2:entropy": {}, "local:6:rerope=3": dict(n_kv_heads=2),
     "local:3:rerope=5": {},
+    # multi-head VQ attention (the converted students' layer), blocks completed by the tokens (L 4 and 3)
+    "vq-attn:rerope": dict(codebook_size=8, block_size=4, n_kv_heads=2),
+    "vq-attn:rerope=2": dict(codebook_size=8, block_size=3),
+    "vq-attn:bias": dict(codebook_size=8, block_size=4, n_kv_heads=2, qkv_bias=True, out_bias=True),
+    "softmax,vq-attn:rerope=3,vq,local:3": dict(VQ, block_size=4, n_kv_heads=2),
+    "local:3,vq:rerope=3": dict(VQ, block_size=4),  # VQ GAU pairs with ReRoPE among the blocks
+    "vq-fsq,softmax": dict(VQ, block_size=4, fsq_levels=(3, 4, 2)),
 }
 
 
@@ -216,7 +223,7 @@ def _state_of(model, batch=2, reserve=4):
 
 
 @pytest.mark.parametrize("attention, reason", [
-    ("vq-attn:bias", "MultiHeadVQAttention"), ("softmax,gau-softmax", "GAU pair"), ("local:2,vq:rerope", "GAU pair"),
+    ("softmax,gau-softmax", "GAU pair"), ("local:2,soft-vq", "GAU pair"),
 ])
 def test_not_taken_for_the_mixers_it_does_not_compute(attention, reason, monkeypatch):
     model = _model(attention)
@@ -309,6 +316,13 @@ def test_the_self_check_passes_and_fails_a_wrong_step(monkeypatch):
     assert "differ" in _block_generation._self_check(F64)
 
 
+def _block_tensors(heads=4, kv_heads=2, head_dim=8, d=32, ffn=16):
+    """A block's projection and feed-forward tensors (zeros) for a mixer of q, k and v only."""
+    width = (heads + 2 * kv_heads) * head_dim
+    return {"in_t": torch.zeros(d, width, dtype=F64), "out_t": torch.zeros(heads * head_dim, d, dtype=F64),
+            "gate_up_t": torch.zeros(d, 2 * ffn, dtype=F64), "down_t": torch.zeros(ffn, d, dtype=F64)}
+
+
 def test_the_native_object_names_what_is_wrong():
     native = extension()
     model = _model("delta")
@@ -330,12 +344,23 @@ def test_the_native_object_names_what_is_wrong():
             obj.set_state(0, {"memory": torch.zeros(2, 4, 8, 7, dtype=F64), "conv": torch.zeros(2, 96, 3, dtype=F64)})
         embed = torch.zeros(VOCAB, 32, dtype=F64)
         fresh = native.BlockModelStep(embed, torch.ones(32, dtype=F64), 1e-5, torch.zeros(32, VOCAB, dtype=F64))
-        with pytest.raises(RuntimeError, match="mixer is 'sum', 'delta', 'softmax' or 'local'"):
+        with pytest.raises(RuntimeError, match="mixer is 'sum', 'delta', 'softmax', 'local' or 'vq'"):
             fresh.add_block("retention", {}, {})
         with pytest.raises(RuntimeError, match="no number 'feature_eps'"):
             fresh.add_block("sum", {}, {"heads": 4.0, "kv_heads": 2.0, "head_dim": 8.0})
         with pytest.raises(RuntimeError, match="'kv_heads' must be an integer in"):
             fresh.add_block("sum", {}, {"heads": 4.0, "kv_heads": 5.0, "head_dim": 8.0})
+        with pytest.raises(RuntimeError, match="is not a VQ unit or multi-head VQ attention"):
+            obj.set_window(0, *[torch.zeros(1)] * 4, True)
+        vq_numbers = {"heads": 4.0, "kv_heads": 2.0, "head_dim": 8.0, "feature_eps": 1e-6, "scale": 0.5,
+                      "mixer_eps": 1e-5, "ffn_eps": 1e-5, "block_size": 4.0, "rerope": 5.0}
+        with pytest.raises(RuntimeError, match="'rerope' must be an integer in \\[0, 4\\]"):
+            fresh.add_block("vq", {}, vq_numbers)
+        with pytest.raises(RuntimeError, match="a 'vq' mixer reads q, k and v only"):
+            fresh.add_block("vq", _block_tensors(), {**vq_numbers, "rerope": 0.0, "feature": 1.0})
+        with pytest.raises(RuntimeError, match="search_t must be a contiguous CPU tensor of Float"):
+            fresh.add_block("vq", {**_block_tensors(), "search_t": torch.zeros(2, 8, 5, dtype=F64)},
+                            {**vq_numbers, "rerope": 0.0})
         with pytest.raises(RuntimeError, match="float32 or float64"):
             native.BlockModelStep(embed.half(), torch.ones(32).half(), 1e-5, torch.zeros(32, VOCAB).half())
 

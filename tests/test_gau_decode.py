@@ -17,9 +17,10 @@ F64 = torch.float64
 torch.set_num_threads(1)
 
 
-def _unit(variant: str = "linattn", seed: int = 0) -> GAU:
+def _unit(variant: str = "linattn", seed: int = 0, rerope: int | None = None, attention: str = "vq") -> GAU:
     torch.manual_seed(seed)
-    unit = GAU(12, d_k=8, d_v=10, block_size=4, codebook_size=6, variant=variant, commitment_weight=0.3).double()
+    unit = GAU(12, d_k=8, d_v=10, block_size=4, codebook_size=6, variant=variant, commitment_weight=0.3,
+               rerope=rerope, attention=attention, fsq_levels=(3, 4, 2)).double()
     with torch.no_grad():
         for parameter in unit.parameters():
             parameter.add_(0.3 * torch.randn_like(parameter))
@@ -56,10 +57,15 @@ def _assert_states_equal(a: VQAttentionState, b: VQAttentionState) -> None:
             assert torch.allclose(left.double(), right.double(), rtol=1e-12, atol=1e-12), name
 
 
-@pytest.mark.parametrize("variant", ["linattn", "paper"])
+@pytest.mark.parametrize("variant,rerope,attention", [
+    ("linattn", None, "vq"), ("paper", None, "vq"), ("linattn", 4, "vq"), ("linattn", 2, "vq"), ("paper", 3, "vq"),
+    ("linattn", None, "fsq"), ("paper", 2, "fsq"),
+])
 @pytest.mark.parametrize("prompt", [0, 3, 6])
-def test_token_steps_equal_the_general_layer(variant, prompt, fast_calls):
-    unit = _unit(variant)
+def test_token_steps_equal_the_general_layer(variant, rerope, attention, prompt, fast_calls):
+    """VQ and FSQ units, with and without ReRoPE (w = L, w < L: keys at distances below w turned,
+    the rest at w)."""
+    unit = _unit(variant, rerope=rerope, attention=attention)
     x = torch.randn(3, prompt + 11, 12, dtype=F64)
     full, full_state, _ = unit(x)  # gradients on: the general layer
     with torch.no_grad():

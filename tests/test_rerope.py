@@ -332,8 +332,13 @@ def test_vq_rerope_decoding_one_token_at_a_time_equals_the_full_pass():
         assert_close_rel(torch.cat(outs, 2), expected, rtol=1e-10, name=f"gradients {'on' if grad else 'off'}")
 
 
-def test_vq_decode_step_with_rerope_equals_vq_attention_and_refuses_the_native_step():
-    L, w, T, Hkv, S, Dk = 4, 3, 11, 2, 6, 4
+@pytest.mark.parametrize("impl", ["torch", "native"])
+@pytest.mark.parametrize("L,w,prompt", [(4, 3, 0), (4, 4, 5), (4, 1, 2), (5, 2, 0)])
+def test_vq_decode_step_with_rerope_equals_the_written_out_attention(impl, L, w, prompt):
+    """Both forms of the step (the native one turns each query by the distances below w, the
+    torch one merges two products): the nearest codes and the loop's outputs, after a prompt
+    read by vq_attention or from nothing, across block boundaries, GQA 2:1, batch 2."""
+    T, Hkv, S, Dk = 12, 2, 6, 4
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 4, T, Dk, generator=g, dtype=F64)
     k = torch.randn(2, Hkv, T, Dk, generator=g, dtype=F64)
@@ -343,14 +348,36 @@ def test_vq_decode_step_with_rerope_equals_vq_attention_and_refuses_the_native_s
     expected = loop_attention(q, gather(codebook, codes), v, w)
     with torch.no_grad():
         state, outs = None, []
-        for t in range(T):
+        if prompt:
+            _, state = vq_attention(q[:, :, :prompt], gather(codebook, codes[:, :, :prompt]), v[:, :, :prompt],
+                                    codes[:, :, :prompt], codebook, block_size=L, rerope=w, output_final_state=True)
+        for t in range(prompt, T):
             out, step_codes, state = vq_decode_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], codebook,
-                                                    state, block_size=L, rerope=w)
+                                                    state, block_size=L, rerope=w, impl=impl)
             assert torch.equal(step_codes, codes[:, :, t:t + 1])
             outs.append(out)
-        assert_close_rel(torch.cat(outs, 2), expected, rtol=1e-10, name="decode steps")
-        with pytest.raises(ValueError, match=r"impl='native': the native VQ decoding step has no ReRoPE form"):
-            vq_decode_step(q[:, :, :1], k[:, :, :1], v[:, :, :1], codebook, block_size=L, rerope=w, impl="native")
+    assert_close_rel(torch.cat(outs, 2), expected[:, :, prompt:], rtol=1e-10, name=f"decode steps ({impl})")
+
+
+def test_the_native_vq_step_with_rerope_reads_stored_keys_that_are_not_codes():
+    """A state whose keys are not the codebook's rows (the codebook changed since): the native
+    step scores the stored keys, near ones by their turned queries, as the torch form does."""
+    L, w, T, Hkv, S, Dk = 4, 3, 9, 1, 5, 4
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 2, T, Dk, generator=g, dtype=F64), torch.randn(1, Hkv, T, Dk, generator=g, dtype=F64)
+    v = torch.randn(1, Hkv, T, 3, generator=g, dtype=F64)
+    old, new = torch.randn(2, Hkv, S, Dk, generator=g, dtype=F64)
+    outs = {}
+    with torch.no_grad():
+        for impl in ("torch", "native"):
+            state, steps = None, []
+            for t in range(T):
+                codebook = old if t < 5 else new
+                out, _, state = vq_decode_step(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1], codebook, state,
+                                               block_size=L, rerope=w, impl=impl)
+                steps.append(out)
+            outs[impl] = torch.cat(steps, 2)
+    assert_close_rel(outs["native"], outs["torch"], rtol=1e-12, name="native vs torch")
 
 
 def test_vq_rerope_is_causal():

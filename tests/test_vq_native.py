@@ -147,7 +147,8 @@ def test_the_kernel_refuses_buffers_that_do_not_fit():
         args = dict(q=f64(B, Hkv, G, D), k=f64(B, Hkv, D), v=f64(B, Hkv, E), search_t=torch.zeros(Hkv, D, S),
                     norms=torch.zeros(Hkv, S), codebook_t=f64(Hkv, D, S), keys=f64(B, Hkv, C, D),
                     values=f64(B, Hkv, C, E), codes=torch.zeros(B, Hkv, C, dtype=torch.int64), mask=f64(B, Hkv, C),
-                    L=L, p=0, scale=1.0, relative=None, keys_are_codes=True, out=f64(B, Hkv, G, E),
+                    L=L, p=0, scale=1.0, relative=None, keys_are_codes=True, rerope=0, rerope_frequencies=None,
+                    given_codes=None, out=f64(B, Hkv, G, E),
                     new_codes=torch.zeros(B, Hkv, dtype=torch.int64))
         args.update(change)
         return list(args.values())
@@ -161,6 +162,16 @@ def test_the_kernel_refuses_buffers_that_do_not_fit():
         module.vq_decode_step(*arguments(codes=torch.zeros(B, Hkv, C, dtype=torch.int32)))
     with pytest.raises(RuntimeError, match="does not fit L = 4, S = 5, p = 4"):
         module.vq_decode_step(*arguments(p=L))
+    module.vq_decode_step(*arguments(rerope=L, rerope_frequencies=torch.ones(D // 2, dtype=torch.float64)))
+    with pytest.raises(RuntimeError, match=r"rerope 5 is not in \[0, L = 4\]"):
+        module.vq_decode_step(*arguments(rerope=L + 1, rerope_frequencies=torch.ones(D // 2, dtype=torch.float64)))
+    with pytest.raises(RuntimeError, match="ReRoPE needs an even Dk and rerope_frequencies"):
+        module.vq_decode_step(*arguments(rerope=2))
+    module.vq_decode_step(*arguments(given_codes=torch.tensor([[4, 0]])))
+    with pytest.raises(RuntimeError, match=r"given code 5 is not in \[0, 5\)"):
+        module.vq_decode_step(*arguments(given_codes=torch.tensor([[5, 0]])))
+    with pytest.raises(RuntimeError, match=r"rerope_frequencies has shape \[3\], expected \[2\]"):
+        module.vq_decode_step(*arguments(rerope=2, rerope_frequencies=torch.ones(3, dtype=torch.float64)))
 
 
 def test_doctor_names_the_choice():

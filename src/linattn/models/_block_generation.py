@@ -8,9 +8,11 @@ scale or ReRoPE, projection biases), kernel attention with a fixed elementwise m
 (``linear:taylor``), the exponential maps with their running key shift (``linear:exp``, FAVOR+:
 ``favor``) or Hedgehog's learned map (``linear:hedgehog``), DeltaNet (``delta`` and its maps:
 ``delta:elu``, ``delta:relu``, ``delta:dpfp``, ``delta:taylor``, ``delta:exp``), Gated DeltaNet
-(``gated-delta``), GLA (``gla``) and RetNet (``retnet``); Transformer-VQ's GAU pairs may sit among
-the blocks (``local,local,vq``), each unit a block of the native object that ``vq_gau_step``
-computes over its resident buffer, moved into its cache every ``L`` tokens by the VQ loop's own
+(``gated-delta``), GLA (``gla``), RetNet (``retnet``) and multi-head VQ attention with ReRoPE or
+the windowed bias (``vq-attn:rerope``, ``vq-attn:bias``: the converted students of ``linattn
+linearize``); Transformer-VQ's GAU pairs may sit among the blocks (``local,local,vq``), each unit a
+block of the native object that ``vq_gau_step`` computes over its resident buffer. Every VQ
+buffer (a unit's or a VQ attention's) moves into its cache every ``L`` tokens by the VQ loop's own
 ``UnitBuffers`` (``_vq_generation.py``; a model of VQ pairs alone is ``VQGeneration``'s).
 ``BlockGeneration`` reads every block's parameters once (the projections of a mixer's input as
 one matrix, the norms' gains folded into the matrices after them), takes each block's state
@@ -44,14 +46,17 @@ from ..nn.gau import GAU, computes_its_parameters
 from ..nn.gla import GatedLinearAttention
 from ..nn.hedgehog import HedgehogFeatureMap
 from ..nn.retention import MultiScaleRetention, retention_log_decays
+from ..nn.quantizer import VectorQuantizer
 from ..nn.short_conv import ShortConvolution
+from ..nn.vq_heads import MultiHeadVQAttention
 from ..ops.common.native import Trust, extension, relative_error
 from ..ops.common.rotary import rotary_frequencies
 from ..ops.kernel.feature_maps import DPFP, FAVOR, EluPlusOne, Exp, FeatureMap, Identity, ReLU, Taylor
 from ..ops.softmax import kv_cache
 from ..ops.vq.native_choice import ENV as VQ_STEP_ENV
 from ..ops.vq.native_choice import use_native as use_native_vq_step
-from ..state import KVCacheState, LMState, _State
+from ..ops.vq.resident import scoring_tensors
+from ..state import KVCacheState, LMState, VQAttentionState, _State
 from ._native_generation import NativeGeneration, head_t, plain_ends
 from ._vq_generation import UnitBuffers, unit_constants, why_units_do_not_step
 from .layers import GAUPair, PreNormBlock, SwiGLU
@@ -60,7 +65,8 @@ ENV = "LINATTN_BLOCK_STEP_IMPL"
 _FEATURES = {Identity: 0, EluPlusOne: 1, ReLU: 2, DPFP: 4, Taylor: 5, Exp: 6, FAVOR: 7}  # 3: Hedgehog's learned map
 _NORMALIZE = {None: 0, "attention": 1, "sum": 2, "l2": 3}
 _FEATURE_EPS = 1e-6  # linear_attention's and delta_rule's eps, which the layers leave at their default
-_MIXERS = (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, MultiScaleRetention)
+_MIXERS = (Attention, DeltaNet, GatedDeltaNet, GatedLinearAttention, MultiScaleRetention, MultiHeadVQAttention)
+_SEARCH = ("search_t", "norms")  # the nearest-code search's tensors: float32 in every dtype
 # the state tensors of each mixer's state, by the names the native object takes them
 _STATE_FIELDS = {"memory": ("kv", "memory"), "normalizer": ("normalizer",), "shift": ("key_shift",),
                  "conv": ("conv",), "keys": ("keys",), "values": ("values",)}
@@ -126,6 +132,21 @@ def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
         if mixer.rotary:  # softmax and local by default; kernel attention where asked (linear:hedgehog)
             tensors.update(frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, mixer.rotary_scaling,
                                                           dtype=dtype))
+        if mixer.q_proj.bias is not None:
+            tensors["in_bias"] = torch.cat([mixer.q_proj.bias, mixer.k_proj.bias, mixer.v_proj.bias])
+        if mixer.o_proj.bias is not None:
+            tensors["out_bias"] = mixer.o_proj.bias
+    elif isinstance(mixer, MultiHeadVQAttention):
+        if not _plain(mixer.quantizer, (VectorQuantizer,)):
+            return "multi-head VQ attention whose quantizer is not a plain VectorQuantizer"
+        rule = "vq"
+        numbers.update(block_size=mixer.block_size, rerope=mixer.rerope or 0)
+        codebook_t, search_t, norms = scoring_tensors(mixer.quantizer.codebook, dtype)
+        tensors.update(codebook_t=codebook_t, search_t=search_t, norms=norms.squeeze(1))
+        if mixer.rerope is not None:
+            tensors.update(rerope_frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, dtype=dtype))
+        if mixer.relative_bias is not None:  # b_{h, i - j} for the buffer's columns p .. p + L: offsets L .. 0
+            tensors.update(relative=mixer.relative_bias.view(mixer.n_kv_heads, -1, mixer.block_size + 1).flip(-1))
         if mixer.q_proj.bias is not None:
             tensors["in_bias"] = torch.cat([mixer.q_proj.bias, mixer.k_proj.bias, mixer.v_proj.bias])
         if mixer.o_proj.bias is not None:
@@ -202,7 +223,8 @@ def _block_recipe(block: nn.Module, dtype: torch.dtype) -> _Recipe | str:
     gate_up = torch.cat([ffn.w_gate.weight, ffn.w_up.weight]) * block.ffn_norm.weight
     recipe.tensors.update(gate_up_t=gate_up.t(), down_t=ffn.w_down.weight.t())
     recipe.numbers.update(mixer_eps=norm_eps(block.mixer_norm, dtype), ffn_eps=norm_eps(block.ffn_norm, dtype))
-    recipe.tensors = {name: t.detach().to(dtype).contiguous() for name, t in recipe.tensors.items()}
+    recipe.tensors = {name: t.detach().to(torch.float32 if name in _SEARCH else dtype).contiguous()
+                      for name, t in recipe.tensors.items()}
     recipe.numbers = {name: float(value) for name, value in recipe.numbers.items()}
     return recipe
 
@@ -221,6 +243,18 @@ def _vq_units(layer: nn.Module, layer_state, token: torch.Tensor) -> _VQUnits | 
         return f"a layer of type {type(layer).__name__} that is not a plain GAUPair"
     reason = why_units_do_not_step(list(layer.units), list(layer_state), token)
     return reason if reason is not None else _VQUnits(list(layer.units))
+
+
+def _why_vq_heads_do_not_step(mixer: MultiHeadVQAttention, state, dtype: torch.dtype) -> str | None:
+    """Why multi-head VQ attention continuing ``state`` does not take the native step (None when
+    it does): a state of hard codes in the model's dtype, of its block size, within a block."""
+    if not isinstance(state, VQAttentionState) or state.partial_codes.dim() != 3:
+        return "multi-head VQ attention holds no VQAttentionState of hard codes"
+    if state.partial_keys.dtype != dtype or state.block_size != mixer.block_size \
+            or state.partial_keys.shape[2] >= mixer.block_size \
+            or (state.prev_keys is not None and state.prev_keys.shape[2] != mixer.block_size):
+        return "multi-head VQ attention's state is not one of its blocks in the model's dtype"
+    return None
 
 
 def _layer_steps(layer_state) -> set[int]:
@@ -254,17 +288,27 @@ def _plan(model, state: LMState) -> list[_Recipe | _VQUnits] | str:
         if isinstance(recipe, str):
             return f"layer {index} is {recipe}"
     units = [unit for recipe in recipes if isinstance(recipe, _VQUnits) for unit in recipe.units]
+    vq_states = [unit_state for recipe, layer_state in zip(recipes, state.layers)
+                 if isinstance(recipe, _VQUnits) for unit_state in layer_state]
     if units:
-        vq_states = [unit_state for recipe, layer_state in zip(recipes, state.layers)
-                     if isinstance(recipe, _VQUnits) for unit_state in layer_state]
-        reason = why_units_do_not_step(units, vq_states, token)  # across the layers: one block size and position
+        reason = why_units_do_not_step(units, vq_states, token)
         if reason is not None:
             return reason
+    for index, (layer, layer_state, recipe) in enumerate(zip(model.layers, state.layers, recipes)):
+        if isinstance(recipe, _Recipe) and recipe.rule == "vq":
+            reason = _why_vq_heads_do_not_step(layer.mixer, layer_state, dtype)
+            if reason is not None:
+                return f"layer {index}'s {reason}"
+            units.append(layer.mixer)
+            vq_states.append(layer_state)
+    if units:
+        if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in vq_states}) != 1:
+            return "VQ layers of different block sizes or positions in their blocks (the step takes one)"
         if not use_native_vq_step("auto", device, dtype):  # builds and checks the VQ step
-            return (f"a VQ GAU pair, whose native decoding step is off ({VQ_STEP_ENV}=torch) or failed its check "
+            return (f"a VQ layer, whose native decoding step is off ({VQ_STEP_ENV}=torch) or failed its check "
                     "(warned of)")
     for index, (layer, layer_state) in enumerate(zip(model.layers, state.layers)):
-        if isinstance(recipes[index], _VQUnits):
+        if isinstance(recipes[index], _VQUnits) or recipes[index].rule == "vq":
             continue
         if any(t.dtype != dtype for t in _state_tensors(layer_state, copy=False).values()):
             return f"layer {index}'s state is not in the model's dtype {dtype}"
@@ -292,11 +336,14 @@ class BlockGeneration(NativeGeneration):
                                                  model.norm.weight.detach().to(dtype).contiguous(),
                                                  norm_eps(model.norm, dtype), head_t(model, dtype).detach())
         self.layer_states, self.held, self.buffers, self.layer_blocks = state.layers, [], {}, []
+        self.vq_unit_of = {}  # a VQ attention's native block -> its unit in self.vq
+        self.pair_units = {}  # a VQ GAU pair's layer -> its two units in self.vq
         self.position = self.start = min(_layer_steps(state.layers[0]))
-        vq_blocks, vq_units, vq_states = [], [], []  # the VQ units: their native blocks and states
+        vq_blocks, vq_units, vq_states = [], [], []  # the VQ units and VQ attentions: their native blocks and states
         block = 0
         for index, (layer, layer_state, recipe) in enumerate(zip(model.layers, state.layers, recipes)):
             if isinstance(recipe, _VQUnits):
+                self.pair_units[index] = (len(vq_units), len(vq_units) + 1)
                 for unit, unit_state in zip(recipe.units, layer_state):
                     self.native.add_vq_unit(*unit_constants(unit, dtype), unit.block_size)
                     vq_blocks.append(block)
@@ -310,7 +357,13 @@ class BlockGeneration(NativeGeneration):
             index = block  # the native object's blocks: a VQ pair is two
             self.layer_blocks.append(index)
             block += 1
-            if recipe.rule == "softmax":
+            if recipe.rule == "vq":
+                self.vq_unit_of[index] = len(vq_units)
+                vq_blocks.append(index)
+                vq_units.append(layer.mixer)
+                vq_states.append(layer_state)
+                held = None
+            elif recipe.rule == "softmax":
                 buffer = self.buffers[index] = kv_cache.claim(layer_state)
                 held = {"keys": buffer.keys, "values": buffer.values}
                 self.native.set_state(index, held, layer_state.keys.shape[2])
@@ -364,11 +417,12 @@ class BlockGeneration(NativeGeneration):
         """The ``LMState`` after every token so far: the prompt's, with the held tensors (copies:
         the native object goes on writing its own) and the steps counted on."""
         added = self.position - self.start
-        layers, unit = [], 0
-        for layer_state, held, index in zip(self.layer_states, self.held, self.layer_blocks):
+        layers = []
+        for layer, (layer_state, held, index) in enumerate(zip(self.layer_states, self.held, self.layer_blocks)):
             if index is None:  # a VQ GAU pair: its units' states as their one-token steps leave them
-                layers.append((self.vq.state(unit), self.vq.state(unit + 1)))
-                unit += 2
+                layers.append(tuple(map(self.vq.state, self.pair_units[layer])))
+            elif index in self.vq_unit_of:
+                layers.append(self.vq.state(self.vq_unit_of[index]))
             elif index in self.buffers:
                 layers.append(kv_cache.claimed_state(layer_state, self.buffers[index], added))
             elif isinstance(layer_state, KVCacheState):  # a local layer's ring, in the order of its positions
@@ -435,17 +489,19 @@ def _with_tensors(state: _State, tensors: dict[str, torch.Tensor], added: int) -
 
 def _self_check(dtype: torch.dtype) -> str | None:
     """A small model of every mixer the step takes (GQA, short convolutions, a window that the
-    tokens pass, a VQ GAU pair whose block the tokens complete), a prompt and three tokens,
+    tokens pass, VQ GAU pairs with and without ReRoPE, an FSQ pair and multi-head VQ attentions whose
+    blocks the tokens complete), a prompt and three tokens,
     through the native step and through ``LM._run``: None when the logits agree (``max |native -
     torch| <= 1e-5 max |torch|`` in float32, 1e-12 in float64), else the difference."""
     from .config import LMConfig
     from .lm import LM
 
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
-    config = LMConfig(vocab_size=32, d_model=16, n_layers=15, n_heads=4, n_kv_heads=2,
+    config = LMConfig(vocab_size=32, d_model=16, n_layers=19, n_heads=4, n_kv_heads=2,
                       attention="linear:elu,delta,gated-delta,gla,retnet,softmax:entropy,local:3,linear:hedgehog,"
-                                "delta:dpfp,linear:taylor,favor:8,linear:exp,vq,softmax:rerope=2,local:4:rerope=2",
-                      block_size=2, codebook_size=8, gau_d_k=8, gau_d_v=16)
+                                "delta:dpfp,linear:taylor,favor:8,linear:exp,vq,softmax:rerope=2,local:4:rerope=2,"
+                                "vq-attn:rerope=2,vq-attn:bias,vq:rerope=2,vq-fsq",
+                      block_size=2, codebook_size=8, gau_d_k=8, gau_d_v=16, fsq_levels=(3, 2, 2))
     with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
         torch.manual_seed(0)
         model = LM(config).to(dtype).eval()

@@ -31,12 +31,12 @@ from ._native_generation import NativeGeneration, head_t, plain_ends
 from .layers import GAUPair
 
 
-def unit_constants(unit: GAU, dtype: torch.dtype) -> tuple[list[torch.Tensor], torch.Tensor | None, float]:
+def unit_constants(unit: GAU, dtype: torch.dtype) -> tuple:
     """A VQ unit's one-token constants as the native objects take them (``VQModelStep.add_unit``,
-    ``BlockModelStep.add_vq_unit``): ``(constants, input_shift, eps)``."""
+    ``BlockModelStep.add_vq_unit``): ``(constants, input_shift, eps, rerope, rerope_frequencies, fsq)``."""
     c = decode_constants(unit, dtype)
     return ([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t, c.native_search_t,
-             c.native_norms, c.native_codebook_t], c.input_shift, c.eps)
+             c.native_norms, c.native_codebook_t], c.input_shift, c.eps, c.rerope, c.rerope_frequencies, c.fsq)
 
 
 def why_units_do_not_step(units: list[GAU], unit_states: list, token: torch.Tensor) -> str | None:
@@ -46,20 +46,21 @@ def why_units_do_not_step(units: list[GAU], unit_states: list, token: torch.Tens
     check (``use_native``) is the caller's, last: it builds."""
     if not all(computes_its_parameters(unit, (GAU,)) and can_decode_token(unit, token, unit_state)
                for unit, unit_state in zip(units, unit_states)):
-        return ("a GAU pair whose units do not take the VQ one-token step (another attention, ReRoPE, a hook "
-                "or adapter, or a state that does not continue them)")
+        return ("a GAU pair whose units do not take the VQ one-token step (another attention, a hook or adapter, "
+                "or a state that does not continue them)")
     if len({unit.block_size for unit in units}) != 1 or len({s.partial_keys.shape[2] for s in unit_states}) != 1:
         return "VQ units of different block sizes or positions in their blocks"
     return None
 
 
 class UnitBuffers:
-    """The resident buffers of VQ units that a native object steps one token at a time: each
-    unit's buffer (``window_for``, as the unit's next step would take it), handed to the object
-    by ``set_window(index, window)``; the position ``p`` in the block, and every ``L`` tokens the
-    completed block moved into each unit's cache as ``state_after`` moves it."""
+    """The resident buffers of VQ units (GAUs, or multi-head VQ attention: anything with a
+    ``block_size`` and a ``quantizer``) that a native object steps one token at a time: each
+    unit's buffer (``window_for``, as the unit's next step would take it, shaped as its state),
+    handed to the object by ``set_window(index, window)``; the position ``p`` in the block, and
+    every ``L`` tokens the completed block moved into each unit's cache as ``state_after`` moves it."""
 
-    def __init__(self, units: list[GAU], unit_states: list, dtype: torch.dtype, set_window):
+    def __init__(self, units: list, unit_states: list, dtype: torch.dtype, set_window):
         self.units, self.dtype, self.set_window = units, dtype, set_window
         self.L = units[0].block_size
         self.p = unit_states[0].partial_keys.shape[2]
@@ -86,9 +87,9 @@ class UnitBuffers:
 
     def enter(self, index: int, unit_state) -> None:
         """Take ``unit_state``'s resident buffer (as the unit's next step would) into the native object."""
-        unit = self.units[index]
-        window = window_for(unit_state, self.L, unit.quantizer.codebook, (unit_state.partial_keys.shape[0], 1,
-                            unit.d_k, unit.d_v), HARD_CODES, self.dtype)
+        B, Hkv, _, Dk = unit_state.partial_keys.shape
+        window = window_for(unit_state, self.L, self.units[index].quantizer.codebook,
+                            (B, Hkv, Dk, unit_state.partial_values.shape[-1]), HARD_CODES, self.dtype)
         self.windows[index] = window
         self.set_window(index, window)
 

@@ -9,7 +9,11 @@ slots) read from the state's resident buffer (``ops/vq/resident.py``: the new ke
 value are written into it in place, the scores are one matmul). On a CPU the whole unit,
 from the input norm to the output matmul, is one call of the native ``vq_gau_step``
 (``ops/common/native.py``, chosen as ``vq_decode_step(impl="auto")`` chooses the native step;
-``LINATTN_VQ_STEP_IMPL=torch`` takes the torch form). ``GAU.forward`` takes the
+``LINATTN_VQ_STEP_IMPL=torch`` takes the torch form). A unit with ReRoPE has no relative
+terms: its query scores the window's keys nearer than w turned by their distance and every
+other column by ``R(w) q`` (``ops/vq/rerope.py``). A unit with finite scalar quantization
+(``attention="fsq"``) takes its key's grid point as the code (``nn/fsq.py``) instead of the
+nearest code, and has no commitment loss. ``GAU.forward`` takes the
 general path for gradients, training mode, half precision and submodules that are not
 plain (a PEFT LoRA layer, a subclass, a forward hook); results equal its.
 """
@@ -23,9 +27,11 @@ import torch.nn.functional as F
 
 from .._checks import compute_dtype
 from ..ops.common.native import extension
+from ..ops.common.rotary import far_queries, rotary_frequencies
 from ..ops.vq.native_choice import use_native
-from ..ops.vq.resident import HARD_CODES, state_after, window_for
+from ..ops.vq.resident import HARD_CODES, add_near_window, state_after, window_for
 from ..state import VQAttentionState
+from .fsq import FSQuantizer
 
 
 class DecodeConstants(NamedTuple):
@@ -44,10 +50,22 @@ class DecodeConstants(NamedTuple):
     native_search_t: torch.Tensor  # codebook32_t as [1, d_k, S]: the native step's one kv head
     native_norms: torch.Tensor  # code_norms32 as [1, S]
     native_codebook_t: torch.Tensor  # [1, d_k, S] in the model dtype (native_search_t itself in float32)
+    rerope: int  # ReRoPE's w (0: none; then content_bias, the position keys and the bias are zeros)
+    rerope_frequencies: torch.Tensor | None  # [d_k / 2] in the model dtype, with ReRoPE
+    fsq: list[torch.Tensor]  # an FSQ unit's w_in [d, d_k], half, offset, shift, radius [d], radix [d] int64; else []
 
 
-_MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o", "w_r")
-_READS = (*_MAPS, "norm", "quantizer")  # the submodules a step reads instead of calling
+_MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o")
+
+
+def _maps(unit) -> tuple[str, ...]:
+    """The linear maps a step reads: the relative position map ``w_r`` too unless ReRoPE replaces it."""
+    return _MAPS if unit.rerope is not None else (*_MAPS, "w_r")
+
+
+def _reads(unit) -> tuple[str, ...]:
+    """The submodules a step reads instead of calling."""
+    return (*_maps(unit), "norm", "quantizer")
 
 
 def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
@@ -57,29 +75,61 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
     ``norm(x) W^T = rsqrt(mean(x^2) + eps) * (x (W diag(g))^T) + W b``."""
     norm = unit.norm
     modules = unit._modules  # the registries themselves: Module.__getattr__ costs a step's worth
-    depends = (*norm._parameters.values(), *(modules[name]._parameters["weight"] for name in _MAPS),
-               *unit._parameters.values(), modules["quantizer"]._buffers["codebook"])
+    depends = (*norm._parameters.values(), *(modules[name]._parameters["weight"] for name in _maps(unit)),
+               *unit._parameters.values(), *_codebook_tensors(modules["quantizer"]))
 
     def build() -> DecodeConstants:
         weight = unit._input_weight().to(dtype)
         norm_bias = getattr(norm, "bias", None)  # the paper variant's input norm has one
-        codebook32 = unit.quantizer.codebook[0].float()
+        codebook = unit.quantizer.codebook[0].detach()  # float32 for VQ; an FSQ grid's in the weights' dtype
+        codebook32 = codebook.float()
         codebook32_t = codebook32.t().contiguous()
         code_norms32 = codebook32.pow(2).sum(-1)
-        position_keys, bias = unit._relative_terms(dtype)
+        if unit.rerope is None:
+            position_keys, bias = unit._relative_terms(dtype)
+            content_bias = (unit._bias_scale() * unit.content_bias).to(dtype)
+        else:  # ReRoPE replaces the relative terms: zeros of their shapes, read by nothing
+            position_keys = weight.new_zeros(unit.block_size + 1, unit.d_k)
+            bias, content_bias = weight.new_zeros(unit.block_size + 1), weight.new_zeros(unit.d_k)
         return DecodeConstants(
             input_t=(weight * norm.weight.to(dtype)).t().contiguous(),
             input_shift=None if norm_bias is None else weight @ norm_bias.to(dtype),
             eps=norm_eps(norm, dtype),
-            codebook32_t=codebook32_t, code_norms32=code_norms32, codebook=codebook32.to(dtype),
-            content_bias=(unit._bias_scale() * unit.content_bias).to(dtype),
+            codebook32_t=codebook32_t, code_norms32=code_norms32, codebook=codebook.to(dtype),
+            content_bias=content_bias,
             position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
             output_t=unit.w_o.weight.to(dtype).t().contiguous(),
             native_search_t=codebook32_t.unsqueeze(0), native_norms=code_norms32.unsqueeze(0),
-            native_codebook_t=codebook32_t.to(dtype).unsqueeze(0),
+            native_codebook_t=codebook.to(dtype).t().contiguous().unsqueeze(0),
+            rerope=unit.rerope or 0,
+            rerope_frequencies=None if unit.rerope is None else rotary_frequencies(unit.d_k, unit.rotary_base,
+                                                                                   dtype=dtype),
+            fsq=_fsq_tensors(unit.quantizer, dtype),
         )
 
     return unit._cached("decode", build, depends, dtype)
+
+
+def _codebook_tensors(quantizer) -> tuple[torch.Tensor, ...]:
+    """What a quantizer's codebook is made of: a ``VectorQuantizer``'s buffer, an ``FSQuantizer``'s projections."""
+    if isinstance(quantizer, FSQuantizer):
+        return quantizer.w_in, quantizer.w_out
+    return (quantizer._buffers["codebook"],)
+
+
+def _fsq_tensors(quantizer, dtype: torch.dtype) -> list[torch.Tensor]:
+    """An ``FSQuantizer``'s code of a key as the native step computes it (``vq_gau_step.cpp``), else []."""
+    if not isinstance(quantizer, FSQuantizer):
+        return []
+    half, offset, shift, radius = quantizer._constants(dtype, quantizer.w_in.device)
+    return [quantizer.w_in[0].to(dtype).contiguous(), half, offset, shift, radius, quantizer._radix]
+
+
+def unit_codebook(unit) -> torch.Tensor:
+    """The unit's codebook ``[1, S, d_k]`` as its quantizer holds it (the same tensor while it is
+    unchanged: a buffer's rows 2L.. copy it)."""
+    quantizer = unit._modules["quantizer"]
+    return quantizer.codebook if isinstance(quantizer, FSQuantizer) else quantizer._buffers["codebook"]
 
 
 def norm_eps(norm, dtype: torch.dtype) -> float:
@@ -89,17 +139,16 @@ def norm_eps(norm, dtype: torch.dtype) -> float:
 
 
 def can_decode_token(unit, x: torch.Tensor, state) -> bool:
-    """Whether ``decode_token`` applies: a VQ unit without ReRoPE (``GAU(rerope=)`` decodes
-    through ``vq_attention``) in eval mode, no gradient, one float32
-    or float64 token continuing a state of this unit's block size, and plain submodules
+    """Whether ``decode_token`` applies: a VQ or FSQ unit (with or without ReRoPE) in eval mode, no
+    gradient, one float32 or float64 token continuing a state of this unit's block size, and plain submodules
     (``GAU._reads_plainly``: a step reads their parameters, so a PEFT adapter, a subclass
     or a forward hook sends the token down the general path, which calls them)."""
     return (
-        unit.attention == "vq" and unit.rerope is None and x.shape[1] == 1 and isinstance(state, VQAttentionState)
+        unit.attention in ("vq", "fsq") and x.shape[1] == 1 and isinstance(state, VQAttentionState)
         and not unit.training and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64)
         and state.partial_keys.shape[2] < unit.block_size and state.partial_keys.dtype == x.dtype
         and (state.prev_keys is None or state.prev_keys.shape[2] == unit.block_size)
-        and not torch.is_autocast_enabled(x.device.type) and unit._reads_plainly(_READS)
+        and not torch.is_autocast_enabled(x.device.type) and unit._reads_plainly(_reads(unit))
     )
 
 
@@ -121,8 +170,7 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
     B, L = x.shape[0], unit.block_size
     c = decode_constants(unit, x.dtype)
     p = state.partial_keys.shape[2]
-    codebook = unit._modules["quantizer"]._buffers["codebook"]  # [1, S, d_k]: the buffer's rows 2L.. copy it
-    window = window_for(state, L, codebook, (B, 1, unit.d_k, unit.d_v), HARD_CODES, x.dtype)
+    window = window_for(state, L, unit_codebook(unit), (B, 1, unit.d_k, unit.d_v), HARD_CODES, x.dtype)
     if use_native("auto", x.device, x.dtype):
         y, codes, commit = _native_unit(unit, c, x, window, L, p)
     else:
@@ -145,18 +193,29 @@ def _torch_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: in
     q, k = qk[:, 0], qk[:, 1]
     vg = F.silu(projected[:, 2 * d_k :])
     v, gate = vg[:, :d_v], vg[:, d_v:]
-    queries = q + c.content_bias
-    relative = torch.addmm(c.bias_reversed, queries, c.position_keys_reversed_t)  # offsets L .. 0
-    k32 = k if k.dtype == torch.float32 else k.float()
-    codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
+    if c.fsq:
+        codes = unit._modules["quantizer"](k.view(B, 1, 1, d_k))[1].view(B)
+    else:
+        k32 = k if k.dtype == torch.float32 else k.float()
+        codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
     k_hat = c.codebook.index_select(0, codes)
     window.append_one(p, k_hat, v, codes)
-    scores = torch.baddbmm(window.mask3, queries.view(B, 1, d_k), window.keys_t)  # [B, 1, 2L + S]
-    scores.narrow(2, p, L + 1).add_(relative.view(B, 1, L + 1))  # columns p .. L + p: offsets L .. 0
+    if c.rerope:  # every column by R(w) q, then the window's columns nearer than w by their turn of q
+        rerope = (c.rerope, unit.rotary_base)
+        scores = torch.baddbmm(window.mask3, far_queries(q.view(B, 1, d_k), *rerope), window.keys_t)
+        add_near_window(scores.view(B, 1, 1, 1, -1), q.view(B, 1, 1, 1, d_k), window, L + p + 1, rerope)
+    else:
+        queries = q + c.content_bias
+        relative = torch.addmm(c.bias_reversed, queries, c.position_keys_reversed_t)  # offsets L .. 0
+        scores = torch.baddbmm(window.mask3, queries.view(B, 1, d_k), window.keys_t)  # [B, 1, 2L + S]
+        scores.narrow(2, p, L + 1).add_(relative.view(B, 1, L + 1))  # columns p .. L + p: offsets L .. 0
     out = torch.bmm(torch.softmax(scores, dim=-1), window.values3)
-    wide = compute_dtype(k.dtype)  # the quantizer's: float32, float64 for float64 keys
-    weight = unit._modules["quantizer"].commitment_weight
-    commit = F.mse_loss(k.to(wide), k_hat.to(wide), reduction="sum") * (weight / B)
+    if c.fsq:  # FSQuantizer's: none
+        commit = k.new_zeros((), dtype=torch.float32)
+    else:
+        wide = compute_dtype(k.dtype)  # the quantizer's: float32, float64 for float64 keys
+        weight = unit._modules["quantizer"].commitment_weight
+        commit = F.mse_loss(k.to(wide), k_hat.to(wide), reduction="sum") * (weight / B)
     y = torch.mm(out.view(B, d_v) * gate, c.output_t).view(B, 1, -1)
     return y, codes, commit
 
@@ -167,9 +226,10 @@ def _native_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: i
     y = x.new_empty(B, 1, d_model)
     codes = torch.empty(B, 1, dtype=torch.int64, device=x.device)
     commit = x.new_empty(())
+    weight = 0.0 if c.fsq else unit._modules["quantizer"].commitment_weight
     extension().vq_gau_step(
         x.reshape(B, d_model).contiguous(), c.input_t, c.input_shift, c.eps, c.content_bias, c.position_keys_reversed_t,
         c.bias_reversed, c.output_t, c.native_search_t, c.native_norms, c.native_codebook_t, window.keys,
-        window.values, window.codes, window.mask, L, p, window.keys_are_codes,
-        unit._modules["quantizer"].commitment_weight, y.view(B, d_model), codes, commit)
-    return y, codes, commit
+        window.values, window.codes, window.mask, L, p, window.keys_are_codes, weight, c.rerope, c.rerope_frequencies,
+        c.fsq, y.view(B, d_model), codes, commit)
+    return y, codes, (commit.new_zeros((), dtype=torch.float32) if c.fsq else commit)

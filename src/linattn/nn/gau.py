@@ -97,7 +97,7 @@ class _BiasedRMSNorm(nn.Module):
 _PLAIN_KINDS = {
     **{name: (nn.Linear,) for name in (*_INPUT_MAPS, "w_o", "w_r")},
     "norm": (nn.RMSNorm, _BiasedRMSNorm),
-    "quantizer": (VectorQuantizer,),
+    "quantizer": (VectorQuantizer, FSQuantizer),
 }
 
 
@@ -128,9 +128,8 @@ class GAU(nn.Module):
     the Transformer-XL terms (u, w, W_r and the sinusoids are not built): the score is
     ``(R(min(i - j, w)) q_i).k_j``, R the rotary rotation with ``rotary_base``: rotary positions
     inside the window, every key further back (the cache included) at distance w
-    (``vq_attention(rerope=)``; the efficient-attention survey: with ReRoPE the bias is not needed). Decoding takes
-    ``vq_attention``'s torch decode form (the one-token fast path and the native step have no
-    ReRoPE form).
+    (``vq_attention(rerope=)``; the efficient-attention survey: with ReRoPE the bias is not needed). Decoding
+    takes the one-token path and the native step as without it (``_gau_decode.py``).
     ``scale="entropy"`` (``attention="softmax"`` only) multiplies query i's logits by
     ``log_512(n_i)``, n_i the keys it sees: the entropy-invariant scale (the logits already
     carry ``d_k^-1/2``).

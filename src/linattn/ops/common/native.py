@@ -97,7 +97,7 @@ SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _KERNEL / "
 # included by the sources (from these folders): part of the build's inputs
 INCLUDES = (_SHARED, _VQ, _KERNEL, _DELTA)
 HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "tile_products.h", _SHARED / "chunk_decays.h",
-           _SHARED / "native_checks.h",
+           _SHARED / "native_checks.h", _SHARED / "rotation.h",
            _SHARED / "block_model_step.h", _VQ / "vq_block_inputs.h", _VQ / "vq_cache_scan.h",
            _VQ / "vq_model_step.h", _VQ / "vq_kernels.h",
            _KERNEL / "linear_scan.h", _KERNEL / "scan_problem.h", _DELTA / "delta_scan.h")

@@ -31,7 +31,8 @@ the codebook. The reference form (``mode="parallel"``) is always ``"none"``.
 ReRoPE (``rerope=w <= L``, ``rerope.py``): q and k_hat are unrotated and ``q_i.k_hat_j`` becomes
 ``(R(min(i - j, w)) q_i).k_hat_j``; every cached key is at distance w, so the cache logit is
 ``scale (R(w) q).c_s + log n_s`` and every form stays exact (the Triton kernels and the native
-decoding step have no ReRoPE form: torch runs it).
+block form have no ReRoPE form: torch runs it; the native decoding step turns the query once per
+distance below w).
 """
 
 from __future__ import annotations

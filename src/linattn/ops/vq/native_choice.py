@@ -1,8 +1,8 @@
 """Whether ``vq_decode_step`` runs the native C++ step (``native.py``) or the torch form.
 
 **Self-check.** The first time a process would run the native step in a dtype, it runs
-a short decoding sequence both ways (``_SHAPE``: two kv heads of two queries, bias and
-position keys, three blocks) and compares outputs (``max |native - torch| <= RTOL *
+a short decoding sequence both ways (``_SHAPE``: two kv heads of two queries, three blocks;
+once with bias and position keys, once with ReRoPE of window 3) and compares outputs (``max |native - torch| <= RTOL *
 max |torch|``: 1e-12 in float64, 1e-5 in float32) and codes (equal). A build that fails or a
 check that fails is the verdict for the rest of the process: ``impl="auto"`` warns once,
 naming it, and runs the torch form from then on; ``impl="native"`` raises ``RuntimeError``.
@@ -54,13 +54,12 @@ def verdict(dtype: torch.dtype) -> str | None:
     return _trust.verdict(dtype)
 
 
-def use_native(impl: str, device: torch.device, dtype: torch.dtype, rerope: bool = False) -> bool:
+def use_native(impl: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``vq_decode_step(impl=...)`` runs the native step for inputs on ``device``
-    computed in ``dtype`` (see the module docstring); ``rerope``: the step has a ReRoPE window,
-    which the native step does not compute (``"auto"`` takes torch, ``"native"`` is refused)."""
+    computed in ``dtype`` (see the module docstring)."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
-    reason = "has no ReRoPE form (rerope=)" if rerope else unsupported(device, dtype)
+    reason = unsupported(device, dtype)
     return _trust.choose(impl, ENV, reason, dtype, "VQ decoding step",
                          f"vq_decode_step uses the torch form in {dtype} from now on ({ENV}=torch chooses it "
                          f"without trying the native step, {ENV}=native makes this an error)")
@@ -101,16 +100,17 @@ def _run_check(dtype: torch.dtype) -> str | None:
     inputs = [(draw(s["B"], s["H"], 1, s["Dk"]), draw(s["B"], s["Hkv"], 1, s["Dk"]), draw(s["B"], s["Hkv"], 1, s["Dv"]))
               for _ in range(s["steps"])]
     scale = resolve_scale(None, s["Dk"])
-    results = {}
+    runs = {}
     with torch.no_grad():
-        for native in (True, False):
-            state, outs = None, []
-            for q, k, v in inputs:
-                out, codes, state = quantizing_step(q, k, v, codebook, state, scale, s["L"], bias, position_keys,
-                                                    native)
-                outs.append((out, codes))
-            results[native] = outs
-    for step, ((out, codes), (want, want_codes)) in enumerate(zip(results[True], results[False])):
+        for positions in ((bias, position_keys, None), (None, None, (3, 10000.0))):
+            for native in (True, False):
+                state, outs = None, []
+                for q, k, v in inputs:
+                    out, codes, state = quantizing_step(q, k, v, codebook, state, scale, s["L"], *positions[:2],
+                                                        native, positions[2])
+                    outs.append((out, codes))
+                runs.setdefault(native, []).extend(outs)
+    for step, ((out, codes), (want, want_codes)) in enumerate(zip(runs[True], runs[False])):
         if not torch.equal(codes, want_codes):
             return f"step {step}: codes {codes.flatten().tolist()}, the torch form's {want_codes.flatten().tolist()}"
         if not bool(torch.isfinite(out).all()):

@@ -34,7 +34,7 @@ import torch
 from ...state import VQAttentionState
 from ..._checks import compute_dtype
 from ..common.bias import offset_rows
-from ..common.rotary import far_queries, rerope_scores
+from ..common.rotary import far_queries, rerope_scores, rotary_frequencies
 from ..common.versions import tensor_version
 from ..common import native
 from .cache import fold_block, log_counts
@@ -61,7 +61,7 @@ class ResidentWindow:
         self.block_size = L
         self.codebook = codebook  # (tensor, version) that rows 2L.. were copied from
         self.written = written  # current-block rows claimed by a state of this buffer; None: copy first
-        self.scoring = scoring  # the codebook as a quantizing step reads it (_scoring); None until one needs it
+        self.scoring = scoring  # the codebook as a quantizing step reads it (scoring_tensors); None until one needs it
         self.step_views = None  # _StepViews of these buffers
         # every filled key row is the row of ``codebook`` (as recorded) that its code names
         self.keys_are_codes = keys_are_codes
@@ -200,7 +200,7 @@ def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttenti
     rows = q.reshape(BH, G * T, D)
     scores = torch.baddbmm(window.mask3, rows if rerope is None else far_queries(rows, *rerope), window.keys_t)
     if rerope is not None:
-        _add_near_window(scores.view(B, Hkv, G, T, -1), q, window, L + p + T, rerope)
+        add_near_window(scores.view(B, Hkv, G, T, -1), q, window, L + p + T, rerope)
     if relative_reversed is not None or T > 1:
         grid = scores.view(B, Hkv, G, T, -1)
         if T == 1:
@@ -215,7 +215,7 @@ def decode(q, k, v, codes, codebook, relative_reversed, L: int, state: VQAttenti
     return out, state_after(window, p + T, has_prev, (0 if state is None else state.steps) + T)
 
 
-def _add_near_window(grid, q, window: ResidentWindow, columns: int, rerope) -> None:
+def add_near_window(grid, q, window: ResidentWindow, columns: int, rerope) -> None:
     """Write into ``grid [B, Hkv, G, T, 2L + S]`` (scores by ``R(w) q`` plus the mask) ReRoPE's
     scores plus the mask on the first ``columns`` (window) columns, whose last T rows the
     queries ``q [B, Hkv, G, T, Dk]`` are (``rerope_scores``: the rotated pair at distance < w)."""
@@ -227,7 +227,7 @@ def _add_near_window(grid, q, window: ResidentWindow, columns: int, rerope) -> N
 HARD_CODES = torch.zeros((), dtype=torch.int64)  # stands for hard codes where a buffer is made
 
 
-def _scoring(codebook: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def scoring_tensors(codebook: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codebook_t [Hkv, Dk, S] in dtype, search_t: the same in float32 (the same tensor
     for float32), norms [Hkv, 1, S] = |c_s|^2 in float32)``."""
     search = codebook.detach().float()
@@ -263,9 +263,9 @@ def quantizing_step(q, k, v, codebook, state: VQAttentionState | None, scale: fl
     """``vq_decode_step`` on checked arguments: q ``[B, H, 1, Dk]``, k ``[B, Hkv, 1, Dk]`` (before
     quantization), v ``[B, Hkv, 1, Dv]``, ``scale`` resolved; the relative terms of the new query
     laid out for ``quantize_and_decode``. ``rerope``: ``(w, rotary_base)`` or None; with it the
-    key is quantized and then attended to by ``decode`` (torch only: its window scores are not
-    the codebook scores gathered at the codes). Returns ``(out [B, H, 1, Dv] in q's dtype,
-    codes [B, Hkv, 1], new state)``."""
+    torch form quantizes the key and then attends to it by ``decode`` (its window scores are not
+    the codebook scores gathered at the codes), the native step does both in one call. Returns
+    ``(out [B, H, 1, Dv] in q's dtype, codes [B, Hkv, 1], new state)``."""
     B, H, _, Dk = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
     dtype = compute_dtype(q.dtype)
@@ -274,18 +274,18 @@ def quantizing_step(q, k, v, codebook, state: VQAttentionState | None, scale: fl
     if bias is not None or position_keys is not None:
         table, positions_k = relative_inputs(bias, position_keys, H, Hkv, L, Dk, q, dtype)
         relative = reversed_terms(relative_terms(queries.unsqueeze(3) * scale, table, positions_k))
-    if rerope is not None:
+    if rerope is not None and not native:
         out, codes, new_state = _quantize_then_decode(queries * scale, as_dtype(k, dtype), as_dtype(v, dtype), codebook,
                                                       relative, L, state, dtype, rerope)
         return as_dtype(out.view(B, H, 1, Dv), q.dtype), codes, new_state
     out, codes, new_state = quantize_and_decode(
         queries, as_dtype(k, dtype).reshape(B, Hkv, Dk), as_dtype(v, dtype).reshape(B, Hkv, Dv), codebook, scale,
-        relative, L, state, dtype, native)
+        relative, L, state, dtype, native, rerope)
     return as_dtype(out.view(B, H, 1, Dv), q.dtype), codes.view(B, Hkv, 1), new_state
 
 
 def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: int,
-                        state: VQAttentionState | None, dtype: torch.dtype, native: bool = False):
+                        state: VQAttentionState | None, dtype: torch.dtype, native: bool = False, rerope=None):
     """One new position, quantized and attended to in one pass: ``VectorQuantizer`` then
     ``decode`` with its codes, in fewer operations and one read of the codebook.
 
@@ -298,7 +298,8 @@ def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: i
     ``0 .. S - 1``), times ``scale`` (unless the buffer's keys may not be its codes: a state
     from another codebook or rebuilt by hand, whose stored keys are then read); in float32 the
     query rows and the key row are scored against the codebook in one matmul.
-    ``native``: the same step as one C++ call (``native.py``; CPU, float32/float64).
+    ``native``: the same step as one C++ call (``native.py``; CPU, float32/float64), which
+    also takes ``rerope`` (``(w, rotary_base)``, ``decode``'s; None: off).
     Returns ``(out [B, Hkv, G, 1, Dv], codes [B, Hkv], new state)``.
     """
     B, Hkv, G, D = q.shape
@@ -308,10 +309,12 @@ def quantize_and_decode(q, k, v, codebook, scale: float, relative_reversed, L: i
                          "hard codes only")
     window = window_for(state, L, codebook, (B, Hkv, D, v.shape[-1]), HARD_CODES, dtype)
     if window.scoring is None:
-        window.scoring = _scoring(codebook, dtype)
+        window.scoring = scoring_tensors(codebook, dtype)
     codebook_t, search_t, norms = window.scoring
     if native:
-        return _native_step(window, q, k, v, scale, relative_reversed, p, state)
+        return _native_step(window, q, k, v, scale, relative_reversed, p, state, rerope)
+    if rerope is not None:
+        raise ValueError("quantize_and_decode computes ReRoPE natively only (the torch form is _quantize_then_decode)")
     views = _step_views(window, G)
     if search_t is codebook_t:  # float32: queries and key in one matmul
         rows = torch.cat([q.transpose(0, 1), k.transpose(0, 1).unsqueeze(2)], dim=2)  # [Hkv, B, G + 1, Dk]
@@ -345,7 +348,7 @@ def _quantize_then_decode(q, k, v, codebook, relative_reversed, L: int, state, d
     """One new position with ReRoPE: the nearest code of k ``[B, Hkv, 1, Dk]`` (in float32, as
     ``quantize_and_decode``), then ``decode`` of q ``[B, Hkv, G, Dk]`` (scaled) on ``codebook[z]``.
     Returns ``(out [B, Hkv, G, 1, Dv], codes [B, Hkv, 1], new state)``."""
-    _, search_t, norms = _scoring(codebook, dtype)
+    _, search_t, norms = scoring_tensors(codebook, dtype)
     key_scores = torch.bmm(k.float().squeeze(2).transpose(0, 1), search_t)  # [Hkv, B, S]
     codes = torch.add(norms, key_scores, alpha=-2.0).argmin(-1).t().unsqueeze(-1)  # [B, Hkv, 1]
     heads = torch.arange(codebook.shape[0], device=codes.device)[None, :, None]
@@ -354,8 +357,9 @@ def _quantize_then_decode(q, k, v, codebook, relative_reversed, L: int, state, d
     return out, codes, new_state
 
 
-def _native_step(window: ResidentWindow, q, k, v, scale: float, relative_reversed, p: int, state):
-    """``quantize_and_decode``'s step by the native extension, into ``window``."""
+def _native_step(window: ResidentWindow, q, k, v, scale: float, relative_reversed, p: int, state, rerope=None):
+    """``quantize_and_decode``'s step by the native extension, into ``window`` (``rerope``:
+    ``(w, rotary_base)`` or None)."""
     B, Hkv, G, _ = q.shape
     L = window.block_size
     codebook_t, search_t, norms = window.scoring
@@ -366,7 +370,9 @@ def _native_step(window: ResidentWindow, q, k, v, scale: float, relative_reverse
         relative = torch.broadcast_to(relative_reversed, (B, Hkv, G, 1, L + 1)).squeeze(3)
     native.extension().vq_decode_step(q.contiguous(), k.contiguous(), v.contiguous(), search_t, norms.view(Hkv, -1),
                                codebook_t, window.keys, window.values, window.codes, window.mask, L, p, scale,
-                               relative, window.keys_are_codes, out, codes)
+                               relative, window.keys_are_codes, 0 if rerope is None else rerope[0],
+                               None if rerope is None else rotary_frequencies(q.shape[-1], rerope[1], dtype=q.dtype),
+                               None, out, codes)
     window.written = p + 1
     has_prev = state is not None and state.prev_keys is not None
     return out.view(B, Hkv, G, 1, -1), codes, state_after(window, p + 1, has_prev,

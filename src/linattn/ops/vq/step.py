@@ -59,9 +59,8 @@ def vq_decode_step(
             check warns once); ``"torch"``; ``"native"`` (an error where it cannot run).
             ``LINATTN_VQ_STEP_IMPL=torch|native`` replaces the automatic choice.
         rerope: ReRoPE's window ``w <= block_size`` (None: off), with ``rotary_base``, as in
-            ``vq_attention``: q and k unrotated. The torch form only (the native step scores the
-            window by the codebook scores gathered at the codes, which ReRoPE's rotation by
-            distance rules out): ``"auto"`` takes torch, ``"native"`` is refused.
+            ``vq_attention``: q and k unrotated; both forms (the window's columns nearer than w
+            scored by the query turned by their distance, every other column by ``R(w) q``).
         rotary_base: the base of the rotary frequencies with ``rerope`` (a number > 1).
 
 
@@ -80,6 +79,6 @@ def vq_decode_step(
     if records_gradients(q, k, v, codebook):
         raise ValueError("vq_decode_step has no backward: call it under torch.no_grad() (decoding), or use "
                          "VectorQuantizer and vq_attention for gradients")
-    native = use_native(impl, q.device, compute_dtype(q.dtype), rerope=rerope is not None)
+    native = use_native(impl, q.device, compute_dtype(q.dtype))
     return resident.quantizing_step(q, k, v, codebook, state, resolve_scale(scale, q.shape[-1]), block_size, bias,
                                     position_keys, native, None if rerope is None else (rerope, rotary_base))

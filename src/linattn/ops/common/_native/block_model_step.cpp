@@ -51,6 +51,11 @@
 // ReRoPE ("rerope" w, "rerope_frequencies" [D/2]) the keys are kept unrotated and a.k_j is
 // (R(min(d_j, w)) a).k_j, d_j the key's distance from the query.
 //
+// The "vq" mixer (multi-head VQ attention) quantizes each key/value head's key to its codebook and
+// attends over the head's resident buffer (set_window; block "block_size" L, the token at
+// `vq_position` in its block) by vq_decode_step.cpp, with "scale", ReRoPE ("rerope" w <= L,
+// "rerope_frequencies") or the windowed bias reversed ("relative" [Hkv, G, L + 1]).
+//
 // then per query head "head_norm" 1: o / sqrt(mean(o^2) + eps) * head_gain [D]; 2: (o - mean(o)) /
 // sqrt(var(o) + eps) * head_gain [H D] + head_bias [H D] (eps "head_eps"); then o * SiLU(p_gate)
 // ("gate"). The recurrences of the (batch, kv head) rows are spread over the intra-op threads,
@@ -68,6 +73,7 @@
 #include "fast_exp.h"
 #include "lm_ends.h"
 #include "native_checks.h"
+#include "rotation.h"
 #include "row_products.h"
 #include "vq_kernels.h"
 
@@ -204,21 +210,6 @@ void features(const BlockModelStep::Block& block, const T* x, const T* map, T* p
     for (int64_t i = 0; i < n; ++i) sum += phi[i] * phi[i];
     const T norm = std::max(std::sqrt(sum), eps);
     for (int64_t i = 0; i < n; ++i) phi[i] = phi[i] / norm;
-  }
-}
-
-// The pairs (x_2m, x_2m+1) of each of the `heads` rows of D turned by position * f_m.
-template <typename T>
-void rotate(T* x, int64_t heads, int64_t D, const T* frequencies, int64_t position) {
-  for (int64_t m = 0; m < D / 2; ++m) {
-    const T angle = static_cast<T>(position) * frequencies[m];
-    const T c = std::cos(angle), s = std::sin(angle);
-    for (int64_t h = 0; h < heads; ++h) {
-      T* pair = x + h * D + 2 * m;
-      const T even = pair[0], odd = pair[1];
-      pair[0] = even * c - odd * s;
-      pair[1] = even * s + odd * c;
-    }
   }
 }
 
@@ -407,7 +398,7 @@ void attend(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& 
         for (int64_t f = 0; f < D; ++f) query[f] = row[c.q + h * D + f] * scale;
         for (int64_t d = 0; d < turns; ++d) {  // R(d) q, the last one R(min(w, cached)) q
           std::copy_n(query.data(), D, turned.data() + d * D);
-          rotate(turned.data() + d * D, 1, D, turn_frequencies, d);
+          linattn_native::rotate(turned.data() + d * D, 1, D, turn_frequencies, d);
         }
         T largest = -std::numeric_limits<T>::infinity();
         for (int64_t i = 0; i <= cached; ++i) {
@@ -439,8 +430,35 @@ void attend(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& 
   if (!ring) block.length = t + 1;
 }
 
+// Multi-head VQ attention of every (batch, kv head) row over its resident buffer -> o [B, H D]
+// (vq_decode_step.cpp, which also writes the new code, key and value into the buffer).
 template <typename T>
-void mixer(BlockModelStep::Block& block, const T* x, int64_t B, int64_t d, int64_t position, T* y) {
+void attend_vq(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& c, int64_t B, int64_t vq_position,
+               T* o) {
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim, G = H / Hkv;
+  const auto options = block.in_t.options();
+  at::Tensor q = at::empty({B, Hkv, G, D}, options), k = at::empty({B, Hkv, D}, options);
+  at::Tensor v = at::empty({B, Hkv, D}, options), out = at::empty({B, Hkv, G, D}, options);
+  at::Tensor codes = at::empty({B, Hkv}, options.dtype(at::kLong));
+  for (int64_t b = 0; b < B; ++b) {
+    const T* row = p + b * P;
+    std::copy_n(row + c.q, H * D, q.data_ptr<T>() + b * H * D);
+    std::copy_n(row + c.k, Hkv * D, k.data_ptr<T>() + b * Hkv * D);
+    std::copy_n(row + c.v, Hkv * D, v.data_ptr<T>() + b * Hkv * D);
+  }
+  c10::optional<at::Tensor> relative, turns;
+  if (block.relative.defined()) relative = block.relative.unsqueeze(0).expand({B, Hkv, G, block.vq_block + 1});
+  if (block.rerope > 0) turns = block.rerope_frequencies;
+  const std::vector<at::Tensor>& window = block.vq_window;
+  vq_decode_step(q, k, v, block.search_t, block.norms, block.codebook_t, window[0], window[1], window[2], window[3],
+                 block.vq_block, vq_position, block.scale, relative, block.keys_are_codes, block.rerope, turns,
+                 c10::nullopt, out, codes);
+  std::copy_n(out.data_ptr<T>(), B * H * D, o);
+}
+
+template <typename T>
+void mixer(BlockModelStep::Block& block, const T* x, int64_t B, int64_t d, int64_t position, int64_t vq_position,
+           T* y) {
   const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim, G = H / Hkv;
   const Columns c = columns(block);
   const int64_t P = c.width;
@@ -475,8 +493,8 @@ void mixer(BlockModelStep::Block& block, const T* x, int64_t B, int64_t d, int64
     }
     if (block.frequencies.defined()) {
       const T* f = block.frequencies.data_ptr<T>();
-      rotate(row + c.q, H, D, f, position);
-      rotate(row + c.k, Hkv, D, f, position);
+      linattn_native::rotate(row + c.q, H, D, f, position);
+      linattn_native::rotate(row + c.k, Hkv, D, f, position);
     }
     if (block.beta) {
       for (int64_t j = 0; j < Hkv; ++j) beta[b * Hkv + j] = sigmoid(row[c.beta + j]);
@@ -501,7 +519,9 @@ void mixer(BlockModelStep::Block& block, const T* x, int64_t B, int64_t d, int64
   }
 
   std::vector<T> o(B * H * D);
-  if (block.softmax > 0) {
+  if (block.vq_heads) {
+    attend_vq(block, p.data(), P, c, B, vq_position, o.data());
+  } else if (block.softmax > 0) {
     attend(block, p.data(), P, c, B, position, o.data());
   } else {
     recur(block, p.data(), P, c, a.data(), beta.data(), B, o.data());
@@ -565,8 +585,8 @@ BlockModelStep::BlockModelStep(at::Tensor embed, at::Tensor norm_weight, double 
 
 void BlockModelStep::add_block(const std::string& mixer, const std::map<std::string, at::Tensor>& tensors,
                                const std::map<std::string, double>& numbers) {
-  TORCH_CHECK(mixer == "sum" || mixer == "delta" || mixer == "softmax" || mixer == "local", kWhat,
-              ": a block's mixer is 'sum', 'delta', 'softmax' or 'local', got '", mixer, "'");
+  TORCH_CHECK(mixer == "sum" || mixer == "delta" || mixer == "softmax" || mixer == "local" || mixer == "vq", kWhat,
+              ": a block's mixer is 'sum', 'delta', 'softmax', 'local' or 'vq', got '", mixer, "'");
   const auto type = embed_.scalar_type();
   const int64_t d = embed_.size(1);
   const auto check = [&](const at::Tensor& t, const char* name, at::IntArrayRef shape) {
@@ -577,7 +597,11 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
   block.softmax = mixer == "softmax" ? 1 : (mixer == "local" ? 2 : 0);
   block.window = block.softmax == 2 ? count(numbers, "window", 1, int64_t(1) << 40) : 0;
   block.entropy = count(numbers, "entropy", 0, 1) == 1;
-  block.rerope = block.softmax > 0 ? count(numbers, "rerope", 0, int64_t(1) << 40) : 0;
+  block.vq_heads = mixer == "vq";
+  block.vq_block = block.vq_heads ? count(numbers, "block_size", 1, int64_t(1) << 40) : 0;
+  block.rerope = block.softmax > 0 || block.vq_heads
+                     ? count(numbers, "rerope", 0, block.vq_heads ? block.vq_block : int64_t(1) << 40)
+                     : 0;
   block.heads = count(numbers, "heads", 1, 1 << 20);
   block.kv_heads = count(numbers, "kv_heads", 1, block.heads);
   block.head_dim = count(numbers, "head_dim", 1, 1 << 20);
@@ -673,12 +697,28 @@ void BlockModelStep::add_block(const std::string& mixer, const std::map<std::str
     block.head_bias = tensor(tensors, "head_bias");
     check(block.head_bias, "head_bias", {H * D});
   }
+  if (block.vq_heads) {
+    TORCH_CHECK(block.feature == 0 && block.normalize == 0 && !block.gate && !block.beta && block.decay == 0 &&
+                    block.conv_kernel == 0 && !block.silu_qkv && block.head_norm == 0 && !block.frequencies.defined(),
+                kWhat, ": a 'vq' mixer reads q, k and v only (no map, gate, beta, decay, convolution, head norm "
+                "or rotary frequencies)");
+    block.search_t = tensor(tensors, "search_t");
+    TORCH_CHECK(block.search_t.dim() == 3, kWhat, ": search_t is [Hkv, D, S]");
+    const int64_t S = block.search_t.size(2);
+    linattn_native::check_tensor(kWhat, block.search_t, "search_t", at::kFloat, {Hkv, D, S});
+    block.norms = tensor(tensors, "norms");
+    linattn_native::check_tensor(kWhat, block.norms, "norms", at::kFloat, {Hkv, S});
+    block.codebook_t = tensor(tensors, "codebook_t");
+    check(block.codebook_t, "codebook_t", {Hkv, D, S});
+    block.relative = optional_tensor(tensors, "relative");
+    if (block.relative.defined()) check(block.relative, "relative", {Hkv, H / Hkv, block.vq_block + 1});
+  }
   blocks_.push_back(std::move(block));
 }
 
 void BlockModelStep::set_state(int64_t index, const std::map<std::string, at::Tensor>& state, int64_t length) {
-  TORCH_CHECK(index >= 0 && index < blocks() && !blocks_[index].vq, kWhat, ": no block ", index,
-              " of a mixer's state");
+  TORCH_CHECK(index >= 0 && index < blocks() && !blocks_[index].vq && !blocks_[index].vq_heads, kWhat, ": no block ",
+              index, " of a mixer's state (a VQ block's is set_window's)");
   Block& block = blocks_[index];
   const auto type = embed_.scalar_type();
   const int64_t Hkv = block.kv_heads, D = block.head_dim;
@@ -712,7 +752,8 @@ void BlockModelStep::set_state(int64_t index, const std::map<std::string, at::Te
 }
 
 void BlockModelStep::add_vq_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift,
-                                 double eps, int64_t block_size) {
+                                 double eps, int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies,
+                                 std::vector<at::Tensor> fsq, int64_t block_size) {
   TORCH_CHECK(constants.size() == 8, kWhat, ": a VQ unit has 8 constants, got ", constants.size());
   TORCH_CHECK(block_size >= 1, kWhat, ": a VQ unit's block size must be positive, got ", block_size);
   Block block;
@@ -721,12 +762,16 @@ void BlockModelStep::add_vq_unit(std::vector<at::Tensor> constants, const c10::o
   block.input_shift = input_shift;
   block.vq_eps = eps;
   block.vq_block = block_size;
+  block.rerope = rerope;
+  if (rerope_frequencies.has_value()) block.rerope_frequencies = *rerope_frequencies;
+  block.fsq = std::move(fsq);
   blocks_.push_back(std::move(block));
 }
 
 void BlockModelStep::set_window(int64_t index, at::Tensor keys, at::Tensor values, at::Tensor codes, at::Tensor mask,
                                 bool keys_are_codes) {
-  TORCH_CHECK(index >= 0 && index < blocks() && blocks_[index].vq, kWhat, ": block ", index, " is not a VQ unit");
+  TORCH_CHECK(index >= 0 && index < blocks() && (blocks_[index].vq || blocks_[index].vq_heads), kWhat, ": block ",
+              index, " is not a VQ unit or multi-head VQ attention");
   blocks_[index].vq_window = {std::move(keys), std::move(values), std::move(codes), std::move(mask)};
   blocks_[index].keys_are_codes = keys_are_codes;
 }
@@ -745,11 +790,12 @@ void BlockModelStep::step(const at::Tensor& ids, int64_t position, at::Tensor lo
   const int64_t* id = id_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < blocks(); ++i) {
     const Block& block = blocks_[i];
-    const at::Tensor& held = block.vq ? (block.vq_window.empty() ? at::Tensor() : block.vq_window[0])
+    const bool windowed = block.vq || block.vq_heads;
+    const at::Tensor& held = windowed ? (block.vq_window.empty() ? at::Tensor() : block.vq_window[0])
                                       : (block.softmax > 0 ? block.keys : block.memory);
     TORCH_CHECK(held.defined() && held.size(0) == B, kWhat, ": block ", i, " holds no state of ", B,
                 " rows (set_state or set_window)");
-    TORCH_CHECK(!block.vq || (vq_position >= 0 && vq_position < block.vq_block), kWhat, ": vq_position ",
+    TORCH_CHECK(!windowed || (vq_position >= 0 && vq_position < block.vq_block), kWhat, ": vq_position ",
                 vq_position, " is not in [0, ", block.vq_block, ")");
   }
   at::Tensor x_rows = at::empty({B, d}, embed_.options()), y_rows = at::empty({B, d}, embed_.options());
@@ -764,11 +810,13 @@ void BlockModelStep::step(const at::Tensor& ids, int64_t position, at::Tensor lo
         vq_gau_step(x_rows, c[0], block.input_shift, block.vq_eps, c[1], c[2], c[3], c[4], c[5], c[6], c[7],
                     block.vq_window[0], block.vq_window[1], block.vq_window[2], block.vq_window[3], block.vq_block,
                     vq_position,
-                    block.keys_are_codes, 0.0, y_rows, new_codes, commit);
+                    block.keys_are_codes, 0.0, block.rerope,
+                    block.rerope > 0 ? c10::optional<at::Tensor>(block.rerope_frequencies) : c10::nullopt, block.fsq,
+                    y_rows, new_codes, commit);
         for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
         continue;
       }
-      mixer(block, static_cast<const scalar_t*>(x), B, d, position, y);
+      mixer(block, static_cast<const scalar_t*>(x), B, d, position, vq_position, y);
       for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
       feed_forward(block, static_cast<const scalar_t*>(x), B, d, y);
       for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];

@@ -16,8 +16,8 @@ class BlockModelStep {
   // transpose or the head's weight's).
   BlockModelStep(at::Tensor embed, at::Tensor norm_weight, double norm_eps, at::Tensor head_t);
 
-  // The next block, in the order the blocks run: its mixer ("sum", "delta", "softmax" or
-  // "local", the rules of block_model_step.cpp), its tensors and numbers by the names listed there.
+  // The next block, in the order the blocks run: its mixer ("sum", "delta", "softmax", "local"
+  // or "vq", the rules of block_model_step.cpp), its tensors and numbers by the names listed there.
   void add_block(const std::string& mixer, const std::map<std::string, at::Tensor>& tensors,
                  const std::map<std::string, double>& numbers);
 
@@ -30,19 +30,20 @@ class BlockModelStep {
   int64_t cache_length(int64_t block) const;
 
   // A Transformer-VQ gated attention unit as the next block: x <- x + unit(x) (its own pre-norm,
-  // no feed-forward), by vq_gau_step; its constants as VQModelStep::add_unit takes them, L its
-  // block size.
+  // no feed-forward), by vq_gau_step; its constants, ReRoPE and FSQ tensors as VQModelStep::add_unit
+  // takes them, L its block size.
   void add_vq_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift, double eps,
+                   int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies, std::vector<at::Tensor> fsq,
                    int64_t block_size);
 
-  // The resident buffer the VQ unit `block` reads and writes (vq_decode_step's keys, values,
-  // codes, mask).
+  // The resident buffer the VQ unit or multi-head VQ attention `block` reads and writes
+  // (vq_decode_step's keys, values, codes, mask).
   void set_window(int64_t block, at::Tensor keys, at::Tensor values, at::Tensor codes, at::Tensor mask,
                   bool keys_are_codes);
 
   // ids [B] int64 at sequence position `position` (the tokens before it) -> logits [B, V];
   // greedy [B] int64, when given, each row's argmax (-1 where a logit is not finite);
-  // vq_position, the position of the token in the current block of every VQ unit.
+  // vq_position, the position of the token in the current block of every VQ unit and VQ attention.
   void step(const at::Tensor& ids, int64_t position, at::Tensor logits, const c10::optional<at::Tensor>& greedy,
             int64_t vq_position);
 
@@ -82,10 +83,15 @@ struct BlockModelStep::Block {
   at::Tensor head_gain, head_bias;
   double head_eps = 0;
   at::Tensor memory, normalizer, shift, conv, keys, values;  // the state
+  // Multi-head VQ attention (the "vq" mixer): the codebook as vq_decode_step reads it (search_t
+  // [Hkv, D, S] and norms [Hkv, S] in float32, codebook_t [Hkv, D, S]), the windowed bias reversed
+  // (relative [Hkv, G, L + 1], undefined: none); its block size, rerope and buffer are the unit's below.
+  bool vq_heads = false;
+  at::Tensor search_t, norms, codebook_t, relative;
   // A VQ gated attention unit (add_vq_unit): its constants, input shift, eps and block size, its
   // resident buffer (keys, values, codes, mask) and whether every key there is a code.
   bool vq = false;
-  std::vector<at::Tensor> vq_constants, vq_window;
+  std::vector<at::Tensor> vq_constants, vq_window, fsq;
   c10::optional<at::Tensor> input_shift;
   double vq_eps = 0;
   int64_t vq_block = 0;

@@ -4,14 +4,18 @@
 // float64, one (batch, kv head) row per task of at::parallel_for (a row is computed by one
 // thread from start to end, so results do not depend on the thread count). Per row:
 //
-//   z          = argmin_s |c_s|^2 - 2 k.c_s            (float32, the first minimum; a NaN wins)
+//   z          = argmin_s |c_s|^2 - 2 k.c_s            (float32, the first minimum; a NaN wins),
+//                or given_codes [B, Hkv] where given (a quantizer that is not a nearest-code search)
 //   buffer     : codes[L + p] = z, mask[L + p] = 0, keys[L + p] = c_z, values[L + p] = v
 //   score_j    = mask_j + scale * q.key_j (+ r_{j - p} for columns p .. p + L)
 //   out        = sum_j softmax(score)_j values_j
 //
 // where q.key_j = (q.c_s at s = codes_j) when every key of the buffer is a code (the query
-// is scored against the codebook once), else read from the buffer's keys. Columns whose
-// weight is exactly 0 (empty rows, mask -inf) are skipped in the output sum.
+// is scored against the codebook once), else read from the buffer's keys. With ReRoPE
+// (`rerope` w > 0, the keys unrotated, rerope.py) a column at distance d = L + p - j from the
+// query is scored by R(min(d, w)) q: every column by R(w) q as above, then the window's
+// columns with d < w by their own turn of q. Columns whose weight is exactly 0 (empty rows,
+// mask -inf) are skipped in the output sum.
 #include <ATen/ATen.h>
 
 #include <ATen/Parallel.h>
@@ -22,6 +26,7 @@
 
 #include "fast_exp.h"
 #include "native_checks.h"
+#include "rotation.h"
 #include "vq_kernels.h"
 
 namespace {
@@ -30,8 +35,9 @@ template <typename T>
 void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
                  const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor& keys, at::Tensor& values,
                  at::Tensor& codes, at::Tensor& mask, int64_t L, int64_t p, double scale,
-                 const c10::optional<at::Tensor>& relative, bool keys_are_codes, at::Tensor& out,
-                 at::Tensor& new_codes) {
+                 const c10::optional<at::Tensor>& relative, bool keys_are_codes, int64_t rerope,
+                 const c10::optional<at::Tensor>& rerope_frequencies, const c10::optional<at::Tensor>& given_codes,
+                 at::Tensor& out, at::Tensor& new_codes) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(q.dim() == 4 && v.dim() == 3 && search_t.dim() == 3 && keys.dim() == 4,
               "vq_decode_step (native): q [B, Hkv, G, Dk], v [B, Hkv, Dv], search_t [Hkv, Dk, S], keys [B, Hkv, C, Dk]");
@@ -54,6 +60,24 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   check(mask, "mask", dtype, {B, Hkv, C});
   check(out, "out", dtype, {B, Hkv, G, Dv});
   check(new_codes, "new_codes", at::kLong, {B, Hkv});
+  const int64_t* given = nullptr;
+  if (given_codes.has_value()) {
+    check(*given_codes, "given_codes", at::kLong, {B, Hkv});
+    given = given_codes->data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * Hkv; ++i) {
+      TORCH_CHECK(given[i] >= 0 && given[i] < S, "vq_decode_step (native): given code ", given[i], " is not in [0, ",
+                  S, ")");
+    }
+  }
+  const int64_t w = rerope;
+  TORCH_CHECK(w >= 0 && w <= L, "vq_decode_step (native): rerope ", w, " is not in [0, L = ", L, "]");
+  const T* turn_frequencies = nullptr;
+  if (w > 0) {
+    TORCH_CHECK(Dk % 2 == 0 && rerope_frequencies.has_value(),
+                "vq_decode_step (native): ReRoPE needs an even Dk and rerope_frequencies [Dk / 2]");
+    check(*rerope_frequencies, "rerope_frequencies", dtype, {Dk / 2});
+    turn_frequencies = rerope_frequencies->data_ptr<T>();
+  }
   const int64_t row = L + p;
   const T* q_data = q.data_ptr<T>();
   const T* k_data = k.data_ptr<T>();
@@ -82,28 +106,31 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> key_scores(S);
-    std::vector<T> code_scores(keys_are_codes ? G * S : 0), scores(C);
+    std::vector<T> code_scores(keys_are_codes ? G * S : 0), scores(C), turned(w * Dk), far(G * Dk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv, base = bh * C;
-      // the nearest code, one codebook column (one key channel) at a time
-      const float* book32 = search_data + h * Dk * S;
-      float* ks = key_scores.data();
-      for (int64_t s = 0; s < S; ++s) ks[s] = 0.0f;
-      for (int64_t d = 0; d < Dk; ++d) {
-        const float x = static_cast<float>(k_data[bh * Dk + d]);
-        const float* column = book32 + d * S;
-        for (int64_t s = 0; s < S; ++s) ks[s] += x * column[s];
-      }
-      const float* norm = norm_data + h * S;
       int64_t z = 0;
-      float best = std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < S; ++s) {
-        const float distance = norm[s] + -2.0f * ks[s];
-        if (std::isnan(distance)) {
-          z = s;
-          break;
+      if (given != nullptr) {
+        z = given[bh];
+      } else {  // the nearest code, one codebook column (one key channel) at a time
+        const float* book32 = search_data + h * Dk * S;
+        float* ks = key_scores.data();
+        for (int64_t s = 0; s < S; ++s) ks[s] = 0.0f;
+        for (int64_t d = 0; d < Dk; ++d) {
+          const float x = static_cast<float>(k_data[bh * Dk + d]);
+          const float* column = book32 + d * S;
+          for (int64_t s = 0; s < S; ++s) ks[s] += x * column[s];
         }
-        if (distance < best) best = distance, z = s;
+        const float* norm = norm_data + h * S;
+        float best = std::numeric_limits<float>::infinity();
+        for (int64_t s = 0; s < S; ++s) {
+          const float distance = norm[s] + -2.0f * ks[s];
+          if (std::isnan(distance)) {
+            z = s;
+            break;
+          }
+          if (distance < best) best = distance, z = s;
+        }
       }
       new_code_data[bh] = z;
       // the new position enters the buffer
@@ -112,13 +139,19 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       mask_data[base + row] = 0;
       for (int64_t d = 0; d < Dk; ++d) key_data[(base + row) * Dk + d] = book[d * S + z];
       for (int64_t d = 0; d < Dv; ++d) value_data[(base + row) * Dv + d] = v_data[bh * Dv + d];
+      const T* queries = q_data + bh * G * Dk;  // R(w) q with ReRoPE: how the far columns see them
+      if (w > 0) {
+        std::copy_n(queries, G * Dk, far.data());
+        linattn_native::rotate(far.data(), G, Dk, turn_frequencies, w);
+        queries = far.data();
+      }
       if (keys_are_codes) {  // every query of the group against the codebook
         T* qs = code_scores.data();
         for (int64_t i = 0; i < G * S; ++i) qs[i] = 0;
         for (int64_t d = 0; d < Dk; ++d) {
           const T* column = book + d * S;
           for (int64_t g = 0; g < G; ++g) {
-            const T x = q_data[(bh * G + g) * Dk + d];
+            const T x = queries[g * Dk + d];
             T* qs_g = qs + g * S;
             for (int64_t s = 0; s < S; ++s) qs_g[s] += x * column[s];
           }
@@ -132,12 +165,24 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
           const int64_t* column_codes = code_data + base;
           for (int64_t j = 0; j < C; ++j) sc[j] = m[j] + scale_t * qs_g[column_codes[j]];
         } else {
-          const T* query = q_data + (bh * G + g) * Dk;
+          const T* query = queries + g * Dk;
           for (int64_t j = 0; j < C; ++j) {
             const T* key = key_data + (base + j) * Dk;
             T dot = 0;
             for (int64_t d = 0; d < Dk; ++d) dot += query[d] * key[d];
             sc[j] = m[j] + scale_t * dot;
+          }
+        }
+        if (w > 0) {  // the window's columns nearer than w: R(d) q
+          const T* query = q_data + (bh * G + g) * Dk;
+          for (int64_t d = 0; d < w && d <= row; ++d) {
+            T* turn = turned.data() + d * Dk;
+            std::copy_n(query, Dk, turn);
+            linattn_native::rotate(turn, 1, Dk, turn_frequencies, d);
+            const T* key = key_data + (base + row - d) * Dk;
+            T dot = 0;
+            for (int64_t e = 0; e < Dk; ++e) dot += turn[e] * key[e];
+            sc[row - d] = m[row - d] + scale_t * dot;
           }
         }
         if (relative_data != nullptr) {
@@ -172,11 +217,12 @@ namespace linattn {
 void vq_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& search_t,
                     const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
                     at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, double scale,
-                    const c10::optional<at::Tensor>& relative, bool keys_are_codes, at::Tensor out,
-                    at::Tensor new_codes) {
+                    const c10::optional<at::Tensor>& relative, bool keys_are_codes, int64_t rerope,
+                    const c10::optional<at::Tensor>& rerope_frequencies, const c10::optional<at::Tensor>& given_codes,
+                    at::Tensor out, at::Tensor new_codes) {
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "vq_decode_step", [&] {
     decode_rows<scalar_t>(q, k, v, search_t, norms, codebook_t, keys, values, codes, mask, L, p, scale, relative,
-                          keys_are_codes, out, new_codes);
+                          keys_are_codes, rerope, rerope_frequencies, given_codes, out, new_codes);
   });
 }
 

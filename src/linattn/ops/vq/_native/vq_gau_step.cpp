@@ -7,6 +7,9 @@
 //   v, g     = SiLU(h[2 d_k:2 d_k + d_v]), SiLU(h[2 d_k + d_v:])
 //   r        = b_rev + (q + u) P_rev                                 offsets L .. 0
 //   o, z     = vq_decode_step(q + u, k, v, r) over the resident buffer (vq_decode_step.cpp)
+//              (a unit with ReRoPE, `rerope` w > 0: vq_decode_step(q, k, v) with ReRoPE, no u, no r;
+//              a unit with finite scalar quantization, `fsq` given: z = sum_i (round(b_i) + r_i) radix_i,
+//              b = tanh(W_in k + shift) * half - offset, r = floor(levels / 2), nn/fsq.py)
 //   commit   = sum_b |k_b - c_{z_b}|^2 * weight / B                 (float32, float64 for float64)
 //   y        = (o * g) W_o^T
 //
@@ -16,6 +19,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <vector>
 
 #include "fast_exp.h"
 #include "native_checks.h"
@@ -37,7 +41,8 @@ void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optiona
               const at::Tensor& bias_reversed, const at::Tensor& output_t, const at::Tensor& search_t,
               const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor& keys, at::Tensor& values,
               at::Tensor& codes, at::Tensor& mask, int64_t L, int64_t p, bool keys_are_codes,
-              double commitment_weight, at::Tensor& y, at::Tensor& new_codes, at::Tensor& commit) {
+              double commitment_weight, int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies,
+              const std::vector<at::Tensor>& fsq, at::Tensor& y, at::Tensor& new_codes, at::Tensor& commit) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && input_t.dim() == 2 && position_keys_reversed_t.dim() == 2 && output_t.dim() == 2,
               "vq_gau_step (native): x [B, d], input_t [d, 2 d_k + 2 d_v], position_keys_reversed_t [d_k, L + 1], "
@@ -77,18 +82,46 @@ void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optiona
     for (int64_t i = 0; i < width; ++i) row[i] = row[i] * r + (shift != nullptr ? shift[i] : T(0));
     const T rq = linattn_native::inverse_rms(row, d_k, 1e-6) * qk_scale, rk = linattn_native::inverse_rms(row + d_k, d_k, 1e-6) * qk_scale;
     for (int64_t i = 0; i < d_k; ++i) {
-      q_data[b * d_k + i] = row[i] * rq + u[i];
+      q_data[b * d_k + i] = row[i] * rq + (rerope == 0 ? u[i] : T(0));
       k_data[b * d_k + i] = row[d_k + i] * rk;
     }
     for (int64_t i = 2 * d_k; i < width; ++i) row[i] = silu(row[i]);  // v, then the gate
     for (int64_t i = 0; i < d_v; ++i) v_data[b * d_v + i] = row[2 * d_k + i];
   }
-  at::Tensor relative = at::empty({B, 1, 1, L + 1}, x.options());  // offsets L .. 0
-  linattn::rows_times(q_data, B, d_k, position_keys_reversed_t.data_ptr<T>(), L + 1, bias_reversed.data_ptr<T>(),
-                      relative.data_ptr<T>());
+  c10::optional<at::Tensor> given_codes;
+  if (!fsq.empty()) {  // the FSQ grid point of each key
+    TORCH_CHECK(fsq.size() == 6 && fsq[0].dim() == 2, "vq_gau_step (native): fsq is w_in [d, d_k], half, offset, "
+                "shift, radius [d], radix [d] int64");
+    const int64_t n = fsq[0].size(0);
+    check(fsq[0], "fsq w_in", dtype, {n, d_k});
+    for (int64_t i = 1; i <= 4; ++i) check(fsq[i], "fsq constants", dtype, {n});
+    check(fsq[5], "fsq radix", at::kLong, {n});
+    given_codes = at::empty({B, 1}, x.options().dtype(at::kLong));
+    const T* w_in = fsq[0].data_ptr<T>();
+    const T *half = fsq[1].data_ptr<T>(), *offset = fsq[2].data_ptr<T>(), *shift_i = fsq[3].data_ptr<T>();
+    const T* radius = fsq[4].data_ptr<T>();
+    const int64_t* radix = fsq[5].data_ptr<int64_t>();
+    int64_t* z = given_codes->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      int64_t code = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        T projected = 0;
+        for (int64_t j = 0; j < d_k; ++j) projected += w_in[i * d_k + j] * k_data[b * d_k + j];
+        const T bounded = std::tanh(projected + shift_i[i]) * half[i] - offset[i];
+        code += (static_cast<int64_t>(std::nearbyint(bounded)) + static_cast<int64_t>(radius[i])) * radix[i];
+      }
+      z[b] = code;
+    }
+  }
+  c10::optional<at::Tensor> relative;
+  if (rerope == 0) {
+    relative = at::empty({B, 1, 1, L + 1}, x.options());  // offsets L .. 0
+    linattn::rows_times(q_data, B, d_k, position_keys_reversed_t.data_ptr<T>(), L + 1, bias_reversed.data_ptr<T>(),
+                        relative->data_ptr<T>());
+  }
   at::Tensor out = at::empty({B, 1, 1, d_v}, x.options());
   linattn::vq_decode_step(queries, k, v, search_t, norms, codebook_t, keys, values, codes, mask, L, p, 1.0,
-                          relative, keys_are_codes, out, new_codes);
+                          relative, keys_are_codes, rerope, rerope_frequencies, given_codes, out, new_codes);
 
   const T* key_data = keys.data_ptr<T>();
   const int64_t columns = keys.size(2);
@@ -120,11 +153,12 @@ void vq_gau_step(const at::Tensor& x, const at::Tensor& input_t, const c10::opti
                  const at::Tensor& bias_reversed, const at::Tensor& output_t, const at::Tensor& search_t,
                  const at::Tensor& norms, const at::Tensor& codebook_t, at::Tensor keys, at::Tensor values,
                  at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, bool keys_are_codes, double commitment_weight,
-                 at::Tensor y, at::Tensor new_codes, at::Tensor commit) {
+                 int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies,
+                 const std::vector<at::Tensor>& fsq, at::Tensor y, at::Tensor new_codes, at::Tensor commit) {
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "vq_gau_step", [&] {
     gau_rows<scalar_t>(x, input_t, input_shift, eps, content_bias, position_keys_reversed_t, bias_reversed, output_t,
                        search_t, norms, codebook_t, keys, values, codes, mask, L, p, keys_are_codes,
-                       commitment_weight, y, new_codes, commit);
+                       commitment_weight, rerope, rerope_frequencies, fsq, y, new_codes, commit);
   });
 }
 

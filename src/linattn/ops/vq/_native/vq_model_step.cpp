@@ -28,9 +28,10 @@ VQModelStep::VQModelStep(at::Tensor embed, at::Tensor norm_weight, double norm_e
 }
 
 void VQModelStep::add_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift,
-                           double eps) {
+                           double eps, int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies,
+                           std::vector<at::Tensor> fsq) {
   TORCH_CHECK(constants.size() == 8, "VQModelStep (native): a unit has 8 constants, got ", constants.size());
-  units_.push_back(Unit{std::move(constants), input_shift, eps, {}, false});
+  units_.push_back(Unit{std::move(constants), input_shift, eps, rerope, rerope_frequencies, std::move(fsq), {}, false});
 }
 
 void VQModelStep::set_window(int64_t unit, at::Tensor keys, at::Tensor values, at::Tensor codes, at::Tensor mask,
@@ -60,8 +61,8 @@ void VQModelStep::step(const at::Tensor& ids, int64_t p, at::Tensor logits, at::
       TORCH_CHECK(unit.window.size() == 4, "VQModelStep (native): unit ", u, " has no buffer (set_window)");
       const std::vector<at::Tensor>& c = unit.constants;
       vq_gau_step(x, c[0], unit.input_shift, unit.eps, c[1], c[2], c[3], c[4], c[5], c[6], c[7], unit.window[0],
-                  unit.window[1], unit.window[2], unit.window[3], block_size_, p, unit.keys_are_codes, 0.0, y,
-                  codes[u], commit);
+                  unit.window[1], unit.window[2], unit.window[3], block_size_, p, unit.keys_are_codes, 0.0,
+                  unit.rerope, unit.rerope_frequencies, unit.fsq, y, codes[u], commit);
       const scalar_t* added = y.data_ptr<scalar_t>();
       for (int64_t i = 0; i < B * d; ++i) rows[i] += added[i];
     }
