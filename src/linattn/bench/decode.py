@@ -19,6 +19,9 @@ random prompt of P tokens (prefill, timed) and then generate ``--new-tokens`` to
 tokens/s and generation tokens/s from the median step time (robust to a busy machine's
 bursts; the mean is in the JSON) for every prompt length and batch size. ``--rounds N``
 measures every model N times, the models in alternating order, and pools the steps.
+``--generate hf`` reads the prompt with ``LinattnForCausalLM`` and generates with Hugging
+Face's ``generate`` from that cache instead (one ``forward`` per token; each step timed between
+the tokens its streamer receives).
 
 ``--device cuda`` (or ``cuda:N``) runs both tables on that GPU: inputs, states and models
 live there, and the clock is read only after the device has finished each timed step.
@@ -184,7 +187,7 @@ _TURN = 4  # timed steps per turn of a (case, context), after as many untimed on
 MODEL_SPECS = {"vq": "vq", "softmax": "softmax", "delta": "delta", "linear-elu": "linear:elu", "local": "local",
                "retnet": "retnet", "gla": "gla", "gated-delta": "gated-delta", "hedgehog": "linear:hedgehog",
                "dpfp": "linear:dpfp", "taylor": "linear:taylor", "favor": "favor",
-               "local-vq": "local,vq"}
+               "local-vq": "local,vq", "vq-attn": "vq-attn:rerope"}
 DEFAULT_PROMPTS = (1024, 16384, 65536)
 
 
@@ -203,11 +206,65 @@ def model_config(name: str) -> LMConfig:
     return dataclasses.replace(base, ffn_hidden=width)
 
 
+GENERATES = ("lm", "hf")  # LM.generate, or Hugging Face's generate through LinattnForCausalLM
+
+
+class _StepClock:
+    """A Hugging Face streamer that times the steps: ``put`` receives the prompt, then each token."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.steps, self.last = device, [], None
+
+    def put(self, value) -> None:
+        synchronize(self.device)
+        now = time.perf_counter()
+        if self.last is not None:
+            self.steps.append(now - self.last)
+        self.last = now
+
+    def end(self) -> None:
+        pass
+
+
+def _generate_steps(model: LM, ids: torch.Tensor, new_tokens: int, device: torch.device, generate: str
+                    ) -> tuple[float, list[float], object]:
+    """``(prefill seconds, seconds of each generated token, the prompt's state)``: the prompt
+    ``ids[:, :-1]`` read in one call, then ``new_tokens`` greedy tokens after ``ids[:, -1]``
+    (``generate``: ``"lm"`` or ``"hf"``)."""
+    hf = None
+    if generate == "hf":
+        from ..hf import LinattnForCausalLM
+
+        hf = LinattnForCausalLM.from_lm(model).eval()
+    with torch.no_grad():
+        synchronize(device)
+        start = time.perf_counter()
+        if hf is None:
+            _, state, _ = model(ids[:, :-1], check_inputs=False)
+        else:
+            cache = hf(ids[:, :-1]).cache
+        synchronize(device)
+        prefill_s = time.perf_counter() - start
+    if hf is not None:
+        clock = _StepClock(device)
+        hf.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=False, streamer=clock, pad_token_id=0)
+        return prefill_s, clock.steps, cache.groups[0].state
+    steps, start = [], time.perf_counter()
+    for _ in model.generate(ids[:, -1:], new_tokens, temperature=0, state=state):
+        synchronize(device)
+        now = time.perf_counter()
+        steps.append(now - start)
+        start = now
+    return prefill_s, steps, state
+
+
 def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: int = 0,
-                       device: torch.device | str = "cpu") -> list[dict]:
+                       device: torch.device | str = "cpu", generate: str = "lm") -> list[dict]:
     """Prefill and generation throughput of the ``name`` model on ``device`` for every prompt
-    length and batch. The prompt's tokens are drawn in range, so the timed prefill does not
-    read them back to check them (``check_inputs=False``)."""
+    length and batch, through ``LM.generate`` or (``generate="hf"``) Hugging Face's. The
+    prompt's tokens are drawn in range, so the timed prefill does not read them back to check
+    them (``check_inputs=False``)."""
     device = torch.device(device)
     torch.manual_seed(seed)
     model = LM(model_config(name)).to(device).eval()
@@ -216,18 +273,7 @@ def measure_generation(name: str, prompts, batches, *, new_tokens: int, seed: in
         for prompt in prompts:
             generator = torch.Generator().manual_seed(seed + prompt + batch)
             ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=generator).to(device)
-            with torch.no_grad():
-                synchronize(device)
-                start = time.perf_counter()
-                _, state, _ = model(ids[:, :-1], check_inputs=False)
-                synchronize(device)
-                prefill_s = time.perf_counter() - start
-            steps, start = [], time.perf_counter()
-            for _ in model.generate(ids[:, -1:], new_tokens, temperature=0, state=state):
-                synchronize(device)
-                now = time.perf_counter()
-                steps.append(now - start)
-                start = now
+            prefill_s, steps, state = _generate_steps(model, ids, new_tokens, device, generate)
             generate_s = sum(steps)
             median_s = statistics.median(steps)
             with torch_vq_steps():  # the native VQ step is invisible to the recorder (decode_parts.py)
@@ -291,6 +337,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure every model this many times, each in a fresh process, the models in "
                              "alternating order, and pool the generation steps (a slow spell of minutes then falls "
                              "on every model)")
+    models.add_argument("--generate", choices=GENERATES, default="lm",
+                        help="lm: LM.generate; hf: Hugging Face's generate through LinattnForCausalLM, one forward "
+                             "per token (default %(default)s)")
     parser.add_argument("--device", type=available_device_name, default="cpu",
                         help="cpu, cuda or cuda:N: both tables run there (default %(default)s)")
     parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
@@ -374,8 +423,9 @@ def page(results: dict) -> str:
         table = _model_table(model_rows, models, shapes["prompts"], shapes["batches"])[0]
         rounds = shapes.get("rounds", 1)
         pooled = "" if rounds == 1 else f"; {rounds} rounds in alternating order, the steps pooled"
-        text += (f"\nwhole models: generated tokens/s (greedy, {model_rows[0]['new_tokens']} tokens after the prompt, "
-                 f"from the median step time{pooled}) and prefill tokens/s\n\n{table}\n")
+        through = "Hugging Face's generate" if shapes.get("generate") == "hf" else "LM.generate"
+        text += (f"\nwhole models: generated tokens/s ({through}, greedy, {model_rows[0]['new_tokens']} tokens after "
+                 f"the prompt, from the median step time{pooled}) and prefill tokens/s\n\n{table}\n")
         if all("products_ms" in r for r in model_rows):
             table = _products_table(model_rows, models, shapes["prompts"], shapes["batches"])
             text += ("\nms per generated token against the sum of its matrix products and attention kernels, each "
@@ -396,12 +446,12 @@ def run_command(args: argparse.Namespace) -> int:
     for round_index in range(args.rounds):
         for name in (args.models if round_index % 2 == 0 else args.models[::-1]):
             measured += in_fresh_process(measure_generation, name, prompts, batches, new_tokens=args.new_tokens,
-                                         device=args.device, threads=args.threads)
+                                         device=args.device, threads=args.threads, generate=args.generate)
     # the pooled step times are summarised in each row; the lists would make the JSON 8x longer
     model_rows = [{k: v for k, v in row.items() if k != "steps_s"} for row in pool_rounds(measured)]
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = {"heads": args.heads, "dim": args.dim, "dtype": "float32", "contexts": contexts, "prompts": prompts,
-              "batches": batches, "rounds": args.rounds,
+              "batches": batches, "rounds": args.rounds, "generate": args.generate,
               "models": {name: model_config(name).to_dict() for name in args.models}}
     metadata = reporting.collect_metadata(device=args.device, command=args.command_line, shapes=shapes)
     summary, files = {"ops": {}, "models": {}}, [args.out / "results.json", args.out / "results.md"]

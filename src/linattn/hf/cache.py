@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
 
 import torch
 from transformers.cache_utils import Cache
@@ -10,17 +10,54 @@ from transformers.cache_utils import Cache
 from ..state import LMState
 
 
-@dataclass
 class RowGroup:
     """Batch rows that have consumed the same number of real (unpadded) tokens, and so
-    share one ``LMState``.
+    share one ``LMState``: held as one, or, after a one-token ``forward`` on a CPU, by
+    ``LM.generate``'s native token loop (``loop``, stepped in place: ``hf/_native_steps.py``).
 
     Attributes:
         rows: ``[n]`` int64, the batch rows, in the state's batch order.
-        state: their ``LMState``.
+        state: their ``LMState`` (for a group held by a loop, made from the loop when first
+            read, then kept; a ValueError when first read after a later ``forward`` stepped the
+            loop past this group).
+        loop: the native token loop holding the state, or None.
+        native_start: whether a one-token ``forward`` may start a native loop from this group
+            (False after a row reordering, or where one did not apply: trying again each token
+            would read every parameter each token).
     """
-    rows: torch.Tensor
-    state: LMState
+
+    def __init__(self, rows: torch.Tensor, state: LMState | None = None, loop=None, native_start: bool = True):
+        if (state is None) == (loop is None):
+            raise ValueError("a RowGroup holds its rows' state either as an LMState or in a native loop")
+        self.rows, self._state, self.loop, self.native_start = rows, state, loop, native_start
+        self.loop_steps = None if loop is None else loop.steps
+
+    def __repr__(self) -> str:
+        return f"RowGroup(rows={self.rows.tolist()}, held={'natively' if self.loop is not None else 'as an LMState'})"
+
+    @property
+    def state(self) -> LMState:
+        if self._state is None:
+            self.check_current()
+            self._state = self.loop.state()  # a copy: the loop goes on writing its own
+        return self._state
+
+    def live_loop(self):
+        """The native loop holding this group's state when it has not been stepped since, else None."""
+        return self.loop if self.loop is not None and self.loop.steps == self.loop_steps else None
+
+    def check_current(self) -> None:
+        """A ValueError when a later ``forward`` stepped this group's native loop on before its
+        state was read (the loop holds the newer cache's state, and this one is gone)."""
+        if self._state is None and self.live_loop() is None and self.loop is not None:
+            raise ValueError(
+                "this LinattnCache was advanced in place by a later forward (a one-token step of the native token "
+                "loop updates the cache it is given, as a DynamicCache is updated); to continue one cache in several "
+                "ways, copy.deepcopy(cache) before each forward")
+
+    def __deepcopy__(self, memo: dict) -> "RowGroup":
+        """An independent group: the state as an ``LMState`` (copied), no loop."""
+        return RowGroup(copy.deepcopy(self.rows, memo), copy.deepcopy(self.state, memo), native_start=self.native_start)
 
 
 class LinattnCache(Cache):
@@ -52,7 +89,10 @@ class LinattnCache(Cache):
         return f"LinattnCache(batch_size={self.batch_size_}, seen={self.seen}, group_sizes={sizes})"
 
     def __len__(self) -> int:
-        return len(self.groups[0].state.layers) if self.groups else 0
+        if not self.groups:
+            return 0
+        group = self.groups[0]
+        return len(group.loop.model.layers) if group._state is None else len(group.state.layers)
 
     @property
     def batch_size(self) -> int:
@@ -115,8 +155,9 @@ class LinattnCache(Cache):
         groups = []
         for g, group in enumerate(self.groups):
             new_rows = (group_of[source] == g).nonzero().flatten()
-            if new_rows.numel():
-                groups.append(RowGroup(rows=new_rows, state=group.state.select_batch(position[source[new_rows]])))
+            if new_rows.numel():  # reordered rows: no native loop from here (it would start at every reordering)
+                groups.append(RowGroup(rows=new_rows, state=group.state.select_batch(position[source[new_rows]]),
+                                       native_start=False))
         self.groups, self.batch_size_ = groups, int(source.numel())
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:

@@ -22,6 +22,7 @@ from .._checks import check_token_ids
 from ..models.lm import LM
 from ..nn.codebook import Codebook
 from ..state import LMState
+from . import _native_steps
 from .cache import LinattnCache, RowGroup
 from .config import LinattnConfig
 from .remote_code import REMOTE_CODE_FILE, auto_map_modules, write_remote_code
@@ -250,7 +251,7 @@ class LinattnModel(LinattnPreTrainedModel):
     ) -> BaseModelOutputWithPast | tuple:
         result = self._forward(input_ids, attention_mask, cache if cache is not None else past_key_values,
                                inputs_embeds, use_cache, output_hidden_states, output_attentions, kwargs)
-        h, new_cache, hidden, _ = result
+        h, new_cache, hidden, _, _ = result
         output = BaseModelOutputWithPast(last_hidden_state=h, cache=new_cache, hidden_states=hidden)
         return output if self._return_dict(return_dict) else output.to_tuple()
 
@@ -258,8 +259,11 @@ class LinattnModel(LinattnPreTrainedModel):
         return self.config.return_dict if return_dict is None else return_dict
 
     def _forward(self, input_ids, attention_mask, cache, inputs_embeds, use_cache, output_hidden_states,
-                 output_attentions, kwargs) -> tuple[torch.Tensor, LinattnCache | None, tuple | None, torch.Tensor]:
-        """-> ``(normed hidden [B, T, d_model], cache or None, hidden states or None, commit loss)``."""
+                 output_attentions, kwargs, logits_only: bool = False
+                 ) -> tuple[torch.Tensor | None, LinattnCache | None, tuple | None, torch.Tensor, torch.Tensor | None]:
+        """-> ``(normed hidden [B, T, d_model], cache or None, hidden states or None, commit loss, None)``;
+        with ``logits_only`` (the caller needs the logits only), ``(None, cache, None, 0, logits)``
+        where a native token loop steps the token (``_native_steps.py``)."""
         if output_attentions:
             raise ValueError("output_attentions=True is not supported: linattn's mechanisms (VQ, kernel, delta, "
                              "local attention) do not form a [T, T] attention matrix")
@@ -274,24 +278,34 @@ class LinattnModel(LinattnPreTrainedModel):
         if cache is not None and cache.batch_size != batch:
             raise ValueError(f"cache holds {cache.batch_size} rows but input has batch {batch}")
         for group in cache.groups if cache is not None else ():  # states of this model, one per row group
-            self.lm._check_state(group.state, group.rows.numel(), name="cache state")
+            group.check_current()
+            if group.live_loop() is None:  # a loop's state is this model's by construction
+                self.lm._check_state(group.state, group.rows.numel(), name="cache state")
         seen = cache.seen if cache is not None else 0
         real = _real_tokens(attention_mask, batch, seen, length, x.device)
-        groups = _plan_groups(cache, real, length, batch)
         keep_hidden = bool(self.config.output_hidden_states if output_hidden_states is None
                            else output_hidden_states)
+        if logits_only and use_cache and length == 1 and real is None and input_ids is not None and not keep_hidden \
+                and cache is not None and len(cache.groups) == 1 and cache.groups[0].rows.numel() == batch \
+                and bool((cache.groups[0].rows == torch.arange(batch)).all()):
+            stepped = _native_steps.step(self.lm, cache.groups[0], input_ids)
+            if stepped is not None:
+                logits, group = stepped
+                return None, LinattnCache(batch, [group], seen + 1), None, x.new_zeros((), dtype=torch.float32), logits
+        groups = _plan_groups(cache, real, length, batch)
         hidden = [] if keep_hidden else None
         if len(groups) == 1 and groups[0][0] is None:  # every row, no padding: one call
             state = cache.groups[0].state if cache is not None and cache.groups else None
             h, new_state, unit_aux, _ = self.lm._trunk(x, state, hidden)
             commit = self.lm._commit_loss(h, unit_aux)
-            new_groups = [RowGroup(rows=torch.arange(batch), state=new_state)]
+            native_start = cache.groups[0].native_start if cache is not None and cache.groups else True
+            new_groups = [RowGroup(rows=torch.arange(batch), state=new_state, native_start=native_start)]
             if hidden is not None:
                 hidden[-1] = h  # the last entry is the normed output, as for HF decoders
         else:
             h, new_groups, commit, hidden = self._grouped(x, groups, hidden)
         new_cache = LinattnCache(batch, new_groups, seen + length) if use_cache else None
-        return h, new_cache, tuple(hidden) if hidden is not None else None, commit
+        return h, new_cache, tuple(hidden) if hidden is not None else None, commit, None
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
         if (input_ids is None) == (inputs_embeds is None):
@@ -492,11 +506,13 @@ class LinattnForCausalLM(LinattnPreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast | tuple:
         num_items = kwargs.get("num_items_in_batch")
         shift_labels = kwargs.pop("shift_labels", None)
-        h, new_cache, hidden, commit = self.model._forward(
+        h, new_cache, hidden, commit, logits = self.model._forward(
             input_ids, attention_mask, cache if cache is not None else past_key_values, inputs_embeds,
-            use_cache, output_hidden_states, output_attentions, kwargs)
-        keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
-        logits = self.lm.logits(h[:, keep])
+            use_cache, output_hidden_states, output_attentions, kwargs,
+            logits_only=labels is None and shift_labels is None)
+        if logits is None:
+            keep = slice(-logits_to_keep, None) if logits_to_keep else slice(None)
+            logits = self.lm.logits(h[:, keep])
         loss = None
         if labels is not None or shift_labels is not None:
             commit = commit.to(logits.dtype)
