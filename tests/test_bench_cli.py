@@ -300,7 +300,7 @@ def test_bench_decode_models_at_equal_size(tmp_path):
     assert {(r["case"], r["prompt"], r["batch"]) for r in rows} == {
         (m, p, b) for m in MODEL_SPECS for p in (8, 40) for b in (1, 2)}
     assert {"retnet", "gla", "gated-delta", "hedgehog", "dpfp", "taylor", "favor", "local-vq",
-            "vq-attn"} <= set(MODEL_SPECS)
+            "vq-attn", "vq-rerope", "vq-fsq", "soft-vq"} <= set(MODEL_SPECS)
     assert all(r["tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["new_tokens"] == 3 for r in rows)
     sizes = {r["case"]: r["parameters"] for r in rows}
     assert all(abs(size / sizes["softmax"] - 1) < 0.01 for size in sizes.values()), sizes  # each within 1% of softmax

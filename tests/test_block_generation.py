@@ -115,6 +115,10 @@ CASES = {
     "softmax,vq-attn:rerope=3,vq,local:3": dict(VQ, block_size=4, n_kv_heads=2),
     "local:3,vq:rerope=3": dict(VQ, block_size=4),  # VQ GAU pairs with ReRoPE among the blocks
     "vq-fsq,softmax": dict(VQ, block_size=4, fsq_levels=(3, 4, 2)),
+    # GAU pairs with exact softmax over their KV caches: relative terms within L, the entropy scale
+    "gau-softmax": dict(VQ, block_size=3, n_heads=None), "gau-softmax:entropy,local:3": dict(VQ, block_size=4),
+    "gau-softmax,vq": dict(VQ, block_size=4, gau_variant="paper", n_heads=None),
+    "soft-vq,local:3": dict(VQ, block_size=4), "gau-softmax,soft-vq": dict(VQ, block_size=3, n_heads=None),
 }
 
 
@@ -222,11 +226,15 @@ def _state_of(model, batch=2, reserve=4):
         return kv_cache.reserve(state, reserve)
 
 
-@pytest.mark.parametrize("attention, reason", [
-    ("softmax,gau-softmax", "GAU pair"), ("local:2,soft-vq", "GAU pair"),
+@pytest.mark.parametrize("attention, hooked, reason", [
+    ("softmax,gau-softmax", lambda model: model.layers[1].units[0], "GAU softmax pair whose units are not plain"),
+    ("softmax,soft-vq", lambda model: model.layers[1].units[1].w_q, "GAU pair whose units do not take"),
+    ("softmax,local:3", lambda model: model.layers[1].mixer.q_proj, "not a plain nn.Linear"),
 ])
-def test_not_taken_for_the_mixers_it_does_not_compute(attention, reason, monkeypatch):
-    model = _model(attention)
+def test_not_taken_for_a_layer_it_does_not_compute(attention, hooked, reason, monkeypatch):
+    """A layer with a forward hook (what an adapter or a recorder adds) is one the step cannot read."""
+    model = _model(attention, **VQ)
+    hooked(model).register_forward_hook(lambda module, args, out: out)
     state = _state_of(model)
     with torch.no_grad():
         assert BlockGeneration.start(model, state, 2) is None

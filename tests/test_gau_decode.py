@@ -59,12 +59,12 @@ def _assert_states_equal(a: VQAttentionState, b: VQAttentionState) -> None:
 
 @pytest.mark.parametrize("variant,rerope,attention", [
     ("linattn", None, "vq"), ("paper", None, "vq"), ("linattn", 4, "vq"), ("linattn", 2, "vq"), ("paper", 3, "vq"),
-    ("linattn", None, "fsq"), ("paper", 2, "fsq"),
+    ("linattn", None, "fsq"), ("paper", 2, "fsq"), ("linattn", None, "soft-vq"), ("paper", None, "soft-vq"),
 ])
 @pytest.mark.parametrize("prompt", [0, 3, 6])
 def test_token_steps_equal_the_general_layer(variant, rerope, attention, prompt, fast_calls):
-    """VQ and FSQ units, with and without ReRoPE (w = L, w < L: keys at distances below w turned,
-    the rest at w)."""
+    """VQ, FSQ and soft-VQ units, with and without ReRoPE (w = L, w < L: keys at distances below w
+    turned, the rest at w)."""
     unit = _unit(variant, rerope=rerope, attention=attention)
     x = torch.randn(3, prompt + 11, 12, dtype=F64)
     full, full_state, _ = unit(x)  # gradients on: the general layer
@@ -76,7 +76,7 @@ def test_token_steps_equal_the_general_layer(variant, rerope, attention, prompt,
         for t in range(prompt, x.shape[1]):
             y, state, aux = unit(x[:, t : t + 1], state)
             outputs.append(y)
-            assert aux["codes"].shape == (3, 1, 1)
+            assert aux["codes"] is None if attention == "soft-vq" else aux["codes"].shape == (3, 1, 1)
     assert torch.allclose(torch.cat(outputs, 1), full, rtol=1e-10, atol=1e-12)
     _assert_states_equal(state, full_state)
     first = 1 if prompt == 0 else 0  # the very first token has no state: the general layer

@@ -21,7 +21,7 @@ from test_hf import random_ids, tiny_lm
 
 GENERAL = {"LINATTN_BLOCK_STEP_IMPL": "torch", "LINATTN_VQ_STEP_IMPL": "torch"}  # every token through LM._trunk
 KINDS = ["vq", "vq-attn:rerope", "vq-attn:bias", "softmax", "local:4,vq,delta", "linear:elu", "gated-delta",
-         "linear:hedgehog"]
+         "linear:hedgehog", "vq:rerope", "vq-fsq", "gau-softmax", "soft-vq"]
 
 
 def _greedy(model, prompt, n, monkeypatch, general: bool):
@@ -128,7 +128,8 @@ def test_a_softmax_cache_out_of_rows_starts_a_new_loop(monkeypatch):
 
 
 def test_no_loop_is_tried_again_where_none_applies(monkeypatch):
-    model = H.LinattnForCausalLM.from_lm(tiny_lm("soft-vq")).eval()  # soft-VQ GAUs: no native loop
+    model = H.LinattnForCausalLM.from_lm(tiny_lm("softmax")).eval()
+    monkeypatch.setenv("LINATTN_BLOCK_STEP_IMPL", "torch")  # no native loop
     calls = []
     original = _native_steps.step
     monkeypatch.setattr(_native_steps, "step", lambda *a: calls.append(1) or original(*a))

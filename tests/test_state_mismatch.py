@@ -195,7 +195,7 @@ LAYER_CASES = [
     ("gau-fsq-grid", lambda: _gau(attention="fsq", fsq_levels=(3, 3)), lambda: _gau(attention="fsq", fsq_levels=(2, 2)),
      2, False, r"codebook_size=9.*codebook_size is 4"),
     ("gau-soft-vq-codebook-size", lambda: _gau(attention="soft-vq", codebook_size=6),
-     lambda: _gau(attention="soft-vq", codebook_size=8), 2, False, r"codebook_size=6.*codebook_size=8"),
+     lambda: _gau(attention="soft-vq", codebook_size=8), 2, False, r"codebook_size=6.*codebook_size is 8"),
     # another batch size
     ("attention-softmax-batch", lambda: Attention(12, 2), lambda: Attention(12, 2), 3, False, BATCH),
     ("attention-linear-batch", lambda: Attention(12, 2, mechanism="linear"),

@@ -92,9 +92,11 @@ def test_native_steps_equal_the_steps_through_run(variant, tied, prompt, sizes):
     assert torch.allclose(after, expected_after, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("attention", ["vq:rerope", "vq:rerope=2", "vq-fsq", "vq-fsq:rerope=3"])
+@pytest.mark.parametrize("attention", ["vq:rerope", "vq:rerope=2", "vq-fsq", "vq-fsq:rerope=3", "soft-vq",
+                                       "soft-vq,vq"])
 @pytest.mark.parametrize("prompt", [1, 6])
-def test_native_steps_with_rerope_or_fsq_equal_the_steps_through_run(attention, prompt):
+def test_native_steps_of_other_units_equal_the_steps_through_run(attention, prompt):
+    """Units with ReRoPE, FSQ keys and soft VQ's soft keys."""
     model = _model(attention=attention, fsq_levels=(3, 4, 2))
     ids = torch.randint(0, 40, (3, prompt + 11), generator=torch.Generator().manual_seed(2))
     got, final, expected, expected_state = _both_ways(model, ids, prompt)

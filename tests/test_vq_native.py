@@ -148,7 +148,7 @@ def test_the_kernel_refuses_buffers_that_do_not_fit():
                     norms=torch.zeros(Hkv, S), codebook_t=f64(Hkv, D, S), keys=f64(B, Hkv, C, D),
                     values=f64(B, Hkv, C, E), codes=torch.zeros(B, Hkv, C, dtype=torch.int64), mask=f64(B, Hkv, C),
                     L=L, p=0, scale=1.0, relative=None, keys_are_codes=True, rerope=0, rerope_frequencies=None,
-                    given_codes=None, out=f64(B, Hkv, G, E),
+                    given_codes=None, soft_keys=False, out=f64(B, Hkv, G, E),
                     new_codes=torch.zeros(B, Hkv, dtype=torch.int64))
         args.update(change)
         return list(args.values())

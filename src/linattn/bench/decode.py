@@ -187,7 +187,9 @@ _TURN = 4  # timed steps per turn of a (case, context), after as many untimed on
 MODEL_SPECS = {"vq": "vq", "softmax": "softmax", "delta": "delta", "linear-elu": "linear:elu", "local": "local",
                "retnet": "retnet", "gla": "gla", "gated-delta": "gated-delta", "hedgehog": "linear:hedgehog",
                "dpfp": "linear:dpfp", "taylor": "linear:taylor", "favor": "favor",
-               "local-vq": "local,vq", "vq-attn": "vq-attn:rerope"}
+               "local-vq": "local,vq", "vq-attn": "vq-attn:rerope", "vq-rerope": "vq:rerope", "vq-fsq": "vq-fsq",
+               "soft-vq": "soft-vq"}
+_GAU_PAIRS = ("vq-rerope", "vq-fsq", "soft-vq")  # models of GAU pairs other than vq: matched by their value width
 DEFAULT_PROMPTS = (1024, 16384, 65536)
 
 
@@ -195,13 +197,17 @@ def model_config(name: str) -> LMConfig:
     """The demo-sized model of ``name`` (a ``MODEL_SPECS`` key): d_model 128, 2 layers, 4
     heads (the default) where a layer has heads; VQ layers with the GAU value width matched
     to an attention + SwiGLU block, every other kind with the SwiGLU width (a multiple of 8)
-    that gives it the softmax model's parameter count."""
+    that gives it the softmax model's parameter count (the other models of GAU pairs, whose
+    ReRoPE, FSQ projections or soft codebook change the count, by their GAU value width)."""
     d_model, gau_d_k = 128, 64
     base = LMConfig(d_model=d_model, n_layers=2, attention=MODEL_SPECS[name], gau_d_k=gau_d_k,
                     gau_d_v=matched_gau_value_width(d_model, gau_d_k), codebook_size=128, block_size=64)
     if name == "vq":
         return base
     target = sizes.count_parameters(dataclasses.replace(base, attention="softmax"))
+    if name in _GAU_PAIRS:
+        return dataclasses.replace(base, gau_d_v=sizes.matched_width(
+            lambda w: dataclasses.replace(base, gau_d_v=w), target, 2))
     width = sizes.matched_width(lambda w: dataclasses.replace(base, ffn_hidden=w), target, 8)
     return dataclasses.replace(base, ffn_hidden=width)
 

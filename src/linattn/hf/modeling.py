@@ -268,8 +268,7 @@ class LinattnModel(LinattnPreTrainedModel):
             raise ValueError("output_attentions=True is not supported: linattn's mechanisms (VQ, kernel, delta, "
                              "local attention) do not form a [T, T] attention matrix")
         _check_unused(kwargs)
-        x = self._embed(input_ids, inputs_embeds)
-        batch, length = x.shape[:2]
+        batch, length, device = self._check_inputs(input_ids, inputs_embeds)
         use_cache = self.config.use_cache if use_cache is None else use_cache
         if cache is not None and not isinstance(cache, LinattnCache):
             if not isinstance(cache, Cache) or cache.get_seq_length() != 0:
@@ -282,7 +281,7 @@ class LinattnModel(LinattnPreTrainedModel):
             if group.live_loop() is None:  # a loop's state is this model's by construction
                 self.lm._check_state(group.state, group.rows.numel(), name="cache state")
         seen = cache.seen if cache is not None else 0
-        real = _real_tokens(attention_mask, batch, seen, length, x.device)
+        real = _real_tokens(attention_mask, batch, seen, length, device)
         keep_hidden = bool(self.config.output_hidden_states if output_hidden_states is None
                            else output_hidden_states)
         if logits_only and use_cache and length == 1 and real is None and input_ids is not None and not keep_hidden \
@@ -291,7 +290,9 @@ class LinattnModel(LinattnPreTrainedModel):
             stepped = _native_steps.step(self.lm, cache.groups[0], input_ids)
             if stepped is not None:
                 logits, group = stepped
-                return None, LinattnCache(batch, [group], seen + 1), None, x.new_zeros((), dtype=torch.float32), logits
+                zero = torch.zeros((), dtype=torch.float32, device=device)
+                return None, LinattnCache(batch, [group], seen + 1), None, zero, logits
+        x = self.lm.embed(input_ids.long()) if input_ids is not None else inputs_embeds
         groups = _plan_groups(cache, real, length, batch)
         hidden = [] if keep_hidden else None
         if len(groups) == 1 and groups[0][0] is None:  # every row, no padding: one call
@@ -307,19 +308,20 @@ class LinattnModel(LinattnPreTrainedModel):
         new_cache = LinattnCache(batch, new_groups, seen + length) if use_cache else None
         return h, new_cache, tuple(hidden) if hidden is not None else None, commit, None
 
-    def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+    def _check_inputs(self, input_ids, inputs_embeds) -> tuple[int, int, torch.device]:
+        """Exactly one of ``input_ids`` (ids in range) and ``inputs_embeds``: ``(batch, length, device)``."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [batch, length] and inputs_embeds [batch, length, d_model]")
         if input_ids is not None:
             check_token_ids("input_ids", input_ids, self.config.vocab_size, values=False)  # named as HF names it
             self.lm._check_ids(input_ids)
-            return self.lm.embed(input_ids.long())
+            return input_ids.shape[0], input_ids.shape[1], input_ids.device
         d_model = self.config.d_model
         if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 \
                 or inputs_embeds.shape[-1] != d_model or inputs_embeds.shape[1] == 0:
             raise ValueError(f"inputs_embeds must have shape [batch, length >= 1, {d_model}], got "
                              f"{list(getattr(inputs_embeds, 'shape', []))}")
-        return inputs_embeds
+        return inputs_embeds.shape[0], inputs_embeds.shape[1], inputs_embeds.device
 
     def _grouped(self, x, groups, hidden):
         """Run each ``(rows, pad, state)`` group on its unpadded columns; scatter the outputs."""

@@ -10,10 +10,13 @@ scale or ReRoPE, projection biases), kernel attention with a fixed elementwise m
 ``delta:elu``, ``delta:relu``, ``delta:dpfp``, ``delta:taylor``, ``delta:exp``), Gated DeltaNet
 (``gated-delta``), GLA (``gla``), RetNet (``retnet``) and multi-head VQ attention with ReRoPE or
 the windowed bias (``vq-attn:rerope``, ``vq-attn:bias``: the converted students of ``linattn
-linearize``); Transformer-VQ's GAU pairs may sit among the blocks (``local,local,vq``), each unit a
-block of the native object that ``vq_gau_step`` computes over its resident buffer. Every VQ
+linearize``); GAU pairs may sit among the blocks (``local,local,vq``) or make the whole model
+(``gau-softmax``), each unit a block of the native object: a Transformer-VQ unit (VQ or FSQ keys,
+with or without ReRoPE) that ``vq_gau_step`` computes over its resident buffer, or a unit with
+exact softmax that ``gau_softmax_step`` computes over its KV cache (claimed as a softmax
+layer's); a model of VQ pairs alone is ``VQGeneration``'s. Every VQ
 buffer (a unit's or a VQ attention's) moves into its cache every ``L`` tokens by the VQ loop's own
-``UnitBuffers`` (``_vq_generation.py``; a model of VQ pairs alone is ``VQGeneration``'s).
+``UnitBuffers`` (``_vq_generation.py``).
 ``BlockGeneration`` reads every block's parameters once (the projections of a mixer's input as
 one matrix, the norms' gains folded into the matrices after them), takes each block's state
 tensors from the prompt's state, and hands both to the native ``BlockModelStep``
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from .._checks import env_choice
-from ..nn._gau_decode import norm_eps
+from ..nn._gau_decode import decode_constants, norm_eps, reads_plainly
 from ..nn.attention import Attention
 from ..nn.delta_net import DeltaNet
 from ..nn.gated_delta_net import GatedDeltaNet
@@ -230,19 +233,38 @@ def _block_recipe(block: nn.Module, dtype: torch.dtype) -> _Recipe | str:
 
 
 @dataclasses.dataclass
-class _VQUnits:
-    """A layer of two Transformer-VQ gated attention units, each a block of the native object."""
+class _GAUUnits:
+    """A layer of two gated attention units, each a block of the native object: Transformer-VQ's
+    (VQ or FSQ keys), or with exact softmax over a KV cache (``softmax``)."""
 
     units: list[GAU]
+    softmax: bool
 
 
-def _vq_units(layer: nn.Module, layer_state, token: torch.Tensor) -> _VQUnits | str:
-    """A VQ GAU pair's units when they take the native one-token step (``why_units_do_not_step``
-    for ``token``, an empty ``[B, 1, d_model]`` in the model's dtype), else why not."""
+def _gau_units(layer: nn.Module, layer_state, token: torch.Tensor) -> _GAUUnits | str:
+    """A GAU pair's units when they take the native one-token step (VQ units:
+    ``why_units_do_not_step`` for ``token``, an empty ``[B, 1, d_model]`` in the model's dtype;
+    softmax units: ``_why_softmax_units_do_not_step``), else why not."""
     if not computes_its_parameters(layer, (GAUPair,)):
         return f"a layer of type {type(layer).__name__} that is not a plain GAUPair"
-    reason = why_units_do_not_step(list(layer.units), list(layer_state), token)
-    return reason if reason is not None else _VQUnits(list(layer.units))
+    units, states = list(layer.units), list(layer_state)
+    if all(unit.attention == "softmax" for unit in units):
+        reason = _why_softmax_units_do_not_step(units, states, token.dtype)
+        return reason if reason is not None else _GAUUnits(units, softmax=True)
+    reason = why_units_do_not_step(units, states, token)
+    return reason if reason is not None else _GAUUnits(units, softmax=False)
+
+
+def _why_softmax_units_do_not_step(units: list[GAU], states: list, dtype: torch.dtype) -> str | None:
+    """Why softmax units continuing ``states`` do not take the native step (None when they do):
+    plain units, each holding the last state of its own KV buffer in the model's dtype."""
+    if not all(computes_its_parameters(unit, (GAU,)) and reads_plainly(unit) for unit in units):
+        return "a GAU softmax pair whose units are not plain (a subclass, hook or adapter)"
+    if not all(isinstance(state, KVCacheState) and state.window is None and state.keys.dtype == dtype
+               and kv_cache.claimable(state) for state in states):
+        return ("a GAU softmax pair whose KV caches are not the last states of their buffers in the model's dtype "
+                "(kv_cache.reserve makes ones that are)")
+    return None
 
 
 def _why_vq_heads_do_not_step(mixer: MultiHeadVQAttention, state, dtype: torch.dtype) -> str | None:
@@ -268,8 +290,8 @@ def why_not(model, state: LMState) -> str | None:
     return plan if isinstance(plan, str) else None
 
 
-def _plan(model, state: LMState) -> list[_Recipe | _VQUnits] | str:
-    """Every layer's recipe (a pre-norm block's, or a VQ GAU pair's units) when the native loop
+def _plan(model, state: LMState) -> list[_Recipe | _GAUUnits] | str:
+    """Every layer's recipe (a pre-norm block's, or a GAU pair's units) when the native loop
     applies to ``model`` continuing ``state``, else why not."""
     dtype, device = model.embed.weight.dtype, model.embed.weight.device
     if device.type != "cpu" or dtype not in (torch.float32, torch.float64):
@@ -282,14 +304,15 @@ def _plan(model, state: LMState) -> list[_Recipe | _VQUnits] | str:
     if any(p.dtype != dtype for p in model.parameters()):
         return "the model's parameters are of several dtypes"
     token = model.embed.weight.new_empty(state.batch_size(), 1, model.config.d_model)
-    recipes = [_vq_units(layer, layer_state, token) if isinstance(layer, GAUPair)
+    recipes = [_gau_units(layer, layer_state, token) if isinstance(layer, GAUPair)
                else _block_recipe(layer, dtype) for layer, layer_state in zip(model.layers, state.layers)]
     for index, recipe in enumerate(recipes):
         if isinstance(recipe, str):
             return f"layer {index} is {recipe}"
-    units = [unit for recipe in recipes if isinstance(recipe, _VQUnits) for unit in recipe.units]
+    units = [unit for recipe in recipes if isinstance(recipe, _GAUUnits) and not recipe.softmax
+             for unit in recipe.units]
     vq_states = [unit_state for recipe, layer_state in zip(recipes, state.layers)
-                 if isinstance(recipe, _VQUnits) for unit_state in layer_state]
+                 if isinstance(recipe, _GAUUnits) and not recipe.softmax for unit_state in layer_state]
     if units:
         reason = why_units_do_not_step(units, vq_states, token)
         if reason is not None:
@@ -308,7 +331,7 @@ def _plan(model, state: LMState) -> list[_Recipe | _VQUnits] | str:
             return (f"a VQ layer, whose native decoding step is off ({VQ_STEP_ENV}=torch) or failed its check "
                     "(warned of)")
     for index, (layer, layer_state) in enumerate(zip(model.layers, state.layers)):
-        if isinstance(recipes[index], _VQUnits) or recipes[index].rule == "vq":
+        if isinstance(recipes[index], _GAUUnits) or recipes[index].rule == "vq":
             continue
         if any(t.dtype != dtype for t in _state_tensors(layer_state, copy=False).values()):
             return f"layer {index}'s state is not in the model's dtype {dtype}"
@@ -330,25 +353,36 @@ def _plan(model, state: LMState) -> list[_Recipe | _VQUnits] | str:
 class BlockGeneration(NativeGeneration):
     """The state of ``LM.generate`` after the prompt, held in the native ``BlockModelStep``."""
 
-    def __init__(self, model, state: LMState, dtype: torch.dtype, recipes: list[_Recipe | _VQUnits]):
+    def __init__(self, model, state: LMState, dtype: torch.dtype, recipes: list[_Recipe | _GAUUnits]):
         super().__init__(model, state, dtype)
         self.native = extension().BlockModelStep(model.embed.weight.detach().to(dtype).contiguous(),
                                                  model.norm.weight.detach().to(dtype).contiguous(),
                                                  norm_eps(model.norm, dtype), head_t(model, dtype).detach())
         self.layer_states, self.held, self.buffers, self.layer_blocks = state.layers, [], {}, []
         self.vq_unit_of = {}  # a VQ attention's native block -> its unit in self.vq
-        self.pair_units = {}  # a VQ GAU pair's layer -> its two units in self.vq
+        self.pair_parts = {}  # a GAU pair's layer -> per unit ("vq", its unit in self.vq) or ("kv", block, state)
         self.position = self.start = min(_layer_steps(state.layers[0]))
         vq_blocks, vq_units, vq_states = [], [], []  # the VQ units and VQ attentions: their native blocks and states
         block = 0
         for index, (layer, layer_state, recipe) in enumerate(zip(model.layers, state.layers, recipes)):
-            if isinstance(recipe, _VQUnits):
-                self.pair_units[index] = (len(vq_units), len(vq_units) + 1)
+            if isinstance(recipe, _GAUUnits):
+                parts = self.pair_parts[index] = []
                 for unit, unit_state in zip(recipe.units, layer_state):
-                    self.native.add_vq_unit(*unit_constants(unit, dtype), unit.block_size)
-                    vq_blocks.append(block)
-                    vq_units.append(unit)
-                    vq_states.append(unit_state)
+                    if recipe.softmax:
+                        c = decode_constants(unit, dtype)
+                        self.native.add_softmax_unit(
+                            [c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t],
+                            c.input_shift, c.eps, unit.scale == "entropy", unit.block_size)
+                        buffer = self.buffers[block] = kv_cache.claim(unit_state)
+                        self.native.set_state(block, {"keys": buffer.keys, "values": buffer.values},
+                                              unit_state.keys.shape[2])
+                        parts.append(("kv", block, unit_state))
+                    else:
+                        self.native.add_vq_unit(*unit_constants(unit, dtype), unit.block_size)
+                        parts.append(("vq", len(vq_units)))
+                        vq_blocks.append(block)
+                        vq_units.append(unit)
+                        vq_states.append(unit_state)
                     block += 1
                 self.held.append(None)
                 self.layer_blocks.append(None)
@@ -384,7 +418,7 @@ class BlockGeneration(NativeGeneration):
         (a ValueError naming why under ``LINATTN_BLOCK_STEP_IMPL=native``)."""
         forced = env_choice(ENV, ("torch", "native"))
         if forced == "torch" or not all(isinstance(layer, (PreNormBlock, GAUPair)) for layer in model.layers) or \
-                not any(isinstance(layer, PreNormBlock) for layer in model.layers):  # VQ pairs alone: VQGeneration's
+                _vq_pairs_alone(model):  # VQGeneration's
             return None
         plan = _plan(model, state)
         if isinstance(plan, str):
@@ -419,8 +453,10 @@ class BlockGeneration(NativeGeneration):
         added = self.position - self.start
         layers = []
         for layer, (layer_state, held, index) in enumerate(zip(self.layer_states, self.held, self.layer_blocks)):
-            if index is None:  # a VQ GAU pair: its units' states as their one-token steps leave them
-                layers.append(tuple(map(self.vq.state, self.pair_units[layer])))
+            if index is None:  # a GAU pair: its units' states as their one-token steps leave them
+                layers.append(tuple(self.vq.state(part[1]) if part[0] == "vq"
+                                    else kv_cache.claimed_state(part[2], self.buffers[part[1]], added)
+                                    for part in self.pair_parts[layer]))
             elif index in self.vq_unit_of:
                 layers.append(self.vq.state(self.vq_unit_of[index]))
             elif index in self.buffers:
@@ -433,6 +469,12 @@ class BlockGeneration(NativeGeneration):
             else:
                 layers.append(_with_tensors(layer_state, {name: t.clone() for name, t in held.items()}, added))
         return LMState(layers=tuple(layers), steps=self.steps, model=self.settings)
+
+
+def _vq_pairs_alone(model) -> bool:
+    """Whether every layer is a GAU pair of VQ, FSQ or soft-VQ units (``VQGeneration``'s models)."""
+    return all(isinstance(layer, GAUPair) and all(unit.attention in ("vq", "fsq", "soft-vq") for unit in layer.units)
+               for layer in model.layers)
 
 
 def _ring_rows(position: int, rows: int, device: torch.device) -> torch.Tensor:
@@ -490,17 +532,17 @@ def _with_tensors(state: _State, tensors: dict[str, torch.Tensor], added: int) -
 def _self_check(dtype: torch.dtype) -> str | None:
     """A small model of every mixer the step takes (GQA, short convolutions, a window that the
     tokens pass, VQ GAU pairs with and without ReRoPE, an FSQ pair and multi-head VQ attentions whose
-    blocks the tokens complete), a prompt and three tokens,
+    blocks the tokens complete, a GAU softmax pair and a soft-VQ pair), a prompt and three tokens,
     through the native step and through ``LM._run``: None when the logits agree (``max |native -
     torch| <= 1e-5 max |torch|`` in float32, 1e-12 in float64), else the difference."""
     from .config import LMConfig
     from .lm import LM
 
     tolerance = {torch.float32: 1e-5, torch.float64: 1e-12}[dtype]
-    config = LMConfig(vocab_size=32, d_model=16, n_layers=19, n_heads=4, n_kv_heads=2,
+    config = LMConfig(vocab_size=32, d_model=16, n_layers=21, n_heads=4, n_kv_heads=2,
                       attention="linear:elu,delta,gated-delta,gla,retnet,softmax:entropy,local:3,linear:hedgehog,"
                                 "delta:dpfp,linear:taylor,favor:8,linear:exp,vq,softmax:rerope=2,local:4:rerope=2,"
-                                "vq-attn:rerope=2,vq-attn:bias,vq:rerope=2,vq-fsq",
+                                "vq-attn:rerope=2,vq-attn:bias,vq:rerope=2,vq-fsq,gau-softmax:entropy,soft-vq",
                       block_size=2, codebook_size=8, gau_d_k=8, gau_d_v=16, fsq_levels=(3, 2, 2))
     with torch.random.fork_rng(devices=[]), torch.no_grad(), torch.autocast("cpu", enabled=False):
         torch.manual_seed(0)

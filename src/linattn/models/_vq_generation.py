@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..nn._gau_decode import can_decode_token, decode_constants, norm_eps
+from ..nn._gau_decode import can_decode_token, code_like, decode_constants, norm_eps, unit_codebook
 from ..nn.gau import GAU, computes_its_parameters
 from ..ops.common.native import extension
 from ..ops.vq.native_choice import use_native
-from ..ops.vq.resident import HARD_CODES, state_after, window_for
+from ..ops.vq.resident import state_after, window_for
 from ..state import LMState
 from ._native_generation import NativeGeneration, head_t, plain_ends
 from .layers import GAUPair
@@ -33,10 +33,12 @@ from .layers import GAUPair
 
 def unit_constants(unit: GAU, dtype: torch.dtype) -> tuple:
     """A VQ unit's one-token constants as the native objects take them (``VQModelStep.add_unit``,
-    ``BlockModelStep.add_vq_unit``): ``(constants, input_shift, eps, rerope, rerope_frequencies, fsq)``."""
+    ``BlockModelStep.add_vq_unit``): ``(constants, input_shift, eps, rerope, rerope_frequencies, fsq,
+    soft_temperature)``."""
     c = decode_constants(unit, dtype)
     return ([c.input_t, c.content_bias, c.position_keys_reversed_t, c.bias_reversed, c.output_t, c.native_search_t,
-             c.native_norms, c.native_codebook_t], c.input_shift, c.eps, c.rerope, c.rerope_frequencies, c.fsq)
+             c.native_norms, c.native_codebook_t], c.input_shift, c.eps, c.rerope, c.rerope_frequencies, c.fsq,
+            c.soft_temperature)
 
 
 def why_units_do_not_step(units: list[GAU], unit_states: list, token: torch.Tensor) -> str | None:
@@ -88,8 +90,9 @@ class UnitBuffers:
     def enter(self, index: int, unit_state) -> None:
         """Take ``unit_state``'s resident buffer (as the unit's next step would) into the native object."""
         B, Hkv, _, Dk = unit_state.partial_keys.shape
-        window = window_for(unit_state, self.L, self.units[index].quantizer.codebook,
-                            (B, Hkv, Dk, unit_state.partial_values.shape[-1]), HARD_CODES, self.dtype)
+        unit = self.units[index]
+        window = window_for(unit_state, self.L, unit_codebook(unit), (B, Hkv, Dk, unit_state.partial_values.shape[-1]),
+                            code_like(unit, self.dtype), self.dtype)
         self.windows[index] = window
         self.set_window(index, window)
 

@@ -13,7 +13,8 @@ from the input norm to the output matmul, is one call of the native ``vq_gau_ste
 terms: its query scores the window's keys nearer than w turned by their distance and every
 other column by ``R(w) q`` (``ops/vq/rerope.py``). A unit with finite scalar quantization
 (``attention="fsq"``) takes its key's grid point as the code (``nn/fsq.py``) instead of the
-nearest code, and has no commitment loss. ``GAU.forward`` takes the
+nearest code, and has no commitment loss; a soft-VQ unit (``attention="soft-vq"``) writes its key's
+soft assignment and soft key instead (``ops/vq/soft.py``). ``GAU.forward`` takes the
 general path for gradients, training mode, half precision and submodules that are not
 plain (a PEFT LoRA layer, a subclass, a forward hook); results equal its.
 """
@@ -30,6 +31,7 @@ from ..ops.common.native import extension
 from ..ops.common.rotary import far_queries, rotary_frequencies
 from ..ops.vq.native_choice import use_native
 from ..ops.vq.resident import HARD_CODES, add_near_window, state_after, window_for
+from ..ops.vq.soft import soft_assignments
 from ..state import VQAttentionState
 from .fsq import FSQuantizer
 
@@ -40,19 +42,20 @@ class DecodeConstants(NamedTuple):
     input_t: torch.Tensor  # (W diag(g))^T [d_model, 2 d_k + 2 d_v]: the input norm's gain folded in
     input_shift: torch.Tensor | None  # W b, the input norm's bias (paper variant)
     eps: float
-    codebook32_t: torch.Tensor  # [d_k, S] float32, for the nearest code
-    code_norms32: torch.Tensor  # [S] float32
-    codebook: torch.Tensor  # [S, d_k] in the model dtype
+    codebook32_t: torch.Tensor | None  # [d_k, S] float32, for the nearest code (None: a softmax unit's)
+    code_norms32: torch.Tensor | None  # [S] float32
+    codebook: torch.Tensor | None  # [S, d_k] in the model dtype
     content_bias: torch.Tensor  # u as it enters the scores
     position_keys_reversed_t: torch.Tensor  # P^T with offsets L .. 0, [d_k, L + 1]
     bias_reversed: torch.Tensor  # (w - u).P_delta for delta = L .. 0
     output_t: torch.Tensor  # W_o^T [d_v, d_model]
-    native_search_t: torch.Tensor  # codebook32_t as [1, d_k, S]: the native step's one kv head
-    native_norms: torch.Tensor  # code_norms32 as [1, S]
-    native_codebook_t: torch.Tensor  # [1, d_k, S] in the model dtype (native_search_t itself in float32)
+    native_search_t: torch.Tensor | None  # codebook32_t as [1, d_k, S]: the native step's one kv head
+    native_norms: torch.Tensor | None  # code_norms32 as [1, S]
+    native_codebook_t: torch.Tensor | None  # [1, d_k, S] in the model dtype (native_search_t itself in float32)
     rerope: int  # ReRoPE's w (0: none; then content_bias, the position keys and the bias are zeros)
     rerope_frequencies: torch.Tensor | None  # [d_k / 2] in the model dtype, with ReRoPE
     fsq: list[torch.Tensor]  # an FSQ unit's w_in [d, d_k], half, offset, shift, radius [d], radix [d] int64; else []
+    soft_temperature: float  # a soft-VQ unit's temperature (0: hard codes)
 
 
 _MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o")
@@ -64,8 +67,13 @@ def _maps(unit) -> tuple[str, ...]:
 
 
 def _reads(unit) -> tuple[str, ...]:
-    """The submodules a step reads instead of calling."""
-    return (*_maps(unit), "norm", "quantizer")
+    """The submodules a step reads instead of calling (a softmax unit has no quantizer)."""
+    return (*_maps(unit), "norm", *(("quantizer",) if unit.quantizer is not None else ()))
+
+
+def reads_plainly(unit) -> bool:
+    """Whether every submodule a step reads is plain (``GAU._reads_plainly``)."""
+    return unit._reads_plainly(_reads(unit))
 
 
 def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
@@ -76,15 +84,17 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
     norm = unit.norm
     modules = unit._modules  # the registries themselves: Module.__getattr__ costs a step's worth
     depends = (*norm._parameters.values(), *(modules[name]._parameters["weight"] for name in _maps(unit)),
-               *unit._parameters.values(), *_codebook_tensors(modules["quantizer"]))
+               *unit._parameters.values(), *_codebook_tensors(modules.get("quantizer")))
 
     def build() -> DecodeConstants:
         weight = unit._input_weight().to(dtype)
         norm_bias = getattr(norm, "bias", None)  # the paper variant's input norm has one
-        codebook = unit.quantizer.codebook[0].detach()  # float32 for VQ; an FSQ grid's in the weights' dtype
-        codebook32 = codebook.float()
-        codebook32_t = codebook32.t().contiguous()
-        code_norms32 = codebook32.pow(2).sum(-1)
+        codebook = codebook32_t = code_norms32 = None  # a softmax unit has none
+        if unit.attention != "softmax":
+            codebook = unit_codebook(unit)[0].detach()  # float32 for VQ; FSQ's and soft VQ's in the weights' dtype
+            codebook32 = codebook.float()
+            codebook32_t = codebook32.t().contiguous()
+            code_norms32 = codebook32.pow(2).sum(-1)
         if unit.rerope is None:
             position_keys, bias = unit._relative_terms(dtype)
             content_bias = (unit._bias_scale() * unit.content_bias).to(dtype)
@@ -95,23 +105,29 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
             input_t=(weight * norm.weight.to(dtype)).t().contiguous(),
             input_shift=None if norm_bias is None else weight @ norm_bias.to(dtype),
             eps=norm_eps(norm, dtype),
-            codebook32_t=codebook32_t, code_norms32=code_norms32, codebook=codebook.to(dtype),
+            codebook32_t=codebook32_t, code_norms32=code_norms32,
+            codebook=None if codebook is None else codebook.to(dtype),
             content_bias=content_bias,
             position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
             output_t=unit.w_o.weight.to(dtype).t().contiguous(),
-            native_search_t=codebook32_t.unsqueeze(0), native_norms=code_norms32.unsqueeze(0),
-            native_codebook_t=codebook.to(dtype).t().contiguous().unsqueeze(0),
+            native_search_t=None if codebook is None else codebook32_t.unsqueeze(0),
+            native_norms=None if codebook is None else code_norms32.unsqueeze(0),
+            native_codebook_t=None if codebook is None else codebook.to(dtype).t().contiguous().unsqueeze(0),
             rerope=unit.rerope or 0,
             rerope_frequencies=None if unit.rerope is None else rotary_frequencies(unit.d_k, unit.rotary_base,
                                                                                    dtype=dtype),
             fsq=_fsq_tensors(unit.quantizer, dtype),
+            soft_temperature=float(unit.temperature) if unit.attention == "soft-vq" else 0.0,
         )
 
     return unit._cached("decode", build, depends, dtype)
 
 
 def _codebook_tensors(quantizer) -> tuple[torch.Tensor, ...]:
-    """What a quantizer's codebook is made of: a ``VectorQuantizer``'s buffer, an ``FSQuantizer``'s projections."""
+    """What a quantizer's codebook is made of: a ``VectorQuantizer``'s buffer, an ``FSQuantizer``'s
+    projections (nothing for a softmax unit's None)."""
+    if quantizer is None:
+        return ()
     if isinstance(quantizer, FSQuantizer):
         return quantizer.w_in, quantizer.w_out
     return (quantizer._buffers["codebook"],)
@@ -126,10 +142,18 @@ def _fsq_tensors(quantizer, dtype: torch.dtype) -> list[torch.Tensor]:
 
 
 def unit_codebook(unit) -> torch.Tensor:
-    """The unit's codebook ``[1, S, d_k]`` as its quantizer holds it (the same tensor while it is
-    unchanged: a buffer's rows 2L.. copy it)."""
+    """The codebook ``[Hkv, S, d_k]`` of a VQ unit or attention as it is held (the same tensor while it
+    is unchanged: a buffer's rows 2L.. copy it): a soft-VQ unit's parameter, its quantizer's otherwise."""
+    if getattr(unit, "attention", None) == "soft-vq":
+        return unit._parameters["codebook"]
     quantizer = unit._modules["quantizer"]
     return quantizer.codebook if isinstance(quantizer, FSQuantizer) else quantizer._buffers["codebook"]
+
+
+def code_like(unit, dtype: torch.dtype) -> torch.Tensor:
+    """What the unit's states hold as codes (``window_for``'s ``code_like``): soft assignments in
+    ``dtype`` for a soft-VQ unit, hard codes otherwise."""
+    return torch.zeros((), dtype=dtype) if getattr(unit, "attention", None) == "soft-vq" else HARD_CODES
 
 
 def norm_eps(norm, dtype: torch.dtype) -> float:
@@ -139,12 +163,12 @@ def norm_eps(norm, dtype: torch.dtype) -> float:
 
 
 def can_decode_token(unit, x: torch.Tensor, state) -> bool:
-    """Whether ``decode_token`` applies: a VQ or FSQ unit (with or without ReRoPE) in eval mode, no
+    """Whether ``decode_token`` applies: a VQ, FSQ or soft-VQ unit (with or without ReRoPE) in eval mode, no
     gradient, one float32 or float64 token continuing a state of this unit's block size, and plain submodules
     (``GAU._reads_plainly``: a step reads their parameters, so a PEFT adapter, a subclass
     or a forward hook sends the token down the general path, which calls them)."""
     return (
-        unit.attention in ("vq", "fsq") and x.shape[1] == 1 and isinstance(state, VQAttentionState)
+        unit.attention in ("vq", "fsq", "soft-vq") and x.shape[1] == 1 and isinstance(state, VQAttentionState)
         and not unit.training and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.float64)
         and state.partial_keys.shape[2] < unit.block_size and state.partial_keys.dtype == x.dtype
         and (state.prev_keys is None or state.prev_keys.shape[2] == unit.block_size)
@@ -170,14 +194,14 @@ def decode_token(unit, x: torch.Tensor, state: VQAttentionState) -> tuple[torch.
     B, L = x.shape[0], unit.block_size
     c = decode_constants(unit, x.dtype)
     p = state.partial_keys.shape[2]
-    window = window_for(state, L, unit_codebook(unit), (B, 1, unit.d_k, unit.d_v), HARD_CODES, x.dtype)
+    window = window_for(state, L, unit_codebook(unit), (B, 1, unit.d_k, unit.d_v), code_like(unit, x.dtype), x.dtype)
     if use_native("auto", x.device, x.dtype):
         y, codes, commit = _native_unit(unit, c, x, window, L, p)
     else:
         y, codes, commit = _torch_unit(unit, c, x, window, L, p)
     window.written = p + 1
     new_state = state_after(window, p + 1, state.prev_keys is not None, state.steps + 1)
-    return y, new_state, {"commit_loss": commit, "codes": codes.view(B, 1, 1)}
+    return y, new_state, {"commit_loss": commit, "codes": None if c.soft_temperature else codes.view(B, 1, 1)}
 
 
 def _torch_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: int):
@@ -193,12 +217,16 @@ def _torch_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: in
     q, k = qk[:, 0], qk[:, 1]
     vg = F.silu(projected[:, 2 * d_k :])
     v, gate = vg[:, :d_v], vg[:, d_v:]
-    if c.fsq:
-        codes = unit._modules["quantizer"](k.view(B, 1, 1, d_k))[1].view(B)
+    if c.soft_temperature:  # the soft assignment and the soft key
+        codes = soft_assignments(k.view(B, 1, 1, d_k), c.codebook.unsqueeze(0), c.soft_temperature).view(B, -1)
+        k_hat = codes @ c.codebook
     else:
-        k32 = k if k.dtype == torch.float32 else k.float()
-        codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
-    k_hat = c.codebook.index_select(0, codes)
+        if c.fsq:
+            codes = unit._modules["quantizer"](k.view(B, 1, 1, d_k))[1].view(B)
+        else:
+            k32 = k if k.dtype == torch.float32 else k.float()
+            codes = torch.addmm(c.code_norms32, k32, c.codebook32_t, alpha=-2.0).argmin(-1)  # as nearest_codes
+        k_hat = c.codebook.index_select(0, codes)
     window.append_one(p, k_hat, v, codes)
     if c.rerope:  # every column by R(w) q, then the window's columns nearer than w by their turn of q
         rerope = (c.rerope, unit.rotary_base)
@@ -210,7 +238,9 @@ def _torch_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: in
         scores = torch.baddbmm(window.mask3, queries.view(B, 1, d_k), window.keys_t)  # [B, 1, 2L + S]
         scores.narrow(2, p, L + 1).add_(relative.view(B, 1, L + 1))  # columns p .. L + p: offsets L .. 0
     out = torch.bmm(torch.softmax(scores, dim=-1), window.values3)
-    if c.fsq:  # FSQuantizer's: none
+    if c.soft_temperature:  # the general layer's zero
+        commit = x.new_zeros(())
+    elif c.fsq:  # FSQuantizer's: none
         commit = k.new_zeros((), dtype=torch.float32)
     else:
         wide = compute_dtype(k.dtype)  # the quantizer's: float32, float64 for float64 keys
@@ -226,10 +256,10 @@ def _native_unit(unit, c: DecodeConstants, x: torch.Tensor, window, L: int, p: i
     y = x.new_empty(B, 1, d_model)
     codes = torch.empty(B, 1, dtype=torch.int64, device=x.device)
     commit = x.new_empty(())
-    weight = 0.0 if c.fsq else unit._modules["quantizer"].commitment_weight
+    weight = 0.0 if c.fsq or c.soft_temperature else unit._modules["quantizer"].commitment_weight
     extension().vq_gau_step(
         x.reshape(B, d_model).contiguous(), c.input_t, c.input_shift, c.eps, c.content_bias, c.position_keys_reversed_t,
         c.bias_reversed, c.output_t, c.native_search_t, c.native_norms, c.native_codebook_t, window.keys,
         window.values, window.codes, window.mask, L, p, window.keys_are_codes, weight, c.rerope, c.rerope_frequencies,
-        c.fsq, y.view(B, d_model), codes, commit)
+        c.fsq, c.soft_temperature, y.view(B, d_model), codes, commit)
     return y, codes, (commit.new_zeros((), dtype=torch.float32) if c.fsq else commit)

@@ -355,8 +355,8 @@ class GAU(nn.Module):
         """A carried state continues this unit for the rows of ``x``: its kind, the settings it
         was made with (block and codebook size; a softmax cache has no window), its batch size
         and widths. For VQ these are the cheap checks that ``vq_attention(check_inputs=False)``
-        and the one-token decode step leave out (comparisons of a few sizes, no tensor read);
-        a soft-VQ state is checked in full by ``vq_attention``."""
+        and the one-token decode step leave out (comparisons of a few sizes, no tensor read), for
+        soft-VQ states too (which ``vq_attention`` checks in full where a step takes it)."""
         batch = x.shape[0]
         if self.attention == "softmax":
             if not isinstance(state, KVCacheState):
@@ -371,8 +371,6 @@ class GAU(nn.Module):
             return
         if not isinstance(state, VQAttentionState):
             raise TypeError(f"the {self.attention} GAU's state is a VQAttentionState, got {type(state).__name__}")
-        if self.attention == "soft-vq":
-            return
         L, S = self.block_size, self.codebook_size
         settings = (("block_size", state.block_size, L), ("codebook_size", state.codebook_size, S))
         for setting, made_with, ours in settings:

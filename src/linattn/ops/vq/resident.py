@@ -372,7 +372,7 @@ def _native_step(window: ResidentWindow, q, k, v, scale: float, relative_reverse
                                codebook_t, window.keys, window.values, window.codes, window.mask, L, p, scale,
                                relative, window.keys_are_codes, 0 if rerope is None else rerope[0],
                                None if rerope is None else rotary_frequencies(q.shape[-1], rerope[1], dtype=q.dtype),
-                               None, out, codes)
+                               None, False, out, codes)
     window.written = p + 1
     has_prev = state is not None and state.prev_keys is not None
     return out.view(B, Hkv, G, 1, -1), codes, state_after(window, p + 1, has_prev,

@@ -4,7 +4,8 @@
 //   x       = E[ids]                                                          [B, d]
 //   x       = x + W_o mixer(RMSNorm(x)) (+ b_o)    for every block, in order
 //   x       = x + W_down (SiLU(W_gate h) * W_up h),  h = RMSNorm(x)
-//             (a Transformer-VQ gated attention unit among the blocks: x = x + unit(x), vq_gau_step.cpp)
+//             (a Transformer-VQ gated attention unit among the blocks: x = x + unit(x), vq_gau_step.cpp;
+//             a unit with exact softmax likewise, gau_softmax_step)
 //   logits  = RMSNorm(x) H^T,  and the argmax when asked (lm_ends.h)
 //
 // The norms' gains are folded into the matrices after them (`in_t`, `gate_up_t`): with
@@ -452,7 +453,7 @@ void attend_vq(BlockModelStep::Block& block, const T* p, int64_t P, const Column
   const std::vector<at::Tensor>& window = block.vq_window;
   vq_decode_step(q, k, v, block.search_t, block.norms, block.codebook_t, window[0], window[1], window[2], window[3],
                  block.vq_block, vq_position, block.scale, relative, block.keys_are_codes, block.rerope, turns,
-                 c10::nullopt, out, codes);
+                 c10::nullopt, false, out, codes);
   std::copy_n(out.data_ptr<T>(), B * H * D, o);
 }
 
@@ -732,7 +733,8 @@ void BlockModelStep::set_state(int64_t index, const std::map<std::string, at::Te
     TORCH_CHECK(block.softmax == 2 || (length >= 0 && length <= rows), kWhat, ": length ", length,
                 " is not in [0, ", rows, "]");
     linattn_native::check_tensor(kWhat, block.keys, "keys", type, {B, Hkv, rows, D});
-    linattn_native::check_tensor(kWhat, block.values, "values", type, {B, Hkv, rows, D});
+    linattn_native::check_tensor(kWhat, block.values, "values", type,
+                                 {B, Hkv, rows, block.value_dim > 0 ? block.value_dim : D});
     block.length = length;
     return;
   }
@@ -753,7 +755,7 @@ void BlockModelStep::set_state(int64_t index, const std::map<std::string, at::Te
 
 void BlockModelStep::add_vq_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift,
                                  double eps, int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies,
-                                 std::vector<at::Tensor> fsq, int64_t block_size) {
+                                 std::vector<at::Tensor> fsq, double soft_temperature, int64_t block_size) {
   TORCH_CHECK(constants.size() == 8, kWhat, ": a VQ unit has 8 constants, got ", constants.size());
   TORCH_CHECK(block_size >= 1, kWhat, ": a VQ unit's block size must be positive, got ", block_size);
   Block block;
@@ -765,6 +767,27 @@ void BlockModelStep::add_vq_unit(std::vector<at::Tensor> constants, const c10::o
   block.rerope = rerope;
   if (rerope_frequencies.has_value()) block.rerope_frequencies = *rerope_frequencies;
   block.fsq = std::move(fsq);
+  block.soft_temperature = soft_temperature;
+  blocks_.push_back(std::move(block));
+}
+
+void BlockModelStep::add_softmax_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift,
+                                      double eps, bool entropy, int64_t block_size) {
+  TORCH_CHECK(constants.size() == 5 && constants[2].dim() == 2 && constants[4].dim() == 2, kWhat,
+              ": a softmax unit has 5 constants (input_t, content_bias, position_keys_reversed_t [d_k, L + 1], "
+              "bias_reversed, output_t [d_v, d])");
+  TORCH_CHECK(block_size >= 1, kWhat, ": a softmax unit's block size must be positive, got ", block_size);
+  Block block;
+  block.softmax_unit = true;
+  block.softmax = 1;
+  block.kv_heads = 1;
+  block.head_dim = constants[2].size(0);
+  block.value_dim = constants[4].size(0);
+  block.entropy = entropy;
+  block.vq_constants = std::move(constants);
+  block.input_shift = input_shift;
+  block.vq_eps = eps;
+  block.vq_block = block_size;
   blocks_.push_back(std::move(block));
 }
 
@@ -805,6 +828,14 @@ void BlockModelStep::step(const at::Tensor& ids, int64_t position, at::Tensor lo
     scalar_t* y = y_rows.data_ptr<scalar_t>();
     linattn_native::embed_rows(embed_.data_ptr<scalar_t>(), id, B, d, x);
     for (Block& block : blocks_) {
+      if (block.softmax_unit) {  // x + unit(x), the unit's norm inside it
+        const std::vector<at::Tensor>& c = block.vq_constants;
+        gau_softmax_step(x_rows, c[0], block.input_shift, block.vq_eps, c[1], c[2], c[3], c[4], block.keys,
+                         block.values, block.length, block.vq_block, block.entropy, y_rows);
+        block.length += 1;
+        for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
+        continue;
+      }
       if (block.vq) {  // x + unit(x), the unit's norm inside it
         const std::vector<at::Tensor>& c = block.vq_constants;
         vq_gau_step(x_rows, c[0], block.input_shift, block.vq_eps, c[1], c[2], c[3], c[4], c[5], c[6], c[7],
@@ -812,7 +843,7 @@ void BlockModelStep::step(const at::Tensor& ids, int64_t position, at::Tensor lo
                     vq_position,
                     block.keys_are_codes, 0.0, block.rerope,
                     block.rerope > 0 ? c10::optional<at::Tensor>(block.rerope_frequencies) : c10::nullopt, block.fsq,
-                    y_rows, new_codes, commit);
+                    block.soft_temperature, y_rows, new_codes, commit);
         for (int64_t i = 0; i < B * d; ++i) x[i] += y[i];
         continue;
       }

@@ -30,11 +30,18 @@ class BlockModelStep {
   int64_t cache_length(int64_t block) const;
 
   // A Transformer-VQ gated attention unit as the next block: x <- x + unit(x) (its own pre-norm,
-  // no feed-forward), by vq_gau_step; its constants, ReRoPE and FSQ tensors as VQModelStep::add_unit
-  // takes them, L its block size.
+  // no feed-forward), by vq_gau_step; its constants, ReRoPE, FSQ tensors and soft temperature as
+  // VQModelStep::add_unit takes them, L its block size.
   void add_vq_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift, double eps,
                    int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies, std::vector<at::Tensor> fsq,
-                   int64_t block_size);
+                   double soft_temperature, int64_t block_size);
+
+  // A gated attention unit with exact softmax (GAU(attention="softmax")) as the next block: x <- x +
+  // unit(x), by gau_softmax_step; its constants input_t, content_bias, position_keys_reversed_t,
+  // bias_reversed, output_t, input shift and eps, the entropy scale, L its block size. Its cache is
+  // set_state's "keys" [B, 1, rows, d_k] and "values" [B, 1, rows, d_v], the first `length` rows held.
+  void add_softmax_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift, double eps,
+                        bool entropy, int64_t block_size);
 
   // The resident buffer the VQ unit or multi-head VQ attention `block` reads and writes
   // (vq_decode_step's keys, values, codes, mask).
@@ -91,9 +98,11 @@ struct BlockModelStep::Block {
   // A VQ gated attention unit (add_vq_unit): its constants, input shift, eps and block size, its
   // resident buffer (keys, values, codes, mask) and whether every key there is a code.
   bool vq = false;
+  bool softmax_unit = false;  // a gated attention unit with exact softmax (add_softmax_unit; softmax 1)
+  int64_t value_dim = 0;  // the values' width where it is not head_dim (a softmax unit's d_v)
   std::vector<at::Tensor> vq_constants, vq_window, fsq;
   c10::optional<at::Tensor> input_shift;
-  double vq_eps = 0;
+  double vq_eps = 0, soft_temperature = 0;
   int64_t vq_block = 0;
   bool keys_are_codes = false;
 };

@@ -1,7 +1,7 @@
 // The Python module of linattn's native kernels (ops/common/native.py builds it): the VQ
 // decoding step (vq_decode_step.cpp), the block form and its gradients (vq_block_forward.cpp,
 // vq_block_backward.cpp), the nearest-code search with the check that keys are their codes
-// (vq_codes.cpp), one token through a gated attention unit (vq_gau_step.cpp) or a whole VQ model
+// (vq_codes.cpp), one token through a gated attention unit, with VQ or exact softmax (vq_gau_step.cpp), or a whole VQ model
 // (vq_model_step.cpp), one token through a whole model of pre-norm blocks (block_model_step.cpp), and
 // causal kernel attention's chunk form with its gradients (kernel/_native/linear_scan.cpp) and its
 // decayed chunk form (kernel/_native/decayed_scan.cpp), and the delta rule's chunk form with or
@@ -52,6 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("length") = 0)
       .def("cache_length", &linattn::BlockModelStep::cache_length)
       .def("add_vq_unit", &linattn::BlockModelStep::add_vq_unit)
+      .def("add_softmax_unit", &linattn::BlockModelStep::add_softmax_unit)
       .def("set_window", &linattn::BlockModelStep::set_window)
       .def("step", &linattn::BlockModelStep::step, pybind11::arg("ids"), pybind11::arg("position"),
            pybind11::arg("logits"), pybind11::arg("greedy") = pybind11::none(), pybind11::arg("vq_position") = 0,

@@ -5,7 +5,8 @@
 // thread from start to end, so results do not depend on the thread count). Per row:
 //
 //   z          = argmin_s |c_s|^2 - 2 k.c_s            (float32, the first minimum; a NaN wins),
-//                or given_codes [B, Hkv] where given (a quantizer that is not a nearest-code search)
+//                or given_codes [B, Hkv] where given (a quantizer that is not a nearest-code search);
+//                with `soft_keys` (soft VQ) no code: k itself enters the buffer, codes untouched
 //   buffer     : codes[L + p] = z, mask[L + p] = 0, keys[L + p] = c_z, values[L + p] = v
 //   score_j    = mask_j + scale * q.key_j (+ r_{j - p} for columns p .. p + L)
 //   out        = sum_j softmax(score)_j values_j
@@ -37,7 +38,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
                  at::Tensor& codes, at::Tensor& mask, int64_t L, int64_t p, double scale,
                  const c10::optional<at::Tensor>& relative, bool keys_are_codes, int64_t rerope,
                  const c10::optional<at::Tensor>& rerope_frequencies, const c10::optional<at::Tensor>& given_codes,
-                 at::Tensor& out, at::Tensor& new_codes) {
+                 bool soft_keys, at::Tensor& out, at::Tensor& new_codes) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(q.dim() == 4 && v.dim() == 3 && search_t.dim() == 3 && keys.dim() == 4,
               "vq_decode_step (native): q [B, Hkv, G, Dk], v [B, Hkv, Dv], search_t [Hkv, Dk, S], keys [B, Hkv, C, Dk]");
@@ -56,10 +57,12 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   check(codebook_t, "codebook_t", dtype, {Hkv, Dk, S});
   check(keys, "keys", dtype, {B, Hkv, C, Dk});
   check(values, "values", dtype, {B, Hkv, C, Dv});
-  check(codes, "codes", at::kLong, {B, Hkv, C});
+  if (!soft_keys) check(codes, "codes", at::kLong, {B, Hkv, C});
   check(mask, "mask", dtype, {B, Hkv, C});
   check(out, "out", dtype, {B, Hkv, G, Dv});
-  check(new_codes, "new_codes", at::kLong, {B, Hkv});
+  if (!soft_keys) check(new_codes, "new_codes", at::kLong, {B, Hkv});
+  TORCH_CHECK(!soft_keys || (!keys_are_codes && !given_codes.has_value()), "vq_decode_step (native): soft keys are "
+              "no codes (keys_are_codes false, no given_codes)");
   const int64_t* given = nullptr;
   if (given_codes.has_value()) {
     check(*given_codes, "given_codes", at::kLong, {B, Hkv});
@@ -87,10 +90,10 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   const T* book_data = codebook_t.data_ptr<T>();
   T* key_data = keys.data_ptr<T>();
   T* value_data = values.data_ptr<T>();
-  int64_t* code_data = codes.data_ptr<int64_t>();
+  int64_t* code_data = soft_keys ? nullptr : codes.data_ptr<int64_t>();
   T* mask_data = mask.data_ptr<T>();
   T* out_data = out.data_ptr<T>();
-  int64_t* new_code_data = new_codes.data_ptr<int64_t>();
+  int64_t* new_code_data = soft_keys ? nullptr : new_codes.data_ptr<int64_t>();
   const T* relative_data = nullptr;
   int64_t rb = 0, rh = 0, rg = 0, rj = 0;  // strides of relative [B, Hkv, G, L + 1] (0: broadcast)
   if (relative.has_value()) {
@@ -110,7 +113,9 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv, base = bh * C;
       int64_t z = 0;
-      if (given != nullptr) {
+      if (soft_keys) {
+        // no code: the key enters as it is
+      } else if (given != nullptr) {
         z = given[bh];
       } else {  // the nearest code, one codebook column (one key channel) at a time
         const float* book32 = search_data + h * Dk * S;
@@ -132,12 +137,16 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
           if (distance < best) best = distance, z = s;
         }
       }
-      new_code_data[bh] = z;
       // the new position enters the buffer
       const T* book = book_data + h * Dk * S;
-      code_data[base + row] = z;
+      if (soft_keys) {
+        std::copy_n(k_data + bh * Dk, Dk, key_data + (base + row) * Dk);
+      } else {
+        new_code_data[bh] = z;
+        code_data[base + row] = z;
+        for (int64_t d = 0; d < Dk; ++d) key_data[(base + row) * Dk + d] = book[d * S + z];
+      }
       mask_data[base + row] = 0;
-      for (int64_t d = 0; d < Dk; ++d) key_data[(base + row) * Dk + d] = book[d * S + z];
       for (int64_t d = 0; d < Dv; ++d) value_data[(base + row) * Dv + d] = v_data[bh * Dv + d];
       const T* queries = q_data + bh * G * Dk;  // R(w) q with ReRoPE: how the far columns see them
       if (w > 0) {
@@ -219,10 +228,10 @@ void vq_decode_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     at::Tensor codes, at::Tensor mask, int64_t L, int64_t p, double scale,
                     const c10::optional<at::Tensor>& relative, bool keys_are_codes, int64_t rerope,
                     const c10::optional<at::Tensor>& rerope_frequencies, const c10::optional<at::Tensor>& given_codes,
-                    at::Tensor out, at::Tensor new_codes) {
+                    bool soft_keys, at::Tensor out, at::Tensor new_codes) {
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "vq_decode_step", [&] {
     decode_rows<scalar_t>(q, k, v, search_t, norms, codebook_t, keys, values, codes, mask, L, p, scale, relative,
-                          keys_are_codes, rerope, rerope_frequencies, given_codes, out, new_codes);
+                          keys_are_codes, rerope, rerope_frequencies, given_codes, soft_keys, out, new_codes);
   });
 }
 

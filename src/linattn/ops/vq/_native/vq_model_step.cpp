@@ -29,9 +29,10 @@ VQModelStep::VQModelStep(at::Tensor embed, at::Tensor norm_weight, double norm_e
 
 void VQModelStep::add_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift,
                            double eps, int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies,
-                           std::vector<at::Tensor> fsq) {
+                           std::vector<at::Tensor> fsq, double soft_temperature) {
   TORCH_CHECK(constants.size() == 8, "VQModelStep (native): a unit has 8 constants, got ", constants.size());
-  units_.push_back(Unit{std::move(constants), input_shift, eps, rerope, rerope_frequencies, std::move(fsq), {}, false});
+  units_.push_back(Unit{std::move(constants), input_shift, eps, rerope, rerope_frequencies, std::move(fsq),
+                        soft_temperature, {}, false});
 }
 
 void VQModelStep::set_window(int64_t unit, at::Tensor keys, at::Tensor values, at::Tensor codes, at::Tensor mask,
@@ -62,7 +63,7 @@ void VQModelStep::step(const at::Tensor& ids, int64_t p, at::Tensor logits, at::
       const std::vector<at::Tensor>& c = unit.constants;
       vq_gau_step(x, c[0], unit.input_shift, unit.eps, c[1], c[2], c[3], c[4], c[5], c[6], c[7], unit.window[0],
                   unit.window[1], unit.window[2], unit.window[3], block_size_, p, unit.keys_are_codes, 0.0,
-                  unit.rerope, unit.rerope_frequencies, unit.fsq, y, codes[u], commit);
+                  unit.rerope, unit.rerope_frequencies, unit.fsq, unit.soft_temperature, y, codes[u], commit);
       const scalar_t* added = y.data_ptr<scalar_t>();
       for (int64_t i = 0; i < B * d; ++i) rows[i] += added[i];
     }

@@ -17,9 +17,10 @@ class VQModelStep {
   // The next gated attention unit's constants, in the order the units run: input_t,
   // content_bias, position_keys_reversed_t, bias_reversed, output_t, search_t, norms,
   // codebook_t (as vq_gau_step takes them), its ReRoPE window (0: none) and frequencies, and its
-  // finite scalar quantizer's tensors (empty: the nearest-code search).
+  // finite scalar quantizer's tensors (empty: the nearest-code search), soft VQ's temperature (0: hard).
   void add_unit(std::vector<at::Tensor> constants, const c10::optional<at::Tensor>& input_shift, double eps,
-                int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies, std::vector<at::Tensor> fsq);
+                int64_t rerope, const c10::optional<at::Tensor>& rerope_frequencies, std::vector<at::Tensor> fsq,
+                double soft_temperature);
 
   // The resident buffer unit `unit` reads and writes (vq_decode_step's keys, values, codes, mask).
   void set_window(int64_t unit, at::Tensor keys, at::Tensor values, at::Tensor codes, at::Tensor mask,
@@ -41,6 +42,7 @@ class VQModelStep {
     int64_t rerope;  // ReRoPE's w (0: off), with its rerope_frequencies
     c10::optional<at::Tensor> rerope_frequencies;
     std::vector<at::Tensor> fsq;
+    double soft_temperature;
     std::vector<at::Tensor> window;  // keys, values, codes, mask
     bool keys_are_codes = false;
   };
