@@ -98,6 +98,14 @@ class LinattnCache(Cache):
     def batch_size(self) -> int:
         return self.batch_size_
 
+    def whole_group(self) -> RowGroup | None:
+        """The one group when it holds every row in batch order (no padding split the rows), else None."""
+        if len(self.groups) != 1:
+            return None
+        rows = self.groups[0].rows.cpu()
+        in_order = rows.numel() == self.batch_size_ and bool((rows == torch.arange(rows.numel())).all())
+        return self.groups[0] if in_order else None
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
 

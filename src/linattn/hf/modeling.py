@@ -284,10 +284,10 @@ class LinattnModel(LinattnPreTrainedModel):
         real = _real_tokens(attention_mask, batch, seen, length, device)
         keep_hidden = bool(self.config.output_hidden_states if output_hidden_states is None
                            else output_hidden_states)
+        whole = cache.whole_group() if cache is not None else None
         if logits_only and use_cache and length == 1 and real is None and input_ids is not None and not keep_hidden \
-                and cache is not None and len(cache.groups) == 1 and cache.groups[0].rows.numel() == batch \
-                and bool((cache.groups[0].rows == torch.arange(batch)).all()):
-            stepped = _native_steps.step(self.lm, cache.groups[0], input_ids)
+                and whole is not None:
+            stepped = _native_steps.step(self.lm, whole, input_ids)
             if stepped is not None:
                 logits, group = stepped
                 zero = torch.zeros((), dtype=torch.float32, device=device)
@@ -426,7 +426,7 @@ def _plan_groups(cache: LinattnCache | None, real: torch.Tensor | None, length: 
         if real is not None and bool((real[rows] != length).any()):
             raise ValueError("attention_mask pads a row that already holds tokens")
         plans.append((rows, 0, group.state))
-    if len(plans) == 1 and bool(covered.all()) and bool((plans[0][0] == torch.arange(batch)).all()):
+    if cache.whole_group() is not None:
         return [(None, 0, plans[0][2])]
     fresh = (~covered).nonzero().flatten()
     if fresh.numel():

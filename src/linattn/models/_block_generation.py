@@ -103,6 +103,17 @@ def _feature_tensors(fmap: FeatureMap, head_dim: int, dtype: torch.dtype) -> dic
     return dict(projection_t=fmap.projection(head_dim, dtype=dtype).t()) if isinstance(fmap, FAVOR) else {}
 
 
+def _projection_biases(mixer: nn.Module) -> dict[str, torch.Tensor]:
+    """The biases of an attention layer's projections by the native step's names: the q, k and v
+    biases as one ``in_bias``, the output's ``out_bias`` (``nn/_heads.add_attention_projections``)."""
+    biases = {}
+    if mixer.q_proj.bias is not None:
+        biases["in_bias"] = torch.cat([mixer.q_proj.bias, mixer.k_proj.bias, mixer.v_proj.bias])
+    if mixer.o_proj.bias is not None:
+        biases["out_bias"] = mixer.o_proj.bias
+    return biases
+
+
 def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
     """The mixer's rule, tensors and numbers (``block_model_step.cpp``), or why it has none."""
     if not computes_its_parameters(mixer, _MIXERS):
@@ -135,10 +146,7 @@ def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
         if mixer.rotary:  # softmax and local by default; kernel attention where asked (linear:hedgehog)
             tensors.update(frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, mixer.rotary_scaling,
                                                           dtype=dtype))
-        if mixer.q_proj.bias is not None:
-            tensors["in_bias"] = torch.cat([mixer.q_proj.bias, mixer.k_proj.bias, mixer.v_proj.bias])
-        if mixer.o_proj.bias is not None:
-            tensors["out_bias"] = mixer.o_proj.bias
+        tensors.update(_projection_biases(mixer))
     elif isinstance(mixer, MultiHeadVQAttention):
         if not _plain(mixer.quantizer, (VectorQuantizer,)):
             return "multi-head VQ attention whose quantizer is not a plain VectorQuantizer"
@@ -150,10 +158,7 @@ def _mixer_recipe(mixer: nn.Module, dtype: torch.dtype) -> _Recipe | str:
             tensors.update(rerope_frequencies=rotary_frequencies(mixer.head_dim, mixer.rotary_base, dtype=dtype))
         if mixer.relative_bias is not None:  # b_{h, i - j} for the buffer's columns p .. p + L: offsets L .. 0
             tensors.update(relative=mixer.relative_bias.view(mixer.n_kv_heads, -1, mixer.block_size + 1).flip(-1))
-        if mixer.q_proj.bias is not None:
-            tensors["in_bias"] = torch.cat([mixer.q_proj.bias, mixer.k_proj.bias, mixer.v_proj.bias])
-        if mixer.o_proj.bias is not None:
-            tensors["out_bias"] = mixer.o_proj.bias
+        tensors.update(_projection_biases(mixer))
     elif isinstance(mixer, DeltaNet):
         if _feature_numbers(mixer.feature_map) is None:
             return f"DeltaNet with the feature map {mixer.feature_map.name!r}"
@@ -310,13 +315,9 @@ def _plan(model, state: LMState) -> list[_Recipe | _GAUUnits] | str:
         if isinstance(recipe, str):
             return f"layer {index} is {recipe}"
     units = [unit for recipe in recipes if isinstance(recipe, _GAUUnits) and not recipe.softmax
-             for unit in recipe.units]
+             for unit in recipe.units]  # each pair checked by _gau_units; the step takes one L and p for all
     vq_states = [unit_state for recipe, layer_state in zip(recipes, state.layers)
                  if isinstance(recipe, _GAUUnits) and not recipe.softmax for unit_state in layer_state]
-    if units:
-        reason = why_units_do_not_step(units, vq_states, token)
-        if reason is not None:
-            return reason
     for index, (layer, layer_state, recipe) in enumerate(zip(model.layers, state.layers, recipes)):
         if isinstance(recipe, _Recipe) and recipe.rule == "vq":
             reason = _why_vq_heads_do_not_step(layer.mixer, layer_state, dtype)

@@ -109,7 +109,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> key_scores(S);
-    std::vector<T> code_scores(keys_are_codes ? G * S : 0), scores(C), turned(w * Dk), far(G * Dk);
+    std::vector<T> code_scores(keys_are_codes ? G * S : 0), scores(C), turned(Dk), far(G * Dk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv, base = bh * C;
       int64_t z = 0;
@@ -185,7 +185,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         if (w > 0) {  // the window's columns nearer than w: R(d) q
           const T* query = q_data + (bh * G + g) * Dk;
           for (int64_t d = 0; d < w && d <= row; ++d) {
-            T* turn = turned.data() + d * Dk;
+            T* turn = turned.data();
             std::copy_n(query, Dk, turn);
             linattn_native::rotate(turn, 1, Dk, turn_frequencies, d);
             const T* key = key_data + (base + row - d) * Dk;

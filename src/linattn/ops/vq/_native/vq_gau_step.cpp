@@ -21,8 +21,8 @@
 // terms for offsets delta <= L (none beyond), c = log(t + 1) / log(512) with the entropy scale, else 1.
 //
 // The three products are row_products.h's; everything else is one loop per row. Nothing
-// depends on the thread count (the decode step runs one row per task, the products add in a
-// fixed order, the loops here run on the calling thread).
+// depends on the thread count (the decode step and the softmax unit run one row per task, the
+// products add in a fixed order, the other loops run on the calling thread).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -56,9 +56,9 @@ struct UnitFront {
 
 template <typename T>
 UnitFront unit_front(const char* what, const at::Tensor& x, const at::Tensor& input_t,
-                        const c10::optional<at::Tensor>& input_shift, double eps, const at::Tensor& content_bias,
-                        const at::Tensor& position_keys_reversed_t, const at::Tensor& bias_reversed,
-                        const at::Tensor& output_t, int64_t L, bool rerope, const at::Tensor& y) {
+                     const c10::optional<at::Tensor>& input_shift, double eps, const at::Tensor& content_bias,
+                     const at::Tensor& position_keys_reversed_t, const at::Tensor& bias_reversed,
+                     const at::Tensor& output_t, int64_t L, bool rerope, const at::Tensor& y) {
   const auto dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && input_t.dim() == 2 && position_keys_reversed_t.dim() == 2 && output_t.dim() == 2, what,
               ": x [B, d], input_t [d, 2 d_k + 2 d_v], position_keys_reversed_t [d_k, L + 1], output_t [d_v, d]");
@@ -124,6 +124,85 @@ void unit_output(const UnitFront& f, T* o, const at::Tensor& output_t, at::Tenso
                       y.data_ptr<T>());
 }
 
+// An FSQ unit's codes [B, 1]: each key's grid point in mixed radix (nn/fsq.py), from fsq = w_in
+// [n, d_k], half, offset, shift, radius [n], radix [n] int64.
+template <typename T>
+at::Tensor fsq_codes(const std::vector<at::Tensor>& fsq, const UnitFront& f) {
+  constexpr const char* kWhat = "vq_gau_step (native)";
+  const auto dtype = f.k.scalar_type();
+  const int64_t B = f.B, d_k = f.d_k;
+  TORCH_CHECK(fsq.size() == 6 && fsq[0].dim() == 2, kWhat, ": fsq is w_in [d, d_k], half, offset, shift, "
+              "radius [d], radix [d] int64");
+  const int64_t n = fsq[0].size(0);
+  linattn_native::check_tensor(kWhat, fsq[0], "fsq w_in", dtype, {n, d_k});
+  for (int64_t i = 1; i <= 4; ++i) linattn_native::check_tensor(kWhat, fsq[i], "fsq constants", dtype, {n});
+  linattn_native::check_tensor(kWhat, fsq[5], "fsq radix", at::kLong, {n});
+  at::Tensor codes = at::empty({B, 1}, f.k.options().dtype(at::kLong));
+  const T* k_data = f.k.data_ptr<T>();
+  const T* w_in = fsq[0].data_ptr<T>();
+  const T *half = fsq[1].data_ptr<T>(), *offset = fsq[2].data_ptr<T>(), *shift = fsq[3].data_ptr<T>();
+  const T* radius = fsq[4].data_ptr<T>();
+  const int64_t* radix = fsq[5].data_ptr<int64_t>();
+  int64_t* z = codes.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t code = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      T projected = 0;
+      for (int64_t j = 0; j < d_k; ++j) projected += w_in[i * d_k + j] * k_data[b * d_k + j];
+      const T bounded = std::tanh(projected + shift[i]) * half[i] - offset[i];
+      code += (static_cast<int64_t>(std::nearbyint(bounded)) + static_cast<int64_t>(radius[i])) * radix[i];
+    }
+    z[b] = code;
+  }
+  return codes;
+}
+
+// A soft-VQ unit's soft keys [B, 1, d_k] = a C, with a = softmax_s(-|k - c_s|^2 / 2 tau) written
+// into row L + p of the soft codes [B, 1, 2L, S] (codebook_t [1, d_k, S], ops/vq/soft.py).
+template <typename T>
+at::Tensor soft_keys(const at::Tensor& codebook_t, at::Tensor& codes, double temperature, int64_t L, int64_t p,
+                     const UnitFront& f) {
+  constexpr const char* kWhat = "vq_gau_step (native)";
+  const auto dtype = f.k.scalar_type();
+  const int64_t B = f.B, d_k = f.d_k, S = codebook_t.size(2);
+  linattn_native::check_tensor(kWhat, codebook_t, "codebook_t", dtype, {1, d_k, S});
+  linattn_native::check_tensor(kWhat, codes, "codes", dtype, {B, 1, 2 * L, S});
+  at::Tensor key = at::empty({B, 1, d_k}, f.k.options());
+  const T* k_data = f.k.data_ptr<T>();
+  const T* book = codebook_t.data_ptr<T>();  // [d_k, S]
+  T* soft_codes = codes.data_ptr<T>();
+  T* soft_key = key.data_ptr<T>();
+  std::vector<T> norms_s(S, T(0)), distance(S);
+  for (int64_t e = 0; e < d_k; ++e) {
+    for (int64_t s = 0; s < S; ++s) norms_s[s] += book[e * S + s] * book[e * S + s];
+  }
+  const T inverse = static_cast<T>(-1.0 / (2.0 * temperature));
+  for (int64_t b = 0; b < B; ++b) {
+    const T* kb = k_data + b * d_k;
+    T squared = 0;
+    for (int64_t e = 0; e < d_k; ++e) squared += kb[e] * kb[e];
+    for (int64_t s = 0; s < S; ++s) distance[s] = T(0);
+    for (int64_t e = 0; e < d_k; ++e) {
+      for (int64_t s = 0; s < S; ++s) distance[s] += kb[e] * book[e * S + s];
+    }
+    T largest = -std::numeric_limits<T>::infinity();
+    for (int64_t s = 0; s < S; ++s) {
+      distance[s] = (squared - T(2) * distance[s] + norms_s[s]) * inverse;
+      largest = std::max(largest, distance[s]);
+    }
+    T total = 0;
+    for (int64_t s = 0; s < S; ++s) total += (distance[s] = std::exp(distance[s] - largest));
+    T* a = soft_codes + (b * 2 * L + L + p) * S;
+    for (int64_t s = 0; s < S; ++s) a[s] = distance[s] / total;
+    for (int64_t e = 0; e < d_k; ++e) {
+      T sum = 0;
+      for (int64_t s = 0; s < S; ++s) sum += a[s] * book[e * S + s];
+      soft_key[b * d_k + e] = sum;
+    }
+  }
+  return key;
+}
+
 template <typename T>
 void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optional<at::Tensor>& input_shift,
               double eps, const at::Tensor& content_bias, const at::Tensor& position_keys_reversed_t,
@@ -136,90 +215,32 @@ void gau_rows(const at::Tensor& x, const at::Tensor& input_t, const c10::optiona
   constexpr const char* kWhat = "vq_gau_step (native)";
   const auto dtype = x.scalar_type();
   const UnitFront f = unit_front<T>(kWhat, x, input_t, input_shift, eps, content_bias, position_keys_reversed_t,
-                                       bias_reversed, output_t, L, rerope > 0, y);
+                                    bias_reversed, output_t, L, rerope > 0, y);
   const int64_t B = f.B, d_k = f.d_k, d_v = f.d_v;
   linattn_native::check_tensor(kWhat, commit, "commit", dtype, {});
-  const T* k_data = f.k.data_ptr<T>();
-  c10::optional<at::Tensor> given_codes;
-  if (!fsq.empty()) {  // the FSQ grid point of each key
-    TORCH_CHECK(fsq.size() == 6 && fsq[0].dim() == 2, kWhat, ": fsq is w_in [d, d_k], half, offset, shift, "
-                "radius [d], radix [d] int64");
-    const int64_t n = fsq[0].size(0);
-    linattn_native::check_tensor(kWhat, fsq[0], "fsq w_in", dtype, {n, d_k});
-    for (int64_t i = 1; i <= 4; ++i) linattn_native::check_tensor(kWhat, fsq[i], "fsq constants", dtype, {n});
-    linattn_native::check_tensor(kWhat, fsq[5], "fsq radix", at::kLong, {n});
-    given_codes = at::empty({B, 1}, x.options().dtype(at::kLong));
-    const T* w_in = fsq[0].data_ptr<T>();
-    const T *half = fsq[1].data_ptr<T>(), *offset = fsq[2].data_ptr<T>(), *shift = fsq[3].data_ptr<T>();
-    const T* radius = fsq[4].data_ptr<T>();
-    const int64_t* radix = fsq[5].data_ptr<int64_t>();
-    int64_t* z = given_codes->data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) {
-      int64_t code = 0;
-      for (int64_t i = 0; i < n; ++i) {
-        T projected = 0;
-        for (int64_t j = 0; j < d_k; ++j) projected += w_in[i * d_k + j] * k_data[b * d_k + j];
-        const T bounded = std::tanh(projected + shift[i]) * half[i] - offset[i];
-        code += (static_cast<int64_t>(std::nearbyint(bounded)) + static_cast<int64_t>(radius[i])) * radix[i];
-      }
-      z[b] = code;
-    }
-  }
-  at::Tensor key = f.k;
   const bool soft = soft_temperature > 0;
-  if (soft) {  // the soft assignment into the soft codes' row L + p, the soft key into the buffer
-    const int64_t S = codebook_t.size(2);
-    linattn_native::check_tensor(kWhat, codebook_t, "codebook_t", dtype, {1, d_k, S});
-    linattn_native::check_tensor(kWhat, codes, "codes", dtype, {B, 1, 2 * L, S});
-    key = at::empty({B, 1, d_k}, x.options());
-    const T* book = codebook_t.data_ptr<T>();  // [d_k, S]
-    T* soft_codes = codes.data_ptr<T>();
-    T* soft_key = key.data_ptr<T>();
-    std::vector<T> norms_s(S, T(0)), distance(S);
-    for (int64_t e = 0; e < d_k; ++e) {
-      for (int64_t s = 0; s < S; ++s) norms_s[s] += book[e * S + s] * book[e * S + s];
-    }
-    const T inverse = static_cast<T>(-1.0 / (2.0 * soft_temperature));
-    for (int64_t b = 0; b < B; ++b) {
-      const T* kb = k_data + b * d_k;
-      T squared = 0;
-      for (int64_t e = 0; e < d_k; ++e) squared += kb[e] * kb[e];
-      for (int64_t s = 0; s < S; ++s) distance[s] = T(0);
-      for (int64_t e = 0; e < d_k; ++e) {
-        for (int64_t s = 0; s < S; ++s) distance[s] += kb[e] * book[e * S + s];
-      }
-      T largest = -std::numeric_limits<T>::infinity();
-      for (int64_t s = 0; s < S; ++s) {
-        distance[s] = (squared - T(2) * distance[s] + norms_s[s]) * inverse;
-        largest = std::max(largest, distance[s]);
-      }
-      T total = 0;
-      for (int64_t s = 0; s < S; ++s) total += (distance[s] = std::exp(distance[s] - largest));
-      T* a = soft_codes + (b * 2 * L + L + p) * S;
-      for (int64_t s = 0; s < S; ++s) a[s] = distance[s] / total;
-      for (int64_t e = 0; e < d_k; ++e) {
-        T sum = 0;
-        for (int64_t s = 0; s < S; ++s) sum += a[s] * book[e * S + s];
-        soft_key[b * d_k + e] = sum;
-      }
-    }
-  }
+  c10::optional<at::Tensor> given_codes;
+  if (!fsq.empty()) given_codes = fsq_codes<T>(fsq, f);
+  at::Tensor key = soft ? soft_keys<T>(codebook_t, codes, soft_temperature, L, p, f) : f.k;
   at::Tensor out = at::empty({B, 1, 1, d_v}, x.options());
   linattn::vq_decode_step(f.queries, key, f.v, search_t, norms, codebook_t, keys, values, codes, mask, L, p, 1.0,
                           f.relative, keys_are_codes && !soft, rerope, rerope_frequencies, given_codes, soft, out,
                           new_codes);
 
-  const T* key_data = keys.data_ptr<T>();
-  const int64_t columns = keys.size(2);
-  T error = 0;  // the quantizer's precision: float32, float64 for float64 keys
-  for (int64_t b = 0; b < B; ++b) {
-    const T* k_hat = key_data + (b * columns + L + p) * d_k;  // the new row of the buffer: c_z
-    for (int64_t i = 0; i < d_k; ++i) {
-      const T e = k_data[b * d_k + i] - k_hat[i];
-      error += e * e;
+  T error = 0;  // the quantizer's precision: float32, float64 for float64 keys (soft VQ has no commitment)
+  if (!soft) {
+    const T* k_data = f.k.data_ptr<T>();
+    const T* key_data = keys.data_ptr<T>();
+    const int64_t columns = keys.size(2);
+    for (int64_t b = 0; b < B; ++b) {
+      const T* k_hat = key_data + (b * columns + L + p) * d_k;  // the new row of the buffer: c_z
+      for (int64_t i = 0; i < d_k; ++i) {
+        const T e = k_data[b * d_k + i] - k_hat[i];
+        error += e * e;
+      }
     }
   }
-  commit.fill_(soft ? T(0) : error * static_cast<T>(commitment_weight / static_cast<double>(B)));
+  commit.fill_(error * static_cast<T>(commitment_weight / static_cast<double>(B)));
   unit_output<T>(f, out.data_ptr<T>(), output_t, y);
 }
 
@@ -230,7 +251,7 @@ void gau_softmax_rows(const at::Tensor& x, const at::Tensor& input_t, const c10:
                       at::Tensor& values, int64_t length, int64_t L, bool entropy, at::Tensor& y) {
   constexpr const char* kWhat = "gau_softmax_step (native)";
   const UnitFront f = unit_front<T>(kWhat, x, input_t, input_shift, eps, content_bias, position_keys_reversed_t,
-                                       bias_reversed, output_t, L, false, y);
+                                    bias_reversed, output_t, L, false, y);
   const int64_t B = f.B, d_k = f.d_k, d_v = f.d_v;
   TORCH_CHECK(keys.dim() == 4, kWhat, ": keys is [B, 1, rows, d_k]");
   const int64_t rows = keys.size(2), t = length;
@@ -240,7 +261,7 @@ void gau_softmax_rows(const at::Tensor& x, const at::Tensor& input_t, const c10:
   const T* q_data = f.queries.data_ptr<T>();
   const T* k_data = f.k.data_ptr<T>();
   const T* v_data = f.v.data_ptr<T>();
-  const T* relative = f.relative->template data_ptr<T>();
+  const T* relative = f.relative->data_ptr<T>();
   T* K = keys.data_ptr<T>();
   T* V = values.data_ptr<T>();
   const T scale = entropy ? static_cast<T>(std::log(static_cast<double>(t + 1)) / std::log(512.0)) : T(1);
