@@ -293,8 +293,8 @@ def test_bench_decode_rounds_from_the_command_line(tmp_path):
 
 def test_bench_decode_models_at_equal_size(tmp_path):
     """Every model generates the asked tokens at every prompt and batch; sizes are matched."""
-    assert main(["bench", "decode", "--cases", "--prompts", "8", "40", "--batches", "1", "2", "--new-tokens", "3",
-                 "--out", str(tmp_path)]) == 0
+    assert main(["bench", "decode", "--cases", "--models", *MODEL_SPECS, "--prompts", "8", "40", "--batches", "1", "2",
+                 "--new-tokens", "3", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["rows"]
     assert {(r["case"], r["prompt"], r["batch"]) for r in rows} == {

@@ -189,6 +189,7 @@ MODEL_SPECS = {"vq": "vq", "softmax": "softmax", "delta": "delta", "linear-elu":
                "dpfp": "linear:dpfp", "taylor": "linear:taylor", "favor": "favor",
                "local-vq": "local,vq", "vq-attn": "vq-attn:rerope", "vq-rerope": "vq:rerope", "vq-fsq": "vq-fsq",
                "soft-vq": "soft-vq"}
+DEFAULT_MODELS = ("vq", "softmax", "delta", "linear-elu", "local", "retnet", "gla", "gated-delta")
 _GAU_PAIRS = ("vq-rerope", "vq-fsq", "soft-vq")  # models of GAU pairs other than vq: matched by their value width
 DEFAULT_PROMPTS = (1024, 16384, 65536)
 
@@ -332,8 +333,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ops.add_argument("--heads", type=positive_int, default=8)
     ops.add_argument("--dim", type=positive_int, default=64)
     models = parser.add_argument_group("models (LM.generate of demo-sized models, equal parameter counts)")
-    models.add_argument("--models", nargs="*", choices=list(MODEL_SPECS), default=list(MODEL_SPECS), metavar="MODEL",
-                        help=f"models, from {', '.join(MODEL_SPECS)} (none: skip the model table)")
+    models.add_argument("--models", nargs="*", choices=list(MODEL_SPECS), default=list(DEFAULT_MODELS), metavar="MODEL",
+                        help=f"models, from {', '.join(MODEL_SPECS)} (default: {' '.join(DEFAULT_MODELS)}, the "
+                             "others by name; none: skip the model table)")
     models.add_argument("--prompts", nargs="+", type=positive_int, default=list(DEFAULT_PROMPTS), metavar="P",
                         help="prompt lengths")
     models.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
