@@ -59,6 +59,7 @@ class DecodeConstants(NamedTuple):
 
 
 _MAPS = ("w_q", "w_k", "w_v", "w_g", "w_o")
+_CODEBOOK_FIELDS = ("codebook32_t", "code_norms32", "codebook", "native_search_t", "native_norms", "native_codebook_t")
 
 
 def _maps(unit) -> tuple[str, ...]:
@@ -89,12 +90,14 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
     def build() -> DecodeConstants:
         weight = unit._input_weight().to(dtype)
         norm_bias = getattr(norm, "bias", None)  # the paper variant's input norm has one
-        codebook = codebook32_t = code_norms32 = None  # a softmax unit has none
+        books = dict.fromkeys(_CODEBOOK_FIELDS)  # a softmax unit has none
         if unit.attention != "softmax":
             codebook = unit_codebook(unit)[0].detach()  # float32 for VQ; FSQ's and soft VQ's in the weights' dtype
             codebook32 = codebook.float()
-            codebook32_t = codebook32.t().contiguous()
-            code_norms32 = codebook32.pow(2).sum(-1)
+            search_t, norms, book = codebook32.t().contiguous(), codebook32.pow(2).sum(-1), codebook.to(dtype)
+            books.update(codebook32_t=search_t, code_norms32=norms, codebook=book,
+                         native_search_t=search_t.unsqueeze(0), native_norms=norms.unsqueeze(0),
+                         native_codebook_t=book.t().contiguous().unsqueeze(0))
         if unit.rerope is None:
             position_keys, bias = unit._relative_terms(dtype)
             content_bias = (unit._bias_scale() * unit.content_bias).to(dtype)
@@ -105,19 +108,15 @@ def decode_constants(unit, dtype: torch.dtype) -> DecodeConstants:
             input_t=(weight * norm.weight.to(dtype)).t().contiguous(),
             input_shift=None if norm_bias is None else weight @ norm_bias.to(dtype),
             eps=norm_eps(norm, dtype),
-            codebook32_t=codebook32_t, code_norms32=code_norms32,
-            codebook=None if codebook is None else codebook.to(dtype),
             content_bias=content_bias,
             position_keys_reversed_t=position_keys.flip(0).t().contiguous(), bias_reversed=bias.flip(0),
             output_t=unit.w_o.weight.to(dtype).t().contiguous(),
-            native_search_t=None if codebook is None else codebook32_t.unsqueeze(0),
-            native_norms=None if codebook is None else code_norms32.unsqueeze(0),
-            native_codebook_t=None if codebook is None else codebook.to(dtype).t().contiguous().unsqueeze(0),
             rerope=unit.rerope or 0,
             rerope_frequencies=None if unit.rerope is None else rotary_frequencies(unit.d_k, unit.rotary_base,
                                                                                    dtype=dtype),
             fsq=_fsq_tensors(unit.quantizer, dtype),
             soft_temperature=float(unit.temperature) if unit.attention == "soft-vq" else 0.0,
+            **books,
         )
 
     return unit._cached("decode", build, depends, dtype)
