@@ -129,6 +129,37 @@ def test_cached_codebook_follows_the_weights():
         torch.testing.assert_close(fsq.codebook, fsq._codebook(), rtol=0, atol=0)
 
 
+def test_mode_switch_keeps_an_unchanged_codebook_and_reads_a_changed_one():
+    """``train()``/``eval()`` have the codebook computed again (a write through ``.data`` bumps no
+    version): the same tensor comes back while its values are unchanged, a new one after a write."""
+    fsq = _quantizer()
+    with torch.no_grad():
+        before = fsq.codebook
+        fsq.eval()
+        fsq.train()
+        assert fsq.codebook is before
+        fsq.w_out.data.mul_(2.0)
+        fsq.eval()
+        after = fsq.codebook
+    assert after is not before
+    torch.testing.assert_close(after, fsq._codebook().detach(), rtol=0, atol=0)
+    torch.testing.assert_close(after, 2.0 * before, rtol=0, atol=0)
+
+
+def test_prompt_state_keys_stay_codebook_rows_across_eval():
+    """A prompt's state, continued after ``eval()`` (as ``LM.generate`` calls it), still knows its
+    keys are rows of the codebook: the decoding step scores the codebook once, not every key."""
+    config = linattn.LMConfig(d_model=16, n_layers=1, attention="vq-fsq", gau_d_k=8, block_size=4, fsq_levels=(4, 3))
+    torch.manual_seed(0)
+    model = linattn.LM(config).eval()
+    ids = torch.randint(0, 256, (2, 7))
+    with torch.no_grad():
+        _, state, _ = model(ids[:, :6])
+        model.eval()
+        _, state, _ = model(ids[:, 6:], state)
+    assert all(unit_state._keys_from is not None for unit_state in state.layers[0])
+
+
 def test_vq_fsq_model_generates_under_inference_mode():
     """Serving engines (vLLM) run models under torch.inference_mode: the cached codebook, whose
     version decoding reads, must not be an inference tensor there."""

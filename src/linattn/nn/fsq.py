@@ -30,6 +30,11 @@ from .._checks import check_batch, check_positive_int
 from ..ops.common.versions import tensor_version
 
 
+def _same_values(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``new`` holds exactly ``old``'s values (shape, dtype, device and every element)."""
+    return old.shape == new.shape and old.dtype == new.dtype and old.device == new.device and torch.equal(old, new)
+
+
 def check_levels(levels) -> tuple[int, ...]:
     levels = tuple(levels) if isinstance(levels, (list, tuple)) else levels
     if (not isinstance(levels, tuple) or not levels
@@ -115,16 +120,21 @@ class FSQuantizer(nn.Module):
         cached = self.__dict__.get("_cached_codebook")
         if cached is None or cached[0] != key:
             with torch.inference_mode(False):
-                cached = (key, self._codebook())
-            self.__dict__["_cached_codebook"] = cached
+                fresh = self._codebook()
+            if cached is not None and _same_values(cached[1], fresh):
+                fresh = cached[1]  # the same tensor: states whose keys are its rows stay so
+            self.__dict__["_cached_codebook"] = cached = (key, fresh)
         return cached[1]
 
     def _codebook(self) -> torch.Tensor:
         return self.grid() @ self.w_out.transpose(-1, -2)  # [S, d] @ [H, d, Dk] -> [H, S, Dk]
 
     def train(self, mode: bool = True) -> "FSQuantizer":
-        """``nn.Module.train``; also forgets the cached codebook (writes through ``.data``)."""
-        self.__dict__.pop("_cached_codebook", None)
+        """``nn.Module.train``; also has the cached codebook computed again at its next read
+        (``W_out`` written through ``.data`` bumps no version), kept where its values are unchanged."""
+        cached = self.__dict__.get("_cached_codebook")
+        if cached is not None:
+            self.__dict__["_cached_codebook"] = (None, cached[1])
         return super().train(mode)
 
     def forward(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

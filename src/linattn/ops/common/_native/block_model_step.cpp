@@ -376,7 +376,9 @@ void attend(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& 
   // ReRoPE: key i at distance d_i from the query is scored by R(min(d_i, w)) q (keys unrotated)
   const int64_t w = block.rerope;
   const int64_t turns = w > 0 ? std::min(w, cached) + 1 : 0;  // the distances 0 .. min(w, cached) that occur
-  const T* turn_frequencies = w > 0 ? block.rerope_frequencies.data_ptr<T>() : nullptr;
+  const std::vector<T> cos_sin =  // R(d) for d = 0 .. turns - 1
+      linattn_native::turn_table(w > 0 ? block.rerope_frequencies.data_ptr<T>() : static_cast<const T*>(nullptr), D,
+                                 turns);
   const auto distance = [&](int64_t i) -> int64_t {  // of key i (row i, or the new key at i == cached)
     if (i == cached) return 0;
     return ring ? (((position - i - 1) % rows) + rows) % rows + 1 : cached - i;
@@ -399,7 +401,7 @@ void attend(BlockModelStep::Block& block, const T* p, int64_t P, const Columns& 
         for (int64_t f = 0; f < D; ++f) query[f] = row[c.q + h * D + f] * scale;
         for (int64_t d = 0; d < turns; ++d) {  // R(d) q, the last one R(min(w, cached)) q
           std::copy_n(query.data(), D, turned.data() + d * D);
-          linattn_native::rotate(turned.data() + d * D, 1, D, turn_frequencies, d);
+          linattn_native::turn(turned.data() + d * D, 1, D, cos_sin.data() + d * D);
         }
         T largest = -std::numeric_limits<T>::infinity();
         for (int64_t i = 0; i <= cached; ++i) {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace linattn_native {
 
@@ -13,6 +14,35 @@ void rotate(T* x, int64_t heads, int64_t D, const T* frequencies, int64_t positi
     const T angle = static_cast<T>(position) * frequencies[m];
     const T c = std::cos(angle), s = std::sin(angle);
     for (int64_t h = 0; h < heads; ++h) {
+      T* pair = x + h * D + 2 * m;
+      const T even = pair[0], odd = pair[1];
+      pair[0] = even * c - odd * s;
+      pair[1] = even * s + odd * c;
+    }
+  }
+}
+
+// cos and sin of the angles d * f_m that `rotate` turns by at position d, for d = 0 .. count - 1:
+// [count, D / 2, 2] (computed as `rotate` computes them, so a turn by a row equals `rotate`).
+template <typename T>
+std::vector<T> turn_table(const T* frequencies, int64_t D, int64_t count) {
+  std::vector<T> table(count * D);
+  for (int64_t d = 0; d < count; ++d) {
+    for (int64_t m = 0; m < D / 2; ++m) {
+      const T angle = static_cast<T>(d) * frequencies[m];
+      table[d * D + 2 * m] = std::cos(angle);
+      table[d * D + 2 * m + 1] = std::sin(angle);
+    }
+  }
+  return table;
+}
+
+// `rotate` by the angles of one row of turn_table (cos_sin [D / 2, 2]).
+template <typename T>
+void turn(T* x, int64_t heads, int64_t D, const T* cos_sin) {
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t m = 0; m < D / 2; ++m) {
+      const T c = cos_sin[2 * m], s = cos_sin[2 * m + 1];
       T* pair = x + h * D + 2 * m;
       const T even = pair[0], odd = pair[1];
       pair[0] = even * c - odd * s;

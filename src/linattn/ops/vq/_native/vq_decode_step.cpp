@@ -11,8 +11,9 @@
 //   score_j    = mask_j + scale * q.key_j (+ r_{j - p} for columns p .. p + L)
 //   out        = sum_j softmax(score)_j values_j
 //
-// where q.key_j = (q.c_s at s = codes_j) when every key of the buffer is a code (the query
-// is scored against the codebook once), else read from the buffer's keys. With ReRoPE
+// where the query is scored against the codebook once: the cache's columns 2L + s (whose keys
+// are the codebook's rows) take q.c_s, and so do the window's columns, q.key_j = q.c_s at
+// s = codes_j, when every key of the buffer is a code; else those read their keys. With ReRoPE
 // (`rerope` w > 0, the keys unrotated, rerope.py) a column at distance d = L + p - j from the
 // query is scored by R(min(d, w)) q: every column by R(w) q as above, then the window's
 // columns with d < w by their own turn of q. Columns whose weight is exactly 0 (empty rows,
@@ -74,12 +75,12 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   }
   const int64_t w = rerope;
   TORCH_CHECK(w >= 0 && w <= L, "vq_decode_step (native): rerope ", w, " is not in [0, L = ", L, "]");
-  const T* turn_frequencies = nullptr;
+  std::vector<T> turns;  // the turns R(d) for d = 0 .. w: [w + 1, Dk / 2, 2]
   if (w > 0) {
     TORCH_CHECK(Dk % 2 == 0 && rerope_frequencies.has_value(),
                 "vq_decode_step (native): ReRoPE needs an even Dk and rerope_frequencies [Dk / 2]");
     check(*rerope_frequencies, "rerope_frequencies", dtype, {Dk / 2});
-    turn_frequencies = rerope_frequencies->data_ptr<T>();
+    turns = linattn_native::turn_table(rerope_frequencies->data_ptr<T>(), Dk, w + 1);
   }
   const int64_t row = L + p;
   const T* q_data = q.data_ptr<T>();
@@ -109,7 +110,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> key_scores(S);
-    std::vector<T> code_scores(keys_are_codes ? G * S : 0), scores(C), turned(Dk), far(G * Dk);
+    std::vector<T> code_scores(G * S), scores(C), turned(Dk), far(G * Dk);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / Hkv, h = bh % Hkv, base = bh * C;
       int64_t z = 0;
@@ -151,10 +152,10 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const T* queries = q_data + bh * G * Dk;  // R(w) q with ReRoPE: how the far columns see them
       if (w > 0) {
         std::copy_n(queries, G * Dk, far.data());
-        linattn_native::rotate(far.data(), G, Dk, turn_frequencies, w);
+        linattn_native::turn(far.data(), G, Dk, turns.data() + w * Dk);
         queries = far.data();
       }
-      if (keys_are_codes) {  // every query of the group against the codebook
+      {  // every query of the group against the codebook (rows 2L.. of the buffer's keys)
         T* qs = code_scores.data();
         for (int64_t i = 0; i < G * S; ++i) qs[i] = 0;
         for (int64_t d = 0; d < Dk; ++d) {
@@ -169,25 +170,26 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       for (int64_t g = 0; g < G; ++g) {
         T* sc = scores.data();
         const T* m = mask_data + base;
+        const T* qs_g = code_scores.data() + g * S;
         if (keys_are_codes) {
-          const T* qs_g = code_scores.data() + g * S;
           const int64_t* column_codes = code_data + base;
-          for (int64_t j = 0; j < C; ++j) sc[j] = m[j] + scale_t * qs_g[column_codes[j]];
+          for (int64_t j = 0; j < 2 * L; ++j) sc[j] = m[j] + scale_t * qs_g[column_codes[j]];
         } else {
           const T* query = queries + g * Dk;
-          for (int64_t j = 0; j < C; ++j) {
+          for (int64_t j = 0; j < 2 * L; ++j) {
             const T* key = key_data + (base + j) * Dk;
             T dot = 0;
             for (int64_t d = 0; d < Dk; ++d) dot += query[d] * key[d];
             sc[j] = m[j] + scale_t * dot;
           }
         }
+        for (int64_t s = 0; s < S; ++s) sc[2 * L + s] = m[2 * L + s] + scale_t * qs_g[s];
         if (w > 0) {  // the window's columns nearer than w: R(d) q
           const T* query = q_data + (bh * G + g) * Dk;
           for (int64_t d = 0; d < w && d <= row; ++d) {
             T* turn = turned.data();
             std::copy_n(query, Dk, turn);
-            linattn_native::rotate(turn, 1, Dk, turn_frequencies, d);
+            linattn_native::turn(turn, 1, Dk, turns.data() + d * Dk);
             const T* key = key_data + (base + row - d) * Dk;
             T dot = 0;
             for (int64_t e = 0; e < Dk; ++e) dot += turn[e] * key[e];
