@@ -398,6 +398,14 @@ def test_a_built_library_loads_past_a_stale_torch_lock(tmp_path, monkeypatch):
     assert (copy / "lock").exists(), "another process's lock is never deleted"
 
 
+def test_every_file_of_the_native_folders_enters_the_build():
+    """Each ``.cpp`` of the ``_native`` folders is compiled (``SOURCES``) and each header is
+    among the build's inputs (``HEADERS``): an edited header left out would load a stale build."""
+    folders = native.INCLUDES
+    assert {path for folder in folders for path in folder.glob("*.cpp")} == set(native.SOURCES)
+    assert {path for folder in folders for path in folder.glob("*.h")} == set(native.HEADERS)
+
+
 def test_every_source_of_the_build_is_in_the_package_data():
     """An installed (not editable) linattn ships every file the build reads: each source and
     header of ``native.py`` matches a ``package-data`` pattern of its package in pyproject.toml."""

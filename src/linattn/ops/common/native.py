@@ -29,7 +29,10 @@ The delta rule's (``ops/delta/_native``, ``delta/native_chunk.py`` checks it): `
 
 The shared ones (``ops/common/_native``): ``block_model_step.cpp`` (``block_model_step.h``), a
 whole token of a model of pre-norm blocks (the softmax, sliding-window, kernel attention,
-retention, GLA, delta-rule and gated delta-rule layers) as one call (``models/_block_generation.py``);
+retention, GLA, delta-rule and gated delta-rule layers) as one call (``models/_block_generation.py``),
+built and checked by ``block_model_setup.cpp``, its feature maps in ``block_features.h``;
+``lm_ends.h``, a model's embedding and final norm and head; ``lane_dot.h``, the steps' dot product
+over a key row; ``rotation.h``, rotary turns;
 ``row_products.h``, the small matrix products of the steps (a few rows against a matrix read
 once, in a fixed order of terms); ``tile_products.h``, those of the chunk kernels (tiles that fit
 the first cache, sums kept in registers); ``chunk_decays.h``, the decay sums and decayed scores of
@@ -89,7 +92,8 @@ _SHARED = Path(__file__).parent / "_native"
 _VQ = Path(__file__).parents[1] / "vq" / "_native"
 _KERNEL = Path(__file__).parents[1] / "kernel" / "_native"
 _DELTA = Path(__file__).parents[1] / "delta" / "_native"
-SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _KERNEL / "linear_scan.cpp",
+SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _SHARED / "block_model_setup.cpp",
+           _KERNEL / "linear_scan.cpp",
            _KERNEL / "decayed_scan.cpp", _DELTA / "delta_scan.cpp",
            _VQ / "vq_decode_step.cpp",
            _VQ / "vq_block_forward.cpp", _VQ / "vq_block_backward.cpp", _VQ / "vq_codes.cpp", _VQ / "vq_gau_step.cpp",
@@ -97,9 +101,9 @@ SOURCES = (_SHARED / "module.cpp", _SHARED / "block_model_step.cpp", _KERNEL / "
 # included by the sources (from these folders): part of the build's inputs
 INCLUDES = (_SHARED, _VQ, _KERNEL, _DELTA)
 HEADERS = (_SHARED / "fast_exp.h", _SHARED / "row_products.h", _SHARED / "tile_products.h", _SHARED / "chunk_decays.h",
-           _SHARED / "native_checks.h", _SHARED / "rotation.h",
-           _SHARED / "block_model_step.h", _VQ / "vq_block_inputs.h", _VQ / "vq_cache_scan.h",
-           _VQ / "vq_model_step.h", _VQ / "vq_kernels.h",
+           _SHARED / "native_checks.h", _SHARED / "rotation.h", _SHARED / "lm_ends.h", _SHARED / "lane_dot.h",
+           _SHARED / "block_model_step.h", _SHARED / "block_features.h",
+           _VQ / "vq_block_inputs.h", _VQ / "vq_cache_scan.h", _VQ / "vq_model_step.h", _VQ / "vq_kernels.h",
            _KERNEL / "linear_scan.h", _KERNEL / "scan_problem.h", _DELTA / "delta_scan.h")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-math-errno", "-fopenmp")
 LDFLAGS = ("-fopenmp",)

@@ -107,4 +107,26 @@ struct BlockModelStep::Block {
   bool keys_are_codes = false;
 };
 
+// The columns of a mixer's input product p (block_model_step.cpp): q | k | v | gate | beta | decay's input.
+struct Columns {
+  int64_t q, k, v, gate, beta, decay, width;
+};
+
+inline Columns columns(const BlockModelStep::Block& block) {
+  const int64_t H = block.heads, Hkv = block.kv_heads, D = block.head_dim;
+  Columns c{};
+  c.q = 0;
+  c.k = H * D;
+  c.v = c.k + Hkv * D;
+  c.gate = c.v + Hkv * D;
+  c.beta = c.gate + (block.gate ? H * D : 0);
+  c.decay = c.beta + (block.beta ? Hkv : 0);
+  c.width = c.decay + (block.decay == 2 ? Hkv : (block.decay == 3 ? block.rank : 0));
+  return c;
+}
+
+// Whether the block's feature map is exponential (feature 6 or 7): log-features, and with
+// "normalize" 1 a running key shift.
+inline bool exponential(const BlockModelStep::Block& block) { return block.feature == 6 || block.feature == 7; }
+
 }  // namespace linattn

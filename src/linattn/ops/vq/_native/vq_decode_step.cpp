@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "fast_exp.h"
+#include "lane_dot.h"
 #include "native_checks.h"
 #include "rotation.h"
 #include "vq_kernels.h"
@@ -177,10 +178,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         } else {
           const T* query = queries + g * Dk;
           for (int64_t j = 0; j < 2 * L; ++j) {
-            const T* key = key_data + (base + j) * Dk;
-            T dot = 0;
-            for (int64_t d = 0; d < Dk; ++d) dot += query[d] * key[d];
-            sc[j] = m[j] + scale_t * dot;
+            sc[j] = m[j] + scale_t * linattn_native::dot(query, key_data + (base + j) * Dk, Dk);
           }
         }
         for (int64_t s = 0; s < S; ++s) sc[2 * L + s] = m[2 * L + s] + scale_t * qs_g[s];
@@ -190,10 +188,7 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
             T* turn = turned.data();
             std::copy_n(query, Dk, turn);
             linattn_native::turn(turn, 1, Dk, turns.data() + d * Dk);
-            const T* key = key_data + (base + row - d) * Dk;
-            T dot = 0;
-            for (int64_t e = 0; e < Dk; ++e) dot += turn[e] * key[e];
-            sc[row - d] = m[row - d] + scale_t * dot;
+            sc[row - d] = m[row - d] + scale_t * linattn_native::dot(turn, key_data + (base + row - d) * Dk, Dk);
           }
         }
         if (relative_data != nullptr) {
