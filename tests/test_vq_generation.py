@@ -104,6 +104,26 @@ def test_native_steps_of_other_units_equal_the_steps_through_run(attention, prom
     _assert_lm_states_equal(final, expected_state)
 
 
+@pytest.mark.parametrize("attention", ["vq", "vq-fsq", "soft-vq"])
+def test_a_new_blocks_buffer_reads_none_of_its_uninitialised_memory(attention, monkeypatch):
+    """At a block's end the next buffer is allocated uninitialised and written part by part:
+    with every such allocation filled with NaN (codes with -1) first, the native steps and the
+    torch steps across block edges give what they give on clean memory."""
+    model = _model(attention=attention, fsq_levels=(3, 4, 2))
+    ids = torch.randint(0, 40, (2, 14), generator=torch.Generator().manual_seed(3))
+    clean_native, _, clean_run, _ = _both_ways(model, ids, 1)
+    empty_like = torch.empty_like
+
+    def poisoned(tensor, *args, **kwargs):
+        out = empty_like(tensor, *args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -1)
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
+    native, _, run, _ = _both_ways(model, ids, 1)
+    assert torch.allclose(native, clean_native, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(run, clean_run, rtol=1e-12, atol=1e-12)
+
+
 def test_native_steps_equal_the_steps_through_run_with_a_long_block():
     """Block 64: the relative terms' product (L + 1 = 65 columns) fills a whole tile of the
     native products, and the steps cross the block's edge."""

@@ -57,10 +57,9 @@ def fold_block(counts: torch.Tensor, cache_means: torch.Tensor, codes: torch.Ten
     the block's codes ``[B, Hkv, L]`` (or soft ``[B, Hkv, L, S]``) and values ``[B, Hkv, L, E]``:
     ``n'_s = n_s + c_s``, ``m'_s = (n_s m_s + sum_{j: z_j = s} v_j) / n'_s``. ``detach_counts``
     cuts the gradient of soft counts."""
-    added, sums = code_statistics(codes.unsqueeze(2), values.unsqueeze(2), counts.shape[-1])
-    added = added.squeeze(2).detach() if detach_counts else added.squeeze(2)
-    total = counts + added
-    return total, mean_values(cache_means * counts.unsqueeze(-1) + sums.squeeze(2), total)
+    total, sums = counts.clone(), cache_means * counts.unsqueeze(-1)  # n_s and n_s m_s, then the block added
+    add_code_statistics(total, sums, codes, values, detach_counts)
+    return total, sums.div_(nonzero_counts(total).unsqueeze(-1))
 
 
 def entering(codes, values, scope, S):

@@ -404,11 +404,13 @@ def _next_block(window: ResidentWindow, has_prev: bool) -> ResidentWindow:
     counts, means = window.counts, window.cache_means
     if has_prev:
         counts, means = fold_block(counts, means, window.prev[2], window.prev[1])
-    keys, values = torch.zeros_like(window.keys), torch.zeros_like(window.values)
-    codes, mask = torch.zeros_like(window.codes), torch.empty_like(window.mask)
-    keys[:, :, :L], keys[:, :, 2 * L :] = window.keys[:, :, L : 2 * L], window.keys[:, :, 2 * L :]
-    values[:, :, :L], values[:, :, 2 * L :] = window.values[:, :, L : 2 * L], means
-    codes[:, :, :L], codes[:, :, 2 * L :] = window.codes[:, :, L : 2 * L], window.codes[:, :, 2 * L :]
+    keys, values = torch.empty_like(window.keys), torch.empty_like(window.values)
+    codes, mask = torch.empty_like(window.codes), torch.empty_like(window.mask)
+    cached = (window.keys[:, :, 2 * L :], means, window.codes[:, :, 2 * L :])
+    for new, old, cache in zip((keys, values, codes), (window.keys, window.values, window.codes), cached):
+        new[:, :, :L] = old[:, :, L : 2 * L]  # the completed block, now the previous one
+        new[:, :, L : 2 * L] = 0  # the new current block: masked, and finite so that its scores stay -inf
+        new[:, :, 2 * L :] = cache
     mask[:, :, :L].fill_(0.0)
     mask[:, :, L : 2 * L].fill_(float("-inf"))
     mask[:, :, 2 * L :].copy_(log_counts(counts))
