@@ -15,7 +15,7 @@ namespace linattn {
 
 namespace {
 
-constexpr const char* kWhat = "BlockModelStep (native)";
+constexpr const char* kWhat = BlockModelStep::kWhat;
 
 const at::Tensor& tensor(const std::map<std::string, at::Tensor>& tensors, const char* name) {
   auto found = tensors.find(name);

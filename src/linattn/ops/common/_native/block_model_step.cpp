@@ -84,7 +84,7 @@ namespace linattn {
 
 namespace {
 
-constexpr const char* kWhat = "BlockModelStep (native)";
+constexpr const char* kWhat = BlockModelStep::kWhat;
 
 template <typename T>
 T silu(T x) {

@@ -12,6 +12,8 @@ namespace linattn {
 
 class BlockModelStep {
  public:
+  static constexpr const char* kWhat = "BlockModelStep (native)";  // what its errors name
+
   // embed [V, d]; the final RMSNorm's gain [d] and eps; head_t [d, V] (the tied embedding's
   // transpose or the head's weight's).
   BlockModelStep(at::Tensor embed, at::Tensor norm_weight, double norm_eps, at::Tensor head_t);

@@ -156,16 +156,14 @@ void decode_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
         linattn_native::turn(far.data(), G, Dk, turns.data() + w * Dk);
         queries = far.data();
       }
-      {  // every query of the group against the codebook (rows 2L.. of the buffer's keys)
-        T* qs = code_scores.data();
-        for (int64_t i = 0; i < G * S; ++i) qs[i] = 0;
-        for (int64_t d = 0; d < Dk; ++d) {
-          const T* column = book + d * S;
-          for (int64_t g = 0; g < G; ++g) {
-            const T x = queries[g * Dk + d];
-            T* qs_g = qs + g * S;
-            for (int64_t s = 0; s < S; ++s) qs_g[s] += x * column[s];
-          }
+      T* qs = code_scores.data();  // every query of the group against the codebook (rows 2L.. of the keys)
+      for (int64_t i = 0; i < G * S; ++i) qs[i] = 0;
+      for (int64_t d = 0; d < Dk; ++d) {
+        const T* column = book + d * S;
+        for (int64_t g = 0; g < G; ++g) {
+          const T x = queries[g * Dk + d];
+          T* qs_g = qs + g * S;
+          for (int64_t s = 0; s < S; ++s) qs_g[s] += x * column[s];
         }
       }
       for (int64_t g = 0; g < G; ++g) {
